@@ -1,0 +1,13 @@
+"""Error types shared by the engine and the HTTP layer."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses (bad sampling values, too long, unknown token ids...).
+
+    The HTTP layer maps it to a 400 with vLLM's JSON error body; the engine keeps serving
+    every other request.
+    """
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop (or one of its workers) died; in-flight requests fail with this."""

@@ -1,0 +1,48 @@
+"""What the engine hands back for a request: plain dataclasses that cross process boundaries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One position's logprobs: the chosen token's logprob, and {token_id: logprob} of the top-k
+# alternatives (which always include the chosen token when k > 0, as vLLM does).
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int = 1
+    top: dict[int, float] = field(default_factory=dict)
+
+
+@dataclass
+class CompletionOutput:
+    """One of the ``n`` sequences of a request, cumulative up to now."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of a request after an engine step (cumulative, like vLLM's RequestOutput)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    # prompt_logprobs[0] is None (the first token has no context), as in vLLM.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0
+    # Monotonic timestamps for metrics (seconds): arrival, first token, last token.
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
