@@ -66,3 +66,41 @@ def forward_context(ctx: ForwardContext | None):
         yield ctx
     finally:
         _CONTEXT = prev
+
+
+def build_attention_metadata(
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    num_decode_seqs: int = 0,
+    decode_query_len: int = 1,
+    num_pad_tokens: int = 0,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Build a step's metadata from per-sequence python lists (decode sequences first).
+
+    ``context_lens[i]`` tokens of sequence i are already cached; this step adds
+    ``query_lens[i]`` tokens after them. ``num_pad_tokens`` trailing pad rows get slot -1.
+    """
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    slots: list[int] = []
+    for table, ctx, q in zip(block_tables, context_lens, query_lens):
+        for pos in range(ctx, ctx + q):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    slots.extend([-1] * num_pad_tokens)
+    width = max((len(t) for t in block_tables), default=0) or 1
+    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(block_tables), width),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=seq_lens,
+        num_decode_seqs=num_decode_seqs,
+        decode_query_len=decode_query_len,
+    )

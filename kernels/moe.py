@@ -1,0 +1,103 @@
+"""MoE routing (DeepSeek V3 ``noaux_tc`` and V2 ``greedy`` / ``group_limited_greedy``) and
+expert compute: torch references plus the dispatch functions the model calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    top_k: int
+    scoring_func: str = "sigmoid"  # sigmoid (V3) | softmax (V2)
+    topk_method: str = "noaux_tc"  # noaux_tc | greedy | group_limited_greedy
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+
+def route_reference(
+    router_logits: torch.Tensor, cfg: RoutingConfig, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (combine weights [T, k] float32, expert ids [T, k] int64).
+
+    V3: sigmoid scores; experts are *chosen* on scores + correction bias within the
+    ``topk_group`` best groups (group score = sum of its top-2 biased scores; experts of
+    dropped groups get -inf, as DeepSeek's reference); combine weights are the *unbiased*
+    scores, renormalized if ``norm_topk_prob``, times ``routed_scaling_factor``.
+    V2: softmax scores, greedy top-k (or group-limited by the group max).
+    """
+    logits = router_logits.float()
+    t, e = logits.shape
+    scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if cfg.topk_method in ("noaux_tc", "group_limited_greedy") and cfg.n_group > 1:
+        grouped = choice.view(t, cfg.n_group, e // cfg.n_group)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = grouped.topk(min(2, e // cfg.n_group), dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        keep = group_scores.topk(cfg.topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, e // cfg.n_group).reshape(t, e)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = choice.topk(cfg.top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob and cfg.top_k > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+def route(
+    router_logits: torch.Tensor, cfg: RoutingConfig, correction_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return route_reference(router_logits, cfg, correction_bias)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate ‖ up) → silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def moe_experts_reference(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """Sum over chosen experts of weight · down(silu(gate(x)) · up(x)).
+
+    ``w13`` [E_local, 2I, H] (gate rows then up rows), ``w2`` [E_local, H, I]; the local
+    experts are global ids ``expert_offset .. expert_offset + E_local - 1``; choices of
+    other experts contribute nothing here (another rank owns them).
+    """
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    local_ids = topk_ids - expert_offset
+    n_local = w13.shape[0]
+    for e in torch.unique(local_ids).tolist():
+        if e < 0 or e >= n_local:
+            continue
+        token_idx, slot = torch.nonzero(local_ids == e, as_tuple=True)
+        h = silu_and_mul(x[token_idx] @ w13[e].t())
+        y = h @ w2[e].t()
+        out.index_add_(0, token_idx, y.float() * topk_weights[token_idx, slot, None])
+    return out.to(x.dtype)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    return moe_experts_reference(x, w13, w2, topk_weights, topk_ids, expert_offset)

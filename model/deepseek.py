@@ -1,0 +1,230 @@
+"""DeepSeek V2/V3/R1 causal LM: decoder layers, final norm, LM head, and the MTP module.
+
+``forward(input_ids, positions)`` takes one step's flattened tokens (all sequences
+concatenated) and returns hidden states; the attention layout of the step comes from the
+forward context (model/forward_context.py). ``compute_logits`` maps chosen rows to vocab.
+
+``weight_map()`` names every checkpoint tensor this rank needs (HF names) and how to place
+it; model/loader.py streams tensors into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from model.config import ModelConfig
+from model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from model.layers.mla import MLAAttention
+from model.layers.moe import MoE, DenseMLP
+from model.layers.norm import RMSNorm
+from model.layers.rotary import RotaryEmbedding
+
+# A loader callback: takes the checkpoint tensor (already dequantized if asked) and copies it in.
+WeightLoader = Callable[[torch.Tensor], None]
+
+
+class ParallelContext:
+    """Ranks and reduction hooks the layers need; world size 1 by default (identity hooks)."""
+
+    def __init__(self, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> None:
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.ep_rank, self.ep_size = ep_rank, ep_size
+
+    def reduce_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum partial results across TP ranks (identity at TP 1)."""
+        if self.tp_size == 1:
+            return x
+        raise NotImplementedError("tensor-parallel reductions are provided by distributed/")
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return logits
+        raise NotImplementedError("tensor-parallel logits gather is provided by distributed/")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, par: ParallelContext,
+                 dtype: torch.dtype, fp8_block) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = MLAAttention(c, layer_idx, rotary, par.tp_rank, par.tp_size, dtype, fp8_block)
+        self.is_moe = c.is_moe_layer(layer_idx)
+        if self.is_moe:
+            self.mlp = MoE(c, par.tp_rank, par.tp_size, par.ep_rank, par.ep_size, dtype, fp8_block)
+        else:
+            self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, par.tp_rank, par.tp_size, dtype, fp8_block)
+        self.par = par
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
+        if residual is None:
+            residual = hidden
+        else:
+            residual = hidden + residual
+        h = self.input_layernorm(residual)
+        h = self.par.reduce_tp(self.self_attn(positions, h))
+        residual = h + residual
+        h = self.post_attention_layernorm(residual)
+        h = self.par.reduce_tp(self.mlp(h))
+        return h, residual
+
+    def weight_map(self, prefix: str, fp8: bool) -> dict[str, WeightLoader]:
+        m: dict[str, WeightLoader] = {}
+        attn = self.self_attn
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            m[f"{prefix}.{name}.weight"] = _param_loader(getattr(self, name).weight)
+        for name in ("q_a_layernorm", "kv_a_layernorm"):
+            mod = getattr(attn, name)
+            if mod is not None:
+                m[f"{prefix}.self_attn.{name}.weight"] = _param_loader(mod.weight)
+        for name in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+            mod = getattr(attn, name)
+            if mod is not None:
+                _add_linear(m, f"{prefix}.self_attn.{name}", mod, fp8)
+        mlp_prefix = f"{prefix}.mlp"
+        if self.is_moe:
+            m[f"{mlp_prefix}.gate.weight"] = _param_loader(self.mlp.gate_weight)
+            if self.mlp.e_score_correction_bias is not None:
+                m[f"{mlp_prefix}.gate.e_score_correction_bias"] = _param_loader(self.mlp.e_score_correction_bias)
+            experts = self.mlp.experts
+            for e in range(experts.num_experts):
+                if experts.local_index(e) is None:
+                    continue
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    name = f"{mlp_prefix}.experts.{e}.{proj}"
+                    m[f"{name}.weight"] = _expert_loader(experts, e, proj, False, f"{name}.weight")
+                    if fp8 and experts.fp8_block:
+                        m[f"{name}.weight_scale_inv"] = _expert_loader(experts, e, proj, True, f"{name}.weight_scale_inv")
+            if self.mlp.shared_experts is not None:
+                _add_dense_mlp(m, f"{mlp_prefix}.shared_experts", self.mlp.shared_experts, fp8)
+        else:
+            _add_dense_mlp(m, mlp_prefix, self.mlp, fp8)
+        return m
+
+
+def _param_loader(param: nn.Parameter) -> WeightLoader:
+    def load(t: torch.Tensor, name: str = "") -> None:
+        if tuple(param.shape) != tuple(t.shape):
+            raise ValueError(f"shape mismatch for {name}: expected {tuple(param.shape)}, got {tuple(t.shape)}")
+        param.data.copy_(t.to(param.dtype))
+
+    return load
+
+
+def _add_linear(m: dict, name: str, mod, fp8: bool) -> None:
+    m[f"{name}.weight"] = lambda t, n="": mod.weight.weight_loader(mod.weight, t, n)
+    if fp8 and mod.weight_scale_inv is not None:
+        m[f"{name}.weight_scale_inv"] = lambda t, n="": mod.weight_scale_inv.weight_loader(mod.weight_scale_inv, t, n)
+
+
+def _add_dense_mlp(m: dict, prefix: str, mlp: DenseMLP, fp8: bool) -> None:
+    for idx, proj in enumerate(("gate_proj", "up_proj")):
+        m[f"{prefix}.{proj}.weight"] = lambda t, n="", i=idx: mlp.gate_up_proj.load_part(i, t, False, n)
+        if fp8 and mlp.gate_up_proj.weight_scale_inv is not None:
+            m[f"{prefix}.{proj}.weight_scale_inv"] = lambda t, n="", i=idx: mlp.gate_up_proj.load_part(i, t, True, n)
+    _add_linear(m, f"{prefix}.down_proj", mlp.down_proj, fp8)
+
+
+def _expert_loader(experts, e: int, proj: str, is_scale: bool, full_name: str) -> WeightLoader:
+    return lambda t, n="": experts.load_expert(e, proj, t, is_scale, full_name)
+
+
+class MultiTokenPredictor(nn.Module):
+    """DeepSeek-V3's MTP module (``model.layers.{num_hidden_layers}``): loaded for later
+    speculative decoding, not used in the forward pass."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary, par: ParallelContext, dtype, fp8_block) -> None:
+        super().__init__()
+        c = config
+        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.eh_proj = nn.Parameter(torch.empty(c.hidden_size, 2 * c.hidden_size, dtype=dtype), requires_grad=False)
+        self.layer = DecoderLayer(c, layer_idx, rotary, par, dtype, fp8_block)
+        self.shared_head_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.shared_head = ParallelLMHead(c.vocab_size, c.hidden_size, par.tp_rank, par.tp_size, dtype)
+
+    def weight_map(self, prefix: str, fp8: bool) -> dict[str, WeightLoader]:
+        m = self.layer.weight_map(prefix, fp8)
+        m[f"{prefix}.enorm.weight"] = _param_loader(self.enorm.weight)
+        m[f"{prefix}.hnorm.weight"] = _param_loader(self.hnorm.weight)
+        m[f"{prefix}.eh_proj.weight"] = _param_loader(self.eh_proj)
+        m[f"{prefix}.shared_head.norm.weight"] = _param_loader(self.shared_head_norm.weight)
+        head = self.shared_head
+        m[f"{prefix}.shared_head.head.weight"] = lambda t, n="": head.weight.weight_loader(head.weight, t, n)
+        return m
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        keep_fp8: bool = False,
+        par: ParallelContext | None = None,
+        with_mtp: bool = False,
+    ) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.dtype = dtype
+        self.par = par or ParallelContext()
+        self.fp8_block = c.quantization.weight_block_size if (keep_fp8 and c.quantization) else None
+        self.rotary = RotaryEmbedding(c)
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, self.par.tp_rank, self.par.tp_size, dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(c, i, self.rotary, self.par, dtype, self.fp8_block) for i in range(c.num_hidden_layers)
+        )
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, self.par.tp_rank, self.par.tp_size, dtype)
+        self.mtp = nn.ModuleList()
+        if with_mtp:
+            for k in range(c.num_nextn_predict_layers):
+                idx = c.num_hidden_layers + k
+                self.mtp.append(MultiTokenPredictor(c, idx, self.rotary, self.par, dtype, self.fp8_block))
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.par.reduce_tp(self.embed_tokens(input_ids))
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        return self.norm(hidden + residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [T, vocab_size] for the given rows."""
+        logits = self.par.gather_vocab(self.lm_head(hidden))
+        return logits[..., : self.config.vocab_size]
+
+    # ---- weights ---------------------------------------------------------------------------
+    def weight_map(self) -> dict[str, WeightLoader]:
+        """Checkpoint tensor name → loader, for the tensors this rank must load."""
+        fp8 = self.fp8_block is not None
+        m: dict[str, WeightLoader] = {}
+        emb, head = self.embed_tokens, self.lm_head
+        m["model.embed_tokens.weight"] = lambda t, n="": emb.weight.weight_loader(emb.weight, t, n)
+        for layer in self.layers:
+            m.update(layer.weight_map(f"model.layers.{layer.layer_idx}", fp8))
+        m["model.norm.weight"] = _param_loader(self.norm.weight)
+        if not self.config.tie_word_embeddings:
+            m["lm_head.weight"] = lambda t, n="": head.weight.weight_loader(head.weight, t, n)
+        return m
+
+    def mtp_weight_map(self) -> dict[str, WeightLoader]:
+        fp8 = self.fp8_block is not None
+        m: dict[str, WeightLoader] = {}
+        for k, mod in enumerate(self.mtp):
+            m.update(mod.weight_map(f"model.layers.{self.config.num_hidden_layers + k}", fp8))
+        return m
+
+    def process_weights_after_loading(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight.data.copy_(self.embed_tokens.weight.data)
+        for layer in self.layers:
+            layer.self_attn.process_weights_after_loading()
+        for mod in self.mtp:
+            mod.layer.self_attn.process_weights_after_loading()

@@ -1,0 +1,180 @@
+"""Multi-head Latent Attention (DeepSeek V2/V3) with a paged latent cache.
+
+Per token the cache holds [kv_c ‖ k_pe] (kv_lora_rank + rope dims = 576 for R1), the same
+for every head and every TP rank. Two paths read it:
+
+* **prefill** (non-absorbed): up-project the context's latents with ``kv_b_proj`` into
+  per-head keys/values and run ordinary causal attention — cheap per token when the query
+  block is long;
+* **decode** (absorbed): fold W_UK into the query (q_nope · W_UK → 512 wide) and attend
+  directly over the latents, then apply W_UV to the latent output — no up-projection of the
+  whole context per step.
+
+Both give the same result up to rounding; tests check decode against prefill.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from kernels.fp8 import FP8_DTYPE, dequantize_per_tensor, dequantize_weight_blocks, quantize_per_tensor
+from kernels.mla_decode import mla_decode
+from kernels.mla_prefill import mla_prefill
+from model.config import ModelConfig
+from model.forward_context import AttentionMetadata, get_forward_context
+from model.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
+from model.layers.norm import RMSNorm
+from model.layers.rotary import RotaryEmbedding
+
+
+class MLAAttention(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        fp8_block: tuple[int, int] | None = None,
+    ) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads = c.num_attention_heads
+        self.num_local_heads = divide(c.num_attention_heads, tp_size, "num_attention_heads")
+        self.nope_dim, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.kv_lora_rank = c.kv_lora_rank
+        self.qk_dim = c.qk_head_dim
+        self.softmax_scale = c.softmax_scale
+        self.rotary = rotary
+        self.eps = c.rms_norm_eps
+        lin = dict(dtype=dtype, fp8_block=fp8_block)
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size)
+        if c.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(c.hidden_size, c.q_lora_rank, **lin)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
+            self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, self.num_heads * self.qk_dim, **tp, **lin)
+            self.q_proj = None
+        else:
+            self.q_proj = ColumnParallelLinear(c.hidden_size, self.num_heads * self.qk_dim, **tp, **lin)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        self.kv_a_proj_with_mqa = ReplicatedLinear(c.hidden_size, c.kv_lora_rank + self.rope_dim, **lin)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, dtype)
+        self.kv_b_proj = ColumnParallelLinear(c.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), **tp, **lin)
+        self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, c.hidden_size, **tp, **lin)
+        # Absorbed per-head matrices, derived from kv_b_proj after loading.
+        self.register_buffer("w_uk", torch.empty(0), persistent=False)  # [H_local, nope, kv_lora]
+        self.register_buffer("w_uv", torch.empty(0), persistent=False)  # [H_local, v, kv_lora]
+        self.compute_dtype = dtype
+
+    # ---- weights ---------------------------------------------------------------------------
+    def kv_b_weight_dense(self) -> torch.Tensor:
+        w = self.kv_b_proj.weight
+        if w.dtype == FP8_DTYPE:
+            return dequantize_weight_blocks(w, self.kv_b_proj.weight_scale_inv, self.kv_b_proj.fp8_block)
+        return w.float()
+
+    def process_weights_after_loading(self) -> None:
+        """Split this rank's kv_b_proj into W_UK and W_UV for the absorbed decode path."""
+        w = self.kv_b_weight_dense().view(self.num_local_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk = w[:, : self.nope_dim].contiguous().to(self.compute_dtype)
+        self.w_uv = w[:, self.nope_dim :].contiguous().to(self.compute_dtype)
+
+    # ---- forward ---------------------------------------------------------------------------
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(t, self.num_local_heads, self.qk_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q_pe = self.rotary(positions, q_pe)
+        kv = self.kv_a_proj_with_mqa(x)
+        kv_c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
+        k_pe = self.rotary(positions, kv[:, self.kv_lora_rank :].unsqueeze(1)).squeeze(1)
+
+        ctx = get_forward_context()
+        if ctx is None or ctx.attn is None:
+            out = self._prefill_one(q_nope, q_pe, kv_c, k_pe, None)
+        else:
+            out = self._forward_paged(q_nope, q_pe, kv_c, k_pe, ctx)
+        return self.o_proj(out.reshape(t, self.num_local_heads * self.v_dim))
+
+    def _forward_paged(self, q_nope, q_pe, kv_c, k_pe, ctx) -> torch.Tensor:
+        attn: AttentionMetadata = ctx.attn
+        cache = ctx.kv_caches[self.layer_idx]
+        # The per-layer scale only means something for an FP8 cache.
+        k_scale = ctx.kv_scales[self.layer_idx] if (ctx.kv_scales and cache.dtype == FP8_DTYPE) else 1.0
+        self._write_cache(cache, attn.slot_mapping, kv_c, k_pe, k_scale)
+        out = q_nope.new_empty(q_nope.shape[0], self.num_local_heads, self.v_dim)
+        nd = attn.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], cache, attn, k_scale)
+        for i in range(attn.num_decode_seqs, attn.num_seqs):
+            start = int(attn.query_start_loc[i])
+            end = start + attn.query_lens_cpu[i]
+            if end == start:
+                continue
+            context = self._gather_context(cache, attn, i, attn.seq_lens_cpu[i] - (end - start), k_scale)
+            out[start:end] = self._prefill_one(
+                q_nope[start:end], q_pe[start:end], kv_c[start:end], k_pe[start:end], context
+            )
+        return out
+
+    def _write_cache(self, cache, slot_mapping, kv_c, k_pe, k_scale: float) -> None:
+        entries = torch.cat([kv_c, k_pe], dim=-1)
+        valid = slot_mapping >= 0
+        slots = slot_mapping[valid]
+        entries = entries[valid]
+        flat = cache.view(-1, cache.shape[-1])
+        if cache.dtype == FP8_DTYPE:
+            flat[slots] = quantize_per_tensor(entries, k_scale)
+        else:
+            flat[slots] = entries.to(cache.dtype)
+
+    def _gather_context(self, cache, attn: AttentionMetadata, seq: int, n: int, k_scale: float):
+        """The first ``n`` cached latents of sequence ``seq`` as ([n, kv_lora], [n, rope])."""
+        if n == 0:
+            return None
+        block_size = cache.shape[1]
+        nblocks = -(-n // block_size)
+        pages = attn.block_tables[seq, :nblocks].long()
+        entries = cache[pages].reshape(nblocks * block_size, -1)[:n]
+        if entries.dtype == FP8_DTYPE:
+            entries = dequantize_per_tensor(entries, k_scale, self.compute_dtype)
+        else:
+            entries = entries.to(self.compute_dtype)
+        return entries[:, : self.kv_lora_rank], entries[:, self.kv_lora_rank :]
+
+    def _prefill_one(self, q_nope, q_pe, kv_c, k_pe, context) -> torch.Tensor:
+        """Causal attention of the query block over [cached context ‖ the block's own latents]."""
+        if context is not None:
+            kv_c = torch.cat([context[0], kv_c], dim=0)
+            k_pe = torch.cat([context[1], k_pe], dim=0)
+        tk = kv_c.shape[0]
+        kv = self.kv_b_proj(kv_c).view(tk, self.num_local_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_local_heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        return mla_prefill(q, k, v, self.softmax_scale)
+
+    def _decode(self, q_nope, q_pe, cache, attn: AttentionMetadata, k_scale: float) -> torch.Tensor:
+        nd = q_nope.shape[0]
+        b, s_q = attn.num_decode_seqs, attn.decode_query_len
+        ql_nope = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)
+        q_abs = torch.cat([ql_nope, q_pe], dim=-1).view(b, s_q, self.num_local_heads, -1)
+        out_latent, _ = mla_decode(
+            q_abs,
+            cache,
+            attn.block_tables[:b],
+            attn.seq_lens[:b],
+            self.softmax_scale,
+            kv_lora_rank=self.kv_lora_rank,
+            k_scale=k_scale,
+            out_dtype=self.compute_dtype,
+        )
+        out_latent = out_latent.reshape(nd, self.num_local_heads, self.kv_lora_rank)
+        return torch.einsum("thc,hvc->thv", out_latent, self.w_uv)

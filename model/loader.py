@@ -1,0 +1,153 @@
+"""Load a Hugging Face–format DeepSeek checkpoint into :class:`DeepseekForCausalLM`.
+
+Single-file or sharded safetensors (``model.safetensors.index.json``), read through
+memory-mapped ``safe_open`` handles one tensor at a time, so the checkpoint never sits in
+RAM twice. FP8 e4m3 weights with ``weight_scale_inv`` are either kept as FP8 + scales (for
+FP8 GEMMs on GPU) or dequantized to the compute dtype as they stream in (CPU, or when the
+user asks for a dtype). MTP layers (``model.layers.{num_hidden_layers}``) go to their own
+module when present. Every failure is a one-line :class:`CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import ExitStack
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from kernels.fp8 import FP8_DTYPE, dequantize_weight_blocks
+from model.config import ConfigError, ModelConfig, load_model_config
+from model.deepseek import DeepseekForCausalLM, ParallelContext
+
+logger = logging.getLogger(__name__)
+
+DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory cannot be loaded; the message names the file or tensor."""
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto`` = the checkpoint's dtype on GPU (bf16 for FP8 checkpoints), float32 on CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        return DTYPE_NAMES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    name = config.torch_dtype
+    return torch.bfloat16 if config.is_fp8_checkpoint else DTYPE_NAMES.get(name, torch.bfloat16)
+
+
+class CheckpointFiles:
+    """Maps tensor names to the safetensors file holding them; opens files lazily (mmap)."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.model_dir = model_dir
+        index = os.path.join(model_dir, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            try:
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from None
+            self.files = {name: os.path.join(model_dir, fn) for name, fn in weight_map.items()}
+            for fn in set(self.files.values()):
+                if not os.path.isfile(fn):
+                    raise CheckpointError(f"checkpoint shard {os.path.basename(fn)} listed in the index is missing")
+        else:
+            singles = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+            if not singles:
+                raise CheckpointError(f"no *.safetensors weights in {model_dir!r}")
+            self.files = {}
+            for fn in singles:
+                path = os.path.join(model_dir, fn)
+                with safe_open(path, "pt") as f:
+                    for name in f.keys():
+                        self.files[name] = path
+        self._stack = ExitStack()
+        self._handles: dict[str, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        handle = self._handles.get(path)
+        if handle is None:
+            try:
+                handle = self._stack.enter_context(safe_open(path, "pt"))
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(f"cannot read {os.path.basename(path)}: {exc}") from None
+            self._handles[path] = handle
+        return handle.get_tensor(name)
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+
+def load_model(
+    model_dir: str,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    keep_fp8: bool | None = None,
+    par: ParallelContext | None = None,
+    load_mtp: bool = True,
+    progress: bool = True,
+) -> DeepseekForCausalLM:
+    """Build the model for this rank and stream the checkpoint's tensors into it.
+
+    ``keep_fp8`` defaults to True on CUDA for FP8 checkpoints when the compute dtype is bf16,
+    False elsewhere (weights are dequantized while loading).
+    """
+    try:
+        config = load_model_config(model_dir)
+    except ConfigError as exc:
+        raise CheckpointError(str(exc)) from None
+    device = torch.device(device)
+    compute_dtype = resolve_dtype(dtype, config, device)
+    if keep_fp8 is None:
+        keep_fp8 = config.is_fp8_checkpoint and device.type == "cuda" and compute_dtype == torch.bfloat16
+    files = CheckpointFiles(model_dir)
+    mtp_prefix = f"model.layers.{config.num_hidden_layers}."
+    with_mtp = load_mtp and config.num_nextn_predict_layers > 0 and any(n.startswith(mtp_prefix) for n in files.files)
+    try:
+        with torch.device(device):
+            model = DeepseekForCausalLM(config, compute_dtype, keep_fp8=keep_fp8, par=par, with_mtp=with_mtp)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    targets = model.weight_map()
+    if with_mtp:
+        targets.update({k: v for k, v in model.mtp_weight_map().items() if k in files})
+    missing = [name for name in targets if name not in files]
+    if missing:
+        raise CheckpointError(f"checkpoint is missing tensor {missing[0]!r}" + (
+            f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    block = config.quantization.weight_block_size if config.quantization else (128, 128)
+    try:
+        for name in tqdm(targets, desc="Loading weights", unit="tensor", disable=not progress, leave=False):
+            tensor = files.get(name)
+            if tensor.dtype == FP8_DTYPE and not keep_fp8:
+                scale_name = name + "_scale_inv"
+                if scale_name not in files:
+                    raise CheckpointError(f"FP8 tensor {name!r} has no {scale_name!r}")
+                tensor = dequantize_weight_blocks(tensor, files.get(scale_name), block, compute_dtype)
+            try:
+                targets[name](tensor.to(device), name)
+            except ValueError as exc:
+                raise CheckpointError(str(exc)) from None
+    finally:
+        files.close()
+    model.process_weights_after_loading()
+    model.eval()
+    return model
