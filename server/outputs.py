@@ -46,3 +46,42 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     last_token_time: float | None = None
+
+
+class OutputAccumulator:
+    """Folds an engine's per-step deltas (server.engine_core.RequestDelta) into the
+    cumulative :class:`RequestOutput` that APIs hand out."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int,
+                 want_logprobs: bool, arrival_time: float) -> None:
+        self.output = RequestOutput(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            outputs=[CompletionOutput(i, "", [], [] if want_logprobs else None) for i in range(n)],
+            arrival_time=arrival_time,
+        )
+
+    def apply(self, delta, now: float) -> RequestOutput:
+        out = self.output
+        for sd in delta.seqs:
+            c = out.outputs[sd.index]
+            c.text += sd.text
+            c.token_ids.extend(sd.token_ids)
+            if sd.logprobs and c.logprobs is not None:
+                c.logprobs.extend(sd.logprobs)
+            if sd.finish_reason is not None and c.finish_reason is None:
+                c.finish_reason, c.stop_reason = sd.finish_reason, sd.stop_reason
+            if sd.token_ids:
+                if out.first_token_time is None:
+                    out.first_token_time = now
+                out.last_token_time = now
+        if delta.prompt_logprobs is not None:
+            out.prompt_logprobs = list(delta.prompt_logprobs)
+        out.num_cached_tokens = max(out.num_cached_tokens, delta.num_cached_tokens)
+        if delta.finished:
+            out.finished = True
+            for c in out.outputs:
+                if c.finish_reason is None:
+                    c.finish_reason = "abort"
+        return out

@@ -1,0 +1,271 @@
+"""EngineCore: the engine loop body — scheduler + runner + detokenization + stop checks.
+
+Used in-process by the offline ``LLM`` API and inside the engine process by
+``AsyncEngine``. ``step()`` returns small :class:`RequestDelta` messages (plain lists and
+numbers, no tensors) that front ends accumulate into cumulative ``RequestOutput`` objects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from model.config import ModelConfig
+from model.loader import load_model
+from server.config import EngineConfig
+from server.errors import InvalidRequestError
+from server.kv_cache import BlockManager
+from server.outputs import TokenLogprob
+from server.runner import ModelRunner, StepResult, determine_num_blocks
+from server.sampling_params import SamplingParams
+from server.scheduler import Scheduler, SchedulerOutput
+from server.sequence import Sequence
+from server.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SeqDelta:
+    """What one sequence gained in a step."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestDelta:
+    request_id: str
+    seqs: list[SeqDelta]
+    finished: bool = False
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, complete
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    prompt_logprobs: list[TokenLogprob | None] | None
+    prompt_logprobs_sent: bool = False
+    num_unfinished: int = 0
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is available")
+    return torch.device("cuda")
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"--max-model-len: {config.max_model_len} exceeds the model's max_position_embeddings ({limit})"
+        )
+    return config.max_model_len
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        self.config = config
+        self.device = resolve_device(config)
+        if config.seed is not None:
+            torch.manual_seed(config.seed)
+        self.model = load_model(model_dir, dtype=config.dtype, device=self.device, progress=True)
+        self.model_config: ModelConfig = self.model.config
+        self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        num_blocks = determine_num_blocks(config, self.model_config, self.model.dtype, self.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(self.model, config, num_blocks, self.device)
+        self._requests: dict[str, _RequestState] = {}
+        self._seq_ids = itertools.count()
+        self._pending: tuple[SchedulerOutput, StepResult] | None = None  # async scheduling
+        self._aborted: list[RequestDelta] = []
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, config.block_size, config.kv_cache_dtype)
+
+    # ---- requests -----------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for a request the engine can never serve."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("The prompt must contain at least one token.")
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"Token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size}).")
+        params.validate()
+        n = len(prompt_token_ids)
+        if params.max_tokens is None and n >= self.max_model_len or (
+            params.max_tokens is not None and n + params.max_tokens > self.max_model_len
+        ):
+            asked = n + (params.max_tokens or 0)
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{asked} tokens ({n} in the messages, {params.max_tokens or 0} in the completion). "
+                "Please reduce the length of the messages or completion."
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already running")
+        self.validate(prompt_token_ids, params)
+        seqs = [
+            Sequence(next(self._seq_ids), request_id, prompt_token_ids, params, index=i) for i in range(params.n)
+        ]
+        added = []
+        try:
+            for seq in seqs:
+                self.scheduler.add_seq(seq)
+                added.append(seq)
+        except InvalidRequestError:
+            for seq in added:
+                self.scheduler.finish_seq(seq, "abort")
+            raise
+        detoks = [
+            IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids, params.skip_special_tokens, params.stop,
+                params.include_stop_str_in_output,
+            )
+            for _ in seqs
+        ]
+        plp = [None] + [None] * (len(prompt_token_ids) - 1) if params.prompt_logprobs is not None else None
+        self._requests[request_id] = _RequestState(
+            request_id, list(prompt_token_ids), params, seqs, detoks, plp, num_unfinished=len(seqs)
+        )
+        self.prompt_tokens_total += len(prompt_token_ids)
+
+    def abort(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        self.scheduler.abort(request_id)
+        deltas = [SeqDelta(i, finish_reason="abort") for i, s in enumerate(state.seqs) if s.finish_reason in (None, "abort")]
+        self._aborted.append(RequestDelta(request_id, deltas, finished=True))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._pending is not None or bool(self._aborted)
+
+    # ---- the loop body ------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        """Run one engine step; returns the deltas of every request that changed."""
+        deltas, self._aborted = self._aborted, []
+        if not self.config.async_scheduling:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                self.runner.execute(out)  # lets the runner drop finished sequences' state
+                return deltas
+            result = self.runner.execute(out)
+            return deltas + self._process(out, result)
+        # Async: plan and run step N+1 before applying step N's tokens (placeholders).
+        out = self.scheduler.schedule()
+        result = self.runner.execute(out)
+        prev, self._pending = self._pending, ((out, result) if not out.is_empty else None)
+        if prev is not None:
+            deltas += self._process(*prev)
+        return deltas
+
+    def _process(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
+        touched: dict[str, RequestDelta] = {}
+
+        def delta_for(state: _RequestState) -> RequestDelta:
+            d = touched.get(state.request_id)
+            if d is None:
+                d = touched[state.request_id] = RequestDelta(
+                    state.request_id, [], num_cached_tokens=state.seqs[0].num_cached_tokens
+                )
+            return d
+
+        for seq_id, (first, entries) in result.prompt_logprobs.items():
+            state = self._state_of(out, seq_id)
+            if state is not None and state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+                for j, e in enumerate(entries):
+                    if first + j < len(state.prompt_logprobs):
+                        state.prompt_logprobs[first + j] = e
+        for seq in self.scheduler.update_after_step(out, result.sampled):
+            state = self._requests.get(seq.request_id)
+            if state is None:
+                continue
+            token = seq.output_token_ids[-1]
+            self.generation_tokens_total += 1
+            detok = state.detoks[seq.index]
+            text, stop_str = detok.add_tokens([token])
+            sd = SeqDelta(seq.index, text, [token])
+            lp = result.logprobs.get(seq.seq_id)
+            if lp is not None:
+                sd.logprobs = [lp]
+            reason = self._stop_reason(seq, token, stop_str)
+            if reason is not None:
+                sd.finish_reason, sd.stop_reason = reason
+                if stop_str is None:
+                    sd.text += detok.flush()
+                self.scheduler.finish_seq(seq, sd.finish_reason)
+                self.runner.release([seq.seq_id])
+                state.num_unfinished -= 1
+            delta_for(state).seqs.append(sd)
+        for state in list(self._requests.values()):
+            if state.prompt_logprobs is not None and not state.prompt_logprobs_sent and state.request_id in touched:
+                state.prompt_logprobs_sent = True
+                touched[state.request_id].prompt_logprobs = state.prompt_logprobs
+            if state.num_unfinished == 0:
+                delta_for(state).finished = True
+                del self._requests[state.request_id]
+        return list(touched.values())
+
+    def _state_of(self, out: SchedulerOutput, seq_id: int) -> _RequestState | None:
+        for entry in out.scheduled:
+            if entry.seq.seq_id == seq_id:
+                return self._requests.get(entry.seq.request_id)
+        return None
+
+    def _stop_reason(self, seq: Sequence, token: int, stop_str: str | None):
+        p = seq.sampling_params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if token in p.stop_token_ids:
+                return "stop", token
+            if not p.ignore_eos and token in self.model_config.eos_token_ids:
+                return "stop", None
+            if stop_str is not None:
+                return "stop", stop_str
+        if seq.max_output_tokens is not None and n_out >= seq.max_output_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None
+
+    # ---- introspection ------------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "kv_cache_usage": bm.usage,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_total_blocks": bm.num_total_blocks,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }

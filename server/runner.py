@@ -1,0 +1,189 @@
+"""Model runner: turns a SchedulerOutput into tensors, runs the model, samples.
+
+It owns the model, the paged latent KV cache tensors (one [num_blocks, block_size, 576]
+tensor per layer) and the per-sequence sampling state (seeded generators). Pure-decode steps
+go through :meth:`ModelRunner._forward_decode`, the path the CUDA-graph work captures;
+mixed prefill+decode steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.fp8 import FP8_DTYPE
+from model.config import ModelConfig
+from model.deepseek import DeepseekForCausalLM
+from model.forward_context import ForwardContext, build_attention_metadata, forward_context
+from server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from server.outputs import TokenLogprob
+from server.sampler import Sampler, SamplingRow, compute_prompt_logprobs, make_request_generator
+from server.scheduler import SchedulerOutput
+from server.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    """What one step produced, keyed by seq_id."""
+
+    sampled: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    # Prompt logprobs of the chunk's positions: (first prompt index covered, entries).
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+
+
+def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+    return FP8_DTYPE if config.use_fp8_kv_cache else model_dtype
+
+
+def kv_bytes_per_block(model_config: ModelConfig, config: EngineConfig, model_dtype: torch.dtype) -> int:
+    elt = torch.empty(0, dtype=kv_cache_dtype(config, model_dtype)).element_size()
+    return model_config.num_hidden_layers * config.block_size * model_config.kv_cache_entry_dim * elt
+
+
+def determine_num_blocks(
+    config: EngineConfig, model_config: ModelConfig, model_dtype: torch.dtype, device: torch.device,
+    profile_peak_bytes: int = 0,
+) -> int:
+    """KV capacity: the override, else a byte budget (CPU) or the free GPU memory share."""
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    per_block = kv_bytes_per_block(model_config, config, model_dtype)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        used = torch.cuda.memory_allocated(device) + profile_peak_bytes
+        budget = int(total * config.gpu_memory_utilization) - used
+    else:
+        budget = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+    if budget < per_block:
+        raise RuntimeError(
+            f"not enough memory for even one KV block ({per_block} bytes per block, budget {budget}); "
+            "raise --gpu-memory-utilization / --kv-cache-memory-bytes or lower --block-size"
+        )
+    return budget // per_block
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekForCausalLM, config: EngineConfig, num_blocks: int, device: torch.device) -> None:
+        self.model = model
+        self.config = config
+        self.device = device
+        self.model_config = model.config
+        self.block_size = config.block_size
+        self.num_blocks = num_blocks
+        cache_dtype = kv_cache_dtype(config, model.dtype)
+        shape = (num_blocks, self.block_size, self.model_config.kv_cache_entry_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in model.layers]
+        # Per-layer FP8 scale (k_scale). Checkpoints rarely carry one for MLA; 1.0 like vLLM's default.
+        self.kv_scales = [1.0] * len(model.layers)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = self.model_config.eos_token_ids
+        self._generators: dict[int, torch.Generator | None] = {}
+        # Tokens sampled by the previous step, for placeholder inputs (async scheduling).
+        self._last_sampled: dict[int, int] = {}
+
+    # ---- sequence lifecycle -----------------------------------------------------------------
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.seq_id not in self._generators:
+            seed = seq.sampling_params.seed
+            # The n sequences of one seeded request draw different samples, reproducibly.
+            self._generators[seq.seq_id] = make_request_generator(
+                None if seed is None else seed + seq.index, self.device
+            )
+        return self._generators[seq.seq_id]
+
+    def release(self, seq_ids) -> None:
+        for sid in seq_ids:
+            self._generators.pop(sid, None)
+            self._last_sampled.pop(sid, None)
+
+    # ---- step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        self.release(out.finished_seq_ids)
+        result = StepResult()
+        if out.is_empty:
+            return result
+        ids: list[int] = []
+        positions: list[int] = []
+        tables, ctx_lens, q_lens = [], [], []
+        for entry in out.scheduled:
+            seq = entry.seq
+            known = entry.num_new_tokens - entry.num_placeholder_tokens
+            ids.extend(seq.all_token_ids[entry.start_pos : entry.start_pos + known])
+            if entry.num_placeholder_tokens:
+                ids.append(self._last_sampled[seq.seq_id])
+            positions.extend(range(entry.start_pos, entry.start_pos + entry.num_new_tokens))
+            tables.append(seq.block_table)
+            ctx_lens.append(entry.start_pos)
+            q_lens.append(entry.num_new_tokens)
+        md = build_attention_metadata(
+            tables, ctx_lens, q_lens, self.block_size, num_decode_seqs=out.num_decodes, device=self.device
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        ctx = ForwardContext(md, self.kv_caches, self.kv_scales)
+        if out.is_decode_only:
+            hidden = self._forward_decode(input_ids, pos, ctx)
+        else:
+            hidden = self._forward_mixed(input_ids, pos, ctx)
+        self._sample(out, hidden, result)
+        self._prompt_logprobs(out, hidden, result)
+        self._last_sampled.update(result.sampled)
+        return result
+
+    def _forward_decode(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+        """Pure-decode step: one token per sequence (the CUDA-graph capture target)."""
+        with forward_context(ctx):
+            return self.model(input_ids, positions)
+
+    def _forward_mixed(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
+        with forward_context(ctx):
+            return self.model(input_ids, positions)
+
+    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, result: StepResult) -> None:
+        rows, row_idx, seqs = [], [], []
+        offset = 0
+        for entry in out.scheduled:
+            if entry.sample:
+                seq = entry.seq
+                outputs = seq.output_token_ids
+                if entry.num_placeholder_tokens:
+                    outputs = outputs + [self._last_sampled[seq.seq_id]]
+                rows.append(SamplingRow(
+                    params=seq.sampling_params,
+                    prompt_token_ids=seq.prompt_token_ids,
+                    output_token_ids=outputs,
+                    generator=self._generator(seq),
+                    eos_token_ids=self.eos_token_ids,
+                ))
+                row_idx.append(offset + entry.num_new_tokens - 1)
+                seqs.append(seq)
+            offset += entry.num_new_tokens
+        if not rows:
+            return
+        logits = self.model.compute_logits(hidden[torch.tensor(row_idx, device=hidden.device)])
+        res = self.sampler(logits, rows)
+        for seq, tok, lp in zip(seqs, res.token_ids, res.logprobs):
+            result.sampled[seq.seq_id] = tok
+            if lp is not None:
+                result.logprobs[seq.seq_id] = lp
+
+    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, result: StepResult) -> None:
+        """Logprobs of prompt tokens 1.. given their prefixes, for chunks that ask for them."""
+        offset = 0
+        for entry in out.scheduled:
+            seq, n = entry.seq, entry.num_new_tokens
+            k = seq.sampling_params.prompt_logprobs
+            # Positions whose *next* token is a prompt token: start .. min(end, P-1) - 1.
+            last = min(entry.start_pos + n, seq.num_prompt_tokens - 1)
+            if k is not None and not entry.num_placeholder_tokens and last > entry.start_pos:
+                rows = hidden[offset : offset + (last - entry.start_pos)]
+                nxt = seq.prompt_token_ids[entry.start_pos + 1 : last + 1]
+                entries = compute_prompt_logprobs(self.model.compute_logits(rows), nxt, k)
+                result.prompt_logprobs[seq.seq_id] = (entry.start_pos + 1, entries)
+            offset += n
