@@ -1,0 +1,29 @@
+# mlaserve on a CUDA GPU (Hopper first). Not built in the project's CI: the development
+# machines have no Docker engine. Build: docker build -t mlaserve .
+# Run:   docker run --gpus all -p 8000:8000 -v /models:/models mlaserve /models/DeepSeek-R1 \
+#            --tensor-parallel-size 8 --kv-cache-dtype fp8
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
+    NCCL_NVLS_ENABLE=0
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-pip python3-venv python3-dev build-essential \
+ && rm -rf /var/lib/apt/lists/*
+RUN python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+
+WORKDIR /opt/mlaserve
+# The CUDA 12.8 build of torch first, so the project's `torch` requirement is already met.
+RUN pip install torch --index-url https://download.pytorch.org/whl/cu128
+COPY pyproject.toml README.md ./
+COPY server ./server
+COPY model ./model
+COPY kernels ./kernels
+COPY distributed ./distributed
+COPY configs ./configs
+RUN pip install '.[gpu]'
+
+EXPOSE 8000
+ENTRYPOINT ["mlaserve", "serve", "--host", "0.0.0.0", "--port", "8000"]
+# With no model argument the bundled tiny arithmetic model is served.
+CMD []
