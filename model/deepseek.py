@@ -21,28 +21,10 @@ from model.layers.mla import MLAAttention
 from model.layers.moe import MoE, DenseMLP
 from model.layers.norm import RMSNorm
 from model.layers.rotary import RotaryEmbedding
+from model.parallel import ParallelContext
 
 # A loader callback: takes the checkpoint tensor (already dequantized if asked) and copies it in.
 WeightLoader = Callable[[torch.Tensor], None]
-
-
-class ParallelContext:
-    """Ranks and reduction hooks the layers need; world size 1 by default (identity hooks)."""
-
-    def __init__(self, tp_rank: int = 0, tp_size: int = 1, ep_rank: int = 0, ep_size: int = 1) -> None:
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.ep_rank, self.ep_size = ep_rank, ep_size
-
-    def reduce_tp(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum partial results across TP ranks (identity at TP 1)."""
-        if self.tp_size == 1:
-            return x
-        raise NotImplementedError("tensor-parallel reductions are provided by distributed/")
-
-    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return logits
-        raise NotImplementedError("tensor-parallel logits gather is provided by distributed/")
 
 
 class DecoderLayer(nn.Module):
@@ -56,21 +38,20 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAAttention(c, layer_idx, rotary, par.tp_rank, par.tp_size, dtype, fp8_block)
         self.is_moe = c.is_moe_layer(layer_idx)
         if self.is_moe:
-            self.mlp = MoE(c, par.tp_rank, par.tp_size, par.ep_rank, par.ep_size, dtype, fp8_block)
+            self.mlp = MoE(c, par, dtype, fp8_block)
         else:
             self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, par.tp_rank, par.tp_size, dtype, fp8_block)
         self.par = par
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-        if residual is None:
-            residual = hidden
-        else:
-            residual = hidden + residual
-        h = self.input_layernorm(residual)
-        h = self.par.reduce_tp(self.self_attn(positions, h))
+        """``hidden``/``residual`` hold this rank's rows (all rows unless sequence parallel)."""
+        par = self.par
+        residual = hidden if residual is None else hidden + residual
+        h = par.gather_rows(self.input_layernorm(residual))
+        h = par.scatter_partial_rows(self.self_attn(positions, h))
         residual = h + residual
-        h = self.post_attention_layernorm(residual)
-        h = self.par.reduce_tp(self.mlp(h))
+        h = par.gather_rows(self.post_attention_layernorm(residual))
+        h = par.scatter_partial_rows(self.mlp(h))
         return h, residual
 
     def weight_map(self, prefix: str, fp8: bool) -> dict[str, WeightLoader]:
@@ -189,11 +170,21 @@ class DeepseekForCausalLM(nn.Module):
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.par.reduce_tp(self.embed_tokens(input_ids))
+        """Final-normed hidden states [T, hidden] of the step's T tokens (on every TP rank)."""
+        par = self.par
+        n = input_ids.shape[0]
+        padded = par.padded_rows(n)
+        if padded != n:  # sequence parallel: pad rows write no KV and never reach routing
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(padded - n)])
+            positions = torch.cat([positions, positions.new_zeros(padded - n)])
+        par.num_valid_rows = n
+        par.exchange_rows(n, input_ids.device)
+        hidden = par.scatter_partial_rows(self.embed_tokens(input_ids))
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-        return self.norm(hidden + residual)
+        out = par.gather_rows(self.norm(hidden + residual))
+        return out[:n]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [T, vocab_size] for the given rows."""

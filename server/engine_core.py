@@ -211,12 +211,18 @@ class EngineCore:
             token = seq.output_token_ids[-1]
             self.generation_tokens_total += 1
             detok = state.detoks[seq.index]
-            text, stop_str = detok.add_tokens([token])
+            # A stopping EOS / stop token is kept in token_ids but not in the text (as vLLM).
+            reason = self._token_stop_reason(seq, token)
+            stop_str = None
+            if reason is None:
+                text, stop_str = detok.add_tokens([token])
+                reason = self._text_stop_reason(seq, stop_str)
+            else:
+                text = ""
             sd = SeqDelta(seq.index, text, [token])
             lp = result.logprobs.get(seq.seq_id)
             if lp is not None:
                 sd.logprobs = [lp]
-            reason = self._stop_reason(seq, token, stop_str)
             if reason is not None:
                 sd.finish_reason, sd.stop_reason = reason
                 if stop_str is None:
@@ -240,17 +246,21 @@ class EngineCore:
                 return self._requests.get(entry.seq.request_id)
         return None
 
-    def _stop_reason(self, seq: Sequence, token: int, stop_str: str | None):
+    def _token_stop_reason(self, seq: Sequence, token: int):
+        """EOS or a stop token id, once ``min_tokens`` outputs exist."""
         p = seq.sampling_params
-        n_out = seq.num_output_tokens
-        if n_out >= p.min_tokens:
-            if token in p.stop_token_ids:
-                return "stop", token
-            if not p.ignore_eos and token in self.model_config.eos_token_ids:
-                return "stop", None
-            if stop_str is not None:
-                return "stop", stop_str
-        if seq.max_output_tokens is not None and n_out >= seq.max_output_tokens:
+        if seq.num_output_tokens < p.min_tokens:
+            return None
+        if token in p.stop_token_ids:
+            return "stop", token
+        if not p.ignore_eos and token in self.model_config.eos_token_ids:
+            return "stop", None
+        return None
+
+    def _text_stop_reason(self, seq: Sequence, stop_str: str | None):
+        if stop_str is not None:
+            return "stop", stop_str
+        if seq.max_output_tokens is not None and seq.num_output_tokens >= seq.max_output_tokens:
             return "length", None
         if seq.num_tokens >= self.max_model_len:
             return "length", None

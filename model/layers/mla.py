@@ -108,8 +108,9 @@ class MLAAttention(nn.Module):
         cache = ctx.kv_caches[self.layer_idx]
         # The per-layer scale only means something for an FP8 cache.
         k_scale = ctx.kv_scales[self.layer_idx] if (ctx.kv_scales and cache.dtype == FP8_DTYPE) else 1.0
-        self._write_cache(cache, attn.slot_mapping, kv_c, k_pe, k_scale)
-        out = q_nope.new_empty(q_nope.shape[0], self.num_local_heads, self.v_dim)
+        n = attn.slot_mapping.shape[0]  # rows past n are TP padding: no KV write, zero output
+        self._write_cache(cache, attn.slot_mapping, kv_c[:n], k_pe[:n], k_scale)
+        out = q_nope.new_zeros(q_nope.shape[0], self.num_local_heads, self.v_dim)
         nd = attn.num_decode_tokens
         if nd:
             out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], cache, attn, k_scale)

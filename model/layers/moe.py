@@ -16,6 +16,7 @@ from kernels.fp8 import FP8_DTYPE, dequantize_weight_blocks
 from kernels.moe import RoutingConfig, moe_experts, route, silu_and_mul
 from model.config import ModelConfig
 from model.layers.linear import MergedColumnParallelLinear, RowParallelLinear, divide
+from model.parallel import ParallelContext
 
 
 class DenseMLP(nn.Module):
@@ -116,15 +117,14 @@ class MoE(nn.Module):
     def __init__(
         self,
         config: ModelConfig,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        ep_rank: int = 0,
-        ep_size: int = 1,
+        par: ParallelContext | None = None,
         dtype: torch.dtype = torch.float32,
         fp8_block: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         c = config
+        self.par = par = par or ParallelContext()
+        tp_rank, tp_size, ep_rank, ep_size = par.tp_rank, par.tp_size, par.ep_rank, par.ep_size
         self.routing = RoutingConfig(
             top_k=c.num_experts_per_tok,
             scoring_func=c.scoring_func,
@@ -158,8 +158,17 @@ class MoE(nn.Module):
         return route(logits, self.routing, self.e_score_correction_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.select_experts(x)
-        out = self.experts(x, weights, ids)
+        """This rank's partial MoE output; rows past ``par.num_valid_rows`` (TP padding) stay 0."""
+        n = x.shape[0] if self.par.num_valid_rows is None else min(self.par.num_valid_rows, x.shape[0])
+        out = torch.zeros_like(x)
+        xv = x[:n]
+        weights, ids = self.select_experts(xv)
+        if self.par.dispatch_moe:
+            x_all, w_all, ids_all = self.par.dispatch(xv, weights, ids)
+            routed = self.par.combine(self.experts(x_all, w_all, ids_all))
+        else:
+            routed = self.experts(xv, weights, ids)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            routed = routed + self.shared_experts(xv)
+        out[:n] = routed
         return out

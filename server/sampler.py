@@ -1,0 +1,294 @@
+"""Turn a batch of logits into next tokens, with vLLM's sampling semantics.
+
+Processing order (vLLM v1's):
+1. Logprobs to report are the log_softmax of the *raw* model logits, before any penalty,
+   temperature or filter (vLLM's default ``logprobs_mode="raw_logprobs"``).
+2. min_tokens: while a row has fewer than ``min_tokens`` outputs, its EOS ids and
+   ``stop_token_ids`` are masked (EOS is masked even with ``ignore_eos``).
+3. Penalties: repetition (tokens of prompt + output; positive logits divided, negative
+   multiplied), then frequency and presence (output tokens only).
+4. Greedy rows (temperature < 1e-5) take the argmax of the penalized logits.
+5. Other rows: temperature, min_p, top_k, top_p (vLLM applies min_p, an argmax-invariant
+   processor, before top-k/top-p), then a draw from the remaining distribution.
+
+Draws use the exponential-race trick: token = argmax(p / E) with E ~ Exp(1) i.i.d.; this
+selects token i with probability p_i. A seeded row draws its E from its own generator over
+exactly its own vocab row, so its token depends only on its logits and its seed, never on
+which other requests share the batch. Everything else is vectorized over the batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from server.outputs import TokenLogprob
+from server.sampling_params import SamplingParams
+
+# Smallest exponential noise we let through: E == 0 would turn p / E into inf or nan.
+_MIN_NOISE = 1e-20
+# How many of a row's most likely tokens top-k/top-p look at before sorting the whole row.
+_TOP_CANDIDATES = 256
+
+
+@dataclass
+class SamplingRow:
+    """One sequence of the batch."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far (penalties, min_tokens)
+    generator: torch.Generator | None = None  # per-request seeded generator; None: global
+    eos_token_ids: list[int] | tuple[int, ...] = ()
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # None where params.logprobs is None
+
+
+def make_request_generator(seed: int | None, device) -> torch.Generator | None:
+    """A generator for a request with ``seed`` (None: the request uses the global one)."""
+    if seed is None:
+        return None
+    gen = torch.Generator(device=torch.device(device))
+    gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    return gen
+
+
+def _token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprob]:
+    """TokenLogprob per row of ``logprobs`` [N, V] for ``token_ids`` [N]: the token's logprob,
+    its rank (as vLLM: how many tokens are at least as likely, so 1 = the most likely) and
+    the ``num_top[i]`` best."""
+    chosen = logprobs.gather(1, token_ids.view(-1, 1))
+    ranks = (logprobs >= chosen).sum(dim=1)
+    k = max(num_top, default=0)
+    if k > 0:
+        top_vals, top_ids = logprobs.topk(k, dim=1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    out = []
+    for i, (tid, lp, rank) in enumerate(zip(token_ids.tolist(), chosen.view(-1).tolist(), ranks.tolist())):
+        top = {} if num_top[i] == 0 else dict(zip(top_ids[i][:num_top[i]], top_vals[i][:num_top[i]]))
+        top[tid] = lp
+        out.append(TokenLogprob(token_id=tid, logprob=lp, rank=rank, top=top))
+    return out
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], num_top: int) -> list[TokenLogprob]:
+    """Logprobs of the actual next prompt token at each position: ``logits`` [P, V] are the
+    model outputs at prompt positions, ``next_token_ids[j]`` the token that followed position j."""
+    if logits.shape[0] != len(next_token_ids):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(next_token_ids)} next tokens")
+    if not next_token_ids:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(next_token_ids, dtype=torch.long, device=logits.device)
+    return _token_logprobs(logprobs, ids, [num_top] * len(next_token_ids))
+
+
+def _flatten_ids(lists: list[list[int]], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate token id lists (numpy: several times faster than torch.tensor(list)) and
+    return (ids, row index of each id), refusing ids outside the vocabulary."""
+    lengths = np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
+    ids = np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=int(lengths.sum()))
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise ValueError(f"token id out of range for a vocabulary of {vocab} logits")
+    return ids, np.repeat(np.arange(len(lists), dtype=np.int64), lengths)
+
+
+def _to_device(*arrays: np.ndarray, device) -> list[torch.Tensor]:
+    return [torch.from_numpy(a).to(device, non_blocking=True) for a in arrays]
+
+
+class PromptTokenCache:
+    """Distinct prompt token ids of each row, on the device, for the repetition penalty.
+
+    A prompt never changes while its request runs, so it is converted once rather than at
+    every step. Entries live as long as their row keeps appearing in consecutive batches;
+    holding the list itself keeps its ``id`` from being reused by another list meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[list[int], int, torch.Tensor]] = {}
+
+    def lookup(self, prompts: list[list[int]], vocab: int, device) -> list[torch.Tensor]:
+        kept: dict[int, tuple[list[int], int, torch.Tensor]] = {}
+        out = []
+        for prompt in prompts:
+            entry = self._entries.get(id(prompt)) or kept.get(id(prompt))
+            if entry is None or entry[0] is not prompt or entry[1] != len(prompt) or entry[2].device != device:
+                ids, _ = _flatten_ids([prompt], vocab)
+                entry = (prompt, len(prompt), _to_device(np.unique(ids), device=device)[0])
+            kept[id(prompt)] = entry
+            out.append(entry[2])
+        self._entries = kept
+        return out
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Mask EOS and stop token ids (in place) for rows still short of ``min_tokens``."""
+    idx_rows, idx_toks = [], []
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) < row.params.min_tokens:
+            for t in (*row.eos_token_ids, *row.params.stop_token_ids):
+                if 0 <= t < vocab:
+                    idx_rows.append(i)
+                    idx_toks.append(t)
+    if idx_rows:
+        dev = logits.device
+        logits[torch.tensor(idx_rows, device=dev), torch.tensor(idx_toks, device=dev)] = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow],
+                    prompt_cache: PromptTokenCache | None = None) -> None:
+    """Repetition, frequency and presence penalties, in place, on the rows that ask for them."""
+    vocab, dev = logits.shape[1], logits.device
+    sel = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0
+           or r.params.frequency_penalty != 0.0 or r.params.presence_penalty != 0.0]
+    if not sel:
+        return
+    params = [rows[i].params for i in sel]
+    out_ids, out_rows = _to_device(*_flatten_ids([rows[i].output_token_ids for i in sel], vocab), device=dev)
+    counts = torch.zeros(len(sel), vocab, dtype=torch.float32, device=dev)
+    counts.index_put_((out_rows, out_ids), torch.ones(out_ids.numel(), device=dev), accumulate=True)
+    idx = torch.tensor(sel, device=dev)
+    sub = logits[idx]
+
+    rep = [j for j, p in enumerate(params) if p.repetition_penalty != 1.0]
+    if rep:
+        seen = counts > 0
+        prompts = [rows[sel[j]].prompt_token_ids for j in rep]
+        prompt_ids = (prompt_cache or PromptTokenCache()).lookup(prompts, vocab, dev)
+        lengths = torch.tensor([t.numel() for t in prompt_ids], device=dev)
+        prompt_rows = torch.repeat_interleave(torch.tensor(rep, device=dev), lengths)
+        seen[prompt_rows, torch.cat(prompt_ids)] = True
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=dev).view(-1, 1)
+        sub = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
+
+    freq = torch.tensor([p.frequency_penalty for p in params], device=dev).view(-1, 1)
+    presence = torch.tensor([p.presence_penalty for p in params], device=dev).view(-1, 1)
+    sub -= freq * counts + presence * (counts > 0).float()
+    logits[idx] = sub
+
+
+def filter_logits(logits: torch.Tensor, min_p: list[float], top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask (to -inf) what min_p, then top_k, then top_p exclude, per row of ``logits`` [R, V]
+    (already divided by temperature). ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0 disable.
+
+    Ties at a top-k or top-p boundary are kept (each cut is a logit threshold)."""
+    dev, vocab = logits.device, logits.shape[1]
+    if any(m > 0 for m in min_p):
+        probs = torch.softmax(logits, dim=-1)
+        threshold = torch.tensor(min_p, device=dev).view(-1, 1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    k = [top_k[i] if 0 < top_k[i] < vocab else vocab for i in range(len(top_k))]
+    filtered = [i for i in range(len(k)) if k[i] < vocab or top_p[i] < 1.0]
+    if not filtered:
+        return logits
+    idx = torch.tensor(filtered, device=dev)
+    sub = logits[idx]
+    k_t = torch.tensor([k[i] for i in filtered], device=dev).view(-1, 1)
+    p_t = torch.tensor([top_p[i] for i in filtered], device=dev).view(-1, 1)
+    lse = torch.logsumexp(sub, dim=-1, keepdim=True)
+    # Most rows' cut lies among their few hundred most likely tokens: look there first (topk
+    # is much cheaper than a full sort) and sort whole rows only where that falls short.
+    num_candidates = min(vocab, max([_TOP_CANDIDATES] + [k[i] for i in filtered if k[i] < vocab]))
+    threshold, short = _cut(sub.topk(num_candidates, dim=-1).values, lse, k_t, p_t)
+    if num_candidates < vocab:
+        redo = short.nonzero().view(-1)
+        if redo.numel():
+            full_sorted = sub[redo].sort(dim=-1, descending=True).values
+            threshold[redo] = _cut(full_sorted, lse[redo], k_t[redo], p_t[redo])[0]
+    row_threshold = torch.full((logits.shape[0], 1), float("-inf"), device=dev, dtype=logits.dtype)
+    row_threshold[idx] = threshold
+    return logits.masked_fill(logits < row_threshold, float("-inf"))
+
+
+def _cut(sorted_vals: torch.Tensor, full_lse: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor):
+    """Per-row logit threshold for top-k then top-p, from the row's C best logits (sorted
+    descending) and the log-sum-exp of its whole row. Also says which rows need more than
+    the C candidates. Callers pick C >= k wherever k < vocab, so a top-k set always lies
+    within the candidates and its mass can be summed there."""
+    num = sorted_vals.shape[1]
+    positions = torch.arange(num, device=sorted_vals.device).view(1, -1)
+    in_k = positions < k
+    topk_lse = torch.logsumexp(sorted_vals.masked_fill(~in_k, float("-inf")), dim=-1, keepdim=True)
+    lse = torch.where(k <= num, topk_lse, full_lse)
+    probs = torch.exp(sorted_vals - lse).masked_fill(~in_k, 0.0)  # renormalized over the top-k
+    # The top-p set is the shortest prefix whose mass reaches top_p: position j stays while
+    # the mass strictly before it is below top_p.
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep = in_k & ((mass_before < top_p) | (top_p >= 1.0))
+    keep[:, 0] = True
+    num_kept = keep.sum(dim=-1, keepdim=True)
+    threshold = sorted_vals.gather(1, num_kept - 1)
+    short = (num_kept == num) & (k > num)
+    return threshold, short.view(-1)
+
+
+class Sampler:
+    """Samples one token per row; unseeded rows share a generator seeded with ``global_seed``."""
+
+    def __init__(self, global_seed: int = 0):
+        self.global_seed = global_seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._prompt_cache = PromptTokenCache()
+
+    def _global_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.global_seed)
+            self._generators[device] = gen
+        return gen
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
+        dev = logits.device
+        want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[want_lp].float(), dim=-1) if want_lp else None
+
+        logits = logits.float().clone()
+        apply_min_tokens(logits, rows)
+        apply_penalties(logits, rows, self._prompt_cache)
+
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            token_ids[torch.tensor(random_rows, device=dev)] = self._sample(logits, rows, random_rows)
+
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        if want_lp:
+            chosen = token_ids[torch.tensor(want_lp, device=dev)]
+            entries = _token_logprobs(raw_logprobs, chosen, [rows[i].params.logprobs for i in want_lp])
+            for i, entry in zip(want_lp, entries):
+                logprobs[i] = entry
+        return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], sel: list[int]) -> torch.Tensor:
+        dev = logits.device
+        params = [rows[i].params for i in sel]
+        x = logits[torch.tensor(sel, device=dev)]
+        x /= torch.tensor([p.temperature for p in params], device=dev).view(-1, 1)
+        x = filter_logits(x, min_p=[p.min_p for p in params], top_k=[p.top_k for p in params],
+                          top_p=[p.top_p for p in params])
+        probs = torch.softmax(x, dim=-1)
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, i in enumerate(sel) if rows[i].generator is None]
+        if len(unseeded) == len(sel):
+            noise.exponential_(generator=self._global_generator(dev))
+        else:
+            if unseeded:
+                idx = torch.tensor(unseeded, device=dev)
+                noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
+                    generator=self._global_generator(dev))
+            for j, i in enumerate(sel):
+                if rows[i].generator is not None:
+                    noise[j].exponential_(generator=rows[i].generator)
+        return (probs / noise.clamp_min_(_MIN_NOISE)).argmax(dim=-1)
