@@ -93,6 +93,15 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         num_blocks = determine_num_blocks(config, self.model_config, self.model.dtype, self.device)
+        capacity = num_blocks * config.block_size
+        if self.max_model_len > capacity:
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"--max-model-len: {self.max_model_len} tokens do not fit the KV cache ({capacity} tokens); "
+                    "lower it or give the cache more memory"
+                )
+            logger.info("max_model_len capped at the KV cache capacity: %d tokens", capacity)
+            self.max_model_len = capacity
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, config, num_blocks, self.device)

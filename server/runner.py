@@ -27,6 +27,27 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class StepPlan:
+    """One step's inputs in plain python lists; rank 0 sends it to its TP workers."""
+
+    input_ids: list[int]
+    positions: list[int]
+    block_tables: list[list[int]]
+    context_lens: list[int]
+    query_lens: list[int]
+    num_decodes: int
+    logit_rows: list[int]
+
+    def to_wire(self) -> list:
+        return [self.input_ids, self.positions, self.block_tables, self.context_lens, self.query_lens,
+                self.num_decodes, self.logit_rows]
+
+    @classmethod
+    def from_wire(cls, w: list) -> "StepPlan":
+        return cls(*w)
+
+
+@dataclass
 class StepResult:
     """What one step produced, keyed by seq_id."""
 
@@ -85,6 +106,8 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator | None] = {}
         # Tokens sampled by the previous step, for placeholder inputs (async scheduling).
         self._last_sampled: dict[int, int] = {}
+        # Set when TP workers follow this runner: called with each step's plan before it runs.
+        self.plan_broadcaster = None
 
     # ---- sequence lifecycle -----------------------------------------------------------------
     def _generator(self, seq: Sequence) -> torch.Generator | None:
@@ -102,15 +125,12 @@ class ModelRunner:
             self._last_sampled.pop(sid, None)
 
     # ---- step -------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
-        self.release(out.finished_seq_ids)
-        result = StepResult()
-        if out.is_empty:
-            return result
+    def plan(self, out: SchedulerOutput) -> "StepPlan":
+        """The step's inputs as plain lists: what TP workers receive (no tensors, no pickle)."""
         ids: list[int] = []
         positions: list[int] = []
-        tables, ctx_lens, q_lens = [], [], []
+        tables, ctx_lens, q_lens, logit_rows = [], [], [], []
+        offset = 0
         for entry in out.scheduled:
             seq = entry.seq
             known = entry.num_new_tokens - entry.num_placeholder_tokens
@@ -121,18 +141,52 @@ class ModelRunner:
             tables.append(seq.block_table)
             ctx_lens.append(entry.start_pos)
             q_lens.append(entry.num_new_tokens)
+            # Rows whose logits are needed: prompt-logprob positions, then the sampled row.
+            for row in self._prompt_logprob_rows(entry):
+                logit_rows.append(offset + row)
+            if entry.sample:
+                logit_rows.append(offset + entry.num_new_tokens - 1)
+            offset += entry.num_new_tokens
+        return StepPlan(ids, positions, tables, ctx_lens, q_lens, out.num_decodes, sorted(set(logit_rows)))
+
+    @staticmethod
+    def _prompt_logprob_rows(entry) -> range:
+        seq = entry.seq
+        if seq.sampling_params.prompt_logprobs is None or entry.num_placeholder_tokens:
+            return range(0)
+        last = min(entry.start_pos + entry.num_new_tokens, seq.num_prompt_tokens - 1)
+        return range(max(0, last - entry.start_pos))
+
+    @torch.inference_mode()
+    def run_plan(self, plan: "StepPlan") -> torch.Tensor:
+        """Forward the step and return float32 logits of ``plan.logit_rows`` (every TP rank)."""
         md = build_attention_metadata(
-            tables, ctx_lens, q_lens, self.block_size, num_decode_seqs=out.num_decodes, device=self.device
+            plan.block_tables, plan.context_lens, plan.query_lens, self.block_size,
+            num_decode_seqs=plan.num_decodes, device=self.device,
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
         ctx = ForwardContext(md, self.kv_caches, self.kv_scales)
-        if out.is_decode_only:
+        if plan.num_decodes and plan.num_decodes == len(plan.query_lens):
             hidden = self._forward_decode(input_ids, pos, ctx)
         else:
             hidden = self._forward_mixed(input_ids, pos, ctx)
-        self._sample(out, hidden, result)
-        self._prompt_logprobs(out, hidden, result)
+        rows = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows])
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        self.release(out.finished_seq_ids)
+        result = StepResult()
+        if out.is_empty:
+            return result
+        plan = self.plan(out)
+        if self.plan_broadcaster is not None:
+            self.plan_broadcaster(plan)
+        logits = self.run_plan(plan)
+        row_of = {r: i for i, r in enumerate(plan.logit_rows)}
+        self._sample(out, logits, row_of, result)
+        self._prompt_logprobs(out, logits, row_of, result)
         self._last_sampled.update(result.sampled)
         return result
 
@@ -145,8 +199,8 @@ class ModelRunner:
         with forward_context(ctx):
             return self.model(input_ids, positions)
 
-    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, result: StepResult) -> None:
-        rows, row_idx, seqs = [], [], []
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, row_of: dict, result: StepResult) -> None:
+        rows, idx, seqs = [], [], []
         offset = 0
         for entry in out.scheduled:
             if entry.sample:
@@ -161,29 +215,26 @@ class ModelRunner:
                     generator=self._generator(seq),
                     eos_token_ids=self.eos_token_ids,
                 ))
-                row_idx.append(offset + entry.num_new_tokens - 1)
+                idx.append(row_of[offset + entry.num_new_tokens - 1])
                 seqs.append(seq)
             offset += entry.num_new_tokens
         if not rows:
             return
-        logits = self.model.compute_logits(hidden[torch.tensor(row_idx, device=hidden.device)])
-        res = self.sampler(logits, rows)
+        res = self.sampler(logits[torch.tensor(idx, device=logits.device)], rows)
         for seq, tok, lp in zip(seqs, res.token_ids, res.logprobs):
             result.sampled[seq.seq_id] = tok
             if lp is not None:
                 result.logprobs[seq.seq_id] = lp
 
-    def _prompt_logprobs(self, out: SchedulerOutput, hidden: torch.Tensor, result: StepResult) -> None:
+    def _prompt_logprobs(self, out: SchedulerOutput, logits: torch.Tensor, row_of: dict, result: StepResult) -> None:
         """Logprobs of prompt tokens 1.. given their prefixes, for chunks that ask for them."""
         offset = 0
         for entry in out.scheduled:
-            seq, n = entry.seq, entry.num_new_tokens
-            k = seq.sampling_params.prompt_logprobs
-            # Positions whose *next* token is a prompt token: start .. min(end, P-1) - 1.
-            last = min(entry.start_pos + n, seq.num_prompt_tokens - 1)
-            if k is not None and not entry.num_placeholder_tokens and last > entry.start_pos:
-                rows = hidden[offset : offset + (last - entry.start_pos)]
-                nxt = seq.prompt_token_ids[entry.start_pos + 1 : last + 1]
-                entries = compute_prompt_logprobs(self.model.compute_logits(rows), nxt, k)
+            rows = self._prompt_logprob_rows(entry)
+            if len(rows):
+                seq = entry.seq
+                sel = torch.tensor([row_of[offset + r] for r in rows], device=logits.device)
+                nxt = seq.prompt_token_ids[entry.start_pos + 1 : entry.start_pos + 1 + len(rows)]
+                entries = compute_prompt_logprobs(logits[sel], nxt, seq.sampling_params.prompt_logprobs)
                 result.prompt_logprobs[seq.seq_id] = (entry.start_pos + 1, entries)
-            offset += n
+            offset += entry.num_new_tokens

@@ -1,0 +1,227 @@
+"""BlockManager: paged allocation, ref counts, prefix caching and LRU eviction (ids only, no tensors)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.kv_cache import BlockManager, hash_block_tokens
+from server.sequence import Sequence
+
+BS = 64
+
+
+def make_seq(seq_id: int, tokens: list[int]) -> Sequence:
+    return Sequence(seq_id, f"req-{seq_id}", tokens)
+
+
+def admit(bm: BlockManager, seq: Sequence, num_new: int | None = None) -> list[int]:
+    """Admit like the scheduler does: reuse the cached prefix, allocate the rest, mark it computed."""
+    hits = bm.lookup_prefix(seq)
+    if num_new is None:
+        num_new = seq.num_tokens - len(hits) * bm.block_size
+    bm.allocate(seq, num_new, hits)
+    seq.num_computed_tokens += num_new
+    return hits
+
+
+def test_allocate_covers_computed_plus_new_and_free_returns_everything():
+    bm = BlockManager(num_blocks=10, block_size=4, enable_prefix_caching=False)
+    seq = make_seq(0, list(range(9)))
+    assert bm.can_allocate(seq, 9)
+    bm.allocate(seq, 9)
+    assert len(seq.block_table) == 3 and len(set(seq.block_table)) == 3
+    assert bm.num_free_blocks == 7 and bm.usage == pytest.approx(0.3)
+    seq.num_computed_tokens = 9
+    bm.allocate(seq, 3)  # 12 positions: still 3 blocks
+    assert len(seq.block_table) == 3
+    bm.allocate(seq, 4)  # 13 positions: a 4th block
+    assert len(seq.block_table) == 4
+    bm.check_invariants([seq])
+    bm.free(seq)
+    assert seq.block_table == [] and seq.num_computed_tokens == 0
+    assert bm.num_free_blocks == bm.num_total_blocks == 10 and bm.usage == 0.0
+    bm.check_invariants([])
+
+
+def test_out_of_blocks_is_refused_and_raises():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    seq = make_seq(0, list(range(12)))
+    assert not bm.can_allocate(seq, 12)
+    with pytest.raises(RuntimeError, match="out of KV blocks"):
+        bm.allocate(seq, 12)
+    assert bm.num_free_blocks == 2 and seq.block_table == []
+
+
+def test_hash_is_deterministic_and_chained():
+    a = hash_block_tokens(None, [1, 2, 3])
+    assert a == hash_block_tokens(None, (1, 2, 3)) and len(a) == 32
+    assert a != hash_block_tokens(None, [1, 2, 4])
+    assert hash_block_tokens(a, [5]) != hash_block_tokens(hash_block_tokens(None, [9]), [5])
+    assert hash_block_tokens(None, [2**40]) != hash_block_tokens(None, [0])
+
+
+def test_prefix_hit_rules_256_tokens_block_64():
+    """A fully cached 256-token prompt hits 192 (the last token must be computed); a longer
+    prompt that shares those 256 tokens hits all 256; a different first block hits nothing."""
+    bm = BlockManager(num_blocks=32, block_size=BS)
+    prefix = [7 + i % 50 for i in range(256)]
+    a = make_seq(0, prefix)
+    assert admit(bm, a) == []
+    assert bm.commit_full_blocks(a) == 4
+
+    same = make_seq(1, prefix)
+    hits = bm.lookup_prefix(same)
+    assert hits == a.block_table[:3]
+    admit(bm, same)
+    assert same.num_computed_tokens == 256 and same.block_table[:3] == a.block_table[:3]
+    assert same.block_table[3] != a.block_table[3]
+
+    longer = make_seq(2, prefix + [1, 2, 3])
+    assert bm.lookup_prefix(longer) == a.block_table
+
+    other = make_seq(3, [99] + prefix[1:])
+    assert bm.lookup_prefix(other) == []
+    assert bm.prefix_cache_queries == 512 and bm.prefix_cache_hits == 192
+    for b in a.block_table[:3]:
+        assert bm.ref_count(b) == 2
+    bm.check_invariants([a, same])
+
+
+def test_hits_revive_cached_free_blocks_and_are_counted_as_consumption():
+    bm = BlockManager(num_blocks=5, block_size=4)
+    a = make_seq(0, list(range(16)))
+    admit(bm, a)
+    bm.commit_full_blocks(a)
+    bm.free(a)
+    assert bm.num_free_blocks == 5 and bm.num_cached_free_blocks == 4
+
+    b = make_seq(1, list(range(16)) + [100])
+    hits = bm.lookup_prefix(b)
+    assert len(hits) == 4
+    # 4 revived + 1 fresh block for position 16
+    assert bm.num_blocks_needed(b, 1, hits) == 5 and bm.can_allocate(b, 1, hits)
+    assert not bm.can_allocate(b, 5, hits)
+    bm.allocate(b, 1, hits)
+    assert b.num_computed_tokens == 16 and b.num_committed_blocks == 4
+    assert bm.num_free_blocks == 0
+    bm.check_invariants([b])
+    bm.free(b)
+    assert bm.num_free_blocks == 5
+    bm.check_invariants([])
+
+
+def test_lru_eviction_prefers_plain_blocks_then_oldest_freed_tail_first():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a = make_seq(0, [1] * 8)  # 2 blocks
+    b = make_seq(1, [2] * 8)  # 2 blocks
+    admit(bm, a)
+    admit(bm, b)
+    bm.commit_full_blocks(a)
+    bm.commit_full_blocks(b)
+    a_blocks, b_blocks = list(a.block_table), list(b.block_table)
+    bm.free(a)  # freed first: evicted first, its tail block before its head block
+    bm.free(b)
+    assert bm.num_free_blocks == 6 and bm.num_cached_free_blocks == 4
+
+    c = make_seq(2, [3] * 12)  # needs 3 fresh blocks: 2 plain, then a's tail block
+    admit(bm, c)
+    assert a_blocks[1] in c.block_table and a_blocks[0] not in c.block_table
+    assert not bm.is_cached(a_blocks[1]) and bm.is_cached(a_blocks[0])
+    # a's head still hits (1 block), b's prefix is intact (its hit rule allows 1 of 2 blocks)
+    assert bm.lookup_prefix(make_seq(3, [1] * 8 + [5])) == a_blocks[:1]
+    assert bm.lookup_prefix(make_seq(4, [2] * 8 + [5])) == b_blocks
+    d = make_seq(5, [4] * 4)  # evicts a's head next
+    admit(bm, d)
+    assert d.block_table == a_blocks[:1]
+    assert bm.lookup_prefix(make_seq(6, [1] * 8 + [5])) == []
+    bm.check_invariants([c, d])
+    bm.free(c)
+    bm.free(d)
+    assert bm.num_free_blocks == 6
+    bm.check_invariants([])
+
+
+def test_prefix_caching_disabled_never_hits():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a = make_seq(0, list(range(12)))
+    admit(bm, a)
+    assert bm.commit_full_blocks(a) == 0
+    assert bm.lookup_prefix(make_seq(1, list(range(12)))) == []
+    bm.free(a)
+    assert bm.num_cached_free_blocks == 0 and bm.num_free_blocks == 8
+
+
+def test_duplicate_prefix_computed_twice_registers_once_and_frees_cleanly():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a, b = make_seq(0, list(range(9))), make_seq(1, list(range(9)))
+    admit(bm, a)
+    admit(bm, b)  # nothing registered yet: computes everything itself
+    assert set(a.block_table).isdisjoint(b.block_table)
+    assert bm.commit_full_blocks(a) == 2
+    assert bm.commit_full_blocks(b) == 0
+    bm.free(b)
+    assert bm.num_cached_free_blocks == 0  # b's copies are plain-freed
+    bm.free(a)
+    assert bm.num_cached_free_blocks == 2 and bm.num_free_blocks == 8
+    bm.check_invariants([])
+
+
+def test_commit_only_registers_full_blocks_of_known_computed_tokens():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq(0, list(range(10)))
+    bm.allocate(seq, 6)
+    seq.num_computed_tokens = 6  # a chunk: block 0 full, block 1 half
+    assert bm.commit_full_blocks(seq) == 1 and seq.num_committed_blocks == 1
+    bm.allocate(seq, 4)
+    seq.num_computed_tokens = 10
+    assert bm.commit_full_blocks(seq) == 1  # block 1; block 2 holds 2 of 4
+    # async look-ahead: position 10 is a placeholder (sampled token not known yet)
+    bm.allocate(seq, 2)
+    seq.num_computed_tokens = 12
+    seq.append_token(50)  # only one of the two new tokens is known
+    assert bm.commit_full_blocks(seq) == 0
+    seq.append_token(51)
+    assert bm.commit_full_blocks(seq) == 1
+    assert bm.lookup_prefix(make_seq(1, list(range(10)) + [50, 51, 0])) == seq.block_table[:3]
+    bm.free(seq)
+    bm.check_invariants([])
+
+
+def test_reset_prefix_cache_forgets_hashes_but_keeps_blocks_in_use():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a, b = make_seq(0, list(range(9))), make_seq(1, [5] * 9)
+    admit(bm, a)
+    admit(bm, b)
+    bm.commit_full_blocks(a)
+    bm.commit_full_blocks(b)
+    bm.free(b)
+    bm.reset_prefix_cache()
+    assert bm.num_cached_free_blocks == 0 and bm.num_free_blocks == 3
+    assert bm.lookup_prefix(make_seq(2, list(range(9)))) == []
+    bm.check_invariants([a])
+    bm.free(a)
+    assert bm.num_free_blocks == 6
+    bm.check_invariants([])
+
+
+def test_stale_cached_blocks_are_refused():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    a = make_seq(0, list(range(8)))
+    admit(bm, a)
+    bm.commit_full_blocks(a)
+    bm.free(a)
+    b = make_seq(1, list(range(8)) + [9])
+    hits = bm.lookup_prefix(b)
+    bm.reset_prefix_cache()
+    with pytest.raises(RuntimeError, match="no longer cached"):
+        bm.allocate(b, 1, hits)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        BlockManager(0, 4)
+    with pytest.raises(ValueError):
+        BlockManager(4, 0)
+    bm = BlockManager(4, 4)
+    with pytest.raises(ValueError):
+        bm.allocate(make_seq(0, [1]), -1)
