@@ -246,13 +246,15 @@ def spawn_workers(
     on_failure: Callable[[WorkerFailure], None] | None = None,
     terminate_on_failure: bool = True,
     grace_s: float = DEFAULT_GRACE_S,
+    local_ranks: list[int] | None = None,
 ) -> WorkerGroup:
     """Start this node's ranks; each runs ``fn(rank, world_size, local_rank, parallel_config, *args)``.
 
     ``fn`` and ``args`` must be picklable (a module-level function). On node ``i`` of
     ``nnodes`` the global ranks are ``i·L .. i·L+L-1`` with L = world_size / nnodes.
     ``device``: "cpu", "cuda" or "auto" (cuda when available). ``on_failure`` runs on the
-    monitor thread when a worker dies with a non-zero code.
+    monitor thread when a worker dies with a non-zero code. ``local_ranks`` starts only those
+    local ranks (the engine process itself is local rank 0 when it drives TP workers).
     """
     cfg = parallel_config or ParallelConfig(tp_size=world_size)
     if world_size != cfg.world_size:
@@ -271,7 +273,7 @@ def spawn_workers(
     ctx = mp.get_context(start_method)
     processes, ranks = [], []
     try:
-        for local_rank in range(local):
+        for local_rank in (range(local) if local_ranks is None else local_ranks):
             rank = cfg.global_rank(local_rank)
             env = worker_env(rank, local_rank, cfg, on_cpu=device == "cpu")
             proc = ctx.Process(target=_worker_main, name=f"mlaserve-worker-{rank}", daemon=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -83,16 +84,25 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, dp_rank: int = 0) -> None:
         self.config = config
         self.device = resolve_device(config)
         if config.seed is not None:
             torch.manual_seed(config.seed)
-        self.model = load_model(model_dir, dtype=config.dtype, device=self.device, progress=True)
+        par = None
+        self.workers = None
+        self.dp_sync = None
+        if config.world_size > 1:
+            par = self._join_parallel_group(model_dir, dp_rank)
+        self.model = load_model(model_dir, dtype=config.dtype, device=self.device, par=par, progress=True)
         self.model_config: ModelConfig = self.model.config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         num_blocks = determine_num_blocks(config, self.model_config, self.model.dtype, self.device)
+        if config.world_size > 1:
+            from distributed.worker import agree_num_blocks
+
+            num_blocks = agree_num_blocks(num_blocks)
         capacity = num_blocks * config.block_size
         if self.max_model_len > capacity:
             if config.max_model_len is not None:
@@ -105,6 +115,11 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, config, num_blocks, self.device)
+        if config.tensor_parallel_size > 1:
+            from distributed.worker import PlanBroadcaster
+
+            self.runner.plan_broadcaster = PlanBroadcaster()
+        self.ran_model = False  # whether the last step() ran a forward (DEP lockstep)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
         self._pending: tuple[SchedulerOutput, StepResult] | None = None  # async scheduling
@@ -112,6 +127,39 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, config.block_size, config.kv_cache_dtype)
+
+    def _join_parallel_group(self, model_dir: str, dp_rank: int):
+        """Start this DP group's TP workers, join the process groups, return the model's view."""
+        from distributed import worker as w
+        from distributed.parallel_state import ParallelConfig
+
+        w.check_supported(self.config)
+        pcfg = ParallelConfig.from_engine_config(self.config)
+        rank = dp_rank * self.config.tensor_parallel_size
+        local_rank = rank % pcfg.local_world_size
+        self.workers = w.start_tp_workers(self.config, model_dir, dp_rank, on_failure=self._worker_died)
+        w.init_engine_rank(self.config, rank, local_rank)
+        self.device = w.engine_device(self.config, local_rank)
+        if self.config.data_parallel_size > 1:
+            self.dp_sync = w.DPSync()
+        return w.parallel_context(self.config)
+
+    @staticmethod
+    def _worker_died(failure) -> None:
+        # A TP peer is gone: collectives would hang or fail. End this process at once; the
+        # API process sees the pipe close, fails in-flight requests and exits non-zero.
+        logger.error("TP worker died (%s); stopping the engine", failure.describe())
+        os._exit(1)
+
+    def shutdown(self) -> None:
+        if self.runner.plan_broadcaster is not None:
+            self.runner.plan_broadcaster.stop()
+        if self.workers is not None:
+            self.workers.join(timeout=30)
+        if self.config.world_size > 1:
+            from distributed.parallel_state import destroy_distributed
+
+            destroy_distributed()
 
     # ---- requests -----------------------------------------------------------------------------
     @property
@@ -183,13 +231,12 @@ class EngineCore:
         deltas, self._aborted = self._aborted, []
         if not self.config.async_scheduling:
             out = self.scheduler.schedule()
-            if out.is_empty:
-                self.runner.execute(out)  # lets the runner drop finished sequences' state
-                return deltas
-            result = self.runner.execute(out)
-            return deltas + self._process(out, result)
+            self.ran_model = not out.is_empty
+            result = self.runner.execute(out)  # an empty output just drops finished seqs' state
+            return deltas + self._process(out, result) if not out.is_empty else deltas
         # Async: plan and run step N+1 before applying step N's tokens (placeholders).
         out = self.scheduler.schedule()
+        self.ran_model = not out.is_empty
         result = self.runner.execute(out)
         prev, self._pending = self._pending, ((out, result) if not out.is_empty else None)
         if prev is not None:

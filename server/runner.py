@@ -190,6 +190,14 @@ class ModelRunner:
         self._last_sampled.update(result.sampled)
         return result
 
+    @torch.inference_mode()
+    def dummy_step(self) -> None:
+        """One pad token, no attention work: keeps an idle DP rank's MoE collectives in step."""
+        md = build_attention_metadata([], [], [], self.block_size, num_pad_tokens=1, device=self.device)
+        ids = torch.zeros(1, dtype=torch.long, device=self.device)
+        with forward_context(ForwardContext(md, self.kv_caches, self.kv_scales)):
+            self.model(ids, ids)
+
     def _forward_decode(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
         """Pure-decode step: one token per sequence (the CUDA-graph capture target)."""
         with forward_context(ctx):
