@@ -54,7 +54,7 @@ def parallel_context(config) -> ParallelContext:
     dispatch = config.data_parallel_size > 1
     use_ep = config.enable_expert_parallel and ep.world_size > 1
     return ParallelContext.from_groups(
-        tp, ep if use_ep else None, tp_reduction=config.extra.get("tp_reduction", "reduce_scatter"),
+        tp, ep if use_ep else None, tp_reduction=config.tp_reduction,
         dispatch_moe=dispatch,
     )
 

@@ -79,49 +79,84 @@ def _unpack(data: bytes):
 
 
 # ---- the engine process -----------------------------------------------------------------------
-def _engine_main(config: EngineConfig, model_dir: str, conn) -> None:
-    """Entry point of the engine process: build the core, then serve the pipe until shutdown."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(levelname)s %(message)s")
+def _engine_main(config: EngineConfig, model_dir: str, conn, dp_rank: int = 0) -> None:
+    """Entry point of an engine process: build the core, then serve the pipe until shutdown."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine{dp_rank} %(levelname)s %(message)s")
     try:
         from server.engine_core import EngineCore
 
-        core = EngineCore(config, model_dir)
+        core = EngineCore(config, model_dir, dp_rank)
     except Exception as exc:  # report any startup failure to the parent as one line
         conn.send_bytes(_pack(["fatal", f"{type(exc).__name__}: {exc}"]))
         return
     conn.send_bytes(_pack(["ready", {"max_model_len": core.max_model_len, **core.stats()}]))
     last_stats = 0.0
+    stop = False
     while True:
         busy = core.has_unfinished()
-        if conn.poll(0 if busy else 1.0):
-            while True:
-                msg = _unpack(conn.recv_bytes())
-                kind = msg[0]
-                if kind == "shutdown":
-                    return
-                if kind == "add":
-                    _, rid, ids, params = msg
-                    try:
-                        core.add_request(rid, ids, SamplingParams(**params))
-                    except InvalidRequestError as exc:
-                        err = RequestDelta(rid, [], finished=True, error=str(exc))
-                        conn.send_bytes(_pack(["deltas", [delta_to_wire(err)], core.stats()]))
-                elif kind == "abort":
-                    core.abort(msg[1])
-                if not conn.poll(0):
-                    break
-        if core.has_unfinished():
-            deltas = core.step()
-            now = time.monotonic()
-            if deltas or now - last_stats > 0.5:
-                conn.send_bytes(_pack(["deltas", [delta_to_wire(d) for d in deltas], core.stats()]))
-                last_stats = now
-        elif time.monotonic() - last_stats > 0.5:
-            conn.send_bytes(_pack(["deltas", [], core.stats()]))
-            last_stats = time.monotonic()
+        if conn.poll(0 if busy else (0.005 if core.dp_sync else 1.0)):
+            stop = _drain_messages(core, conn) or stop
+        if core.dp_sync is not None:
+            # DEP: every DP engine takes the same decision each iteration.
+            any_busy, any_stop = core.dp_sync(core.has_unfinished(), stop)
+            if any_stop:
+                core.shutdown()
+                return
+            deltas = []
+            if any_busy:
+                core.ran_model = False
+                if core.has_unfinished():
+                    deltas = core.step()
+                if not core.ran_model:
+                    core.runner.dummy_step()
+        else:
+            if stop:
+                core.shutdown()
+                return
+            deltas = core.step() if core.has_unfinished() else []
+        now = time.monotonic()
+        if deltas or now - last_stats > 0.5:
+            conn.send_bytes(_pack(["deltas", [delta_to_wire(d) for d in deltas], core.stats()]))
+            last_stats = now
+
+
+def _drain_messages(core, conn) -> bool:
+    """Apply every queued message; returns True when asked to shut down."""
+    while conn.poll(0):
+        try:
+            msg = _unpack(conn.recv_bytes())
+        except (EOFError, OSError):
+            return True  # the API process is gone: shut down
+        kind = msg[0]
+        if kind == "shutdown":
+            return True
+        if kind == "add":
+            _, rid, ids, params = msg
+            try:
+                core.add_request(rid, ids, SamplingParams(**params))
+            except InvalidRequestError as exc:
+                err = RequestDelta(rid, [], finished=True, error=str(exc))
+                conn.send_bytes(_pack(["deltas", [delta_to_wire(err)], core.stats()]))
+        elif kind == "abort":
+            core.abort(msg[1])
+    return False
 
 
 # ---- the API-side handle ----------------------------------------------------------------------
+class _EngineProcess:
+    """One engine process (one per DP rank) and the pipe to it."""
+
+    def __init__(self, dp_rank: int, proc, conn) -> None:
+        self.dp_rank, self.proc, self.conn = dp_rank, proc, conn
+        self.stats: dict = {}
+        self.inflight: set[str] = set()
+        self.lock = threading.Lock()
+
+    def send(self, msg) -> None:
+        with self.lock:
+            self.conn.send_bytes(_pack(msg))
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.engine_config = config
@@ -131,12 +166,9 @@ class AsyncEngine:
         self.served_model_name = config.served_model_name or model_dir.rstrip("/").split("/")[-1]
         self.max_model_len = 0
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
-        self._stats: dict = {}
+        self._owner: dict[str, _EngineProcess] = {}
+        self._engines: list[_EngineProcess] = []
         self._dead: str | None = None
-        self._send_lock = threading.Lock()
-        self._proc = None
-        self._conn = None
-        self._reader: threading.Thread | None = None
         self._closing = False
 
     @classmethod
@@ -149,43 +181,63 @@ class AsyncEngine:
         return engine
 
     def _spawn(self) -> None:
+        config = self.engine_config
+        if config.world_size > 1:
+            from distributed.worker import check_supported
+
+            check_supported(config)
+            if config.nnodes == 1:  # one host: any free loopback port will do
+                from distributed.launcher import find_free_port
+
+                config = dataclasses.replace(config, master_port=find_free_port(config.master_addr))
         ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_engine_main, args=(self.engine_config, self.model_dir, child),
-                                 name="mlaserve-engine", daemon=True)
-        self._proc.start()
-        child.close()
-        self._conn = parent
-        if not parent.poll(STARTUP_TIMEOUT_S):
-            self._proc.kill()
-            raise RuntimeError(f"engine process did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        for dp_rank in range(config.data_parallel_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_engine_main, args=(config, self.model_dir, child, dp_rank),
+                               name=f"mlaserve-engine-{dp_rank}", daemon=False)  # it spawns TP workers
+            proc.start()
+            child.close()
+            self._engines.append(_EngineProcess(dp_rank, proc, parent))
         try:
-            msg = _unpack(parent.recv_bytes())
+            infos = [self._await_ready(e) for e in self._engines]
+        except BaseException:
+            for e in self._engines:
+                e.proc.kill()
+            raise
+        self.max_model_len = min(info.pop("max_model_len") for info in infos)
+        for e, info in zip(self._engines, infos):
+            e.stats = info
+            threading.Thread(target=self._read_loop, args=(e,), name=f"mlaserve-engine-reader-{e.dp_rank}",
+                             daemon=True).start()
+
+    @staticmethod
+    def _await_ready(e: _EngineProcess) -> dict:
+        if not e.conn.poll(STARTUP_TIMEOUT_S):
+            raise RuntimeError(f"engine process {e.dp_rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        try:
+            msg = _unpack(e.conn.recv_bytes())
         except EOFError:
-            self._proc.join(5)
-            raise RuntimeError(f"engine process exited during startup (exit code {self._proc.exitcode})") from None
+            e.proc.join(5)
+            raise RuntimeError(f"engine process exited during startup (exit code {e.proc.exitcode})") from None
         if msg[0] == "fatal":
-            self._proc.join(5)
+            e.proc.join(5)
             raise RuntimeError(f"engine failed to start: {msg[1]}")
-        info = msg[1]
-        self.max_model_len = info.pop("max_model_len")
-        self._stats = info
-        self._reader = threading.Thread(target=self._read_loop, name="mlaserve-engine-reader", daemon=True)
-        self._reader.start()
+        return msg[1]
 
     # ---- reading outputs ---------------------------------------------------------------------
-    def _read_loop(self) -> None:
+    def _read_loop(self, e: _EngineProcess) -> None:
         while True:
             try:
-                msg = _unpack(self._conn.recv_bytes())
+                msg = _unpack(e.conn.recv_bytes())
             except (EOFError, OSError):
                 if self._closing:
-                    self._dead = "engine shut down"
+                    self._dead = self._dead or "engine shut down"
                     return
-                self._mark_dead(f"engine process exited (exit code {self._proc.exitcode})")
+                e.proc.join(2)
+                self._mark_dead(f"engine process {e.dp_rank} exited (exit code {e.proc.exitcode})")
                 return
             if msg[0] == "deltas":
-                self._stats = msg[2]
+                e.stats = msg[2]
                 for w in msg[1]:
                     d = delta_from_wire(w)
                     entry = self._streams.get(d.request_id)
@@ -203,22 +255,34 @@ class AsyncEngine:
             except RuntimeError:
                 pass
 
-    def _send(self, msg) -> None:
+    def _send(self, e: _EngineProcess, msg) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
-        with self._send_lock:
-            try:
-                self._conn.send_bytes(_pack(msg))
-            except (OSError, ValueError) as exc:
-                raise EngineDeadError(f"engine process is gone: {exc}") from None
+        try:
+            e.send(msg)
+        except (OSError, ValueError) as exc:
+            raise EngineDeadError(f"engine process is gone: {exc}") from None
+
+    def _pick_engine(self) -> _EngineProcess:
+        """DEP: the DP rank with the fewest requests in flight (ties: lowest rank)."""
+        return min(self._engines, key=lambda e: (len(e.inflight), e.dp_rank))
 
     # ---- public API --------------------------------------------------------------------------
     @property
     def is_healthy(self) -> bool:
-        return self._dead is None and self._proc is not None and self._proc.is_alive()
+        return self._dead is None and bool(self._engines) and all(e.proc.is_alive() for e in self._engines)
 
     def stats(self) -> dict:
-        return dict(self._stats)
+        keys = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prompt_tokens_total",
+                "generation_tokens_total", "num_preemptions")
+        total = {k: sum(e.stats.get(k, 0) for e in self._engines) for k in keys}
+        total["collectives"] = {}
+        for e in self._engines:
+            for k, v in e.stats.get("collectives", {}).items():
+                total["collectives"][k] = total["collectives"].get(k, 0) + v
+        blocks = total["num_total_blocks"]
+        total["kv_cache_usage"] = (1.0 - total["num_free_blocks"] / blocks) if blocks else 0.0
+        return total
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
@@ -247,16 +311,20 @@ class AsyncEngine:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (queue, asyncio.get_running_loop())
+        engine = self._pick_engine()
+        engine.inflight.add(request_id)
+        self._owner[request_id] = engine
         acc = OutputAccumulator(request_id, prompt, prompt_token_ids, params.n, params.logprobs is not None,
                                 time.monotonic())
         finished = False
         try:
-            self._send(["add", request_id, list(prompt_token_ids), dataclasses.asdict(params)])
+            self._send(engine, ["add", request_id, list(prompt_token_ids), dataclasses.asdict(params)])
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
                 if item.error is not None:
+                    finished = True
                     raise InvalidRequestError(item.error)
                 out = acc.apply(item, time.monotonic())
                 finished = out.finished
@@ -265,24 +333,30 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self._owner.pop(request_id, None)
+            engine.inflight.discard(request_id)
             if not finished and self._dead is None:
                 try:
-                    self._send(["abort", request_id])
+                    self._send(engine, ["abort", request_id])
                 except EngineDeadError:
                     pass
 
     async def abort(self, request_id: str) -> None:
-        if self._dead is None:
-            self._send(["abort", request_id])
+        engine = self._owner.get(request_id)
+        if engine is not None and self._dead is None:
+            self._send(engine, ["abort", request_id])
 
     async def shutdown(self) -> None:
-        if self._proc is None:
+        if not self._engines:
             return
         self._closing = True
-        try:
-            self._send(["shutdown"])
-        except EngineDeadError:
-            pass
-        await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
-        if self._proc.is_alive():
-            self._proc.kill()
+        for e in self._engines:
+            try:
+                e.send(["shutdown"])
+            except (OSError, ValueError):
+                pass
+        loop = asyncio.get_running_loop()
+        for e in self._engines:
+            await loop.run_in_executor(None, e.proc.join, 15)
+            if e.proc.is_alive():
+                e.proc.kill()

@@ -184,7 +184,7 @@ _ENGINE_FIELDS = (
     "async_scheduling", "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override",
     "swap_space", "enforce_eager", "max_cudagraph_capture_size", "attention_backend",
     "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "nnodes", "node_rank",
-    "master_addr", "master_port", "trust_remote_code",
+    "master_addr", "master_port", "trust_remote_code", "tp_reduction",
 )
 
 
@@ -246,6 +246,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=None)
     g.add_argument("--enable-expert-parallel", action=bool_flag, default=None)
+    g.add_argument("--tp-reduction", choices=["reduce_scatter", "all_reduce"], default=None,
+                   help="how TP sums row-parallel outputs: reduce-scatter over tokens (default) or "
+                        "all-reduce (for A/B comparison; same results)")
     g.add_argument("--nnodes", type=int, default=None)
     g.add_argument("--node-rank", type=int, default=None)
     g.add_argument("--master-addr", default=None)

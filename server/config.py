@@ -53,6 +53,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    tp_reduction: str = "reduce_scatter"  # or "all_reduce" (A/B comparison)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -97,6 +98,11 @@ class EngineConfig:
             bad("--tensor-parallel-size", f"must be at least 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:
             bad("--data-parallel-size", f"must be at least 1, got {self.data_parallel_size}")
+        if self.tp_reduction not in ("reduce_scatter", "all_reduce"):
+            bad("--tp-reduction", f"must be reduce_scatter or all_reduce, got {self.tp_reduction!r}")
+        if self.master_addr in ("0.0.0.0", "::", ""):
+            bad("--master-addr", "must be the address of node 0, not a wildcard (internal channels never "
+                "listen on every interface)")
         if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 1:
             bad("--max-cudagraph-capture-size", f"must be at least 1, got {self.max_cudagraph_capture_size}")
 

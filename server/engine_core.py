@@ -334,4 +334,12 @@ class EngineCore:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_preemptions": self.scheduler.num_preemptions,
+            "collectives": self._collective_counts(),
         }
+
+    def _collective_counts(self) -> dict[str, int]:
+        if self.config.world_size == 1:
+            return {}
+        from distributed.comm import collective_counts
+
+        return {k: v for k, v in collective_counts().items() if v}

@@ -74,6 +74,12 @@ class _EngineStatsCollector:
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", s["prompt_tokens_total"])
         yield counter("vllm:generation_tokens", "Generation tokens produced.", s["generation_tokens_total"])
         yield counter("vllm:num_preemptions", "Cumulative preemptions.", s["num_preemptions"])
+        coll = CounterMetricFamily("mlaserve:collectives", "Collectives run by the engine ranks, by kind "
+                                   "(reduce_scatter_tensor = one ReduceScatter; *_v = uneven sizes).",
+                                   labels=["model_name", "kind"])
+        for kind, n in sorted(s.get("collectives", {}).items()):
+            coll.add_metric([self._model_name, kind], float(n))
+        yield coll
 
 
 class ServerMetrics:
