@@ -143,3 +143,19 @@ class DPSync:
         flags = torch.tensor([int(busy), int(stop)], dtype=torch.int64)
         out = comm.all_reduce(flags, self.group, op="max")
         return bool(out[0]), bool(out[1])
+
+
+def run_headless_node(config, model_dir: str) -> int:
+    """``--node-rank`` > 0: run this node's TP workers (no API, no scheduler) until rank 0 stops."""
+    from distributed.launcher import WorkerFailedError, spawn_workers
+
+    check_supported(config)
+    pcfg = ParallelConfig.from_engine_config(config)
+    device = "cuda" if engine_device(config, 0).type == "cuda" else "cpu"
+    group = spawn_workers(tp_worker_main, pcfg.world_size, (config, model_dir), pcfg, device=device)
+    try:
+        group.join()
+    except WorkerFailedError as exc:
+        logger.error("%s", exc)
+        return 1
+    return 0

@@ -27,7 +27,7 @@ import msgpack
 from model.config import ModelConfig, load_model_config
 from server.config import EngineConfig
 from server.engine_core import RequestDelta, SeqDelta
-from server.errors import EngineDeadError, InvalidRequestError
+from server.errors import EngineDeadError, EngineStartupError, InvalidRequestError
 from server.outputs import OutputAccumulator, RequestOutput, TokenLogprob
 from server.sampling_params import SamplingParams
 from server.tokenizer import Tokenizer
@@ -213,15 +213,15 @@ class AsyncEngine:
     @staticmethod
     def _await_ready(e: _EngineProcess) -> dict:
         if not e.conn.poll(STARTUP_TIMEOUT_S):
-            raise RuntimeError(f"engine process {e.dp_rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
+            raise EngineStartupError(f"engine process {e.dp_rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
         try:
             msg = _unpack(e.conn.recv_bytes())
         except EOFError:
             e.proc.join(5)
-            raise RuntimeError(f"engine process exited during startup (exit code {e.proc.exitcode})") from None
+            raise EngineStartupError(f"engine process exited during startup (exit code {e.proc.exitcode})") from None
         if msg[0] == "fatal":
             e.proc.join(5)
-            raise RuntimeError(f"engine failed to start: {msg[1]}")
+            raise EngineStartupError(f"engine failed to start: {msg[1]}")
         return msg[1]
 
     # ---- reading outputs ---------------------------------------------------------------------

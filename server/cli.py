@@ -346,11 +346,25 @@ def run_serve(args: ServeArgs) -> int:
         logger.error("model directory not found: %s (mlaserve loads local Hugging Face checkpoints; "
                      "download one first, e.g. with `huggingface-cli download`)", model)
         return 1
-    from server.api import run_server
+    if args.engine_config.node_rank > 0:
+        from distributed.worker import run_headless_node
 
-    return asyncio.run(run_server(args.engine_config, args.host, args.port, args.api_key,
-                                  uvicorn_log_level=args.uvicorn_log_level, log_requests=args.log_requests,
-                                  log_stats=args.log_stats))
+        logger.info("node rank %d: running this node's workers headless (the API runs on node 0)",
+                    args.engine_config.node_rank)
+        return run_headless_node(args.engine_config, model)
+    from model.config import ConfigError
+    from server.api import run_server
+    from server.errors import EngineStartupError
+    from server.tokenizer import TokenizerLoadError
+
+    try:
+        return asyncio.run(run_server(args.engine_config, args.host, args.port, args.api_key,
+                                      uvicorn_log_level=args.uvicorn_log_level, log_requests=args.log_requests,
+                                      log_stats=args.log_stats))
+    except (ConfigError, TokenizerLoadError, EngineStartupError) as exc:
+        # A bad checkpoint or a failed start: one line naming the cause, no traceback wall.
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _serve_main(ns: argparse.Namespace) -> int:

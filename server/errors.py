@@ -11,3 +11,7 @@ class InvalidRequestError(ValueError):
 
 class EngineDeadError(RuntimeError):
     """The engine loop (or one of its workers) died; in-flight requests fail with this."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine could not start (bad checkpoint, out of memory, ...); the message is one line."""
