@@ -1,0 +1,151 @@
+"""Real multi-process servers on CPU (gloo, fp32): TP2 and DEP2 answer like TP1; the
+reduce-scatter and all-reduce modes agree and the counters show which ran; a killed worker
+turns /health to 503 and ends the server with a non-zero exit within 10 s."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from distributed.launcher import find_free_port
+from model.checkpoint import write_random_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+pytestmark = pytest.mark.slow
+
+
+@contextmanager
+def serve(model_dir: str, *flags: str, timeout_s: float = 120.0):
+    port = find_free_port()
+    log = open(os.path.join(os.path.dirname(model_dir), f"server-{port}.log"), "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "server", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+         "--device", "cpu", "--dtype", "float32", "--num-gpu-blocks-override", "64", "--block-size", "16",
+         "--disable-log-stats", *flags],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("server did not become healthy")
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+
+
+PROMPTS = ["the quick brown fox", "DeepSeek MLA keeps a latent cache", "1+2=3, 4+5="]
+
+
+def _query(url: str) -> dict:
+    """Greedy completions and prompt logprobs (echo) for every prompt, sent concurrently."""
+    with httpx.Client(base_url=url, timeout=60) as c:
+        gen = c.post("/v1/completions", json={"model": c.get("/v1/models").json()["data"][0]["id"],
+                                               "prompt": PROMPTS, "max_tokens": 8, "temperature": 0,
+                                               "ignore_eos": True}).json()
+        echo = c.post("/v1/completions", json={"model": gen["model"], "prompt": PROMPTS, "max_tokens": 1,
+                                                "temperature": 0, "echo": True, "logprobs": 0}).json()
+        # An unbalanced DEP step: a single request keeps one rank idle.
+        alone = c.post("/v1/completions", json={"model": gen["model"], "prompt": PROMPTS[0], "max_tokens": 5,
+                                                 "temperature": 0, "ignore_eos": True}).json()
+        metrics = c.get("/metrics").text
+    return {
+        "texts": [ch["text"] for ch in sorted(gen["choices"], key=lambda ch: ch["index"])],
+        "logprobs": [ch["logprobs"]["token_logprobs"] for ch in sorted(echo["choices"], key=lambda ch: ch["index"])],
+        "alone": alone["choices"][0]["text"],
+        "collectives": {m.group(1): float(m.group(2)) for m in
+                        re.finditer(r'mlaserve:collectives_total\{kind="(\w+)",model_name="[^"]*"\} ([\d.e+]+)', metrics)},
+    }
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a["texts"] == b["texts"]
+    assert a["alone"] == b["alone"]
+    for la, lb in zip(a["logprobs"], b["logprobs"]):
+        assert la[0] is None and lb[0] is None
+        assert max(abs(x - y) for x, y in zip(la[1:], lb[1:])) < 1e-5
+
+
+@pytest.fixture(scope="module", params=["tiny-v3", "tiny-v2"])
+def ckpt_and_ref(request, tmp_path_factory):
+    path = write_random_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param) / "m"), seed=17)
+    with serve(path) as (url, _):
+        ref = _query(url)
+    return path, ref
+
+
+def test_tp2_reduce_scatter_and_all_reduce_match_tp1(ckpt_and_ref):
+    path, ref = ckpt_and_ref
+    with serve(path, "--tensor-parallel-size", "2") as (url, _):
+        rs = _query(url)
+    with serve(path, "-tp", "2", "--tp-reduction", "all_reduce") as (url, _):
+        ar = _query(url)
+    _assert_same(rs, ref)
+    _assert_same(ar, ref)
+    # (one all-reduce at start-up agrees on the KV capacity; the layers never all-reduce)
+    assert rs["collectives"].get("reduce_scatter_tensor", 0) > 0 and rs["collectives"].get("all_reduce", 0) <= 1
+    assert rs["collectives"].get("reduce_scatter_v", 0) == 0  # steps are padded to equal shards
+    assert ar["collectives"].get("all_reduce", 0) > 0 and "reduce_scatter_tensor" not in ar["collectives"]
+
+
+def test_dep2_matches_tp1(ckpt_and_ref):
+    path, ref = ckpt_and_ref
+    with serve(path, "--data-parallel-size", "2", "--enable-expert-parallel") as (url, _):
+        dep = _query(url)
+    _assert_same(dep, ref)
+    assert dep["collectives"].get("reduce_scatter_v", 0) + dep["collectives"].get("reduce_scatter_tensor", 0) > 0
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def test_killed_worker_gives_503_and_nonzero_exit(tmp_path):
+    path = write_random_checkpoint("tiny-v2", str(tmp_path / "m"), seed=3)
+    with serve(path, "-tp", "2") as (url, proc):
+        engines = _children(proc.pid)
+        # The engine's children: its TP worker (a multiprocessing spawn child), not the
+        # multiprocessing resource tracker.
+        workers = [w for e in engines for w in _children(e)
+                   if "resource_tracker" not in open(f"/proc/{w}/cmdline").read()]
+        assert workers, "no TP worker process found"
+        os.kill(workers[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        saw_503 = False
+        while time.monotonic() - t0 < 10:
+            if proc.poll() is not None:
+                break
+            try:
+                saw_503 = saw_503 or httpx.get(url + "/health", timeout=1).status_code == 503
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        assert proc.poll() is not None and proc.returncode != 0, "server did not exit within 10 s"
+        assert time.monotonic() - t0 < 10
+        assert saw_503 or proc.returncode != 0
