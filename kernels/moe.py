@@ -92,7 +92,7 @@ def moe_experts_reference(
     return out.to(x.dtype)
 
 
-def moe_experts(
+def moe_experts_grouped(
     x: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -100,4 +100,42 @@ def moe_experts(
     topk_ids: torch.Tensor,
     expert_offset: int = 0,
 ) -> torch.Tensor:
+    """The same sum with two grouped GEMMs (``torch._grouped_mm``) over expert-sorted rows.
+
+    No host synchronization and fixed shapes (T·k rows), so it can be captured in a CUDA
+    graph; each used expert's weights are read once. Choices of experts another rank owns
+    are sorted last, fall outside the offsets and contribute exactly zero.
+    """
+    t, k = topk_ids.shape
+    n_local = w13.shape[0]
+    local = topk_ids.flatten() - expert_offset
+    owned = (local >= 0) & (local < n_local)
+    group = torch.where(owned, local, n_local)  # foreign choices go to a virtual last group
+    order = torch.argsort(group, stable=True)
+    token = order // k
+    counts = torch.zeros(n_local + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, group, torch.ones_like(group, dtype=torch.int32))
+    offs = torch.cumsum(counts[:n_local], 0, dtype=torch.int32)
+    xs = x[token]
+    h = silu_and_mul(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    keep = owned[order].unsqueeze(-1)
+    y = torch.where(keep, y.float() * topk_weights.flatten()[order].unsqueeze(-1), 0.0)
+    out = torch.zeros(t, w2.shape[1], dtype=torch.float32, device=x.device)
+    out.index_add_(0, token, y)
+    return out.to(x.dtype)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``auto``: grouped GEMMs on CUDA (graph-capturable), the per-expert reference on CPU."""
+    if backend == "grouped" or (backend == "auto" and x.is_cuda):
+        return moe_experts_grouped(x, w13, w2, topk_weights, topk_ids, expert_offset)
     return moe_experts_reference(x, w13, w2, topk_weights, topk_ids, expert_offset)

@@ -46,6 +46,8 @@ class ForwardContext:
     attn: AttentionMetadata | None = None
     kv_caches: list[torch.Tensor] | None = None  # per layer [num_blocks, block_size, 576]
     kv_scales: list[float] | None = None  # per layer k_scale (FP8 cache only)
+    attention_backend: str = "torch"  # MLA decode kernel: torch | triton | flashinfer | trtllm | auto
+    q_scale: float = 1.0  # static per-tensor scale of the FP8 query (FP8 cache, GPU kernels)
     # Filled by the model when asked: per-layer debug/telemetry (unused by the hot path).
     extras: dict = field(default_factory=dict)
 

@@ -120,6 +120,9 @@ class EngineCore:
 
             self.runner.plan_broadcaster = PlanBroadcaster()
         self.ran_model = False  # whether the last step() ran a forward (DEP lockstep)
+        from server.cuda_graphs import maybe_capture
+
+        self.runner.decode_graphs = maybe_capture(self.runner, config, self.max_model_len)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
         self._pending: tuple[SchedulerOutput, StepResult] | None = None  # async scheduling

@@ -97,7 +97,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         cache_dtype = kv_cache_dtype(config, model.dtype)
-        shape = (num_blocks, self.block_size, self.model_config.kv_cache_entry_dim)
+        # One page more than the block manager hands out: its last slot is where pad rows
+        # (slot -1) write, so cache writes keep fixed shapes (CUDA graphs).
+        shape = (num_blocks + 1, self.block_size, self.model_config.kv_cache_entry_dim)
         self.kv_caches = [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in model.layers]
         # Per-layer FP8 scale (k_scale). Checkpoints rarely carry one for MLA; 1.0 like vLLM's default.
         self.kv_scales = [1.0] * len(model.layers)
@@ -108,6 +110,8 @@ class ModelRunner:
         self._last_sampled: dict[int, int] = {}
         # Set when TP workers follow this runner: called with each step's plan before it runs.
         self.plan_broadcaster = None
+        self.attention_backend = config.attention_backend if device.type == "cuda" else "torch"
+        self.decode_graphs = None  # server.cuda_graphs.DecodeGraphs, once captured
 
     # ---- sequence lifecycle -----------------------------------------------------------------
     def _generator(self, seq: Sequence) -> torch.Generator | None:
@@ -166,7 +170,7 @@ class ModelRunner:
         )
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
-        ctx = ForwardContext(md, self.kv_caches, self.kv_scales)
+        ctx = self.forward_context(md)
         if plan.num_decodes and plan.num_decodes == len(plan.query_lens):
             hidden = self._forward_decode(input_ids, pos, ctx)
         else:
@@ -195,11 +199,16 @@ class ModelRunner:
         """One pad token, no attention work: keeps an idle DP rank's MoE collectives in step."""
         md = build_attention_metadata([], [], [], self.block_size, num_pad_tokens=1, device=self.device)
         ids = torch.zeros(1, dtype=torch.long, device=self.device)
-        with forward_context(ForwardContext(md, self.kv_caches, self.kv_scales)):
+        with forward_context(self.forward_context(md)):
             self.model(ids, ids)
 
+    def forward_context(self, md) -> ForwardContext:
+        return ForwardContext(md, self.kv_caches, self.kv_scales, attention_backend=self.attention_backend)
+
     def _forward_decode(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
-        """Pure-decode step: one token per sequence (the CUDA-graph capture target)."""
+        """Pure-decode step: one token per sequence; replays a captured CUDA graph when one fits."""
+        if self.decode_graphs is not None and self.decode_graphs.fits(input_ids.shape[0]):
+            return self.decode_graphs.run(input_ids, positions, ctx.attn)
         with forward_context(ctx):
             return self.model(input_ids, positions)
 

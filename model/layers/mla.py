@@ -126,15 +126,24 @@ class MLAAttention(nn.Module):
         return out
 
     def _write_cache(self, cache, slot_mapping, kv_c, k_pe, k_scale: float) -> None:
-        entries = torch.cat([kv_c, k_pe], dim=-1)
-        valid = slot_mapping >= 0
-        slots = slot_mapping[valid]
-        entries = entries[valid]
+        """Scatter [kv_c ‖ k_pe] (FP8-quantized for an FP8 cache) to the tokens' slots.
+
+        Rows with slot -1 (padding) go to the cache's last slot, which the runner reserves
+        as scratch: no boolean indexing, so the write has fixed shapes (CUDA-graph safe).
+        """
         flat = cache.view(-1, cache.shape[-1])
+        entries = torch.empty(kv_c.shape[0], flat.shape[-1], dtype=cache.dtype, device=cache.device)
         if cache.dtype == FP8_DTYPE:
-            flat[slots] = quantize_per_tensor(entries, k_scale)
+            entries[:, : self.kv_lora_rank] = quantize_per_tensor(kv_c, k_scale)
+            entries[:, self.kv_lora_rank :] = quantize_per_tensor(k_pe, k_scale)
         else:
-            flat[slots] = entries.to(cache.dtype)
+            entries[:, : self.kv_lora_rank] = kv_c
+            entries[:, self.kv_lora_rank :] = k_pe
+        slots = torch.where(slot_mapping >= 0, slot_mapping, flat.shape[0] - 1)
+        if cache.dtype == FP8_DTYPE:  # index_copy has no fp8 kernel: move the bytes
+            flat.view(torch.uint8).index_copy_(0, slots, entries.view(torch.uint8))
+        else:
+            flat.index_copy_(0, slots, entries)
 
     def _gather_context(self, cache, attn: AttentionMetadata, seq: int, n: int, k_scale: float):
         """The first ``n`` cached latents of sequence ``seq`` as ([n, kv_lora], [n, rope])."""
@@ -165,17 +174,29 @@ class MLAAttention(nn.Module):
     def _decode(self, q_nope, q_pe, cache, attn: AttentionMetadata, k_scale: float) -> torch.Tensor:
         nd = q_nope.shape[0]
         b, s_q = attn.num_decode_seqs, attn.decode_query_len
-        ql_nope = torch.einsum("thd,hdc->thc", q_nope, self.w_uk)
-        q_abs = torch.cat([ql_nope, q_pe], dim=-1).view(b, s_q, self.num_local_heads, -1)
+        ctx = get_forward_context()
+        backend = ctx.attention_backend if ctx is not None else "torch"
+        # The stage buffer: W_UK's product fills [..., :512], the rotated q_pe [..., 512:], then
+        # one quantization pass makes the FP8 query (no torch.cat, no second quant launch).
+        stage = q_nope.new_empty(self.num_local_heads, nd, self.kv_lora_rank + self.rope_dim)
+        torch.bmm(q_nope.transpose(0, 1), self.w_uk, out=stage[..., : self.kv_lora_rank])
+        stage[..., self.kv_lora_rank :] = q_pe.transpose(0, 1)
+        q_abs = stage.transpose(0, 1)
+        q_scale = 1.0
+        if cache.dtype == FP8_DTYPE and backend != "torch" and q_abs.is_cuda:
+            q_scale = ctx.q_scale
+            q_abs = quantize_per_tensor(q_abs, q_scale)
         out_latent, _ = mla_decode(
-            q_abs,
+            q_abs.reshape(b, s_q, self.num_local_heads, -1),
             cache,
             attn.block_tables[:b],
             attn.seq_lens[:b],
             self.softmax_scale,
             kv_lora_rank=self.kv_lora_rank,
+            q_scale=q_scale,
             k_scale=k_scale,
             out_dtype=self.compute_dtype,
+            backend=backend,
         )
         out_latent = out_latent.reshape(nd, self.num_local_heads, self.kv_lora_rank)
         return torch.einsum("thc,hvc->thv", out_latent, self.w_uv)
