@@ -33,5 +33,23 @@ def mla_prefill_reference(
     return out.transpose(0, 1).to(q.dtype)
 
 
+def mla_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """GPU path: torch's fused attention in the compute dtype. A block with no cached context
+    is plain causal (flash kernels); v is zero-padded to the q/k head dim when they differ,
+    as fused kernels want equal head dims, and the padding is sliced off the output."""
+    tq, tk, dv = q.shape[0], k.shape[0], v.shape[-1]
+    if dv < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - dv))
+    qt, kt, vt = (t.transpose(0, 1) for t in (q, k, v))
+    if tq == tk:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=softmax_scale)
+    else:
+        mask = causal_offset_mask(tq, tk, q.device)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=softmax_scale)
+    return out.transpose(0, 1)[..., :dv]
+
+
 def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    if q.is_cuda:
+        return mla_prefill_sdpa(q, k, v, softmax_scale)
     return mla_prefill_reference(q, k, v, softmax_scale)

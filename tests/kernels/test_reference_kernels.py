@@ -210,3 +210,12 @@ def test_grouped_moe_matches_reference(dtype):
     ref_part = moe_experts_reference(x, w13[4:], w2[4:], wts, ids, expert_offset=4).float()
     assert torch.isfinite(part).all()
     assert ((part - ref_part).norm() / ref_part.norm()).item() < tol
+
+
+@pytest.mark.parametrize("tq,tk", [(9, 9), (5, 14)])
+def test_mla_prefill_sdpa_path_matches_reference(tq, tk):
+    """The fused-attention path (used on CUDA) computes the same function; checked on CPU."""
+    from kernels.mla_prefill import mla_prefill_sdpa
+
+    q, k, v = rnd(tq, 3, 24), rnd(tk, 3, 24), rnd(tk, 3, 16)
+    assert torch.allclose(mla_prefill_sdpa(q, k, v, 0.2), mla_prefill_reference(q, k, v, 0.2), atol=1e-5)
