@@ -22,14 +22,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 pytestmark = pytest.mark.slow
 
 
+TEST_FLAGS = ("--dtype", "float32", "--num-gpu-blocks-override", "64", "--block-size", "16", "--disable-log-stats")
+# The user's launch line, verbatim (issue: the vLLM seed run of DeepSeek-R1 on 8 GPUs).
+SEED_LAUNCH_LINE = (
+    "--dtype auto --kv-cache-dtype fp8 --tensor-parallel-size 8 --swap-space 16 --max-num-seqs 1024 "
+    "--trust-remote-code --max-model-len 10240 --gpu-memory-utilization 0.95 --max-num-batched-tokens 16384 "
+    "--async-scheduling --max-cudagraph-capture-size 1024 --compilation_config.cudagraph_mode FULL_DECODE_ONLY"
+).split()
+
+
 @contextmanager
-def serve(model_dir: str, *flags: str, timeout_s: float = 120.0):
+def serve(model_dir: str, *flags: str, timeout_s: float = 120.0, test_flags=TEST_FLAGS):
     port = find_free_port()
     log = open(os.path.join(os.path.dirname(model_dir), f"server-{port}.log"), "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "server", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
-         "--device", "cpu", "--dtype", "float32", "--num-gpu-blocks-override", "64", "--block-size", "16",
-         "--disable-log-stats", *flags],
+         "--device", "cpu", *test_flags, *flags],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     url = f"http://127.0.0.1:{port}"
@@ -149,3 +157,21 @@ def test_killed_worker_gives_503_and_nonzero_exit(tmp_path):
         assert proc.poll() is not None and proc.returncode != 0, "server did not exit within 10 s"
         assert time.monotonic() - t0 < 10
         assert saw_503 or proc.returncode != 0
+
+
+def test_seed_launch_line_starts_on_cpu(tmp_path):
+    """The user's TP8 launch line, verbatim, serves a tiny 8-head checkpoint on CPU (8 ranks)."""
+    from model.checkpoint import load_config_dict
+
+    cfg = dict(load_config_dict("tiny-v3"), num_attention_heads=8, num_key_value_heads=8,
+               max_position_embeddings=16384, num_hidden_layers=2)
+    path = write_random_checkpoint(cfg, str(tmp_path / "m"), seed=4)
+    with serve(path, *SEED_LAUNCH_LINE, timeout_s=240, test_flags=()) as (url, _):
+        with httpx.Client(base_url=url, timeout=120) as c:
+            name = c.get("/v1/models").json()["data"][0]["id"]
+            r = c.post("/v1/completions", json={"model": name, "prompt": PROMPTS, "max_tokens": 4,
+                                                 "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert all(ch["finish_reason"] == "length" for ch in r.json()["choices"])
+            coll = _query(url)["collectives"]
+    assert coll.get("reduce_scatter_tensor", 0) > 0
