@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -43,37 +42,18 @@ def preset_names() -> list[str]:
     return sorted(f[:-5] for f in os.listdir(CONFIGS_DIR) if f.endswith(".json"))
 
 
-def random_checkpoint_bytes(config: dict) -> int:
-    """Bytes that ``write_random_checkpoint`` will write for ``config`` (without MTP layers)."""
-    from model.checkpoint import checkpoint_tensor_shapes, is_quantized_tensor
-    from model.config import parse_model_config
-
-    fp8 = "quantization_config" in config
-    total = 0
-    for name, shape in checkpoint_tensor_shapes(parse_model_config(config), with_mtp=False):
-        numel = 1
-        for s in shape:
-            numel *= s
-        if fp8 and is_quantized_tensor(name, shape):
-            total += numel + 4 * -(-shape[0] // 128) * -(-shape[1] // 128)  # e4m3 + fp32 block scales
-        elif name.endswith(("e_score_correction_bias", "gate.weight")):
-            total += 4 * numel
-        else:
-            total += 2 * numel
-    return total
-
-
 @contextlib.contextmanager
 def materialize_model(model: str, num_layers: int | None = None, seed: int = 0) -> Iterator[str]:
     """Yield a checkpoint directory for ``model``: the directory itself, or, for a preset name
-    (or a config.json path), random weights in that shape written to a temporary directory
-    that is removed afterwards. FP8 presets (R1) get FP8 block-quantized weights, as shipped."""
+    (or a config.json path), a temporary directory with its config and tokenizer but no
+    weights: the engine then makes random weights in that shape on the device
+    (``--load-format dummy``), so even R1's shape needs no disk."""
     if os.path.isdir(model):
         if num_layers is not None:
             raise ModelSpecError("--num-layers applies to a preset only; --model is a checkpoint directory")
         yield model
         return
-    from model.checkpoint import load_config_dict, write_random_checkpoint
+    from model.checkpoint import load_config_dict
 
     try:
         config = load_config_dict(model)
@@ -84,18 +64,12 @@ def materialize_model(model: str, num_layers: int | None = None, seed: int = 0) 
         if num_layers < 1:
             raise ModelSpecError(f"--num-layers: must be at least 1, got {num_layers}")
         config["num_hidden_layers"] = num_layers
-    fp8 = "quantization_config" in config
-    size = random_checkpoint_bytes(config)
+    from model.checkpoint import write_checkpoint_metadata
+
     with tempfile.TemporaryDirectory(prefix="mlaserve-bench-") as tmp:
-        free = shutil.disk_usage(tmp).free
-        if size > free:
-            raise ModelSpecError(
-                f"--model {model}: random weights need {size / 1e9:.1f} GB but {tmp} has {free / 1e9:.1f} GB "
-                "free; use --num-layers to truncate the preset or point TMPDIR elsewhere")
-        logger.info("building random weights for preset %s (%d layers, %s, %s) in %s", model,
-                    config["num_hidden_layers"], "fp8" if fp8 else "bf16",
-                    f"{size / 1e9:.1f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB", tmp)
-        write_random_checkpoint(config, tmp, fp8=fp8, seed=seed, with_mtp=False)
+        logger.info("preset %s (%d layers): random weights made on the device (--load-format dummy)",
+                    model, config["num_hidden_layers"])
+        write_checkpoint_metadata(config, tmp)
         yield tmp
 
 
@@ -150,9 +124,13 @@ class ThroughputResult:
 
 
 def load_engine(model_dir: str, engine_args: dict):
-    """The offline engine for ``model_dir``; ``engine_args`` are EngineConfig field names."""
+    """The offline engine for ``model_dir``; ``engine_args`` are EngineConfig field names.
+    A directory without weights (a preset) gets random weights made on the device."""
     from server import LLM
 
+    has_weights = any(f.endswith(".safetensors") for f in os.listdir(model_dir))
+    if not has_weights:
+        engine_args = {**engine_args, "load_format": "dummy"}
     return LLM(model=model_dir, **engine_args)
 
 

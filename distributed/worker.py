@@ -122,7 +122,8 @@ def tp_worker_main(rank: int, world_size: int, local_rank: int, pcfg: ParallelCo
 
     init_engine_rank(config, rank, local_rank)
     device = engine_device(config, local_rank)
-    model = load_model(model_dir, dtype=config.dtype, device=device, par=parallel_context(config), progress=False)
+    model = load_model(model_dir, dtype=config.dtype, device=device, par=parallel_context(config), progress=False,
+                       load_format=config.load_format, seed=config.seed)
     num_blocks = agree_num_blocks(determine_num_blocks(config, model.config, model.dtype, device))
     runner = ModelRunner(model, config, num_blocks, device)
     from server.cuda_graphs import maybe_capture

@@ -137,6 +137,7 @@ def write_random_checkpoint(
     cfg_dict["torch_dtype"] = str(dtype).replace("torch.", "")
     c = parse_model_config(cfg_dict)
     os.makedirs(out_dir, exist_ok=True)
+    write_checkpoint_metadata(cfg_dict, out_dir)
     gen = torch.Generator().manual_seed(seed)
 
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -173,6 +174,15 @@ def write_random_checkpoint(
             total += p.numel() * p.element_size()
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return out_dir
+
+
+def write_checkpoint_metadata(cfg_dict: dict, out_dir: str) -> None:
+    """Everything but the weights: config.json, generation_config.json, tokenizer files.
+
+    Alone, it is what ``--load-format dummy`` needs (random weights made on the device)."""
+    c = parse_model_config(cfg_dict)
+    os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg_dict, f, indent=2)
     eos = c.eos_token_ids[0] if c.eos_token_ids else 1
@@ -181,4 +191,3 @@ def write_random_checkpoint(
     from model.tokenizer_builder import build_test_tokenizer
 
     build_test_tokenizer(min(c.vocab_size, 1024), out_dir)
-    return out_dir

@@ -104,6 +104,8 @@ def load_model(
     par: ParallelContext | None = None,
     load_mtp: bool = True,
     progress: bool = True,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> DeepseekForCausalLM:
     """Build the model for this rank and stream the checkpoint's tensors into it.
 
@@ -118,6 +120,10 @@ def load_model(
     compute_dtype = resolve_dtype(dtype, config, device)
     if keep_fp8 is None:
         keep_fp8 = config.is_fp8_checkpoint and device.type == "cuda" and compute_dtype == torch.bfloat16
+    if load_format == "dummy":
+        return _random_model(config, compute_dtype, device, keep_fp8, par, seed)
+    if load_format != "auto":
+        raise CheckpointError(f"--load-format: unknown format {load_format!r} (auto or dummy)")
     files = CheckpointFiles(model_dir)
     mtp_prefix = f"model.layers.{config.num_hidden_layers}."
     with_mtp = load_mtp and config.num_nextn_predict_layers > 0 and any(n.startswith(mtp_prefix) for n in files.files)
@@ -148,6 +154,31 @@ def load_model(
                 raise CheckpointError(str(exc)) from None
     finally:
         files.close()
+    model.process_weights_after_loading()
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def _random_model(config: ModelConfig, dtype, device, keep_fp8: bool, par, seed: int) -> DeepseekForCausalLM:
+    """``--load-format dummy``: the real shapes with random weights made on the device (no
+    files read), scaled like model/checkpoint.py's random checkpoints (1/sqrt(fan-in))."""
+    with torch.device(device):
+        model = DeepseekForCausalLM(config, dtype, keep_fp8=keep_fp8, par=par)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("e_score_correction_bias"):
+            p.copy_(torch.rand(p.shape, generator=gen, device=device) * 0.1)
+        elif name.endswith("scale_inv"):
+            p.fill_(1.0 / (64.0 * 128**0.5))  # pairs with the ±64-ish FP8 values below
+        elif p.dtype == FP8_DTYPE:
+            p.copy_((torch.randn(p.shape, generator=gen, device=device) * 64.0).clamp(-448, 448).to(FP8_DTYPE))
+        elif p.dim() == 1:
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen, device=device))
+        elif "embed_tokens" in name:
+            p.copy_(torch.randn(p.shape, generator=gen, device=device))
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, device=device) / p.shape[-1] ** 0.5)
     model.process_weights_after_loading()
     model.eval()
     return model

@@ -28,6 +28,7 @@ class EngineConfig:
     served_model_name: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights, no files
     kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
@@ -71,6 +72,8 @@ class EngineConfig:
 
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad("--kv-cache-dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            bad("--load-format", f"must be auto or dummy, got {self.load_format!r}")
         if self.dtype not in DTYPES:
             bad("--dtype", f"must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):

@@ -16,7 +16,7 @@ import logging
 import torch
 from tqdm import tqdm
 
-from model.forward_context import AttentionMetadata, ForwardContext, forward_context
+from model.forward_context import AttentionMetadata, forward_context
 
 logger = logging.getLogger(__name__)
 

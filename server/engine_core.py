@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -94,7 +93,8 @@ class EngineCore:
         self.dp_sync = None
         if config.world_size > 1:
             par = self._join_parallel_group(model_dir, dp_rank)
-        self.model = load_model(model_dir, dtype=config.dtype, device=self.device, par=par, progress=True)
+        self.model = load_model(model_dir, dtype=config.dtype, device=self.device, par=par, progress=True,
+                                load_format=config.load_format, seed=config.seed)
         self.model_config: ModelConfig = self.model.config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
         self.max_model_len = resolve_max_model_len(config, self.model_config)

@@ -143,3 +143,18 @@ def test_sharded_checkpoint_loads_across_files(tmp_path):
     with torch.no_grad():
         h = m(torch.tensor([1, 2, 3]), torch.arange(3))
     assert torch.isfinite(m.compute_logits(h)).all()
+
+
+def test_dummy_load_format_needs_no_weights(tmp_path):
+    """--load-format dummy: the real shapes from config.json, random weights, no safetensors."""
+    from model.checkpoint import load_config_dict, write_checkpoint_metadata
+
+    write_checkpoint_metadata(load_config_dict("tiny-v3"), str(tmp_path))
+    assert not any(f.endswith(".safetensors") for f in os.listdir(tmp_path))
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        load_model(str(tmp_path), progress=False)
+    m = load_model(str(tmp_path), dtype="float32", load_format="dummy", progress=False)
+    with torch.no_grad():
+        logits = m.compute_logits(m(torch.tensor([3, 4, 5]), torch.arange(3)))
+    assert torch.isfinite(logits).all() and logits.std() > 0.1
+    assert m.layers[1].mlp.e_score_correction_bias.min() >= 0
