@@ -13,6 +13,8 @@ latent space, scaled back by ``k_scale``, plus the log-sum-exp [B, s_q, H] (natu
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 
@@ -52,6 +54,18 @@ def mla_decode_reference(
     return out, lse
 
 
+BACKENDS = ("auto", "triton", "flashinfer", "trtllm", "torch")
+
+
+def choose_auto_backend(kv_dtype: torch.dtype) -> str:
+    """``auto`` on CUDA, by measurement on the H200 (benchmarks/RESULTS.md): our Triton
+    kernel for an FP8 cache (FlashInfer's fp8 mode widens to bf16 and is slower than its own
+    bf16 mode); FlashInfer fa3 for a bf16 cache when it is installed."""
+    if kv_dtype == torch.float8_e4m3fn:
+        return "triton"
+    return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -64,9 +78,24 @@ def mla_decode(
     out_dtype: torch.dtype | None = None,
     backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch to a decode backend (``torch`` everywhere; GPU backends register here)."""
+    """Dispatch to a decode backend: ``torch`` everywhere (and for any CPU tensor);
+    ``triton``, ``flashinfer`` (SM90 fa3), ``trtllm`` (SM100) or ``auto`` on CUDA.
+    GPU backends are imported lazily so CPU installs need neither Triton nor FlashInfer."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown MLA decode backend {backend!r}; one of {BACKENDS}")
+    args = (q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, q_scale, k_scale, out_dtype)
     if backend == "torch" or not q.is_cuda:
-        return mla_decode_reference(
-            q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, q_scale, k_scale, out_dtype
-        )
-    raise ValueError(f"unknown MLA decode backend {backend!r}")
+        return mla_decode_reference(*args)
+    if backend == "auto":
+        backend = choose_auto_backend(kv_cache.dtype)
+    if backend == "triton":
+        from kernels.mla_decode_triton import mla_decode_triton
+
+        return mla_decode_triton(*args)
+    if backend == "flashinfer":
+        from kernels.mla_decode_flashinfer import mla_decode_flashinfer
+
+        return mla_decode_flashinfer(*args)
+    from kernels.mla_decode_flashinfer import mla_decode_trtllm
+
+    return mla_decode_trtllm(*args)

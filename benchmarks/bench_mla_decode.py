@@ -1,0 +1,300 @@
+"""Paged MLA decode on one GPU: our Triton kernel (FP8, bf16), FlashInfer fa3 (bf16, FP8
+cache) and the torch reference, over batch x heads x query tokens at one context length.
+
+    python benchmarks/bench_mla_decode.py                      # the issue's matrix
+    python benchmarks/bench_mla_decode.py --sweep --sq 1       # also time candidate configs
+
+Prints µs, achieved TB/s and TFLOP/s, their share of ceilings measured in the same run, and
+the relative error against a float64 reference on the same (quantized) inputs, computed on
+the first few requests. Cost model (FlashMLA's): FLOPs = 2·B·H·s_q·S·(576+512),
+bytes = B·S·576·element size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kernels.fp8 import quantize_per_tensor  # noqa: E402
+from kernels.mla_decode import mla_decode_reference  # noqa: E402
+
+D, DV, PAGE = 576, 512, 64
+SM_SCALE = 192 ** -0.5
+Q_SCALE, K_SCALE = 0.02, 0.03
+REF_REQUESTS = 4
+
+# Candidate launch shapes (each compiled once per specialization), per regime.
+SWEEP = {
+    ("fp8", "many"): [  # rows >= 64: compute-bound
+        dict(block_h=64, block_n=32, num_warps=4, num_stages=2, dv=256),
+        dict(block_h=64, block_n=32, num_warps=4, num_stages=2, dv=256, pv="fp8"),
+        dict(block_h=64, block_n=32, num_warps=8, num_stages=2, dv=512),
+        dict(block_h=64, block_n=32, num_warps=8, num_stages=2, dv=512, pv="fp8"),
+        dict(block_h=128, block_n=32, num_warps=8, num_stages=2, dv=256),
+        dict(block_h=128, block_n=32, num_warps=8, num_stages=2, dv=256, pv="fp8"),
+        dict(block_h=128, block_n=64, num_warps=8, num_stages=2, dv=256),
+    ],
+    ("fp8", "few"): [  # rows <= 32: memory-bound
+        dict(block_h=16, block_n=32, num_warps=4, num_stages=3, dv=256),
+        dict(block_h=16, block_n=32, num_warps=8, num_stages=3, dv=512, num_splits=8),
+        dict(block_h=16, block_n=64, num_warps=4, num_stages=3, dv=256, tokens_major=True),
+        dict(block_h=16, block_n=64, num_warps=4, num_stages=3, dv=256, pv="fp8", tokens_major=True),
+        dict(block_h=16, block_n=64, num_warps=8, num_stages=3, dv=512, tokens_major=True),
+        dict(block_h=16, block_n=32, num_warps=4, num_stages=3, dv=256, tokens_major=True),
+        dict(block_h=16, block_n=64, num_warps=4, num_stages=3, dv=128, tokens_major=True),
+    ],
+    ("bf16", "many"): [
+        dict(block_h=64, block_n=32, num_warps=4, num_stages=2, dv=256),
+        dict(block_h=64, block_n=32, num_warps=8, num_stages=2, dv=512),
+        dict(block_h=64, block_n=16, num_warps=8, num_stages=2, dv=512),
+    ],
+    ("bf16", "few"): [
+        dict(block_h=16, block_n=32, num_warps=4, num_stages=3, dv=256),
+        dict(block_h=16, block_n=32, num_warps=8, num_stages=2, dv=512, tokens_major=True),
+        dict(block_h=16, block_n=32, num_warps=4, num_stages=2, dv=256, tokens_major=True),
+    ],
+}
+
+
+def measure_ceilings() -> dict:
+    """HBM copy bandwidth (read + write bytes) and dense bf16 / fp8 matmul rates."""
+    from triton.testing import do_bench
+
+    def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+        dst = torch.empty_like(src)
+        return 2 * nbytes / (do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median") * 1e-3)
+
+    bw = copy_bandwidth()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median") * 1e-3
+    bf16 = 2 * 8192**3 / t
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    t = do_bench(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
+                 warmup=50, rep=300, return_mode="median") * 1e-3
+    return dict(hbm_tbs=bw / 1e12, bf16_tflops=bf16 / 1e12, fp8_tflops=2 * 8192**3 / t / 1e12)
+
+
+@dataclasses.dataclass
+class Case:
+    bsz: int
+    seq: int
+    heads: int
+    s_q: int
+
+    def flops(self) -> float:
+        return 2.0 * self.bsz * self.heads * self.s_q * self.seq * (D + DV)
+
+    def bytes(self, elt: int) -> float:
+        return float(self.bsz * self.seq * D * elt)
+
+
+def build_inputs(case: Case, seed: int = 0) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = -(-case.seq // PAGE)
+    num_blocks = case.bsz * pages
+    kv = torch.randn(num_blocks, PAGE, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(case.bsz, case.s_q, case.heads, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    tables = torch.randperm(num_blocks, device="cuda", generator=g).reshape(case.bsz, pages).int()
+    lens = torch.full((case.bsz,), case.seq, dtype=torch.int32, device="cuda")
+    q8, kv8 = quantize_per_tensor(q, Q_SCALE), quantize_per_tensor(kv, K_SCALE)
+    return dict(q16=q, kv16=kv, q8=q8, kv8=kv8, tables=tables, lens=lens)
+
+
+def reference64(q, kv, tables, lens, q_scale, k_scale, s_q, n_req=REF_REQUESTS):
+    """float64 decode of the first n_req requests (same math as mla_decode_reference)."""
+    outs, lses = [], []
+    for b in range(n_req):
+        n = int(lens[b])
+        kvb = kv[tables[b, : -(-n // PAGE)].long()].reshape(-1, D)[:n].double() * k_scale
+        qb = q[b].double() * q_scale
+        scores = torch.einsum("shd,nd->shn", qb, kvb) * SM_SCALE
+        pos = torch.arange(n, device=q.device)
+        mask = pos[None, :] > (n - s_q + torch.arange(s_q, device=q.device))[:, None]
+        scores = scores.masked_fill(mask[:, None, :], float("-inf"))
+        lse = torch.logsumexp(scores, -1)
+        outs.append(torch.einsum("shn,nc->shc", torch.exp(scores - lse[..., None]), kvb[:, :DV]))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def rel_err(out, ref) -> float:
+    out = out[: ref.shape[0]].double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def compiled_kernels(kernel_fn) -> dict:
+    return dict(kernel_fn.device_caches[torch.cuda.current_device()][0])
+
+
+def sass_stats(compiled) -> dict:
+    """Registers, spills and the instruction mix of one compiled Triton kernel."""
+    import re
+    import subprocess
+    import tempfile
+
+    compiled._init_handles()
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        sass = subprocess.run(["cuobjdump", "-sass", f.name], capture_output=True, text=True).stdout
+    except FileNotFoundError:
+        sass = ""
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass, re.M)
+    count = {k: ops.count(k) for k in ("QGMMA", "HGMMA", "HMMA", "LDL", "STL", "PRMT")}
+    return dict(regs=compiled.n_regs, spills=compiled.n_spills, smem=compiled.metadata.shared, **count)
+
+
+def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict) -> list[dict]:
+    from triton.testing import do_bench
+
+    from kernels.mla_decode_triton import MLADecodeConfig, _mla_decode_kernel, default_config, mla_decode_triton
+
+    x = build_inputs(case)
+    ref8 = reference64(x["q8"], x["kv8"], x["tables"], x["lens"], Q_SCALE, K_SCALE, case.s_q)
+    ref16 = reference64(x["q16"], x["kv16"], x["tables"], x["lens"], 1.0, 1.0, case.s_q)
+    rows = []
+
+    def record(name, fn, ref, elt, extra=None, reps=(25, 100)):
+        try:
+            _record(name, fn, ref, elt, extra, reps)
+        except Exception as exc:  # one broken variant must not cost the whole device run
+            print(f"B={case.bsz} H={case.heads} s_q={case.s_q} {name} {extra} FAILED: {exc!r}", flush=True)
+
+    def _record(name, fn, ref, elt, extra, reps):
+        before = compiled_kernels(_mla_decode_kernel)
+        out, lse = fn()
+        torch.cuda.synchronize()
+        new = [k for key, k in compiled_kernels(_mla_decode_kernel).items() if key not in before]
+        if new and name.startswith(("ours", "sweep")):
+            extra = dict(extra or {}, **sass_stats(new[0]))
+        err = rel_err(out, ref[0])
+        lse_err = (lse[: ref[1].shape[0]].double() - ref[1]).abs().max().item()
+        if reps is None:  # slow reference: one warm-up, three timed calls
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            t = (time.perf_counter() - t0) / 3
+        else:
+            t = do_bench(fn, warmup=reps[0], rep=reps[1], return_mode="median") * 1e-3
+        tbs = case.bytes(elt) / t / 1e12
+        tfl = case.flops() / t / 1e12
+        row = dict(B=case.bsz, S=case.seq, H=case.heads, s_q=case.s_q, variant=name, us=t * 1e6,
+                   tbs=tbs, tflops=tfl, pct_hbm=100 * tbs / ceil["hbm_tbs"],
+                   pct_bf16=100 * tfl / ceil["bf16_tflops"], relerr=err, lse_err=lse_err, **(extra or {}))
+        rows.append(row)
+        print(fmt_row(row), flush=True)
+
+    args8 = (x["q8"], x["kv8"], x["tables"], x["lens"], SM_SCALE)
+    args16 = (x["q16"], x["kv16"], x["tables"], x["lens"], SM_SCALE)
+    rows_per_req = case.heads * case.s_q
+    if "ours-fp8" in variants:
+        cfg = dataclasses.asdict(default_config(torch.float8_e4m3fn, torch.float8_e4m3fn, rows_per_req))
+        record("ours-fp8", lambda: mla_decode_triton(*args8, q_scale=Q_SCALE, k_scale=K_SCALE), ref8, 1,
+               dict(config={k: v for k, v in cfg.items() if v is not None}))
+    if "ours-bf16" in variants:
+        cfg = dataclasses.asdict(default_config(torch.bfloat16, torch.bfloat16, rows_per_req))
+        record("ours-bf16", lambda: mla_decode_triton(*args16), ref16, 2,
+               dict(config={k: v for k, v in cfg.items() if v is not None and k != "pv"}))
+    if sweep:
+        regime = "many" if case.heads * case.s_q >= 64 else "few"
+        for kw in SWEEP[("fp8", regime)]:
+            cfg = MLADecodeConfig(**kw)
+            record("sweep-fp8", lambda: mla_decode_triton(*args8, q_scale=Q_SCALE, k_scale=K_SCALE, config=cfg),
+                   ref8, 1, dict(config=kw))
+        for kw in SWEEP[("bf16", regime)]:
+            cfg = MLADecodeConfig(**kw)
+            record("sweep-bf16", lambda: mla_decode_triton(*args16, config=cfg), ref16, 2, dict(config=kw))
+    for name, kv_key, ref, elt in (("fi-fa3-bf16", "kv16", ref16, 2), ("fi-fa3-fp8", "kv8", ref8, 1)):
+        if name not in variants:
+            continue
+        from kernels.mla_decode_flashinfer import FlashInferMLADecode
+
+        runner = FlashInferMLADecode("cuda")
+        kv = x[kv_key]
+        runner.plan(x["tables"], x["lens"], s_q=case.s_q, num_heads=case.heads, page_size=PAGE,
+                    softmax_scale=SM_SCALE, kv_dtype=kv.dtype)
+        if kv_key == "kv8":  # FlashInfer takes a bf16 query: the FP8 one, dequantized outside the timing
+            q, qs, ks = (x["q8"].float() * Q_SCALE).to(torch.bfloat16), 1.0, K_SCALE
+        else:
+            q, qs, ks = x["q16"], 1.0, 1.0
+        record(name, lambda: runner.run(q, kv, qs, ks), ref, elt)
+    if "torch" in variants:
+        record("torch-ref", lambda: mla_decode_reference(*args8, q_scale=Q_SCALE, k_scale=K_SCALE),
+               ref8, 1, reps=None)
+    return rows
+
+
+def fmt_row(r: dict) -> str:
+    cfg = r.get("config", "")
+    cfg = cfg if isinstance(cfg, str) else ",".join(f"{k}={v}" for k, v in cfg.items())
+    sass = f" regs={r['regs']} spills={r['spills']} QGMMA={r['QGMMA']} HGMMA={r['HGMMA']}" if "regs" in r else ""
+    return (f"B={r['B']:4d} H={r['H']:4d} s_q={r['s_q']} {r['variant']:12s} {r['us']:9.1f} us "
+            f"{r['tbs']:5.2f} TB/s ({r['pct_hbm']:5.1f}%) {r['tflops']:6.1f} TFLOP/s ({r['pct_bf16']:5.1f}% bf16) "
+            f"relerr {r['relerr']:.2e} lse {r['lse_err']:.1e} {cfg}{sass}")
+
+
+def markdown(rows: list[dict], ceil: dict) -> str:
+    lines = [
+        f"Ceilings measured in this run: HBM copy {ceil['hbm_tbs']:.2f} TB/s, bf16 GEMM "
+        f"{ceil['bf16_tflops']:.0f} TFLOP/s, fp8 GEMM {ceil['fp8_tflops']:.0f} TFLOP/s.",
+        "",
+        "| B | H | s_q | variant | µs | TB/s | % HBM | TFLOP/s | % bf16 | rel. err | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["variant"].startswith("sweep"):
+            continue
+        cfg = r.get("config", "")
+        cfg = cfg if isinstance(cfg, str) else " ".join(f"{k}={v}" for k, v in cfg.items())
+        lines.append(f"| {r['B']} | {r['H']} | {r['s_q']} | {r['variant']} | {r['us']:.1f} | {r['tbs']:.2f} | "
+                     f"{r['pct_hbm']:.0f} | {r['tflops']:.0f} | {r['pct_bf16']:.0f} | {r['relerr']:.1e} | {cfg} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
+    ap.add_argument("--sq", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--variants", default="ours-fp8,ours-bf16,fi-fa3-bf16,fi-fa3-fp8,torch")
+    ap.add_argument("--sweep", action="store_true", help="also time the candidate configs")
+    ap.add_argument("--sweep-batch", type=int, default=128, help="sweep only at this batch size")
+    ap.add_argument("--json", help="write every row here")
+    ap.add_argument("--markdown", help="write the summary table here")
+    args = ap.parse_args()
+    variants = args.variants.split(",")
+    ceil = measure_ceilings()
+    print(f"ceilings: {ceil}", flush=True)
+    rows = []
+    for s_q in args.sq:
+        for heads in args.heads:
+            for bsz in args.batch:
+                sweep = args.sweep and bsz == args.sweep_batch and s_q == args.sq[0]
+                rows += bench_case(Case(bsz, args.seq, heads, s_q), variants, sweep, ceil)
+                torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(ceilings=ceil, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    table = markdown(rows, ceil)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

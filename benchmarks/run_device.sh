@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call for the issue-6 kernels: GPU tests, MLA decode and GEMM benchmarks (with
+# registers/spills/SASS mix of every compiled decode kernel), summary tables printed last.
+# From the repo root on the lent H200 (the `run` tool, carry [".device-wheels"]):
+#   source .device-wheels/install.sh && bash benchmarks/run_device.sh [sweep|final|ours]
+# sweep: also time candidate configs; ours: only our decode kernels (no FlashInfer, torch
+# reference or GEMM benchmark), for a quick re-measure after changing defaults.
+# Logs land in $OUT (at most 8 files come back from the device).
+set -uo pipefail
+OUT=${OUT:-/tmp/mlaserve-device}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+mode=${1:-final}
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,clocks.mem,power.draw --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
+  date -u
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+timeout 420 python3 -m pytest -m gpu tests/kernels/test_mla_decode_gpu.py tests/kernels/test_fp8_gemm.py \
+  -q --maxfail=20 -p no:cacheprovider -W ignore::DeprecationWarning > "$OUT/pytest.log" 2>&1
+echo "pytest rc=$?"; grep -E "passed|failed|Error|assert" "$OUT/pytest.log" | tail -15
+
+extra=()
+[ "$mode" = sweep ] && extra=(--sweep --sweep-batch 128)
+[ "$mode" = ours ] && extra=(--variants ours-fp8,ours-bf16)
+python3 benchmarks/bench_mla_decode.py "${extra[@]}" --json "$OUT/mla.json" --markdown "$OUT/mla.md" \
+  > "$OUT/bench_mla.log" 2>&1
+echo "bench_mla rc=$?"; grep -E "sweep|FAILED|Error|error" "$OUT/bench_mla.log" | tail -40
+if [ "$mode" != ours ]; then
+  python3 benchmarks/bench_gemm.py --json "$OUT/gemm.json" --markdown "$OUT/gemm.md" > "$OUT/bench_gemm.log" 2>&1
+  echo "bench_gemm rc=$?"; tail -3 "$OUT/bench_gemm.log" | grep -i error
+fi
+cat "$OUT/gemm.md" "$OUT/mla.md" 2>/dev/null
