@@ -66,6 +66,28 @@ def choose_auto_backend(kv_dtype: torch.dtype) -> str:
     return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
 
+def resolve_backend(requested: str, device: torch.device, kv_dtype: torch.dtype, kv_lora_rank: int,
+                    rope_dim: int) -> str:
+    """The decode backend a model will use: ``torch`` on CPU and for shapes or dtypes the GPU
+    kernels do not cover (float32 caches, rope dim != 64, non-power-of-two latents); ``auto`` on
+    CUDA means our Triton kernel, which is CUDA-graph safe (FlashInfer re-plans on the host)."""
+    if device.type != "cuda" or requested == "torch":
+        return "torch"
+    fits_triton = (kv_dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) and rope_dim == 64
+                   and kv_lora_rank & (kv_lora_rank - 1) == 0)
+    if requested == "auto":
+        return "triton" if fits_triton else "torch"
+    if requested == "triton" and not fits_triton:
+        raise ValueError(
+            f"--attention-backend triton: needs a bf16/fp16/fp8 cache, rope dim 64 and a power-of-two "
+            f"kv_lora_rank (got {kv_dtype}, {rope_dim}, {kv_lora_rank})"
+        )
+    return requested
+
+
+GRAPH_SAFE_BACKENDS = ("triton",)
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: torch.Tensor,

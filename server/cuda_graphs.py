@@ -105,6 +105,12 @@ def maybe_capture(runner, config, max_model_len: int) -> DecodeGraphs | None:
     """Capture decode graphs when on CUDA, not --enforce-eager, and cudagraph_mode allows."""
     if runner.device.type != "cuda" or config.enforce_eager or config.cudagraph_mode == "NONE":
         return None
+    from kernels.mla_decode import GRAPH_SAFE_BACKENDS
+
+    if runner.attention_backend not in GRAPH_SAFE_BACKENDS:
+        logger.info("decode CUDA graphs off: attention backend %r is not graph-safe (running eagerly)",
+                    runner.attention_backend)
+        return None
     max_batch = min(config.max_cudagraph_capture_size or 512, config.max_num_seqs)
     max_blocks = -(-max_model_len // config.block_size)
     graphs = DecodeGraphs(runner, max_batch, max_blocks)

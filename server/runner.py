@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.fp8 import FP8_DTYPE
+from kernels.mla_decode import resolve_backend
 from model.config import ModelConfig
 from model.deepseek import DeepseekForCausalLM
 from model.forward_context import ForwardContext, build_attention_metadata, forward_context
@@ -110,7 +111,10 @@ class ModelRunner:
         self._last_sampled: dict[int, int] = {}
         # Set when TP workers follow this runner: called with each step's plan before it runs.
         self.plan_broadcaster = None
-        self.attention_backend = config.attention_backend if device.type == "cuda" else "torch"
+        mc = self.model_config
+        self.attention_backend = resolve_backend(
+            config.attention_backend, device, cache_dtype, mc.kv_lora_rank, mc.qk_rope_head_dim
+        )
         self.decode_graphs = None  # server.cuda_graphs.DecodeGraphs, once captured
 
     # ---- sequence lifecycle -----------------------------------------------------------------

@@ -21,16 +21,21 @@ def test_graph_decode_equals_eager(tmp_path):
     from model.checkpoint import write_random_checkpoint
     from server import LLM, SamplingParams
 
-    ckpt = write_random_checkpoint("tiny-v3", str(tmp_path / "m"), seed=2)
+    from model.checkpoint import load_config_dict
+
+    # Real MLA head dims (latent 512, rope 64: what the Triton decode kernel takes), few layers.
+    cfg = dict(load_config_dict("tiny-v3"), kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=256)
+    ckpt = write_random_checkpoint(cfg, str(tmp_path / "m"), seed=2)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     prompts = [[3 + i, 7, 9 + 2 * i] for i in range(5)]
-    eager = LLM(ckpt, device="cuda", dtype="float32", enforce_eager=True, num_gpu_blocks_override=64,
-                block_size=16).generate(prompt_token_ids=prompts, sampling_params=params)
-    graph_llm = LLM(ckpt, device="cuda", dtype="float32", num_gpu_blocks_override=64, block_size=16,
+    eager = LLM(ckpt, device="cuda", dtype="bfloat16", enforce_eager=True, num_gpu_blocks_override=64,
+                block_size=64).generate(prompt_token_ids=prompts, sampling_params=params)
+    graph_llm = LLM(ckpt, device="cuda", dtype="bfloat16", num_gpu_blocks_override=64, block_size=64,
                     max_cudagraph_capture_size=8, max_num_seqs=8)
+    assert graph_llm.engine.runner.attention_backend == "triton"
     assert graph_llm.engine.runner.decode_graphs is not None
     graphed = graph_llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for a, b in zip(eager, graphed):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         diff = max(abs(x.logprob - y.logprob) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs))
-        assert diff < 1e-3
+        assert diff < 2e-2  # bf16; the same kernels, replayed
