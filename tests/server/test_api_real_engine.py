@@ -1,0 +1,130 @@
+"""The HTTP API against the real engine (a live `mlaserve serve` of a tiny random checkpoint):
+the official openai client, error bodies, disconnects, and 200 concurrent streams."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+import pytest
+
+from model.checkpoint import write_random_checkpoint
+from tests.server.live_server import live_server
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ckpt = write_random_checkpoint("tiny-v3", str(tmp_path_factory.mktemp("api-real") / "tiny"), seed=8)
+    with live_server(ckpt, "--device", "cpu", "--served-model-name", "tiny", "--max-model-len", "256",
+                     "--num-gpu-blocks-override", "512", "--block-size", "16", "--max-num-seqs", "256",
+                     "--disable-log-stats") as url:
+        yield url
+
+
+def _metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def test_openai_client_completions_stream_chat_n_logprobs(server):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=server + "/v1", api_key="EMPTY")
+    r = client.completions.create(model="tiny", prompt="hello world", max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.id.startswith("cmpl-") and r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+    again = client.completions.create(model="tiny", prompt="hello world", max_tokens=6, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert again.choices[0].text == r.choices[0].text  # greedy is deterministic
+
+    chunks = list(client.completions.create(model="tiny", prompt="hello world", max_tokens=6, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 6 and chunks[-1].usage.prompt_tokens == r.usage.prompt_tokens
+
+    n = client.completions.create(model="tiny", prompt="abc", max_tokens=5, n=3, temperature=1.0, seed=3,
+                                  logprobs=2, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in n.choices) == [0, 1, 2] and n.usage.completion_tokens == 15
+    for c in n.choices:
+        assert len(c.logprobs.tokens) == 5 and all(len(t) >= 2 for t in c.logprobs.top_logprobs)
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+
+    echo = client.completions.create(model="tiny", prompt="the cat sat", max_tokens=1, echo=True, logprobs=0,
+                                     temperature=0)
+    lp = echo.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and all(x is not None for x in lp.token_logprobs[1:])
+    assert echo.choices[0].text.startswith("the cat sat")
+
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"prompt": "x " * 400, "max_tokens": 4}, "maximum context length"),
+    ({"prompt": [5, 99999], "max_tokens": 4}, "out of vocabulary"),
+    ({"prompt": "x", "max_tokens": 4, "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "n": 0}, "n"),
+])
+def test_bad_requests_are_400_and_server_keeps_serving(server, body, fragment):
+    r = httpx.post(server + "/v1/completions", json={"model": "tiny", **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "BadRequestError" and fragment in err["message"]
+    ok = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "ok", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_disconnect_frees_blocks(server):
+    total = _metric(server, "mlaserve:kv_cache_total_blocks")
+    with httpx.Client(timeout=30) as c:
+        with c.stream("POST", server + "/v1/completions",
+                      json={"model": "tiny", "prompt": "stream me", "max_tokens": 200, "stream": True,
+                            "ignore_eos": True}) as r:
+            for i, _line in enumerate(r.iter_lines()):
+                if i >= 3:
+                    break  # leave mid-stream: closing the response drops the connection
+    for _ in range(100):
+        if _metric(server, "vllm:num_requests_running") == 0 and \
+                _metric(server, "mlaserve:kv_cache_free_blocks") == total:
+            break
+        asyncio.run(asyncio.sleep(0.1))
+    assert _metric(server, "vllm:num_requests_running") == 0
+    assert _metric(server, "mlaserve:kv_cache_free_blocks") == total
+
+
+def test_200_concurrent_streams_complete_with_usage(server):
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, dict]:
+        text, usage = "", None
+        async with client.stream("POST", server + "/v1/completions", json={
+                "model": "tiny", "prompt": f"request {i}", "max_tokens": 4, "temperature": 0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for ch in chunk.get("choices", []):
+                    text += ch.get("text", "")
+        return i, usage
+
+    async def main():
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    results = asyncio.run(main())
+    assert len(results) == 200
+    for _i, usage in results:
+        assert usage is not None and usage["completion_tokens"] == 4
+        assert usage["total_tokens"] == usage["prompt_tokens"] + 4
