@@ -124,13 +124,14 @@ def tp_worker_main(rank: int, world_size: int, local_rank: int, pcfg: ParallelCo
     device = engine_device(config, local_rank)
     model = load_model(model_dir, dtype=config.dtype, device=device, par=parallel_context(config), progress=False,
                        load_format=config.load_format, seed=config.seed)
-    num_blocks = agree_num_blocks(determine_num_blocks(config, model.config, model.dtype, device))
-    runner = ModelRunner(model, config, num_blocks, device)
     from server.cuda_graphs import maybe_capture
     from server.engine_core import resolve_max_model_len
 
-    capacity = num_blocks * config.block_size
     max_len = resolve_max_model_len(config, model.config)
+    num_blocks = agree_num_blocks(determine_num_blocks(config, model.config, model.dtype, device,
+                                                       model=model, max_model_len=max_len))
+    runner = ModelRunner(model, config, num_blocks, device)
+    capacity = num_blocks * config.block_size
     runner.decode_graphs = maybe_capture(runner, config, min(max_len, capacity))
     group = get_tp_group()
     while True:

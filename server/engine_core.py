@@ -98,7 +98,8 @@ class EngineCore:
         self.model_config: ModelConfig = self.model.config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
-        num_blocks = determine_num_blocks(config, self.model_config, self.model.dtype, self.device)
+        num_blocks = determine_num_blocks(config, self.model_config, self.model.dtype, self.device,
+                                          model=self.model, max_model_len=self.max_model_len)
         if config.world_size > 1:
             from distributed.worker import agree_num_blocks
 

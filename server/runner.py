@@ -67,17 +67,43 @@ def kv_bytes_per_block(model_config: ModelConfig, config: EngineConfig, model_dt
     return model_config.num_hidden_layers * config.block_size * model_config.kv_cache_entry_dim * elt
 
 
+@torch.inference_mode()
+def profile_activation_bytes(model: DeepseekForCausalLM, num_tokens: int, num_logit_rows: int) -> int:
+    """Peak activation memory of the largest step: one ``num_tokens``-token prefill (no cache)
+    plus logits for ``num_logit_rows`` rows, measured by running it (every TP rank runs it)."""
+    device = next(model.parameters()).device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+    hidden = model(ids, torch.arange(num_tokens, device=device))
+    model.compute_logits(hidden[: max(1, min(num_logit_rows, num_tokens))])
+    del hidden
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    torch.cuda.empty_cache()
+    return peak
+
+
 def determine_num_blocks(
     config: EngineConfig, model_config: ModelConfig, model_dtype: torch.dtype, device: torch.device,
-    profile_peak_bytes: int = 0,
+    model: DeepseekForCausalLM | None = None, max_model_len: int | None = None,
 ) -> int:
-    """KV capacity: the override, else a byte budget (CPU) or the free GPU memory share."""
+    """KV capacity: the override, else a byte budget (CPU), else on GPU what
+    ``--gpu-memory-utilization`` leaves after the weights and a profiled largest step."""
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
     per_block = kv_bytes_per_block(model_config, config, model_dtype)
     if device.type == "cuda":
+        peak = 0
+        if model is not None:
+            from server.scheduler import resolve_max_num_batched_tokens
+
+            tokens = min(resolve_max_num_batched_tokens(config, max_model_len or model_config.max_position_embeddings),
+                         max_model_len or model_config.max_position_embeddings)
+            peak = profile_activation_bytes(model, tokens, config.max_num_seqs)
         total = torch.cuda.get_device_properties(device).total_memory
-        used = torch.cuda.memory_allocated(device) + profile_peak_bytes
+        used = torch.cuda.memory_allocated(device) + peak
         budget = int(total * config.gpu_memory_utilization) - used
     else:
         budget = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
