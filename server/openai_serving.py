@@ -20,14 +20,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.errors import EngineDeadError, InvalidRequestError
 from server.metrics import ServerMetrics
-from server.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from server.outputs import RequestOutput, TokenLogprob
 from server.protocol import (
     ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
-    ChatCompletionStreamChoice, ChatCompletionStreamResponse, ChatLogProb, ChatLogProbsContent, ChatMessage,
-    ChatResponseMessage, CompletionLogProbs, CompletionRequest, CompletionResponse, CompletionResponseChoice,
-    CompletionStreamResponse, DeltaMessage, ErrorInfo, ErrorResponse, SamplingFields, UsageInfo, random_id,
+    ChatLogProb, ChatLogProbsContent, ChatMessage, ChatResponseMessage, CompletionLogProbs, CompletionRequest,
+    CompletionResponse, CompletionResponseChoice, ErrorInfo, ErrorResponse, SamplingFields, UsageInfo, random_id,
 )
 from server.sampling_params import MAX_LOGPROBS, SamplingParams
+from server.streaming import ChatStreamFormatter, CompletionStreamFormatter, StreamFormatter
 
 logger = logging.getLogger(__name__)
 
@@ -203,16 +203,6 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def _chunk_dict(chunk, drop_delta_nones: bool = False) -> dict:
-    d = chunk.model_dump()
-    if d.get("usage") is None:
-        d.pop("usage", None)
-    if drop_delta_nones:
-        for c in d["choices"]:
-            c["delta"] = {k: v for k, v in c["delta"].items() if v is not None}
-    return d
-
-
 # ----------------------------------------------------------------------------- the app
 
 
@@ -321,11 +311,11 @@ class OpenAIServer:
         request_id = random_id("cmpl")
         self.log_request(request_id, body, [len(ids) for _, ids in prompts])
         reqs = await _open_all(self.engine, self.metrics, prompts, params, request_id, suffixed=True)
-        fmt = _CompletionStreamFormatter(self, body, request_id, model, reqs) if body.stream else None
+        fmt = CompletionStreamFormatter(self, body, request_id, model, reqs) if body.stream else None
         return await self._respond(raw, reqs, fmt, lambda finals: self._completion_response(
             body, request_id, model, reqs, finals))
 
-    async def _respond(self, raw: Request, reqs: list[EngineRequest], fmt: "_StreamFormatter | None",
+    async def _respond(self, raw: Request, reqs: list[EngineRequest], fmt: "StreamFormatter | None",
                        build: Callable[[list[RequestOutput]], JSONResponse]) -> Response:
         """Wait for every request's first output (the engine rejects bad requests there: 400),
         then stream, or collect the final outputs; a client disconnect at any point aborts."""
@@ -442,7 +432,7 @@ class OpenAIServer:
         request_id = random_id("chatcmpl")
         self.log_request(request_id, body, [len(ids)])
         reqs = await _open_all(self.engine, self.metrics, [(text, ids)], params, request_id, suffixed=False)
-        fmt = _ChatStreamFormatter(self, body, request_id, model, reqs) if body.stream else None
+        fmt = ChatStreamFormatter(self, body, request_id, model, reqs) if body.stream else None
         return await self._respond(raw, reqs, fmt, lambda finals: self._chat_response(
             body, request_id, model, reqs[0], finals[0]))
 
@@ -476,7 +466,7 @@ class OpenAIServer:
     # -- streaming (shared by completions and chat)
 
     async def _stream(self, reqs: list[EngineRequest], firsts: list[RequestOutput | None],
-                      fmt: "_StreamFormatter") -> AsyncIterator[str]:
+                      fmt: "StreamFormatter") -> AsyncIterator[str]:
         """Merge the engine requests' outputs into one SSE stream; abort all on exit.
 
         Outputs are cumulative, so only the newest one per request is kept: a slow client
@@ -524,120 +514,3 @@ class OpenAIServer:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await close_all(reqs)
-
-
-class _StreamFormatter:
-    """Turns cumulative outputs into per-choice deltas (text, tokens, logprobs) and chunks.
-
-    Assumes the engine's cumulative text only grows (it holds back a possible stop-string
-    prefix rather than retracting text already emitted).
-    """
-
-    def __init__(self, server: OpenAIServer, body: SamplingFields, request_id: str, model: str,
-                 reqs: list[EngineRequest]) -> None:
-        self.server, self.body, self.request_id, self.model, self.reqs = server, body, request_id, model, reqs
-        self.n = body.n
-        opts = body.stream_options
-        self.include_usage = bool(opts and opts.include_usage)
-        self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
-        self.sent_chars: dict[int, int] = {}  # choice index -> characters already sent
-        self.sent_tokens: dict[int, int] = {}  # choice index -> tokens already sent
-        self.finished_choices: set[int] = set()
-        self.last_outputs: dict[int, RequestOutput] = {}
-
-    def start(self) -> list[dict]:
-        return []
-
-    def on_output(self, p: int, out: RequestOutput) -> list[dict]:
-        self.last_outputs[p] = out
-        chunks = []
-        for o in sorted(out.outputs, key=lambda o: o.index):
-            idx = p * self.n + o.index
-            first = idx not in self.sent_tokens
-            c0, k0 = self.sent_chars.get(idx, 0), self.sent_tokens.get(idx, 0)
-            newly_finished = o.finished and idx not in self.finished_choices
-            if not first and len(o.token_ids) == k0 and len(o.text) == c0 and not newly_finished:
-                continue
-            if o.finished:
-                self.finished_choices.add(idx)
-            self.sent_chars[idx], self.sent_tokens[idx] = len(o.text), len(o.token_ids)
-            usage = None
-            if self.continuous_usage:
-                pt = len(self.reqs[p].prompt_ids)
-                usage = UsageInfo(prompt_tokens=pt, completion_tokens=len(o.token_ids),
-                                  total_tokens=pt + len(o.token_ids))
-            chunks.append(self.make_chunk(p, idx, o, o.text[c0:], k0, first, out, usage))
-        return chunks
-
-    def usage(self) -> UsageInfo:
-        prompt = sum(len(r.prompt_ids) for r in self.reqs)
-        completion = sum(len(o.token_ids) for out in self.last_outputs.values() for o in out.outputs)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-    def make_chunk(self, p: int, idx: int, o: CompletionOutput, delta_text: str, k0: int, first: bool,
-                   out: RequestOutput, usage: UsageInfo | None) -> dict:
-        raise NotImplementedError
-
-    def usage_chunk(self, response_cls) -> list[dict]:
-        if not self.include_usage:
-            return []
-        return [_chunk_dict(response_cls(id=self.request_id, model=self.model, choices=[], usage=self.usage()))]
-
-    def finish(self) -> list[dict]:
-        raise NotImplementedError
-
-
-class _CompletionStreamFormatter(_StreamFormatter):
-    body: CompletionRequest
-
-    def __init__(self, *args) -> None:
-        super().__init__(*args)
-        self.text_offsets: dict[int, int] = {}  # choice index -> next text_offset
-
-    def make_chunk(self, p, idx, o, delta_text, k0, first, out, usage):
-        req = self.reqs[p]
-        echo = first and self.body.echo
-        lp = None
-        if self.body.logprobs is not None:
-            ids, lps = list(o.token_ids[k0:]), list((o.logprobs or [])[k0:])
-            if echo:
-                ids = list(req.prompt_ids) + ids
-                lps = list(out.prompt_logprobs or [None] * len(req.prompt_ids)) + lps
-            offset = self.text_offsets.get(idx, 0)
-            lp = self.server.completion_logprobs(ids, lps, self.body.logprobs, offset)
-            self.text_offsets[idx] = offset + sum(len(t) for t in lp.tokens)
-        if echo:
-            delta_text = self.server.prompt_text(req) + delta_text
-        choice = CompletionResponseChoice(index=idx, text=delta_text, logprobs=lp,
-                                          finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-        return _chunk_dict(CompletionStreamResponse(id=self.request_id, model=self.model, choices=[choice],
-                                                    usage=usage))
-
-    def finish(self):
-        return self.usage_chunk(CompletionStreamResponse)
-
-
-class _ChatStreamFormatter(_StreamFormatter):
-    body: ChatCompletionRequest
-
-    def start(self):
-        """Every choice opens with a role-only delta, as OpenAI and vLLM do."""
-        chunks = []
-        for i in range(self.n):
-            choice = ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-            chunk = ChatCompletionStreamResponse(id=self.request_id, model=self.model, choices=[choice])
-            chunks.append(_chunk_dict(chunk, drop_delta_nones=True))
-        return chunks
-
-    def make_chunk(self, p, idx, o, delta_text, k0, first, out, usage):
-        lp = None
-        if self.body.logprobs:
-            lp = self.server.chat_logprobs(o.token_ids[k0:], (o.logprobs or [])[k0:], self.body.top_logprobs or 0)
-        delta = DeltaMessage(content=delta_text) if delta_text or not o.finished else DeltaMessage()
-        choice = ChatCompletionStreamChoice(index=idx, delta=delta, logprobs=lp,
-                                            finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-        chunk = ChatCompletionStreamResponse(id=self.request_id, model=self.model, choices=[choice], usage=usage)
-        return _chunk_dict(chunk, drop_delta_nones=True)
-
-    def finish(self):
-        return self.usage_chunk(ChatCompletionStreamResponse)
