@@ -18,9 +18,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from kernels.fp8 import FP8_DTYPE, dequantize_per_tensor, dequantize_weight_blocks, quantize_per_tensor
+from kernels.fp8 import FP8_DTYPE, dequantize_per_tensor, dequantize_weight_blocks
+from kernels.mla_kv_write import write_kv_cache
 from kernels.mla_decode import mla_decode
 from kernels.mla_prefill import mla_prefill
+from kernels.mla_query_stage import stage_query
 from model.config import ModelConfig
 from model.forward_context import AttentionMetadata, get_forward_context
 from model.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, divide
@@ -90,60 +92,40 @@ class MLAAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(t, self.num_local_heads, self.qk_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_pe = self.rotary(positions, q_pe)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # q_pe not rotated yet
         kv = self.kv_a_proj_with_mqa(x)
-        kv_c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
-        k_pe = self.rotary(positions, kv[:, self.kv_lora_rank :].unsqueeze(1)).squeeze(1)
 
         ctx = get_forward_context()
         if ctx is None or ctx.attn is None:
-            out = self._prefill_one(q_nope, q_pe, kv_c, k_pe, None)
+            kv_c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
+            k_pe = self.rotary(positions, kv[:, self.kv_lora_rank :].unsqueeze(1)).squeeze(1)
+            out = self._prefill_one(q_nope, self.rotary(positions, q_pe), kv_c, k_pe, None)
         else:
-            out = self._forward_paged(q_nope, q_pe, kv_c, k_pe, ctx)
+            out = self._forward_paged(positions, q_nope, q_pe, kv, ctx)
         return self.o_proj(out.reshape(t, self.num_local_heads * self.v_dim))
 
-    def _forward_paged(self, q_nope, q_pe, kv_c, k_pe, ctx) -> torch.Tensor:
+    def _forward_paged(self, positions, q_nope, q_pe, kv, ctx) -> torch.Tensor:
         attn: AttentionMetadata = ctx.attn
         cache = ctx.kv_caches[self.layer_idx]
         # The per-layer scale only means something for an FP8 cache.
         k_scale = ctx.kv_scales[self.layer_idx] if (ctx.kv_scales and cache.dtype == FP8_DTYPE) else 1.0
-        n = attn.slot_mapping.shape[0]  # rows past n are TP padding: no KV write, zero output
-        self._write_cache(cache, attn.slot_mapping, kv_c[:n], k_pe[:n], k_scale)
+        # One fused pass: norm kv_c, rotate k_pe, quantize, scatter to the slots (slot -1 and
+        # rows past len(slot_mapping), i.e. TP padding, write nothing real).
+        kv_c, k_pe = write_kv_cache(kv, self.kv_a_layernorm.weight, self.eps, positions,
+                                    self.rotary.cos_sin_cache, cache, attn.slot_mapping, k_scale)
         out = q_nope.new_zeros(q_nope.shape[0], self.num_local_heads, self.v_dim)
         nd = attn.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], cache, attn, k_scale)
+            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], positions[:nd], cache, attn, k_scale)
         for i in range(attn.num_decode_seqs, attn.num_seqs):
             start = int(attn.query_start_loc[i])
             end = start + attn.query_lens_cpu[i]
             if end == start:
                 continue
             context = self._gather_context(cache, attn, i, attn.seq_lens_cpu[i] - (end - start), k_scale)
-            out[start:end] = self._prefill_one(
-                q_nope[start:end], q_pe[start:end], kv_c[start:end], k_pe[start:end], context
-            )
+            q_pe_rot = self.rotary(positions[start:end], q_pe[start:end])
+            out[start:end] = self._prefill_one(q_nope[start:end], q_pe_rot, kv_c[start:end], k_pe[start:end], context)
         return out
-
-    def _write_cache(self, cache, slot_mapping, kv_c, k_pe, k_scale: float) -> None:
-        """Scatter [kv_c ‖ k_pe] (FP8-quantized for an FP8 cache) to the tokens' slots.
-
-        Rows with slot -1 (padding) go to the cache's last slot, which the runner reserves
-        as scratch: no boolean indexing, so the write has fixed shapes (CUDA-graph safe).
-        """
-        flat = cache.view(-1, cache.shape[-1])
-        entries = torch.empty(kv_c.shape[0], flat.shape[-1], dtype=cache.dtype, device=cache.device)
-        if cache.dtype == FP8_DTYPE:
-            entries[:, : self.kv_lora_rank] = quantize_per_tensor(kv_c, k_scale)
-            entries[:, self.kv_lora_rank :] = quantize_per_tensor(k_pe, k_scale)
-        else:
-            entries[:, : self.kv_lora_rank] = kv_c
-            entries[:, self.kv_lora_rank :] = k_pe
-        slots = torch.where(slot_mapping >= 0, slot_mapping, flat.shape[0] - 1)
-        if cache.dtype == FP8_DTYPE:  # index_copy has no fp8 kernel: move the bytes
-            flat.view(torch.uint8).index_copy_(0, slots, entries.view(torch.uint8))
-        else:
-            flat.index_copy_(0, slots, entries)
 
     def _gather_context(self, cache, attn: AttentionMetadata, seq: int, n: int, k_scale: float):
         """The first ``n`` cached latents of sequence ``seq`` as ([n, kv_lora], [n, rope])."""
@@ -171,21 +153,17 @@ class MLAAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         return mla_prefill(q, k, v, self.softmax_scale)
 
-    def _decode(self, q_nope, q_pe, cache, attn: AttentionMetadata, k_scale: float) -> torch.Tensor:
+    def _decode(self, q_nope, q_pe, positions, cache, attn: AttentionMetadata, k_scale: float) -> torch.Tensor:
         nd = q_nope.shape[0]
         b, s_q = attn.num_decode_seqs, attn.decode_query_len
         ctx = get_forward_context()
         backend = ctx.attention_backend if ctx is not None else "torch"
-        # The stage buffer: W_UK's product fills [..., :512], the rotated q_pe [..., 512:], then
-        # one quantization pass makes the FP8 query (no torch.cat, no second quant launch).
-        stage = q_nope.new_empty(self.num_local_heads, nd, self.kv_lora_rank + self.rope_dim)
-        torch.bmm(q_nope.transpose(0, 1), self.w_uk, out=stage[..., : self.kv_lora_rank])
-        stage[..., self.kv_lora_rank :] = q_pe.transpose(0, 1)
-        q_abs = stage.transpose(0, 1)
-        q_scale = 1.0
-        if cache.dtype == FP8_DTYPE and backend != "torch" and q_abs.is_cuda:
-            q_scale = ctx.q_scale
-            q_abs = quantize_per_tensor(q_abs, q_scale)
+        # The stage buffer: W_UK's product fills [..., :512], the rotated q_pe [..., 512:], and
+        # one pass quantizes the row for FP8 kernels (no torch.cat, no second quant launch).
+        fp8_query = cache.dtype == FP8_DTYPE and backend != "torch" and q_nope.is_cuda
+        q_scale = ctx.q_scale if fp8_query else 1.0
+        q_abs = stage_query(q_nope, self.w_uk, q_pe, positions, self.rotary.cos_sin_cache,
+                            out_dtype=FP8_DTYPE if fp8_query else self.compute_dtype, q_scale=q_scale)
         out_latent, _ = mla_decode(
             q_abs.reshape(b, s_q, self.num_local_heads, -1),
             cache,
