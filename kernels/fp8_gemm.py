@@ -41,9 +41,17 @@ def _check(x: torch.Tensor, w8: torch.Tensor, w_scale_inv: torch.Tensor, block: 
         raise ValueError(f"weight_scale_inv shape {tuple(w_scale_inv.shape)} != {want} for block {block}")
 
 
+# Measured on the H200 (torch 2.11, cuBLAS 13, 2026-11-29): blockwise _scaled_mm returns wrong
+# results (relative error 0.7 to 7) when K has fewer than 4 scale blocks (K = 256, 384), and is
+# right (1.7e-3) from K = 512 on. Such shapes (e.g. a 256-wide q_lora or moe_intermediate)
+# take the Triton GEMM instead.
+SCALED_MM_MIN_K = 512
+
+
 def scaled_mm_supports(n: int, k: int, block: tuple[int, int]) -> bool:
     """Whether cuBLAS' blockwise ``_scaled_mm`` takes this weight (else the Triton GEMM)."""
-    return tuple(block) == (SCALE_BLOCK, SCALE_BLOCK) and n % SCALE_BLOCK == 0 and k % SCALE_BLOCK == 0
+    return (tuple(block) == (SCALE_BLOCK, SCALE_BLOCK) and n % SCALE_BLOCK == 0 and k % SCALE_BLOCK == 0
+            and k >= SCALED_MM_MIN_K)
 
 
 def choose_backend(on_cuda: bool, n: int, k: int, block: tuple[int, int], backend: str = "auto") -> str:

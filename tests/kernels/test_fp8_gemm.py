@@ -71,7 +71,9 @@ def test_dispatch_logic():
         choose_backend(True, 1024, 1024, (64, 64), "triton")
     with pytest.raises(ValueError, match="unknown fp8 GEMM backend"):
         choose_backend(True, 1024, 1024, sq, "cutlass")
-    assert scaled_mm_supports(256, 128, sq) and not scaled_mm_supports(256, 129, sq)
+    assert scaled_mm_supports(256, 512, sq) and not scaled_mm_supports(256, 513, sq)
+    # cuBLAS' blockwise _scaled_mm was measured wrong for K < 512 (fewer than 4 scale blocks)
+    assert not scaled_mm_supports(1536, 256, sq) and not scaled_mm_supports(1024, 384, sq)
 
 
 _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
@@ -128,7 +130,7 @@ def test_quant_kernel_matches_reference(ue8m0):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("shape", [(1, 7168, 2048), (3, 256, 512), (300, 1536, 7168), (8, 576, 2048),
-                                   (130, 1000, 1300), (0, 256, 256)])
+                                   (130, 1000, 1300), (0, 256, 256), (48, 1536, 256), (16, 1024, 384)])
 def test_gpu_paths_match_reference(shape):
     m, n, k = shape
     _, w8, s = weight(n, k, seed=m + n, device="cuda")
