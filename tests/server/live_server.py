@@ -1,0 +1,153 @@
+"""A real ``python -m server serve`` subprocess on a free loopback port, for end-to-end tests.
+
+    with live_server("--kv-cache-dtype", "fp8") as base_url:
+        httpx.post(f"{base_url}/v1/completions", json={...})
+
+Readiness needs two things: ``GET /health`` answers 200 *and* our own process logged that
+uvicorn bound the port. The second guards against a port race on a shared machine: another
+process could grab the free port we picked, answer ``/health`` itself, while our server fails to
+bind and exits. A bind failure ("address already in use") is retried on a fresh port.
+
+The server runs in its own session (process group) so that its engine processes are ended
+with it. Its stdout and stderr go to a file, never a pipe (a full pipe would stall it); the
+log's tail is put in the failure message when it dies or never becomes healthy, and printed to
+stderr when the ``with`` body raises (pytest shows it with the failing test).
+
+``OMP_NUM_THREADS=1`` unless ``env`` sets it: on a small shared CPU box, torch's default of
+one intra-op thread per core makes every parallel region wait for a thread that another
+process has descheduled. Measured on 2 busy cores with the bundled model: a round of 1,000
+lm-eval-like requests took 96-137 s (single requests up to 24 s) with 2 threads, 5-7 s with 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import httpx
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HOST = "127.0.0.1"
+LOG_TAIL_LINES = 60
+BIND_RETRIES = 3
+
+
+class LiveServerError(RuntimeError):
+    """The server died, never became healthy, or could not bind a port."""
+
+
+def free_port(host: str = HOST) -> int:
+    """A port the kernel reports free right now (it may be taken before the server binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a log file (progress-bar carriage returns made newlines)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError as e:
+        return f"(log unreadable: {e})"
+    return "\n".join(text.replace("\r", "\n").splitlines()[-lines:])
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM the server's process group, SIGKILL it if it has not exited after ``grace_s``."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # Engine processes outlive a parent that exited on its own; the group id is still ours.
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5.0)
+
+
+def _bound_line(host: str, port: int) -> str:
+    return f"Uvicorn running on http://{host}:{port}"
+
+
+def _wait_ready(proc: subprocess.Popen, log_path: str, base_url: str, host: str, port: int,
+                timeout_s: float) -> str | None:
+    """None when ready; "bind" when the port was taken; raises LiveServerError otherwise."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            if proc.poll() is not None:
+                tail = log_tail(log_path)
+                if "address already in use" in tail.lower():
+                    return "bind"
+                raise LiveServerError(f"server exited with code {proc.returncode} before becoming "
+                                      f"healthy; log tail:\n{tail}")
+            healthy = False
+            with contextlib.suppress(httpx.HTTPError):
+                healthy = client.get(f"{base_url}/health").status_code == 200
+            if healthy and _bound_line(host, port) in log_tail(log_path, 10_000):
+                return None
+            if time.monotonic() > deadline:
+                raise LiveServerError(f"server not healthy after {timeout_s:.0f} s at {base_url}; "
+                                      f"log tail:\n{log_tail(log_path)}")
+            time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def live_server(*serve_args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None,
+                log_path: str | None = None) -> Iterator[str]:
+    """Run ``python -m server serve *serve_args --host 127.0.0.1 --port P``; yield ``http://127.0.0.1:P``.
+
+    ``serve_args`` must not contain ``--host``/``--port`` or a ``--uvicorn-log-level`` above
+    info (readiness reads uvicorn's "running on" line). ``env`` entries are added to the
+    current environment. The server is always stopped on exit.
+    """
+    for flag in ("--host", "--port"):
+        if any(a == flag or a.startswith(flag + "=") for a in serve_args):
+            raise ValueError(f"live_server picks {flag} itself; do not pass it")
+    own_log = log_path is None
+    if own_log:
+        fd, log_path = tempfile.mkstemp(prefix="mlaserve-live-", suffix=".log")
+        os.close(fd)
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    keep_log = False  # kept only when the with-body failed (the message names it)
+    try:
+        for _attempt in range(BIND_RETRIES):
+            port = free_port()
+            base_url = f"http://{HOST}:{port}"
+            cmd = [sys.executable, "-m", "server", "serve", *serve_args, "--host", HOST, "--port", str(port)]
+            with open(log_path, "w", encoding="utf-8") as log:
+                proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                if _wait_ready(proc, log_path, base_url, HOST, port, timeout_s) == "bind":
+                    continue
+                try:
+                    yield base_url
+                except BaseException:
+                    keep_log = True
+                    sys.stderr.write(f"---- server log tail ({' '.join(cmd)}; full log {log_path}) ----\n"
+                                     f"{log_tail(log_path)}\n")
+                    raise
+                if proc.poll() is not None:
+                    raise LiveServerError(f"server exited with code {proc.returncode} while in use; "
+                                          f"log tail:\n{log_tail(log_path)}")
+                return
+            finally:
+                _stop(proc)
+        raise LiveServerError(f"could not bind a free port in {BIND_RETRIES} attempts; log tail:\n"
+                              f"{log_tail(log_path)}")
+    finally:
+        if own_log and not keep_log:
+            with contextlib.suppress(OSError):
+                os.unlink(log_path)
