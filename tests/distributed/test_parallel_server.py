@@ -8,17 +8,15 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
 
 import httpx
 import pytest
 
-from distributed.launcher import find_free_port
 from model.checkpoint import write_random_checkpoint
+from tests.server.live_server import live_server_process
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.slow
 
 
@@ -32,39 +30,11 @@ SEED_LAUNCH_LINE = (
 
 
 @contextmanager
-def serve(model_dir: str, *flags: str, timeout_s: float = 120.0, test_flags=TEST_FLAGS):
-    port = find_free_port()
-    log = open(os.path.join(os.path.dirname(model_dir), f"server-{port}.log"), "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "server", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
-         "--device", "cpu", *test_flags, *flags],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"server exited with {proc.returncode}:\n{log.read()[-3000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("server did not become healthy")
-            time.sleep(0.2)
+def serve(model_dir: str, *flags: str, timeout_s: float = 120.0, test_flags=TEST_FLAGS, may_exit: bool = False):
+    """A live CPU server of ``model_dir``; yields (base URL, server process)."""
+    with live_server_process(model_dir, "--device", "cpu", *test_flags, *flags, timeout_s=timeout_s,
+                             may_exit=may_exit) as (url, proc):
         yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.close()
 
 
 PROMPTS = ["the quick brown fox", "DeepSeek MLA keeps a latent cache", "1+2=3, 4+5="]
@@ -136,7 +106,7 @@ def _children(pid: int) -> list[int]:
 
 def test_killed_worker_gives_503_and_nonzero_exit(tmp_path):
     path = write_random_checkpoint("tiny-v2", str(tmp_path / "m"), seed=3)
-    with serve(path, "-tp", "2") as (url, proc):
+    with serve(path, "-tp", "2", may_exit=True) as (url, proc):
         engines = _children(proc.pid)
         # The engine's children: its TP worker (a multiprocessing spawn child), not the
         # multiprocessing resource tracker.

@@ -106,7 +106,18 @@ def _wait_ready(proc: subprocess.Popen, log_path: str, base_url: str, host: str,
 @contextlib.contextmanager
 def live_server(*serve_args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None,
                 log_path: str | None = None) -> Iterator[str]:
-    """Run ``python -m server serve *serve_args --host 127.0.0.1 --port P``; yield ``http://127.0.0.1:P``.
+    """:func:`live_server_process`, yielding only the base URL."""
+    with live_server_process(*serve_args, timeout_s=timeout_s, env=env, log_path=log_path) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def live_server_process(*serve_args: str, timeout_s: float = 120.0, env: dict[str, str] | None = None,
+                        log_path: str | None = None, may_exit: bool = False,
+                        ) -> Iterator[tuple[str, subprocess.Popen]]:
+    """Run ``python -m server serve *serve_args --host 127.0.0.1 --port P``; yield
+    (``http://127.0.0.1:P``, the server process). ``may_exit``: the body may end the server
+    (failure tests); otherwise a server that exited while in use is an error.
 
     ``serve_args`` must not contain ``--host``/``--port`` or a ``--uvicorn-log-level`` above
     info (readiness reads uvicorn's "running on" line). ``env`` entries are added to the
@@ -133,13 +144,13 @@ def live_server(*serve_args: str, timeout_s: float = 120.0, env: dict[str, str] 
                 if _wait_ready(proc, log_path, base_url, HOST, port, timeout_s) == "bind":
                     continue
                 try:
-                    yield base_url
+                    yield base_url, proc
                 except BaseException:
                     keep_log = True
                     sys.stderr.write(f"---- server log tail ({' '.join(cmd)}; full log {log_path}) ----\n"
                                      f"{log_tail(log_path)}\n")
                     raise
-                if proc.poll() is not None:
+                if proc.poll() is not None and not may_exit:
                     raise LiveServerError(f"server exited with code {proc.returncode} while in use; "
                                           f"log tail:\n{log_tail(log_path)}")
                 return
