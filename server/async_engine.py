@@ -158,6 +158,15 @@ def _drain_messages(core, conn) -> bool:
     return False
 
 
+def served_name_for(model_arg: str | None, model_dir: str) -> str:
+    """vLLM's default: the model argument exactly as given; the bundled model is ``arith``."""
+    from server.llm import bundled_model_dir
+
+    if not model_arg or os.path.abspath(model_arg) == os.path.abspath(bundled_model_dir()):
+        return os.path.basename(model_dir.rstrip("/"))
+    return model_arg
+
+
 # ---- the API-side handle ----------------------------------------------------------------------
 class _EngineProcess:
     """One engine process (one per DP rank) and the pipe to it."""
@@ -179,7 +188,7 @@ class AsyncEngine:
         self.model_dir = model_dir
         self.model_config: ModelConfig = load_model_config(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
-        self.served_model_name = config.served_model_name or model_dir.rstrip("/").split("/")[-1]
+        self.served_model_name = config.served_model_name or served_name_for(config.model, model_dir)
         self.max_model_len = 0
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
         self._owner: dict[str, _EngineProcess] = {}
