@@ -24,7 +24,7 @@ Same contract as ``kernels.mla_decode.mla_decode_reference``. Design, and why:
 - ``tokens_major`` computes Sᵀ = K·Qᵀ so keys, not padded heads, fill the MMA's 64-row
   dimension (meant for few heads); it measured slower than the rows-major default here.
 
-Measured on the H200 (B=128, S=4096, see .notes/kernels.md): 438 µs at 128 heads (334
+Measured on the H200 (B=128, S=4096, see benchmarks/KERNEL_NOTES.md): 438 µs at 128 heads (334
 TFLOP/s, FlashInfer fa3 bf16: 261 µs) and 296 µs at 16 heads (1.0 TB/s) — far from the
 issue's targets; the notes say why and what the next step is.
 """
@@ -66,7 +66,7 @@ class MLADecodeConfig:
 
 def default_config(q_dtype: torch.dtype, kv_dtype: torch.dtype, rows: int) -> MLADecodeConfig:
     """The fastest measured launch shape per regime (rows = s_q x heads of one request;
-    sweep on the H200 in .notes/kernels.md, B=128, S=4096).
+    sweep on the H200 in benchmarks/KERNEL_NOTES.md, B=128, S=4096).
 
     Few rows (TP-sharded heads) should be memory-bound; 4-warp programs on half the output
     columns were fastest (two fit per SM). Many rows are compute-bound: 128 rows per
