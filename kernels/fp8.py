@@ -77,8 +77,9 @@ def quantize_weight_blocks(
 def dequantize_weight_blocks(
     w8: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128), dtype=torch.float32
 ) -> torch.Tensor:
-    """``w8 * scale_inv`` broadcast over 128x128 blocks (ragged edge blocks allowed)."""
-    n, k = w8.shape
+    """``w8 * scale_inv`` broadcast over 128x128 blocks (ragged edge blocks allowed); any
+    leading dims (stacked experts [E, N, K] with scales [E, N/128, K/128]) ride along."""
+    n, k = w8.shape[-2:]
     bn, bk = block
-    s = scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    s = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
     return (w8.float() * s).to(dtype)

@@ -100,17 +100,19 @@ class RoutedExperts(nn.Module):
             raise ValueError(f"shape mismatch for {name}: expected {tuple(target.shape)}, got {tuple(piece.shape)}")
         target.copy_(piece.to(param.dtype))
 
-    def dense_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The expert weights in ``dtype``. FP8 experts are dequantized here, on every call, in
+        one batched pass: correct and graph-safe, but it re-reads and re-writes all local
+        experts per forward — an FP8 grouped GEMM is the missing fast path."""
         if self.w13.dtype != FP8_DTYPE:
-            return self.w13, self.w2
+            return self.w13.to(dtype), self.w2.to(dtype)
         blk = self.fp8_block
-        w13 = torch.stack([dequantize_weight_blocks(self.w13[e], self.w13_scale_inv[e], blk) for e in range(self.num_local)])
-        w2 = torch.stack([dequantize_weight_blocks(self.w2[e], self.w2_scale_inv[e], blk) for e in range(self.num_local)])
-        return w13, w2
+        return (dequantize_weight_blocks(self.w13, self.w13_scale_inv, blk, dtype),
+                dequantize_weight_blocks(self.w2, self.w2_scale_inv, blk, dtype))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        w13, w2 = self.dense_weights()
-        return moe_experts(x, w13.to(x.dtype), w2.to(x.dtype), topk_weights, topk_ids, self.expert_offset)
+        w13, w2 = self.dense_weights(x.dtype)
+        return moe_experts(x, w13, w2, topk_weights, topk_ids, self.expert_offset)
 
 
 class MoE(nn.Module):

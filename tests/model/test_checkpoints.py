@@ -158,3 +158,25 @@ def test_dummy_load_format_needs_no_weights(tmp_path):
         logits = m.compute_logits(m(torch.tensor([3, 4, 5]), torch.arange(3)))
     assert torch.isfinite(logits).all() and logits.std() > 0.1
     assert m.layers[1].mlp.e_score_correction_bias.min() >= 0
+
+
+def test_kept_fp8_weights_on_cpu_match_dequantized(tmp_path):
+    """keep_fp8: FP8 weights + block scales stay in the model (the GPU layout); on CPU the FP8
+    linears and experts run through the dequantizing references and equal the dequantized load.
+    Kept FP8 experts need 128-aligned dims, hence this small R1-layout config."""
+    from model.checkpoint import load_config_dict
+
+    cfg = dict(load_config_dict("tiny-v3"), hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+               q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64,
+               num_attention_heads=2, num_key_value_heads=2)
+    fp8 = write_random_checkpoint(cfg, str(tmp_path / "r1ish"), fp8=True, seed=9)
+    kept = load_model(fp8, dtype="float32", keep_fp8=True, progress=False)
+    deq = load_model(fp8, dtype="float32", keep_fp8=False, progress=False)
+    assert kept.layers[1].mlp.experts.w13.dtype == torch.float8_e4m3fn
+    assert kept.layers[1].mlp.experts.w13_scale_inv.shape == (8, 2, 2)
+    assert kept.layers[1].self_attn.q_b_proj.weight.dtype == torch.float8_e4m3fn
+    ids = torch.randint(0, 512, (12,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a = kept.compute_logits(kept(ids, torch.arange(12)))
+        b = deq.compute_logits(deq(ids, torch.arange(12)))
+    assert (a - b).abs().max().item() < 1e-3
