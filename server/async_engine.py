@@ -158,6 +158,16 @@ def _drain_messages(core, conn) -> bool:
     return False
 
 
+def load_chat_template(value: str) -> str:
+    """``--chat-template``: a path to a Jinja file, else the template text itself (as vLLM)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise EngineStartupError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
+
+
 def served_name_for(model_arg: str | None, model_dir: str) -> str:
     """vLLM's default: the model argument exactly as given; the bundled model is ``arith``."""
     from server.llm import bundled_model_dir
@@ -188,6 +198,8 @@ class AsyncEngine:
         self.model_dir = model_dir
         self.model_config: ModelConfig = load_model_config(model_dir)
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
+        if config.chat_template:
+            self.tokenizer.chat_template = load_chat_template(config.chat_template)
         self.served_model_name = config.served_model_name or served_name_for(config.model, model_dir)
         self.max_model_len = 0
         self._streams: dict[str, tuple[asyncio.Queue, asyncio.AbstractEventLoop]] = {}
@@ -317,6 +329,9 @@ class AsyncEngine:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab:
                 raise InvalidRequestError(f"Token id {t} is out of vocabulary (vocab size {vocab}).")
         params.validate()
+        for t in params.logit_bias or ():
+            if t >= vocab:
+                raise InvalidRequestError(f"logit_bias token id {t} is out of vocabulary (vocab size {vocab}).")
         n, m = len(prompt_token_ids), params.max_tokens
         if (m is None and n >= self.max_model_len) or (m is not None and n + m > self.max_model_len):
             raise InvalidRequestError(

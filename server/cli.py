@@ -179,7 +179,7 @@ class ServeArgs:
 
 # argparse dest -> EngineConfig field, for flags that map one-to-one.
 _ENGINE_FIELDS = (
-    "tokenizer", "dtype", "load_format", "kv_cache_dtype", "device", "seed", "max_model_len", "max_num_seqs",
+    "tokenizer", "chat_template", "dtype", "load_format", "kv_cache_dtype", "device", "seed", "max_model_len", "max_num_seqs",
     "max_num_batched_tokens", "enable_chunked_prefill", "block_size", "enable_prefix_caching",
     "async_scheduling", "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override",
     "swap_space", "enforce_eager", "max_cudagraph_capture_size", "attention_backend",
@@ -214,6 +214,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="(/tokenizer_info is always on)")
     g = p.add_argument_group("model")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: MODEL_DIR)")
+    g.add_argument("--chat-template", default=None,
+                   help="chat template (a Jinja file or the template text) instead of the checkpoint's")
     g.add_argument("--dtype", choices=DTYPES, default=None)
     g.add_argument("--load-format", choices=["auto", "dummy"], default=None,
                    help="auto: load the checkpoint's weights; dummy: random weights in the checkpoint's "

@@ -27,6 +27,7 @@ class EngineConfig:
     model: str | None = None  # checkpoint directory; None: the bundled tiny model
     served_model_name: str | None = None
     tokenizer: str | None = None
+    chat_template: str | None = None  # a template file, or the template text itself
     dtype: str = "auto"
     load_format: str = "auto"  # auto: the checkpoint's safetensors; dummy: random weights, no files
     kv_cache_dtype: str = "auto"

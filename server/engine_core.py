@@ -178,6 +178,9 @@ class EngineCore:
         if bad:
             raise InvalidRequestError(f"Token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size}).")
         params.validate()
+        for t in params.logit_bias or ():
+            if t >= self.vocab_size:
+                raise InvalidRequestError(f"logit_bias token id {t} is out of vocabulary (vocab size {self.vocab_size}).")
         n = len(prompt_token_ids)
         if params.max_tokens is None and n >= self.max_model_len or (
             params.max_tokens is not None and n + params.max_tokens > self.max_model_len

@@ -251,7 +251,9 @@ class OpenAIServer:
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
         if req.logit_bias:
-            raise APIError(400, "logit_bias is not supported by this server.", "logit_bias")
+            for key in req.logit_bias:
+                if not str(key).lstrip("-").isdigit():
+                    raise APIError(400, f"logit_bias keys must be token ids, got {key!r}.", "logit_bias")
 
     @staticmethod
     def sampling_params(req: SamplingFields, max_tokens: int | None, logprobs: int | None,
@@ -266,6 +268,8 @@ class OpenAIServer:
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value
+        if req.logit_bias:
+            kw["logit_bias"] = {int(k): float(v) for k, v in req.logit_bias.items()}
         return SamplingParams(**kw)
 
     def log_request(self, request_id: str, body: SamplingFields, prompt_lens: list[int]) -> None:

@@ -129,6 +129,17 @@ class PromptTokenCache:
         return out
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Add each request's ``logit_bias`` to its row (OpenAI semantics; before penalties and
+    temperature, as vLLM's logits processor does). Reported logprobs stay the raw model's."""
+    for i, r in enumerate(rows):
+        bias = r.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias.keys()), dtype=torch.long, device=logits.device)
+            vals = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i].index_add_(0, ids, vals)
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """Mask EOS and stop token ids (in place) for rows still short of ``min_tokens``."""
     idx_rows, idx_toks = [], []
@@ -255,6 +266,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[want_lp].float(), dim=-1) if want_lp else None
 
         logits = logits.float().clone()
+        apply_logit_bias(logits, rows)
         apply_min_tokens(logits, rows)
         apply_penalties(logits, rows, self._prompt_cache)
 

@@ -29,6 +29,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives per generated token
     prompt_logprobs: int | None = None  # same, for prompt positions
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit (OpenAI)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +74,13 @@ class SamplingParams:
             bad("stop strings must not be empty.")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed must be an integer.")
+        if self.logit_bias:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            for tok, bias in self.logit_bias.items():
+                if tok < 0:
+                    bad(f"logit_bias token id {tok} must be non-negative.")
+                if not -100.0 <= bias <= 100.0:
+                    bad(f"logit_bias values must be in [-100, 100], got {bias} for token {tok}.")
 
     @property
     def greedy(self) -> bool:

@@ -128,3 +128,31 @@ def test_200_concurrent_streams_complete_with_usage(server):
     for _i, usage in results:
         assert usage is not None and usage["completion_tokens"] == 4
         assert usage["total_tokens"] == usage["prompt_tokens"] + 4
+
+
+def test_logit_bias(server):
+    forced = httpx.post(server + "/v1/completions", json={
+        "model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+        "logit_bias": {"300": 100}, "return_tokens_as_token_ids": False, "logprobs": 0}).json()
+    assert forced["usage"]["completion_tokens"] == 4
+    toks = httpx.post(server + "/tokenize", json={"model": "tiny", "prompt": forced["choices"][0]["text"],
+                                                  "add_special_tokens": False}).json()["tokens"]
+    assert set(toks) == {300}
+    bad = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2,
+                                                       "logit_bias": {"999999": 5}})
+    assert bad.status_code == 400 and "logit_bias" in bad.json()["error"]["message"]
+
+
+def test_chat_template_flag(tmp_path):
+    """--chat-template replaces the checkpoint's template (file path or inline text)."""
+    ckpt = write_random_checkpoint("tiny-v2", str(tmp_path / "m"), seed=1)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    with live_server(ckpt, "--device", "cpu", "--served-model-name", "t", "--chat-template", str(template),
+                     "--num-gpu-blocks-override", "64", "--block-size", "16") as url:
+        r = httpx.post(url + "/v1/chat/completions", json={
+            "model": "t", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).json()
+        # chat prompts are tokenized without adding BOS (the template owns special tokens), as vLLM
+        ids = httpx.post(url + "/tokenize", json={"model": "t", "prompt": "<<hi>>",
+                                                  "add_special_tokens": False}).json()["count"]
+        assert r["usage"]["prompt_tokens"] == ids

@@ -390,3 +390,18 @@ def test_cuda_batch_invariance_and_speed():
     ms = (time.perf_counter() - start) / 10 * 1e3
     print(f"sampler 256 x {vocab} mixed (penalties, top-p, seeded, logprobs): {ms:.2f} ms")
     assert ms < 100.0
+
+
+def test_logit_bias_forces_and_bans_tokens():
+    """OpenAI's logit_bias: +100 makes a token win greedy decoding, -100 removes it."""
+    from server.errors import InvalidRequestError
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    top = logits.argmax(-1)
+    rows = [SamplingRow(SamplingParams(temperature=0, logit_bias={7: 100.0}), [1], []),
+            SamplingRow(SamplingParams(temperature=0, logit_bias={int(top[1]): -100.0}), [1], []),
+            SamplingRow(SamplingParams(temperature=0), [1], [])]
+    out = Sampler()(logits, rows).token_ids
+    assert out[0] == 7 and out[1] != int(top[1]) and out[2] == int(top[2])
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(logit_bias={3: 101.0})
