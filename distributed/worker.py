@@ -137,8 +137,11 @@ def tp_worker_main(rank: int, world_size: int, local_rank: int, pcfg: ParallelCo
     while True:
         msg = comm.broadcast_object(None, group, src=0)
         if msg[0] == "stop":
-            return
+            break
         runner.run_plan(StepPlan.from_wire(msg[1]))
+    from distributed.parallel_state import destroy_distributed
+
+    destroy_distributed()  # a clean exit (a process group left to the interpreter can abort)
 
 
 class DPSync:

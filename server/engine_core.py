@@ -148,14 +148,16 @@ class EngineCore:
             self.dp_sync = w.DPSync()
         return w.parallel_context(self.config)
 
-    @staticmethod
-    def _worker_died(failure) -> None:
+    def _worker_died(self, failure) -> None:
         # A TP peer is gone: collectives would hang or fail. End this process at once; the
         # API process sees the pipe close, fails in-flight requests and exits non-zero.
+        if getattr(self, "_shutting_down", False):
+            return  # workers exiting during our own shutdown are not a failure
         logger.error("TP worker died (%s); stopping the engine", failure.describe())
         os._exit(1)
 
     def shutdown(self) -> None:
+        self._shutting_down = True
         if self.runner.plan_broadcaster is not None:
             self.runner.plan_broadcaster.stop()
         if self.workers is not None:

@@ -24,8 +24,15 @@ def bundled_model_dir() -> str:
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
-        self.engine = EngineCore(self.config, model or bundled_model_dir())
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        if config.world_size > 1 and config.nnodes == 1:
+            import dataclasses
+
+            from distributed.launcher import find_free_port
+
+            config = dataclasses.replace(config, master_port=find_free_port(config.master_addr))
+        self.config = config
+        self.engine = EngineCore(config, model or bundled_model_dir())
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -81,3 +88,8 @@ class LLM:
             else:
                 raise TypeError(f"unsupported prompt type {type(p).__name__}")
         return texts, ids
+
+    def shutdown(self) -> None:
+        """Stop TP workers and leave the process groups (no-op for a single-process engine)."""
+        self.engine.shutdown()
+
