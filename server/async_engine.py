@@ -311,7 +311,7 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         keys = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prompt_tokens_total",
-                "generation_tokens_total", "num_preemptions")
+                "generation_tokens_total", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
         total = {k: sum(e.stats.get(k, 0) for e in self._engines) for k in keys}
         total["collectives"] = {}
         for e in self._engines:

@@ -74,6 +74,10 @@ class _EngineStatsCollector:
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", s["prompt_tokens_total"])
         yield counter("vllm:generation_tokens", "Generation tokens produced.", s["generation_tokens_total"])
         yield counter("vllm:num_preemptions", "Cumulative preemptions.", s["num_preemptions"])
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.get("prefix_cache_queries", 0))
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      s.get("prefix_cache_hits", 0))
         coll = CounterMetricFamily("mlaserve:collectives", "Collectives run by the engine ranks, by kind "
                                    "(reduce_scatter_tensor = one ReduceScatter; *_v = uneven sizes).",
                                    labels=["model_name", "kind"])

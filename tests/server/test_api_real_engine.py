@@ -156,3 +156,13 @@ def test_chat_template_flag(tmp_path):
         ids = httpx.post(url + "/tokenize", json={"model": "t", "prompt": "<<hi>>",
                                                   "add_special_tokens": False}).json()["count"]
         assert r["usage"]["prompt_tokens"] == ids
+
+
+def test_prefix_cache_metrics(server):
+    prompt = [int(x) for x in range(3, 3 + 40)]  # 40 tokens: two full 16-token blocks to share
+    before = _metric(server, "vllm:prefix_cache_hits_total")
+    for _ in range(2):
+        r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 200
+    assert _metric(server, "vllm:prefix_cache_hits_total") - before >= 32
+    assert _metric(server, "vllm:prefix_cache_queries_total") > 0
