@@ -26,7 +26,7 @@ import msgpack
 
 from model.config import ModelConfig, load_model_config
 from server.config import EngineConfig
-from server.engine_core import RequestDelta, SeqDelta
+from server.engine_core import RequestDelta, SeqDelta, validate_request
 from server.errors import EngineDeadError, EngineStartupError, InvalidRequestError
 from server.outputs import OutputAccumulator, RequestOutput, TokenLogprob
 from server.sampling_params import SamplingParams
@@ -322,23 +322,7 @@ class AsyncEngine:
         return total
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        if not prompt_token_ids:
-            raise InvalidRequestError("The prompt must contain at least one token.")
-        for t in prompt_token_ids:
-            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab:
-                raise InvalidRequestError(f"Token id {t} is out of vocabulary (vocab size {vocab}).")
-        params.validate()
-        for t in params.logit_bias or ():
-            if t >= vocab:
-                raise InvalidRequestError(f"logit_bias token id {t} is out of vocabulary (vocab size {vocab}).")
-        n, m = len(prompt_token_ids), params.max_tokens
-        if (m is None and n >= self.max_model_len) or (m is not None and n + m > self.max_model_len):
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{n + (m or 0)} tokens ({n} in the messages, {m or 0} in the completion). "
-                "Please reduce the length of the messages or completion."
-            )
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None

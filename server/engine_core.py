@@ -82,6 +82,28 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     return config.max_model_len
 
 
+def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
+                     max_model_len: int) -> None:
+    """Raise InvalidRequestError for a request the engine can never serve (the API process
+    checks this before sending; the engine checks again)."""
+    if not prompt_token_ids:
+        raise InvalidRequestError("The prompt must contain at least one token.")
+    for t in prompt_token_ids:
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab_size:
+            raise InvalidRequestError(f"Token id {t} is out of vocabulary (vocab size {vocab_size}).")
+    params.validate()
+    for t in params.logit_bias or ():
+        if t >= vocab_size:
+            raise InvalidRequestError(f"logit_bias token id {t} is out of vocabulary (vocab size {vocab_size}).")
+    n, m = len(prompt_token_ids), params.max_tokens
+    if (m is None and n >= max_model_len) or (m is not None and n + m > max_model_len):
+        raise InvalidRequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{n + (m or 0)} tokens ({n} in the messages, {m or 0} in the completion). "
+            "Please reduce the length of the messages or completion."
+        )
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model_dir: str, dp_rank: int = 0) -> None:
         self.config = config
@@ -173,26 +195,7 @@ class EngineCore:
         return self.model_config.vocab_size
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError for a request the engine can never serve."""
-        if not prompt_token_ids:
-            raise InvalidRequestError("The prompt must contain at least one token.")
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"Token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size}).")
-        params.validate()
-        for t in params.logit_bias or ():
-            if t >= self.vocab_size:
-                raise InvalidRequestError(f"logit_bias token id {t} is out of vocabulary (vocab size {self.vocab_size}).")
-        n = len(prompt_token_ids)
-        if params.max_tokens is None and n >= self.max_model_len or (
-            params.max_tokens is not None and n + params.max_tokens > self.max_model_len
-        ):
-            asked = n + (params.max_tokens or 0)
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{asked} tokens ({n} in the messages, {params.max_tokens or 0} in the completion). "
-                "Please reduce the length of the messages or completion."
-            )
+        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
