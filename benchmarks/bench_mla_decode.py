@@ -63,6 +63,12 @@ SWEEP = {
     ],
 }
 
+# Launch shapes of the CUDA C++ kernel: (row groups of 16, stages, Q in registers).
+CUDA_SWEEP = {
+    "few": [(1, 2, True), (1, 3, True), (1, 2, False), (2, 2, True), (2, 3, False)],
+    "many": [(4, 2, False), (4, 3, False), (2, 2, False)],
+}
+
 
 def measure_ceilings() -> dict:
     """HBM copy bandwidth (read + write bytes) and dense bf16 / fp8 matmul rates."""
@@ -155,7 +161,8 @@ def sass_stats(compiled) -> dict:
     return dict(regs=compiled.n_regs, spills=compiled.n_spills, smem=compiled.metadata.shared, **count)
 
 
-def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict) -> list[dict]:
+def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_triton: bool = True,
+               sweep_cuda: bool = True) -> list[dict]:
     from triton.testing import do_bench
 
     from kernels.mla_decode_triton import MLADecodeConfig, _mla_decode_kernel, default_config, mla_decode_triton
@@ -208,7 +215,18 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict) -> list
         cfg = dataclasses.asdict(default_config(torch.bfloat16, torch.bfloat16, rows_per_req))
         record("ours-bf16", lambda: mla_decode_triton(*args16), ref16, 2,
                dict(config={k: v for k, v in cfg.items() if v is not None and k != "pv"}))
-    if sweep:
+    if "cuda-fp8" in variants:
+        from kernels.mla_decode_cuda import launch_shape, mla_decode_cuda
+
+        record("cuda-fp8", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE), ref8, 1,
+               dict(config=launch_shape(rows_per_req)))
+        if sweep and sweep_cuda:
+            for shape in CUDA_SWEEP["few" if rows_per_req <= 32 else "many"]:
+                for splits in (None, 1, 2, 4, 8, 16):
+                    record("sweep-cuda", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE,
+                                                                 config=shape, num_splits=splits),
+                           ref8, 1, dict(config=shape, splits=splits))
+    if sweep and sweep_triton:
         regime = "many" if case.heads * case.s_q >= 64 else "few"
         for kw in SWEEP[("fp8", regime)]:
             cfg = MLADecodeConfig(**kw)
@@ -270,8 +288,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--sq", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--variants", default="ours-fp8,ours-bf16,fi-fa3-bf16,fi-fa3-fp8,torch")
+    ap.add_argument("--variants", default="cuda-fp8,ours-fp8,ours-bf16,fi-fa3-bf16,fi-fa3-fp8,torch")
     ap.add_argument("--sweep", action="store_true", help="also time the candidate configs")
+    ap.add_argument("--sweep-what", choices=("all", "cuda", "triton"), default="all",
+                    help="which kernel's candidate launch shapes to sweep")
     ap.add_argument("--sweep-batch", type=int, default=128, help="sweep only at this batch size")
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--markdown", help="write the summary table here")
@@ -284,7 +304,8 @@ def main() -> None:
         for heads in args.heads:
             for bsz in args.batch:
                 sweep = args.sweep and bsz == args.sweep_batch and s_q == args.sq[0]
-                rows += bench_case(Case(bsz, args.seq, heads, s_q), variants, sweep, ceil)
+                rows += bench_case(Case(bsz, args.seq, heads, s_q), variants, sweep, ceil,
+                                   sweep_triton=args.sweep_what != "cuda", sweep_cuda=args.sweep_what != "triton")
                 torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

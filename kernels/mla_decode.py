@@ -54,7 +54,7 @@ def mla_decode_reference(
     return out, lse
 
 
-BACKENDS = ("auto", "triton", "flashinfer", "trtllm", "torch")
+BACKENDS = ("auto", "cuda", "triton", "flashinfer", "trtllm", "torch")
 
 
 def choose_auto_backend(kv_dtype: torch.dtype) -> str:
@@ -77,6 +77,18 @@ def resolve_backend(requested: str, device: torch.device, kv_dtype: torch.dtype,
                    and kv_lora_rank & (kv_lora_rank - 1) == 0)
     if requested == "auto":
         return "triton" if fits_triton else "torch"
+    if requested == "cuda":
+        from kernels.mla_decode_cuda import D_LATENT, find_nvcc, supports
+
+        if not supports(device, kv_dtype, kv_dtype, kv_lora_rank, rope_dim, 64):
+            raise ValueError(
+                f"--attention-backend cuda: needs a Hopper (sm_90) GPU, an fp8 KV cache (--kv-cache-dtype fp8) "
+                f"and kv_lora_rank {D_LATENT} + rope 64 (got {kv_dtype}, {kv_lora_rank}, {rope_dim})"
+            )
+        if find_nvcc() is None:
+            raise ValueError("--attention-backend cuda: the kernel is compiled on first use and needs nvcc "
+                             "(set CUDA_HOME or put nvcc on PATH)")
+        return requested
     if requested == "triton" and not fits_triton:
         raise ValueError(
             f"--attention-backend triton: needs a bf16/fp16/fp8 cache, rope dim 64 and a power-of-two "
@@ -85,7 +97,7 @@ def resolve_backend(requested: str, device: torch.device, kv_dtype: torch.dtype,
     return requested
 
 
-GRAPH_SAFE_BACKENDS = ("triton",)
+GRAPH_SAFE_BACKENDS = ("triton", "cuda")
 
 
 def mla_decode(
@@ -101,7 +113,7 @@ def mla_decode(
     backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch to a decode backend: ``torch`` everywhere (and for any CPU tensor);
-    ``triton``, ``flashinfer`` (SM90 fa3), ``trtllm`` (SM100) or ``auto`` on CUDA.
+    ``cuda`` (our C++ FP8 kernel, Hopper), ``triton``, ``flashinfer`` (SM90 fa3), ``trtllm`` (SM100) or ``auto`` on CUDA.
     GPU backends are imported lazily so CPU installs need neither Triton nor FlashInfer."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown MLA decode backend {backend!r}; one of {BACKENDS}")
@@ -110,6 +122,10 @@ def mla_decode(
         return mla_decode_reference(*args)
     if backend == "auto":
         backend = choose_auto_backend(kv_cache.dtype)
+    if backend == "cuda":
+        from kernels.mla_decode_cuda import mla_decode_cuda
+
+        return mla_decode_cuda(*args)
     if backend == "triton":
         from kernels.mla_decode_triton import mla_decode_triton
 

@@ -13,7 +13,7 @@ from server.errors import InvalidRequestError
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "bf16", "fp32", "float")
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
-ATTENTION_BACKENDS = ("auto", "triton", "flashinfer", "trtllm", "torch")
+ATTENTION_BACKENDS = ("auto", "cuda", "triton", "flashinfer", "trtllm", "torch")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call for the CUDA C++ MLA decode: build, GPU tests, then timings of it against
+# our Triton kernel (and FlashInfer fa3 when `full` is given), with a launch-shape sweep.
+#   source .device-wheels/install.sh && bash benchmarks/run_cuda_decode.sh [quick|full]
+# Logs land in $OUT; the summary table is printed last.
+set -uo pipefail
+OUT=${OUT:-/tmp/mlaserve-cuda}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MLASERVE_KERNEL_CACHE=${MLASERVE_KERNEL_CACHE:-/tmp/mlaserve-kernels}
+mode=${1:-quick}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+git rev-parse --short HEAD 2>/dev/null
+t0=$(date +%s)
+python3 -c "from kernels.mla_decode_cuda import build_library; print(build_library())" 2>&1 | tail -3
+echo "build $(( $(date +%s) - t0 )) s"
+timeout 300 python3 -m pytest -m gpu tests/kernels/test_mla_decode_cuda.py -q -x -p no:cacheprovider \
+  > "$OUT/pytest_cuda.log" 2>&1
+echo "pytest rc=$?"; grep -E "passed|failed|Error|assert|error" "$OUT/pytest_cuda.log" | head -20
+variants=cuda-fp8,ours-fp8
+[ "$mode" = full ] && variants=cuda-fp8,ours-fp8,ours-bf16,fi-fa3-bf16,fi-fa3-fp8
+timeout 400 python3 benchmarks/bench_mla_decode.py --variants $variants --sweep --sweep-what cuda \
+  --sweep-batch 128 --batch 64 128 --heads 16 128 --sq 1 2 --json "$OUT/mla.json" --markdown "$OUT/mla.md" \
+  > "$OUT/bench.log" 2>&1
+echo "bench rc=$?"
+grep -E "sweep-cuda|FAILED" "$OUT/bench.log" | awk '{print $1,$2,$3,$4,$5,$6,$7,$8,$9, $NF, $(NF-1), $(NF-2)}' | head -60
+cat "$OUT/mla.md"

@@ -1,0 +1,428 @@
+// Paged MLA decode with an FP8 (e4m3) query and latent cache, for Hopper (sm_90), CUDA C++.
+//
+// Same contract as kernels/mla_decode.py::mla_decode_reference (see kernels/mla_decode_cuda.py
+// for the Python side). Why this design (benchmarks/KERNEL_NOTES.md has the numbers):
+//
+// - Few query rows (16 heads per GPU under TP8, V2-Lite's 16 heads, s_q <= 4) make decode
+//   memory-bound: the kernel must stream the cache at HBM speed with little work per byte.
+//   Rows sit on the M=16 side of warp-level mma.sync, so no MMA row is padding when
+//   heads x s_q is a multiple of 16 (wgmma's M=64 would waste 3/4 of every product).
+// - Q.K^T runs in FP8 (m16n8k32 e4m3): the cache tile is used exactly as stored, rows =
+//   tokens, bytes = the 576 latent+rope dims, which is already the K-major B operand.
+// - P.V runs in fp16 (m16n8k16): an FP8 B operand must be K-major, i.e. V transposed, which
+//   is what sank Triton's FP8 P.V. Instead `ldmatrix.trans` reads the FP8 V tile as 16-bit
+//   pairs, one byte permute regroups the pairs per dimension, and the hardware converts
+//   e4m3x2 -> f16x2 (exact). Output dimensions then come out interleaved (even/odd), which
+//   the epilogue undoes for free: each thread ends up owning 4 consecutive dims.
+// - A CTA = 4 column groups x R row groups of warps. For each 64-token tile, warp (r, c)
+//   computes scores for rows 16r.. and tokens 16c.., the row maxima are exchanged through
+//   shared memory, P (fp16) goes to shared memory, and warp (r, c) accumulates
+//   O[rows 16r.., dims 128c..] over the whole tile: no duplicated Q.K^T, O in 64 registers.
+// - Tiles are whole 64-token slices of a page, loaded with cp.async (16 B per thread,
+//   rows padded by 16 B so ldmatrix is bank-conflict free), STAGES deep. Tokens past the
+//   sequence are zero-filled by the copy (src-size 0), so poisoned (NaN) slots never reach
+//   the P.V product.
+// - Split-KV: blockIdx.z takes a contiguous range of tiles and writes a normalized partial
+//   output plus its log-sum-exp; a combine kernel (kernels/mla_decode_triton.py) merges them.
+//   The grid depends only on shapes, so a launch can be captured in a CUDA graph.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+struct Params {
+  const uint8_t* q;
+  long long q_sb, q_ss, q_sh;  // strides in bytes (= elements) of q [B, s_q, H, 576]
+  const uint8_t* kv;
+  long long kv_sp, kv_st;      // page and token strides of kv [pages, page_size, 576]
+  const int* block_tables;
+  long long bt_s;
+  const int* seq_lens;
+  __nv_bfloat16* out;          // [B, s_q, H, 512] when num_splits == 1
+  long long o_sb, o_ss, o_sh;
+  float* lse;                  // [B, s_q, H] when num_splits == 1
+  long long l_sb, l_ss, l_sh;
+  float* part_o;               // [B * rows, num_splits, 512] when num_splits > 1
+  float* part_l;               // [B * rows, num_splits]
+  int batch, s_q, heads, num_splits, page_size;
+  float scale_log2;            // softmax_scale * q_scale * k_scale * log2(e)
+  float out_scale;             // k_scale (V is the FP8 latent)
+};
+
+namespace {
+
+constexpr int kDim = 576;                 // latent (512) + rope (64)
+constexpr int kDimV = 512;                // the value is the latent
+constexpr int kTile = 64;                 // tokens per tile
+constexpr int kRowBytes = kDim + 16;      // padded shared-memory row (conflict-free ldmatrix)
+constexpr int kChunksPerRow = kDim / 16;  // 16-byte chunks per cache row
+constexpr int kPStride = kTile + 8;       // halves per P row (144 B: conflict-free ldmatrix)
+constexpr int kCols = 4;                  // column groups of warps
+constexpr int kDimsPerWarp = kDimV / kCols;  // 128 output dims per warp
+constexpr float kLn2 = 0.6931471805599453f;
+
+
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// D += A(16x32 e4m3, row) * B(32x8 e4m3, col), fp32 accumulate.
+__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// D += A(16x16 f16, row) * B(16x8 f16, col), fp32 accumulate.
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Two e4m3 bytes (low 16 bits of v) -> f16x2, low byte -> low half. Exact.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t v) {
+  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xFFFFu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+template <int R, int STAGES>
+constexpr int smem_bytes() {
+  return 16 * R * kRowBytes                  // Q
+         + STAGES * kTile * kRowBytes        // cache tiles
+         + 16 * R * kPStride * 2             // P (fp16)
+         + 2 * R * kCols * 16 * 4;           // row maxima and row sums exchanged by warps
+}
+
+// One CTA: 16*R query rows of request blockIdx.y, tile range blockIdx.z of its cache.
+// Q_IN_REGS keeps the 18 Q fragments (72 registers) for the whole loop.
+template <int R, int STAGES, bool Q_IN_REGS>
+__global__ void __launch_bounds__(128 * R, (R == 1) ? 2 : 1) mla_decode_fp8_kernel(const Params p) {
+  constexpr int kThreads = 128 * R;
+  constexpr int kRows = 16 * R;
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* q_s = smem;
+  uint8_t* kv_s = q_s + kRows * kRowBytes;
+  __half* p_s = reinterpret_cast<__half*>(kv_s + STAGES * kTile * kRowBytes);
+  float* red_max = reinterpret_cast<float*>(p_s + kRows * kPStride);
+  float* red_sum = red_max + R * kCols * 16;
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int rg = warp / kCols, cg = warp % kCols;  // row group, column group
+  const int g = lane >> 2, t = lane & 3;           // mma fragment coordinates
+  const int b = blockIdx.y, split = blockIdx.z;
+  const int rows_total = p.s_q * p.heads;
+  const int row0 = blockIdx.x * kRows;
+
+  const int seq_len = p.seq_lens[b];
+  const int n_tiles = (seq_len + kTile - 1) / kTile;
+  const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
+  const int tile_begin = split * per_split;
+  const int tile_end = min(n_tiles, tile_begin + per_split);
+
+  // Q rows of this CTA -> shared memory (rows past the request are zero).
+  for (int c = tid; c < kRows * kChunksPerRow; c += kThreads) {
+    const int r = c / kChunksPerRow, k = c % kChunksPerRow;
+    const int row = row0 + r;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (row < rows_total) {
+      const int j = row / p.heads, h = row % p.heads;
+      v = *reinterpret_cast<const uint4*>(p.q + b * p.q_sb + j * p.q_ss + h * p.q_sh + k * 16);
+    }
+    *reinterpret_cast<uint4*>(q_s + r * kRowBytes + k * 16) = v;
+  }
+
+  const int* bt_row = p.block_tables + b * p.bt_s;
+  auto load_tile = [&](int tile, int stage) {
+    const int tok0 = tile * kTile;
+    const long long page = bt_row[tok0 / p.page_size];
+    const uint8_t* src0 = p.kv + page * p.kv_sp + static_cast<long long>(tok0 % p.page_size) * p.kv_st;
+    const uint32_t dst0 = smem_addr(kv_s + stage * kTile * kRowBytes);
+    for (int c = tid; c < kTile * kChunksPerRow; c += kThreads) {
+      const int r = c / kChunksPerRow, k = c % kChunksPerRow;
+      const bool valid = tok0 + r < seq_len;
+      cp_async_16(dst0 + r * kRowBytes + k * 16, src0 + (valid ? r * p.kv_st : 0) + k * 16, valid ? 16 : 0);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (tile_begin + s < tile_end) load_tile(tile_begin + s, s);
+    cp_async_commit();
+  }
+  __syncthreads();  // Q in shared memory
+
+  // ldmatrix addresses. Q (A of m16n8k32): matrices (rows 0-7 | 8-15) x (bytes 0-15 | 16-31).
+  const uint32_t q_addr =
+      smem_addr(q_s + (rg * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kRowBytes + 16 * (lane >> 4));
+  uint32_t q_frag[Q_IN_REGS ? 18 : 1][4];
+  if constexpr (Q_IN_REGS) {
+#pragma unroll
+    for (int ks = 0; ks < 18; ++ks) ldsm_x4(q_addr + ks * 32, q_frag[ks]);
+  }
+  // K (B of m16n8k32): tokens (0-7 | 8-15) of this warp's 16 x (bytes 0-15 | 16-31).
+  const uint32_t k_off = (cg * 16 + (lane & 7) + 8 * (lane >> 4)) * kRowBytes + 16 * ((lane >> 3) & 1);
+  // P (A of m16n8k16): rows (0-7 | 8-15) x (halves 0-7 | 8-15).
+  const uint32_t p_addr =
+      smem_addr(p_s + (rg * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kPStride + 8 * (lane >> 4));
+  // V (B of m16n8k16 via .trans): tokens (0-7 | 8-15) x (16 dims | next 16 dims).
+  const uint32_t v_off = ((lane & 7) + 8 * ((lane >> 3) & 1)) * kRowBytes + cg * kDimsPerWarp + 16 * (lane >> 4);
+
+  // Causal limit (number of visible keys) of this thread's two rows.
+  int limit[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = min(row0 + rg * 16 + g + 8 * i, rows_total - 1);
+    limit[i] = seq_len - p.s_q + row / p.heads + 1;
+  }
+
+  float o[kDimsPerWarp / 16][2][4];  // [16-dim chunk][even/odd dims][fragment]
+#pragma unroll
+  for (int c = 0; c < kDimsPerWarp / 16; ++c)
+#pragma unroll
+    for (int e = 0; e < 2; ++e)
+#pragma unroll
+      for (int f = 0; f < 4; ++f) o[c][e][f] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};  // this thread's share of the row sums
+
+  for (int tile = tile_begin, it = 0; tile < tile_end; ++tile, ++it) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // tile `it` landed for every thread; the stage refilled next is free
+    {
+      const int next = tile + STAGES - 1;
+      if (next < tile_end) load_tile(next, (it + STAGES - 1) % STAGES);
+      cp_async_commit();
+    }
+    const uint32_t stage = smem_addr(kv_s + (it % STAGES) * kTile * kRowBytes);
+
+    // S = Q . K^T for 16 rows x this warp's 16 tokens.
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int ks = 0; ks < kDim / 32; ++ks) {
+      uint32_t kb[4];
+      ldsm_x4(stage + k_off + ks * 32, kb);
+      if constexpr (Q_IN_REGS) {
+        mma_e4m3(s[0], q_frag[ks], kb[0], kb[1]);
+        mma_e4m3(s[1], q_frag[ks], kb[2], kb[3]);
+      } else {
+        uint32_t qa[4];
+        ldsm_x4(q_addr + ks * 32, qa);
+        mma_e4m3(s[0], qa, kb[0], kb[1]);
+        mma_e4m3(s[1], qa, kb[2], kb[3]);
+      }
+    }
+
+    // Scale to log2 units, mask, and take this warp's row maxima.
+    const int tok_base = tile * kTile + cg * 16 + 2 * t;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e >> 1;
+        const int tok = tok_base + nb * 8 + (e & 1);
+        const float v = tok < limit[i] ? s[nb][e] * p.scale_log2 : -INFINITY;
+        s[nb][e] = v;
+        mx[i] = fmaxf(mx[i], v);
+      }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+    }
+    if (t == 0) {
+      red_max[(rg * kCols + cg) * 16 + g] = mx[0];
+      red_max[(rg * kCols + cg) * 16 + g + 8] = mx[1];
+    }
+    __syncthreads();
+
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float m_tile = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) m_tile = fmaxf(m_tile, red_max[(rg * kCols + c) * 16 + g + 8 * i]);
+      const float m_new = fmaxf(m_run[i], m_tile);
+      m_use[i] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays at 0
+      alpha[i] = exp2f(m_run[i] - m_use[i]);
+      m_run[i] = m_new;
+    }
+
+    // P = exp2(S - m) -> fp16 in shared memory; this thread's share of the row sums.
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb) {
+      const float p0 = exp2f(s[nb][0] - m_use[0]), p1 = exp2f(s[nb][1] - m_use[0]);
+      const float p2 = exp2f(s[nb][2] - m_use[1]), p3 = exp2f(s[nb][3] - m_use[1]);
+      sum[0] += p0 + p1;
+      sum[1] += p2 + p3;
+      const int col = cg * 16 + nb * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(p_s + (rg * 16 + g) * kPStride + col) = pack_half2(p0, p1);
+      *reinterpret_cast<uint32_t*>(p_s + (rg * 16 + g + 8) * kPStride + col) = pack_half2(p2, p3);
+    }
+    l_run[0] = l_run[0] * alpha[0] + sum[0];
+    l_run[1] = l_run[1] * alpha[1] + sum[1];
+    if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+      for (int c = 0; c < kDimsPerWarp / 16; ++c)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          o[c][e][0] *= alpha[0];
+          o[c][e][1] *= alpha[0];
+          o[c][e][2] *= alpha[1];
+          o[c][e][3] *= alpha[1];
+        }
+    }
+    __syncthreads();  // P complete
+
+    // O[16 rows, this warp's 128 dims] += P[16, 64] . V[64, 128 dims].
+#pragma unroll
+    for (int ks = 0; ks < kTile / 16; ++ks) {
+      uint32_t pa[4];
+      ldsm_x4(p_addr + ks * 32, pa);
+#pragma unroll
+      for (int cp = 0; cp < kDimsPerWarp / 32; ++cp) {
+        uint32_t v[4];  // (chunk 2cp: tokens 0-7, 8-15), (chunk 2cp+1: tokens 0-7, 8-15)
+        ldsm_x4_trans(stage + v_off + ks * 16 * kRowBytes + cp * 32, v);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          // v[2h] bytes: V[t0][2j], V[t0][2j+1], V[t0+1][2j], V[t0+1][2j+1] (t0 = 2t, j = g);
+          // v[2h+1] the same 8 tokens later. Regroup per dimension, then widen to f16.
+          const uint32_t even = __byte_perm(v[2 * h], v[2 * h + 1], 0x6420);
+          const uint32_t odd = __byte_perm(v[2 * h], v[2 * h + 1], 0x7531);
+          mma_f16(o[2 * cp + h][0], pa, e4m3x2_to_f16x2(even), e4m3x2_to_f16x2(even >> 16));
+          mma_f16(o[2 * cp + h][1], pa, e4m3x2_to_f16x2(odd), e4m3x2_to_f16x2(odd >> 16));
+        }
+      }
+    }
+  }
+
+  // Row sums: across the 4 lanes of a row, then across the column groups.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+  }
+  if (t == 0) {
+    red_sum[(rg * kCols + cg) * 16 + g] = l_run[0];
+    red_sum[(rg * kCols + cg) * 16 + g + 8] = l_run[1];
+  }
+  __syncthreads();
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = row0 + rg * 16 + g + 8 * i;
+    if (row >= rows_total) continue;
+    float l = 0.f;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) l += red_sum[(rg * kCols + c) * 16 + g + 8 * i];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float lse = l > 0.f ? (m_run[i] + log2f(l)) * kLn2 : -INFINITY;
+    const int dim0 = cg * kDimsPerWarp + 4 * t;
+    if (p.num_splits > 1) {
+      const long long flat = static_cast<long long>(b) * rows_total + row;
+      float* dst = p.part_o + (flat * p.num_splits + split) * kDimV + dim0;
+#pragma unroll
+      for (int c = 0; c < kDimsPerWarp / 16; ++c) {
+        const float4 val = make_float4(o[c][0][2 * i] * inv, o[c][1][2 * i] * inv, o[c][0][2 * i + 1] * inv,
+                                       o[c][1][2 * i + 1] * inv);
+        *reinterpret_cast<float4*>(dst + 16 * c) = val;
+      }
+      if (cg == 0 && t == 0) p.part_l[flat * p.num_splits + split] = lse;
+    } else {
+      const int j = row / p.heads, h = row % p.heads;
+      const float sc = inv * p.out_scale;
+      __nv_bfloat16* dst = p.out + b * p.o_sb + j * p.o_ss + h * p.o_sh + dim0;
+#pragma unroll
+      for (int c = 0; c < kDimsPerWarp / 16; ++c) {
+        __nv_bfloat162 lo = __floats2bfloat162_rn(o[c][0][2 * i] * sc, o[c][1][2 * i] * sc);
+        __nv_bfloat162 hi = __floats2bfloat162_rn(o[c][0][2 * i + 1] * sc, o[c][1][2 * i + 1] * sc);
+        uint2 packed;
+        packed.x = *reinterpret_cast<uint32_t*>(&lo);
+        packed.y = *reinterpret_cast<uint32_t*>(&hi);
+        *reinterpret_cast<uint2*>(dst + 16 * c) = packed;
+      }
+      if (cg == 0 && t == 0) p.lse[b * p.l_sb + j * p.l_ss + h * p.l_sh] = lse;
+    }
+  }
+}
+
+template <int R, int STAGES, bool Q_IN_REGS>
+int launch(const Params& p, cudaStream_t stream) {
+  constexpr int smem = smem_bytes<R, STAGES>();
+  auto kernel = mla_decode_fp8_kernel<R, STAGES, Q_IN_REGS>;
+  static bool configured = false;  // per instantiation; the attribute is per function
+  if (!configured) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    configured = true;
+  }
+  const int rows = p.s_q * p.heads;
+  dim3 grid((rows + 16 * R - 1) / (16 * R), p.batch, p.num_splits);
+  kernel<<<grid, 128 * R, smem, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns a cudaError_t (0 = success); -1 for a configuration this library does not build.
+int mla_decode_fp8_sm90(const Params* p, int row_groups, int stages, int q_in_regs, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (row_groups == 1 && stages == 2 && q_in_regs) return launch<1, 2, true>(*p, s);
+  if (row_groups == 1 && stages == 3 && q_in_regs) return launch<1, 3, true>(*p, s);
+  if (row_groups == 1 && stages == 2 && !q_in_regs) return launch<1, 2, false>(*p, s);
+  if (row_groups == 2 && stages == 2 && q_in_regs) return launch<2, 2, true>(*p, s);
+  if (row_groups == 2 && stages == 2 && !q_in_regs) return launch<2, 2, false>(*p, s);
+  if (row_groups == 2 && stages == 3 && !q_in_regs) return launch<2, 3, false>(*p, s);
+  if (row_groups == 4 && stages == 2 && !q_in_regs) return launch<4, 2, false>(*p, s);
+  if (row_groups == 4 && stages == 3 && !q_in_regs) return launch<4, 3, false>(*p, s);
+  return -1;
+}
+
+int mla_decode_fp8_sm90_smem_bytes(int row_groups, int stages) {
+  if (row_groups == 1) return stages == 2 ? smem_bytes<1, 2>() : smem_bytes<1, 3>();
+  if (row_groups == 2) return stages == 2 ? smem_bytes<2, 2>() : smem_bytes<2, 3>();
+  return stages == 2 ? smem_bytes<4, 2>() : smem_bytes<4, 3>();
+}
+
+int mla_decode_fp8_sm90_params_bytes() { return static_cast<int>(sizeof(Params)); }
+
+}  // extern "C"

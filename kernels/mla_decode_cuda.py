@@ -1,0 +1,231 @@
+"""Our CUDA C++ paged MLA decode for Hopper (``kernels/csrc/mla_decode_sm90.cu``): FP8 query
+and FP8 latent cache, split-KV, CUDA-graph safe. Same contract as
+``kernels.mla_decode.mla_decode_reference``.
+
+Why a C++ kernel next to the Triton one: with few query rows per request (16 heads per GPU
+under TP8, V2-Lite's 16 heads) decode should stream the cache at HBM speed, and Triton 3.6
+could not (notes in ``benchmarks/KERNEL_NOTES.md``): it puts 16 rows on warp MMAs with
+byte-wise gathers of the FP8 values. The C++ kernel reads V's FP8 pairs with
+``ldmatrix.trans`` and widens them in registers, and splits the work so that no warp
+recomputes another's scores (design notes at the top of the .cu file).
+
+Build: the source is compiled with ``nvcc`` on first use (about 5 s) into a per-user cache
+(``$MLASERVE_KERNEL_CACHE``, default ``~/.cache/mlaserve/kernels``), keyed by a hash of the
+source and flags, under a file lock so that tensor-parallel workers build it once. The
+library has a C ABI and is called through ``ctypes`` with raw pointers and the current CUDA
+stream, so it depends on no particular torch version. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "mla_decode_sm90.cu"
+NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-gencode", "arch=compute_90,code=sm_90",
+              "-shared", "-Xcompiler", "-fPIC")
+TILE = 64  # tokens per tile; the page size must be a multiple
+D_LATENT = 512
+D_ROPE = 64
+ROWS_PER_GROUP = 16
+# Launch shapes this library is built with: (row groups, pipeline stages, Q in registers).
+BUILT_CONFIGS = {(1, 2, True), (1, 3, True), (1, 2, False), (2, 2, True), (2, 2, False), (2, 3, False),
+                 (4, 2, False), (4, 3, False)}
+
+
+class CudaKernelUnavailable(RuntimeError):
+    """The CUDA C++ backend cannot run here (no nvcc, not a Hopper-class GPU, build failed)."""
+
+
+class _Params(ctypes.Structure):
+    """Mirror of ``Params`` in the .cu file (same order and types)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_sb", ctypes.c_longlong), ("q_ss", ctypes.c_longlong), ("q_sh", ctypes.c_longlong),
+        ("kv", ctypes.c_void_p), ("kv_sp", ctypes.c_longlong), ("kv_st", ctypes.c_longlong),
+        ("block_tables", ctypes.c_void_p), ("bt_s", ctypes.c_longlong),
+        ("seq_lens", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("o_sb", ctypes.c_longlong), ("o_ss", ctypes.c_longlong), ("o_sh", ctypes.c_longlong),
+        ("lse", ctypes.c_void_p), ("l_sb", ctypes.c_longlong), ("l_ss", ctypes.c_longlong), ("l_sh", ctypes.c_longlong),
+        ("part_o", ctypes.c_void_p), ("part_l", ctypes.c_void_p),
+        ("batch", ctypes.c_int), ("s_q", ctypes.c_int), ("heads", ctypes.c_int), ("num_splits", ctypes.c_int),
+        ("page_size", ctypes.c_int),
+        ("scale_log2", ctypes.c_float), ("out_scale", ctypes.c_float),
+    ]
+
+
+def find_nvcc() -> str | None:
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if cuda_home and (Path(cuda_home) / "bin" / "nvcc").exists():
+        return str(Path(cuda_home) / "bin" / "nvcc")
+    return shutil.which("nvcc") or (("/usr/local/cuda/bin/nvcc") if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MLASERVE_KERNEL_CACHE", Path.home() / ".cache" / "mlaserve" / "kernels"))
+
+
+def build_library(nvcc: str | None = None, out_dir: Path | None = None) -> Path:
+    """Compile the .cu file unless a build of this exact source and these flags exists."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise CudaKernelUnavailable("the cuda attention backend needs nvcc (set CUDA_HOME or put nvcc on PATH)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
+    out_dir = out_dir or cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lib = out_dir / f"mla_decode_sm90-{key}.so"
+    if lib.exists():
+        return lib
+    with open(out_dir / f".mla_decode_sm90-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait and reuse its result
+        if lib.exists():
+            return lib
+        tmp = lib.with_suffix(f".tmp{os.getpid()}")
+        cmd = [nvcc, *NVCC_FLAGS, "-o", str(tmp), str(SOURCE)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise CudaKernelUnavailable(f"nvcc failed building {SOURCE.name}:\n{res.stderr[-4000:]}")
+        os.replace(tmp, lib)
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library()))
+    lib.mla_decode_fp8_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                        ctypes.c_void_p]
+    lib.mla_decode_fp8_sm90.restype = ctypes.c_int
+    lib.mla_decode_fp8_sm90_params_bytes.restype = ctypes.c_int
+    if lib.mla_decode_fp8_sm90_params_bytes() != ctypes.sizeof(_Params):
+        raise CudaKernelUnavailable("Params layout of the built library differs from kernels/mla_decode_cuda.py")
+    return lib
+
+
+def supports(device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_lora_rank: int,
+             rope_dim: int, page_size: int) -> bool:
+    """Shapes and dtypes the kernel covers (FP8 query and cache, 512 + 64, page multiple of 64,
+    a compute capability 9.x GPU)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    return (major == 9 and q_dtype == kv_dtype == torch.float8_e4m3fn and kv_lora_rank == D_LATENT
+            and rope_dim == D_ROPE and page_size % TILE == 0)
+
+
+def launch_shape(rows: int) -> tuple[int, int, bool]:
+    """(row groups of 16 per CTA, pipeline stages, Q fragments in registers) for ``rows`` =
+    s_q x heads of one request. One row group (128 threads, two CTAs per SM) for 16 rows;
+    up to four (512 threads) beyond, several CTAs per request past 64 rows."""
+    if rows <= 16:
+        return 1, 2, True
+    if rows <= 32:
+        return 2, 2, False
+    return 4, 2, False
+
+
+def choose_num_splits(bsz: int, rows: int, max_tiles: int, num_sms: int, row_groups: int) -> int:
+    """Split each request's tiles so that about two CTAs per SM slot exist; depends only on
+    shapes (never on sequence lengths), so the launch can be captured in a CUDA graph."""
+    ctas_per_sm = 2 if row_groups == 1 else 1
+    ctas = bsz * -(-rows // (ROWS_PER_GROUP * row_groups))
+    want = -(-2 * num_sms * ctas_per_sm // ctas)
+    return max(1, min(want, max_tiles, 64))
+
+
+def mla_decode_cuda(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float,
+    kv_lora_rank: int = 512,
+    q_scale: float = 1.0,
+    k_scale: float = 1.0,
+    out_dtype: torch.dtype | None = None,
+    num_splits: int | None = None,
+    config: tuple[int, int, bool] | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged MLA decode; returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] float32).
+
+    Every request needs ``seq_lens[b] >= s_q``. No host synchronization, launch shape from
+    tensor shapes only: capturable in a CUDA graph (pass ``out``/``lse`` to reuse buffers).
+    """
+    from kernels.mla_decode_triton import _check_inputs, _combine_kernel, _num_sms
+
+    _check_inputs(q, kv_cache, block_tables, seq_lens, kv_lora_rank)
+    if q.dtype != torch.float8_e4m3fn or kv_cache.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"the cuda backend needs an e4m3 query and cache (got {q.dtype}, {kv_cache.dtype})")
+    if kv_lora_rank != D_LATENT:
+        raise ValueError(f"the cuda backend is built for kv_lora_rank {D_LATENT}, got {kv_lora_rank}")
+    out_dtype = out_dtype or torch.bfloat16
+    if out_dtype != torch.bfloat16:
+        raise TypeError(f"the cuda backend writes bf16 output, not {out_dtype}")
+    page = kv_cache.shape[1]
+    if page % TILE:
+        raise ValueError(f"the cuda backend needs a page size that is a multiple of {TILE}, got {page}")
+    for name, t, strides in (("q", q, q.stride()[:3]), ("kv_cache", kv_cache, kv_cache.stride()[:2])):
+        if t.data_ptr() % 16 or any(s % 16 for s in strides):
+            raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 16 bytes")
+    bsz, s_q, h, _ = q.shape
+    rows = s_q * h
+    row_groups, stages, q_regs = config or launch_shape(rows)
+    if (row_groups, stages, q_regs) not in BUILT_CONFIGS:
+        raise ValueError(f"launch shape {(row_groups, stages, q_regs)} is not built; one of {sorted(BUILT_CONFIGS)}")
+    max_tiles = max(1, block_tables.shape[1] * page // TILE)
+    splits = num_splits or choose_num_splits(bsz, rows, max_tiles, _num_sms(q.device), row_groups)
+    if out is None:
+        out = torch.empty(bsz, s_q, h, D_LATENT, dtype=out_dtype, device=q.device)
+    if lse is None:
+        lse = torch.empty(bsz, s_q, h, dtype=torch.float32, device=q.device)
+    if out.shape != (bsz, s_q, h, D_LATENT) or out.stride(-1) != 1 or out.dtype != torch.bfloat16:
+        raise ValueError(f"out must be bf16 [B, s_q, H, {D_LATENT}] with unit last stride")
+    if lse.shape != (bsz, s_q, h) or lse.dtype != torch.float32:
+        raise ValueError("lse must be float32 [B, s_q, H]")
+    if bsz == 0:
+        return out, lse
+    part_o = part_l = None
+    if splits > 1:
+        part_o = torch.empty(bsz * rows, splits, D_LATENT, dtype=torch.float32, device=q.device)
+        part_l = torch.empty(bsz * rows, splits, dtype=torch.float32, device=q.device)
+    p = _Params(
+        q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1),
+        block_tables.data_ptr(), block_tables.stride(0),
+        seq_lens.data_ptr(),
+        out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
+        lse.data_ptr(), lse.stride(0), lse.stride(1), lse.stride(2),
+        part_o.data_ptr() if part_o is not None else None, part_l.data_ptr() if part_l is not None else None,
+        bsz, s_q, h, splits, page,
+        float(softmax_scale) * float(q_scale) * float(k_scale) * 1.4426950408889634, float(k_scale),
+    )
+    with torch.cuda.device(q.device):
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        err = _library().mla_decode_fp8_sm90(ctypes.byref(p), row_groups, stages, int(q_regs), ctypes.c_void_p(stream))
+    if err != 0:
+        reason = "launch shape not built" if err == -1 else f"cudaError_t {err}"
+        raise RuntimeError(f"mla_decode_fp8_sm90: {reason}")
+    if splits > 1:
+        _combine_kernel[(bsz * rows,)](
+            part_o, part_l, out, lse, h, s_q, splits, out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), lse.stride(2), float(k_scale),
+            SPLITS_P2=triton_next_power_of_2(splits), D=D_LATENT, num_warps=4)
+    return out, lse
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+__all__ = ["CudaKernelUnavailable", "build_library", "choose_num_splits", "launch_shape", "mla_decode_cuda",
+           "supports"]

@@ -1,0 +1,155 @@
+"""The CUDA C++ MLA decode (kernels/mla_decode_cuda.py) against the torch reference.
+
+CPU (CI): the library builds with nvcc (when nvcc is installed), its parameter block matches
+the ctypes mirror, the launch heuristics, and that CPU tensors never reach it. GPU (``-m
+gpu``, on the device): fresh random FP8 inputs with unused pages and slots past each
+sequence poisoned with NaN and outputs poisoned before the call, s_q 1..4, 16..128 heads,
+ragged lengths, every built launch shape, forced split counts, and CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from kernels import mla_decode_cuda as mdc
+from kernels.mla_decode import mla_decode, mla_decode_reference
+from tests.kernels.test_mla_decode_gpu import GPU_CASES, SM_SCALE, make_case, rel_err
+
+FP8 = torch.float8_e4m3fn
+HAS_CUDA = torch.cuda.is_available()
+IS_HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+gpu = pytest.mark.gpu
+needs_hopper = pytest.mark.skipif(not IS_HOPPER, reason="needs a compute capability 9.x GPU")
+# Absolute LSE error; FP8 Q·Kᵀ accumulates with reduced precision on Hopper (see the Triton tests).
+LSE_TOL = 1.5e-2
+REL_TOL = 1e-2  # bf16 output rounding and fp16 P dominate (~2e-3 measured for the Triton kernel)
+
+
+# ----------------------------------------------------------------------------- CPU
+
+
+@pytest.mark.skipif(mdc.find_nvcc() is None, reason="needs nvcc")
+def test_library_builds_and_matches_the_ctypes_mirror(tmp_path):
+    lib_path = mdc.build_library(out_dir=tmp_path)
+    assert lib_path.exists()
+    assert mdc.build_library(out_dir=tmp_path) == lib_path  # cached by source hash
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.mla_decode_fp8_sm90_params_bytes() == ctypes.sizeof(mdc._Params)
+    # The shared-memory plan of the two-CTAs-per-SM shape must leave room for two CTAs.
+    assert 2 * lib.mla_decode_fp8_sm90_smem_bytes(1, 2) <= 227 * 1024
+    assert lib.mla_decode_fp8_sm90_smem_bytes(4, 3) <= 227 * 1024
+
+
+def test_missing_nvcc_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.setattr(mdc, "find_nvcc", lambda: None)
+    with pytest.raises(mdc.CudaKernelUnavailable, match="needs nvcc"):
+        mdc.build_library(out_dir=tmp_path)
+
+
+def test_launch_heuristics():
+    assert mdc.launch_shape(16) == (1, 2, True)
+    assert mdc.launch_shape(32)[0] == 2
+    assert mdc.launch_shape(64)[0] == 4 and mdc.launch_shape(128)[0] == 4
+    for shape in (mdc.launch_shape(r) for r in (1, 16, 17, 32, 48, 64, 512)):
+        assert shape in mdc.BUILT_CONFIGS
+    # B=128, 16 heads: 128 CTAs of one row group, two fit per SM -> a few splits.
+    assert mdc.choose_num_splits(128, 16, 64, 132, 1) == 5
+    assert mdc.choose_num_splits(1, 16, 64, 132, 1) == 64  # one request: as many as tiles allow
+    assert mdc.choose_num_splits(1, 16, 3, 132, 1) == 3
+    assert mdc.choose_num_splits(512, 128, 64, 132, 4) == 1  # the batch fills the GPU
+
+
+def test_supports_only_fp8_on_cuda():
+    assert not mdc.supports(torch.device("cpu"), FP8, FP8, 512, 64, 64)
+
+
+def test_dispatch_keeps_cpu_tensors_on_the_reference():
+    q, kv, bt, sl, qs, ks = make_case(2, 1, 16, [70, 3], FP8, seed=2)
+    out, lse = mla_decode(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, backend="cuda")
+    ref, ref_lse = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _run(case, seed, **kw):
+    bsz, s_q, h, lens = case
+    q, kv, bt, sl, qs, ks = make_case(bsz, s_q, h, lens, FP8, seed=seed, device="cuda")
+    out = torch.full((bsz, s_q, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((bsz, s_q, h), float("nan"), device="cuda")
+    mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, out=out, lse=lse, **kw)
+    torch.cuda.synchronize()
+    ref, ref_lse = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
+    assert not out.isnan().any() and not lse.isnan().any(), "an output element was not written"
+    return rel_err(out, ref), (lse - ref_lse).abs().max().item()
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("case", GPU_CASES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_default_shape(case, num_splits):
+    err, lse_err = _run(case, seed=len(case[3]) + (num_splits or 0), num_splits=num_splits)
+    assert err < REL_TOL and lse_err < LSE_TOL, (err, lse_err)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("config", sorted(mdc.BUILT_CONFIGS))
+def test_every_built_shape(config):
+    for case in ((3, 1, 16, [1, 64, 300]), (2, 3, 32, [3, 513]), (2, 2, 128, [4100, 66])):
+        err, lse_err = _run(case, seed=5, config=config, num_splits=2)
+        assert err < REL_TOL and lse_err < LSE_TOL, (case, config, err, lse_err)
+
+
+@gpu
+@needs_hopper
+def test_page_size_128_and_strided_query():
+    bsz, s_q, h, lens = 2, 1, 16, [300, 129]
+    q, kv, bt, sl, qs, ks = make_case(bsz, s_q, h, lens, FP8, page=128, seed=9, device="cuda")
+    wide = torch.empty(bsz, s_q, h, 640, dtype=FP8, device="cuda")  # a view with row stride 640
+    wide[..., :576] = q
+    out, lse = mdc.mla_decode_cuda(wide[..., :576], kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
+    ref, ref_lse = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
+    assert rel_err(out, ref) < REL_TOL and (lse - ref_lse).abs().max().item() < LSE_TOL
+
+
+@gpu
+@needs_hopper
+def test_cuda_graph_replay_matches_eager():
+    q, kv, bt, sl, qs, ks = make_case(4, 1, 16, [70, 1, 640, 4000], FP8, seed=4, device="cuda")
+    out = torch.empty(4, 1, 16, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(4, 1, 16, device="cuda")
+    call = lambda: mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, out=out, lse=lse)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    want_out, want_lse = out.clone(), lse.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    out.fill_(float("nan"))
+    sl.copy_(torch.tensor([70, 1, 640, 4000], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    sl.copy_(torch.tensor([3, 1, 64, 2000], dtype=torch.int32))  # new lengths, same graph
+    graph.replay()
+    ref, _ = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
+    assert rel_err(out, ref) < REL_TOL
+
+
+@gpu
+@needs_hopper
+def test_bad_inputs_are_refused():
+    q, kv, bt, sl, qs, ks = make_case(1, 1, 16, [10], torch.bfloat16, device="cuda")
+    with pytest.raises(TypeError, match="e4m3"):
+        mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE)
+    q, kv, bt, sl, qs, ks = make_case(1, 1, 16, [10], FP8, page=32, device="cuda")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE)
