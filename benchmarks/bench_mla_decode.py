@@ -63,10 +63,11 @@ SWEEP = {
     ],
 }
 
-# Launch shapes of the CUDA C++ kernel: (row groups of 16, stages, Q in registers).
+# Launch shapes of the CUDA C++ kernel: (row groups of 16, column groups, stages, Q in registers).
 CUDA_SWEEP = {
-    "few": [(1, 2, True), (1, 3, True), (1, 2, False), (2, 2, True), (2, 3, False)],
-    "many": [(4, 2, False), (4, 3, False), (2, 2, False)],
+    "few": [(1, 4, 2, True), (1, 4, 2, False), (1, 8, 2, False), (1, 8, 3, False), (2, 4, 2, False),
+            (2, 8, 2, False)],
+    "many": [(4, 4, 2, False), (2, 8, 2, False)],
 }
 
 
@@ -222,7 +223,7 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
                dict(config=launch_shape(rows_per_req)))
         if sweep and sweep_cuda:
             for shape in CUDA_SWEEP["few" if rows_per_req <= 32 else "many"]:
-                for splits in (None, 1, 2, 4, 8, 16):
+                for splits in (None, 1, 2, 3, 4, 8):
                     record("sweep-cuda", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE,
                                                                  config=shape, num_splits=splits),
                            ref8, 1, dict(config=shape, splits=splits))
@@ -257,7 +258,9 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
 
 def fmt_row(r: dict) -> str:
     cfg = r.get("config", "")
-    cfg = cfg if isinstance(cfg, str) else ",".join(f"{k}={v}" for k, v in cfg.items())
+    cfg = ",".join(f"{k}={v}" for k, v in cfg.items()) if isinstance(cfg, dict) else str(cfg)
+    if "splits" in r:
+        cfg += f" splits={r['splits']}"
     sass = f" regs={r['regs']} spills={r['spills']} QGMMA={r['QGMMA']} HGMMA={r['HGMMA']}" if "regs" in r else ""
     return (f"B={r['B']:4d} H={r['H']:4d} s_q={r['s_q']} {r['variant']:12s} {r['us']:9.1f} us "
             f"{r['tbs']:5.2f} TB/s ({r['pct_hbm']:5.1f}%) {r['tflops']:6.1f} TFLOP/s ({r['pct_bf16']:5.1f}% bf16) "
@@ -276,7 +279,7 @@ def markdown(rows: list[dict], ceil: dict) -> str:
         if r["variant"].startswith("sweep"):
             continue
         cfg = r.get("config", "")
-        cfg = cfg if isinstance(cfg, str) else " ".join(f"{k}={v}" for k, v in cfg.items())
+        cfg = " ".join(f"{k}={v}" for k, v in cfg.items()) if isinstance(cfg, dict) else str(cfg)
         lines.append(f"| {r['B']} | {r['H']} | {r['s_q']} | {r['variant']} | {r['us']:.1f} | {r['tbs']:.2f} | "
                      f"{r['pct_hbm']:.0f} | {r['tflops']:.0f} | {r['pct_bf16']:.0f} | {r['relerr']:.1e} | {cfg} |")
     return "\n".join(lines) + "\n"
@@ -292,7 +295,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the candidate configs")
     ap.add_argument("--sweep-what", choices=("all", "cuda", "triton"), default="all",
                     help="which kernel's candidate launch shapes to sweep")
-    ap.add_argument("--sweep-batch", type=int, default=128, help="sweep only at this batch size")
+    ap.add_argument("--sweep-batch", type=int, nargs="+", default=[128], help="sweep only at these batch sizes")
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--markdown", help="write the summary table here")
     args = ap.parse_args()
@@ -303,7 +306,7 @@ def main() -> None:
     for s_q in args.sq:
         for heads in args.heads:
             for bsz in args.batch:
-                sweep = args.sweep and bsz == args.sweep_batch and s_q == args.sq[0]
+                sweep = args.sweep and bsz in args.sweep_batch and s_q == args.sq[0]
                 rows += bench_case(Case(bsz, args.seq, heads, s_q), variants, sweep, ceil,
                                    sweep_triton=args.sweep_what != "cuda", sweep_cuda=args.sweep_what != "triton")
                 torch.cuda.empty_cache()

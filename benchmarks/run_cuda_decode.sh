@@ -18,9 +18,15 @@ timeout 300 python3 -m pytest -m gpu tests/kernels/test_mla_decode_cuda.py -q -x
 echo "pytest rc=$?"; grep -E "passed|failed|Error|assert|error" "$OUT/pytest_cuda.log" | head -20
 variants=cuda-fp8,ours-fp8
 [ "$mode" = full ] && variants=cuda-fp8,ours-fp8,ours-bf16,fi-fa3-bf16,fi-fa3-fp8
+[ "$mode" = dev ] && variants=cuda-fp8
 timeout 400 python3 benchmarks/bench_mla_decode.py --variants $variants --sweep --sweep-what cuda \
-  --sweep-batch 128 --batch 64 128 --heads 16 128 --sq 1 2 --json "$OUT/mla.json" --markdown "$OUT/mla.md" \
+  --sweep-batch 64 128 --batch 64 128 --heads 16 128 --sq 1 2 --json "$OUT/mla.json" --markdown "$OUT/mla.md" \
   > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"
-grep -E "sweep-cuda|FAILED" "$OUT/bench.log" | awk '{print $1,$2,$3,$4,$5,$6,$7,$8,$9, $NF, $(NF-1), $(NF-2)}' | head -60
+grep -E "sweep-cuda|FAILED" "$OUT/bench.log" | cut -c1-200 | head -60
+if [ "$mode" = ncu ] || [ "${NCU:-0}" = 1 ]; then
+  timeout 120 ncu --clock-control none -k regex:mla_decode_fp8 -c 1 --section SpeedOfLight --section WarpStateStats \
+    --section SchedulerStats --section Occupancy python3 benchmarks/profile_mla_cuda.py > "$OUT/ncu.txt" 2>&1
+  echo "ncu rc=$?"; grep -E "Throughput|Duration|Stall|Issued|Eligible|Active Warps|Occupancy|Registers|cycles" "$OUT/ncu.txt" | head -40
+fi
 cat "$OUT/mla.md"

@@ -20,11 +20,12 @@ timeout 120 python3 benchmarks/bench_decode_graphs.py --model deepseek-v2-lite -
 echo "decode graphs rc=$?"
 
 for kv in auto fp8; do
-  timeout 170 python3 -m server bench throughput --model deepseek-v2-lite --device cuda --kv-cache-dtype $kv \
-    --input-len 8192 --output-len 1024 --num-prompts "$n" --max-model-len 9280 --disable-tqdm \
+  timeout 200 python3 -m server bench throughput --model deepseek-v2-lite --device cuda --kv-cache-dtype $kv \
+    --input-len 8192 --output-len 1024 --num-prompts "$n" --max-model-len 9280 --disable-tqdm --step-profile \
     --output-json "$OUT/e2e_$kv.json" > "$OUT/e2e_$kv.log" 2>&1
   echo "e2e $kv rc=$?"
 done
 echo "==== summary"
 tail -7 "$OUT/decode_graphs.log"
-for kv in auto fp8; do echo "-- kv $kv"; grep -E "Throughput|Total num" "$OUT/e2e_$kv.log" || tail -5 "$OUT/e2e_$kv.log"; done
+for kv in auto fp8; do echo "-- kv $kv"; grep -E "Throughput|Total num" "$OUT/e2e_$kv.log" || tail -5 "$OUT/e2e_$kv.log"
+  sed -n '/==== Step profile/,/^engine steps:/p' "$OUT/e2e_$kv.log"; done

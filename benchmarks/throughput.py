@@ -85,6 +85,7 @@ class ThroughputResult:
     # Per request, seconds from submission: first token, last token (all submitted at t=0).
     ttfts: list[float] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
+    step_profile: dict | None = None  # StepProfiler.summary() when run with step_profile=True
 
     @property
     def total_num_tokens(self) -> int:
@@ -120,6 +121,7 @@ class ThroughputResult:
             "output_tokens_per_second": self.output_tokens_per_second,
             "total_num_prompt_tokens": self.total_num_prompt_tokens,
             "total_num_output_tokens": self.total_num_output_tokens,
+            **({"step_profile": self.step_profile} if self.step_profile is not None else {}),
         }
 
 
@@ -139,8 +141,11 @@ def prompt_vocabulary(llm) -> tuple[int, set[int]]:
     return min(llm.engine.vocab_size, llm.tokenizer.vocab_size), llm.tokenizer.special_token_ids
 
 
-def run_throughput(llm, requests: list[SampleRequest], use_tqdm: bool = True) -> ThroughputResult:
-    """Time one ``generate`` over all ``requests`` (vLLM's sampling settings, see module doc)."""
+def run_throughput(llm, requests: list[SampleRequest], use_tqdm: bool = True,
+                   step_profile: bool = False) -> ThroughputResult:
+    """Time one ``generate`` over all ``requests`` (vLLM's sampling settings, see module doc).
+    ``step_profile``: record the engine's per-step time breakdown (server.step_profile) for
+    this run; on CUDA it synchronizes at phase boundaries, so the throughput drops a little."""
     from server import SamplingParams
 
     max_model_len = llm.engine.max_model_len
@@ -152,6 +157,10 @@ def run_throughput(llm, requests: list[SampleRequest], use_tqdm: bool = True) ->
                          "--max-model-len")
     params = [SamplingParams(n=1, temperature=BENCH_TEMPERATURE, top_p=BENCH_TOP_P, ignore_eos=True,
                              max_tokens=r.expected_output_len) for r in requests]
+    profiler = llm.engine.step_profiler
+    if step_profile:
+        profiler.reset()
+        profiler.enabled = True
     start = time.perf_counter()
     outputs = llm.generate(prompt_token_ids=[r.prompt_token_ids for r in requests], sampling_params=params,
                            use_tqdm=use_tqdm)
@@ -160,4 +169,5 @@ def run_throughput(llm, requests: list[SampleRequest], use_tqdm: bool = True) ->
     output_tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     ttfts = [o.first_token_time - o.arrival_time for o in outputs if o.first_token_time is not None]
     latencies = [o.last_token_time - o.arrival_time for o in outputs if o.last_token_time is not None]
-    return ThroughputResult(elapsed, len(outputs), prompt_tokens, output_tokens, ttfts, latencies)
+    return ThroughputResult(elapsed, len(outputs), prompt_tokens, output_tokens, ttfts, latencies,
+                            step_profile=profiler.summary() if profiler.enabled else None)

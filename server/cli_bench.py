@@ -65,6 +65,9 @@ def add_throughput_arguments(p: argparse.ArgumentParser) -> None:
                    help="generated tokens per request (ignore_eos)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--output-json", default=None, metavar="F", help="write the result as JSON (vLLM's keys)")
+    p.add_argument("--step-profile", action="store_true",
+                   help="time every engine step by kind and phase (plan, forward, sample, scheduler); print a "
+                        "table and add it to --output-json as \"step_profile\". Synchronizes CUDA per phase")
     _add_dataset_arguments(p, ("--prefix-len", "--random-prefix-len"))
     _plot_argument(p)
     g = p.add_argument_group("engine (as for `mlaserve serve`)")
@@ -209,7 +212,7 @@ def run_throughput_command(ns: argparse.Namespace) -> int:
             requests = sample_random_requests(
                 ns.num_prompts, ns.input_len, ns.output_len, vocab_size, special_token_ids=special,
                 range_ratio=ns.random_range_ratio, prefix_len=ns.prefix_len, seed=ns.seed)
-            result = run_throughput(llm, requests, use_tqdm=not ns.disable_tqdm)
+            result = run_throughput(llm, requests, use_tqdm=not ns.disable_tqdm, step_profile=ns.step_profile)
     except (ModelSpecError, DatasetError) as e:
         raise CLIError(str(e)) from None
     except EngineConfigError:
@@ -218,6 +221,10 @@ def run_throughput_command(ns: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(result.report())
+    if result.step_profile is not None:
+        from server.step_profile import format_summary
+
+        print(format_summary(result.step_profile))
     if ns.output_json:
         payload = result.to_json()
         payload["config"] = {"model": model, "num_layers": ns.num_layers, "dataset_name": ns.dataset_name,

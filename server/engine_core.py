@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -238,8 +239,20 @@ class EngineCore:
         return self.scheduler.has_unfinished() or self._pending is not None or bool(self._aborted)
 
     # ---- the loop body ------------------------------------------------------------------------
+    @property
+    def step_profiler(self):
+        return self.runner.step_profiler
+
     def step(self) -> list[RequestDelta]:
         """Run one engine step; returns the deltas of every request that changed."""
+        if not self.runner.step_profiler.enabled:
+            return self._step()
+        t0 = time.perf_counter()
+        deltas = self._step()
+        self.runner.step_profiler.end_engine_step(time.perf_counter() - t0)
+        return deltas
+
+    def _step(self) -> list[RequestDelta]:
         deltas, self._aborted = self._aborted, []
         if not self.config.async_scheduling:
             out = self.scheduler.schedule()
@@ -349,6 +362,7 @@ class EngineCore:
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
             "collectives": self._collective_counts(),
+            **({"step_profile": self.runner.step_profiler.summary()} if self.runner.step_profiler.enabled else {}),
         }
 
     def _collective_counts(self) -> dict[str, int]:

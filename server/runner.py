@@ -22,6 +22,7 @@ from server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from server.outputs import TokenLogprob
 from server.sampler import Sampler, SamplingRow, compute_prompt_logprobs, make_request_generator
 from server.scheduler import SchedulerOutput
+from server.step_profile import StepProfiler, classify_step, graphs_off_reason
 from server.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class ModelRunner:
             config.attention_backend, device, cache_dtype, mc.kv_lora_rank, mc.qk_rope_head_dim
         )
         self.decode_graphs = None  # server.cuda_graphs.DecodeGraphs, once captured
+        self.step_profiler = StepProfiler(device=device)  # off unless MLASERVE_STEP_PROFILE / enabled
 
     # ---- sequence lifecycle -----------------------------------------------------------------
     def _generator(self, seq: Sequence) -> torch.Generator | None:
@@ -192,8 +194,9 @@ class ModelRunner:
         return range(max(0, last - entry.start_pos))
 
     @torch.inference_mode()
-    def run_plan(self, plan: "StepPlan") -> torch.Tensor:
-        """Forward the step and return float32 logits of ``plan.logit_rows`` (every TP rank)."""
+    def run_plan(self, plan: "StepPlan", profile=None) -> torch.Tensor:
+        """Forward the step and return float32 logits of ``plan.logit_rows`` (every TP rank).
+        ``profile``: the step's StepRecord when profiling; the ``plan`` phase ends here."""
         md = build_attention_metadata(
             plan.block_tables, plan.context_lens, plan.query_lens, self.block_size,
             num_decode_seqs=plan.num_decodes, device=self.device,
@@ -201,6 +204,8 @@ class ModelRunner:
         input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
         ctx = self.forward_context(md)
+        if profile is not None:
+            self.step_profiler.mark(profile, "plan")
         if plan.num_decodes and plan.num_decodes == len(plan.query_lens):
             hidden = self._forward_decode(input_ids, pos, ctx)
         else:
@@ -214,14 +219,23 @@ class ModelRunner:
         result = StepResult()
         if out.is_empty:
             return result
+        prof = self.step_profiler.begin() if self.step_profiler.enabled else None
         plan = self.plan(out)
+        if prof is not None:
+            prof.num_seqs, prof.num_tokens = len(plan.query_lens), len(plan.input_ids)
+            prof.kind, prof.reason = classify_step(plan.num_decodes, len(plan.query_lens), self.decode_graphs,
+                                                   graphs_off_reason(self.device, self.config))
         if self.plan_broadcaster is not None:
             self.plan_broadcaster(plan)
-        logits = self.run_plan(plan)
+        logits = self.run_plan(plan, prof)
+        if prof is not None:
+            self.step_profiler.mark(prof, "forward")
         row_of = {r: i for i, r in enumerate(plan.logit_rows)}
         self._sample(out, logits, row_of, result)
         self._prompt_logprobs(out, logits, row_of, result)
         self._last_sampled.update(result.sampled)
+        if prof is not None:
+            self.step_profiler.end_runner_step(prof, "sample")
         return result
 
     @torch.inference_mode()

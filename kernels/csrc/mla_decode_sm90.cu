@@ -60,8 +60,6 @@ constexpr int kTile = 64;                 // tokens per tile
 constexpr int kRowBytes = kDim + 16;      // padded shared-memory row (conflict-free ldmatrix)
 constexpr int kChunksPerRow = kDim / 16;  // 16-byte chunks per cache row
 constexpr int kPStride = kTile + 8;       // halves per P row (144 B: conflict-free ldmatrix)
-constexpr int kCols = 4;                  // column groups of warps
-constexpr int kDimsPerWarp = kDimV / kCols;  // 128 output dims per warp
 constexpr float kLn2 = 0.6931471805599453f;
 
 
@@ -120,20 +118,26 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-template <int R, int STAGES>
+template <int R, int C, int STAGES>
 constexpr int smem_bytes() {
   return 16 * R * kRowBytes                  // Q
          + STAGES * kTile * kRowBytes        // cache tiles
          + 16 * R * kPStride * 2             // P (fp16)
-         + 2 * R * kCols * 16 * 4;           // row maxima and row sums exchanged by warps
+         + 2 * R * C * 16 * 4;               // row maxima and row sums exchanged by warps
 }
 
-// One CTA: 16*R query rows of request blockIdx.y, tile range blockIdx.z of its cache.
-// Q_IN_REGS keeps the 18 Q fragments (72 registers) for the whole loop.
-template <int R, int STAGES, bool Q_IN_REGS>
-__global__ void __launch_bounds__(128 * R, (R == 1) ? 2 : 1) mla_decode_fp8_kernel(const Params p) {
-  constexpr int kThreads = 128 * R;
+// One CTA: 16*R query rows of request blockIdx.y, tile range blockIdx.z of its cache, R x C
+// warps (C = 4 or 8 column groups). Q_IN_REGS keeps the 18 Q fragments (72 registers).
+template <int R, int C, int STAGES, bool Q_IN_REGS>
+__global__ void __launch_bounds__(32 * R * C, (32 * R * C <= 256) ? 2 : 1) mla_decode_fp8_kernel(const Params p) {
+  constexpr int kCols = C;
+  constexpr int kThreads = 32 * R * C;
   constexpr int kRows = 16 * R;
+  constexpr int kDimsPerWarp = kDimV / C;    // 128 or 64 output dims per warp
+  constexpr int kTokPerWarp = kTile / C;     // 16 or 8 tokens of each tile's scores per warp
+  constexpr int kNB = kTokPerWarp / 8;       // n-blocks of 8 tokens per warp in Q.K^T
+  constexpr int kThreadsPerRow = kThreads / kTile;  // cache rows are copied by 2, 4 or 8 threads
+  constexpr int kCopies = (kChunksPerRow / 2 + kThreadsPerRow / 2 - 1) / (kThreadsPerRow / 2);
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* q_s = smem;
   uint8_t* kv_s = q_s + kRows * kRowBytes;
@@ -168,15 +172,24 @@ __global__ void __launch_bounds__(128 * R, (R == 1) ? 2 : 1) mla_decode_fp8_kern
   }
 
   const int* bt_row = p.block_tables + b * p.bt_s;
+  // Each cache row is copied by kThreadsPerRow threads; thread pairs take adjacent 16-byte
+  // chunks (full 32-byte sectors), and the offsets are fixed per thread.
+  const int copy_row = tid / kThreadsPerRow, copy_sub = tid % kThreadsPerRow;
+  const int copy_first = 2 * (copy_sub >> 1) + (copy_sub & 1);  // chunk of the first copy
+  const long long src_row_off = static_cast<long long>(copy_row) * p.kv_st + 16 * copy_first;
+  const uint32_t dst_row_off = copy_row * kRowBytes + 16 * copy_first;
   auto load_tile = [&](int tile, int stage) {
     const int tok0 = tile * kTile;
     const long long page = bt_row[tok0 / p.page_size];
-    const uint8_t* src0 = p.kv + page * p.kv_sp + static_cast<long long>(tok0 % p.page_size) * p.kv_st;
-    const uint32_t dst0 = smem_addr(kv_s + stage * kTile * kRowBytes);
-    for (int c = tid; c < kTile * kChunksPerRow; c += kThreads) {
-      const int r = c / kChunksPerRow, k = c % kChunksPerRow;
-      const bool valid = tok0 + r < seq_len;
-      cp_async_16(dst0 + r * kRowBytes + k * 16, src0 + (valid ? r * p.kv_st : 0) + k * 16, valid ? 16 : 0);
+    const bool valid = tok0 + copy_row < seq_len;
+    const uint8_t* src = p.kv + page * p.kv_sp + static_cast<long long>(tok0 % p.page_size) * p.kv_st +
+                         (valid ? src_row_off : 16 * copy_first);
+    const uint32_t dst = smem_addr(kv_s + stage * kTile * kRowBytes) + dst_row_off;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      // copy i covers chunks (kThreadsPerRow * i) .. of this row, two per thread pair
+      if (copy_first + kThreadsPerRow * i < kChunksPerRow)
+        cp_async_16(dst + 16 * kThreadsPerRow * i, src + 16 * kThreadsPerRow * i, valid ? 16 : 0);
     }
   };
 
@@ -195,8 +208,11 @@ __global__ void __launch_bounds__(128 * R, (R == 1) ? 2 : 1) mla_decode_fp8_kern
 #pragma unroll
     for (int ks = 0; ks < 18; ++ks) ldsm_x4(q_addr + ks * 32, q_frag[ks]);
   }
-  // K (B of m16n8k32): tokens (0-7 | 8-15) of this warp's 16 x (bytes 0-15 | 16-31).
-  const uint32_t k_off = (cg * 16 + (lane & 7) + 8 * (lane >> 4)) * kRowBytes + 16 * ((lane >> 3) & 1);
+  // K (B of m16n8k32). Two n-blocks: tokens (0-7 | 8-15) of this warp x (bytes 0-15 | 16-31) of one
+  // k-step; one n-block: tokens 0-7 x bytes (0-15 | 16-31 | 32-47 | 48-63), two k-steps.
+  const uint32_t k_off = kNB == 2
+      ? (cg * kTokPerWarp + (lane & 7) + 8 * (lane >> 4)) * kRowBytes + 16 * ((lane >> 3) & 1)
+      : (cg * kTokPerWarp + (lane & 7)) * kRowBytes + 16 * (lane >> 3);
   // P (A of m16n8k16): rows (0-7 | 8-15) x (halves 0-7 | 8-15).
   const uint32_t p_addr =
       smem_addr(p_s + (rg * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kPStride + 8 * (lane >> 4));
@@ -231,28 +247,54 @@ __global__ void __launch_bounds__(128 * R, (R == 1) ? 2 : 1) mla_decode_fp8_kern
     }
     const uint32_t stage = smem_addr(kv_s + (it % STAGES) * kTile * kRowBytes);
 
-    // S = Q . K^T for 16 rows x this warp's 16 tokens.
-    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    // S = Q . K^T for 16 rows x this warp's tokens; even and odd k-steps accumulate apart
+    // so that the MMA dependency chains are half as long.
+    float acc[2][kNB][4];
 #pragma unroll
-    for (int ks = 0; ks < kDim / 32; ++ks) {
-      uint32_t kb[4];
-      ldsm_x4(stage + k_off + ks * 32, kb);
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int nb = 0; nb < kNB; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[a][nb][e] = 0.f;
+    auto q_fragment = [&](int ks, uint32_t (&qa)[4]) {
       if constexpr (Q_IN_REGS) {
-        mma_e4m3(s[0], q_frag[ks], kb[0], kb[1]);
-        mma_e4m3(s[1], q_frag[ks], kb[2], kb[3]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) qa[e] = q_frag[ks][e];
       } else {
-        uint32_t qa[4];
         ldsm_x4(q_addr + ks * 32, qa);
-        mma_e4m3(s[0], qa, kb[0], kb[1]);
-        mma_e4m3(s[1], qa, kb[2], kb[3]);
+      }
+    };
+    if constexpr (kNB == 2) {
+#pragma unroll
+      for (int ks = 0; ks < kDim / 32; ++ks) {
+        uint32_t kb[4], qa[4];
+        ldsm_x4(stage + k_off + ks * 32, kb);
+        q_fragment(ks, qa);
+        mma_e4m3(acc[ks & 1][0], qa, kb[0], kb[1]);
+        mma_e4m3(acc[ks & 1][kNB - 1], qa, kb[2], kb[3]);
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kDim / 64; ++kk) {
+        uint32_t kb[4], qa[4], qb[4];
+        ldsm_x4(stage + k_off + kk * 64, kb);
+        q_fragment(2 * kk, qa);
+        q_fragment(2 * kk + 1, qb);
+        mma_e4m3(acc[0][0], qa, kb[0], kb[1]);
+        mma_e4m3(acc[1][0], qb, kb[2], kb[3]);
       }
     }
+    float s[kNB][4];
+#pragma unroll
+    for (int nb = 0; nb < kNB; ++nb)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nb][e] = acc[0][nb][e] + acc[1][nb][e];
 
     // Scale to log2 units, mask, and take this warp's row maxima.
-    const int tok_base = tile * kTile + cg * 16 + 2 * t;
+    const int tok_base = tile * kTile + cg * kTokPerWarp + 2 * t;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int nb = 0; nb < 2; ++nb)
+    for (int nb = 0; nb < kNB; ++nb)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = e >> 1;
@@ -287,12 +329,12 @@ __global__ void __launch_bounds__(128 * R, (R == 1) ? 2 : 1) mla_decode_fp8_kern
     // P = exp2(S - m) -> fp16 in shared memory; this thread's share of the row sums.
     float sum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int nb = 0; nb < 2; ++nb) {
+    for (int nb = 0; nb < kNB; ++nb) {
       const float p0 = exp2f(s[nb][0] - m_use[0]), p1 = exp2f(s[nb][1] - m_use[0]);
       const float p2 = exp2f(s[nb][2] - m_use[1]), p3 = exp2f(s[nb][3] - m_use[1]);
       sum[0] += p0 + p1;
       sum[1] += p2 + p3;
-      const int col = cg * 16 + nb * 8 + 2 * t;
+      const int col = cg * kTokPerWarp + nb * 8 + 2 * t;
       *reinterpret_cast<uint32_t*>(p_s + (rg * 16 + g) * kPStride + col) = pack_half2(p0, p1);
       *reinterpret_cast<uint32_t*>(p_s + (rg * 16 + g + 8) * kPStride + col) = pack_half2(p2, p3);
     }
@@ -383,10 +425,10 @@ __global__ void __launch_bounds__(128 * R, (R == 1) ? 2 : 1) mla_decode_fp8_kern
   }
 }
 
-template <int R, int STAGES, bool Q_IN_REGS>
+template <int R, int C, int STAGES, bool Q_IN_REGS>
 int launch(const Params& p, cudaStream_t stream) {
-  constexpr int smem = smem_bytes<R, STAGES>();
-  auto kernel = mla_decode_fp8_kernel<R, STAGES, Q_IN_REGS>;
+  constexpr int smem = smem_bytes<R, C, STAGES>();
+  auto kernel = mla_decode_fp8_kernel<R, C, STAGES, Q_IN_REGS>;
   static bool configured = false;  // per instantiation; the attribute is per function
   if (!configured) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -395,32 +437,41 @@ int launch(const Params& p, cudaStream_t stream) {
   }
   const int rows = p.s_q * p.heads;
   dim3 grid((rows + 16 * R - 1) / (16 * R), p.batch, p.num_splits);
-  kernel<<<grid, 128 * R, smem, stream>>>(p);
+  kernel<<<grid, 32 * R * C, smem, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace
 
+// The launch shapes this library carries: (row groups R, column groups C, stages, Q in registers).
+#define MLA_DECODE_SHAPES(X)    \
+  X(1, 4, 2, true)              \
+  X(1, 4, 2, false)             \
+  X(1, 8, 2, false)             \
+  X(1, 8, 3, false)             \
+  X(2, 4, 2, false)             \
+  X(2, 8, 2, false)             \
+  X(4, 4, 2, false)
+
 extern "C" {
 
-// Returns a cudaError_t (0 = success); -1 for a configuration this library does not build.
-int mla_decode_fp8_sm90(const Params* p, int row_groups, int stages, int q_in_regs, void* stream) {
+// Returns a cudaError_t (0 = success); -1 for a launch shape this library does not carry.
+int mla_decode_fp8_sm90(const Params* p, int row_groups, int col_groups, int stages, int q_in_regs,
+                        void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (row_groups == 1 && stages == 2 && q_in_regs) return launch<1, 2, true>(*p, s);
-  if (row_groups == 1 && stages == 3 && q_in_regs) return launch<1, 3, true>(*p, s);
-  if (row_groups == 1 && stages == 2 && !q_in_regs) return launch<1, 2, false>(*p, s);
-  if (row_groups == 2 && stages == 2 && q_in_regs) return launch<2, 2, true>(*p, s);
-  if (row_groups == 2 && stages == 2 && !q_in_regs) return launch<2, 2, false>(*p, s);
-  if (row_groups == 2 && stages == 3 && !q_in_regs) return launch<2, 3, false>(*p, s);
-  if (row_groups == 4 && stages == 2 && !q_in_regs) return launch<4, 2, false>(*p, s);
-  if (row_groups == 4 && stages == 3 && !q_in_regs) return launch<4, 3, false>(*p, s);
+#define X(R, C, S, Q) \
+  if (row_groups == R && col_groups == C && stages == S && (q_in_regs != 0) == Q) return launch<R, C, S, Q>(*p, s);
+  MLA_DECODE_SHAPES(X)
+#undef X
   return -1;
 }
 
-int mla_decode_fp8_sm90_smem_bytes(int row_groups, int stages) {
-  if (row_groups == 1) return stages == 2 ? smem_bytes<1, 2>() : smem_bytes<1, 3>();
-  if (row_groups == 2) return stages == 2 ? smem_bytes<2, 2>() : smem_bytes<2, 3>();
-  return stages == 2 ? smem_bytes<4, 2>() : smem_bytes<4, 3>();
+int mla_decode_fp8_sm90_smem_bytes(int row_groups, int col_groups, int stages) {
+#define X(R, C, S, Q) \
+  if (row_groups == R && col_groups == C && stages == S) return smem_bytes<R, C, S>();
+  MLA_DECODE_SHAPES(X)
+#undef X
+  return -1;
 }
 
 int mla_decode_fp8_sm90_params_bytes() { return static_cast<int>(sizeof(Params)); }
