@@ -63,11 +63,10 @@ SWEEP = {
     ],
 }
 
-# Launch shapes of the CUDA C++ kernel: (row groups of 16, column groups, stages, Q in registers).
+# Launch shapes of the CUDA C++ kernel: (row groups of 16, column groups, stages).
 CUDA_SWEEP = {
-    "few": [(1, 4, 2, True), (1, 4, 2, False), (1, 8, 2, False), (1, 8, 3, False), (2, 4, 2, False),
-            (2, 8, 2, False)],
-    "many": [(4, 4, 2, False), (2, 8, 2, False)],
+    "few": [(1, 4, 2), (1, 8, 2), (1, 8, 3), (2, 4, 2), (2, 8, 2)],
+    "many": [(4, 4, 2), (2, 8, 2)],
 }
 
 

@@ -26,7 +26,7 @@ echo "bench rc=$?"
 grep -E "sweep-cuda|FAILED" "$OUT/bench.log" | cut -c1-200 | head -60
 if [ "$mode" = ncu ] || [ "${NCU:-0}" = 1 ]; then
   timeout 120 ncu --clock-control none -k regex:mla_decode_fp8 -c 1 --section SpeedOfLight --section WarpStateStats \
-    --section SchedulerStats --section Occupancy python3 benchmarks/profile_mla_cuda.py > "$OUT/ncu.txt" 2>&1
-  echo "ncu rc=$?"; grep -E "Throughput|Duration|Stall|Issued|Eligible|Active Warps|Occupancy|Registers|cycles" "$OUT/ncu.txt" | head -40
+    --section SchedulerStats --section Occupancy --section ComputeWorkloadAnalysis --section InstructionStats python3 benchmarks/profile_mla_cuda.py > "$OUT/ncu.txt" 2>&1
+  echo "ncu rc=$?"; grep -E "Throughput|Duration|Issued|Eligible|Active Warps|Achieved Occ|Pipe|IPC|Utilization" "$OUT/ncu.txt" | head -40
 fi
 cat "$OUT/mla.md"

@@ -37,11 +37,11 @@ D_LATENT = 512
 D_ROPE = 64
 ROWS_PER_GROUP = 16
 ROW_BYTES = 576 + 16  # shared-memory row of a cache tile (padded)
+Q_ROW_BYTES = 2 * 576 + 16  # shared-memory row of the fp16 query (padded)
 SMEM_PER_SM = 227 * 1024
 # Launch shapes the library carries (MLA_DECODE_SHAPES in the .cu file):
-# (row groups of 16 query rows, column groups of warps, pipeline stages, Q fragments in registers).
-BUILT_CONFIGS = {(1, 4, 2, True), (1, 4, 2, False), (1, 8, 2, False), (1, 8, 3, False), (2, 4, 2, False),
-                 (2, 8, 2, False), (4, 4, 2, False)}
+# (row groups of 16 query rows, column groups of warps, pipeline stages).
+BUILT_CONFIGS = {(1, 4, 2), (1, 8, 2), (1, 8, 3), (2, 4, 2), (2, 8, 2), (4, 4, 2)}
 
 
 class CudaKernelUnavailable(RuntimeError):
@@ -105,7 +105,7 @@ def build_library(nvcc: str | None = None, out_dir: Path | None = None) -> Path:
 def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library()))
     lib.mla_decode_fp8_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                        ctypes.c_int, ctypes.c_void_p]
+                                        ctypes.c_void_p]
     lib.mla_decode_fp8_sm90.restype = ctypes.c_int
     lib.mla_decode_fp8_sm90_params_bytes.restype = ctypes.c_int
     if lib.mla_decode_fp8_sm90_params_bytes() != ctypes.sizeof(_Params):
@@ -127,30 +127,30 @@ def supports(device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype, 
 def smem_bytes(row_groups: int, col_groups: int, stages: int) -> int:
     """Dynamic shared memory of one CTA (mirror of ``smem_bytes`` in the .cu file)."""
     rows = ROWS_PER_GROUP * row_groups
-    return rows * ROW_BYTES + stages * TILE * ROW_BYTES + rows * (TILE + 8) * 2 + 2 * row_groups * col_groups * 16 * 4
+    return rows * Q_ROW_BYTES + stages * TILE * ROW_BYTES + rows * (TILE + 8) * 2 + 2 * row_groups * col_groups * 16 * 4
 
 
-def ctas_per_sm(shape: tuple[int, int, int, bool]) -> int:
+def ctas_per_sm(shape: tuple[int, int, int]) -> int:
     """Resident CTAs per SM: shared memory, and the register cap of the launch bounds (at most
     256 threads run two CTAs per SM)."""
-    row_groups, col_groups, stages, _ = shape
+    row_groups, col_groups, stages = shape
     by_threads = 2 if 32 * row_groups * col_groups <= 256 else 1
     return max(1, min(by_threads, SMEM_PER_SM // smem_bytes(row_groups, col_groups, stages)))
 
 
-def launch_shape(rows: int) -> tuple[int, int, bool]:
-    """(row groups, column groups, stages, Q in registers) for ``rows`` = s_q x heads of one
+def launch_shape(rows: int) -> tuple[int, int, int]:
+    """(row groups, column groups, stages) for ``rows`` = s_q x heads of one
     request; measured on the H200 (benchmarks/KERNEL_NOTES.md). 16 rows: eight 1-row-group warps
     per CTA, two CTAs per SM; more rows: more row groups (several CTAs per request past 64)."""
     if rows <= 16:
-        return 1, 8, 2, False
+        return 1, 8, 2
     if rows <= 32:
-        return 2, 4, 2, False
-    return 4, 4, 2, False
+        return 2, 4, 2
+    return 4, 4, 2
 
 
 def choose_num_splits(bsz: int, rows: int, max_tiles: int, num_sms: int,
-                      shape: tuple[int, int, int, bool]) -> int:
+                      shape: tuple[int, int, int]) -> int:
     """Split each request's tiles so that the CTAs make about one full wave; depends only on
     shapes (never on sequence lengths), so the launch can be captured in a CUDA graph."""
     ctas = bsz * -(-rows // (ROWS_PER_GROUP * shape[0]))
@@ -169,7 +169,7 @@ def mla_decode_cuda(
     k_scale: float = 1.0,
     out_dtype: torch.dtype | None = None,
     num_splits: int | None = None,
-    config: tuple[int, int, int, bool] | None = None,
+    config: tuple[int, int, int] | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,12 +194,14 @@ def mla_decode_cuda(
     for name, t, strides in (("q", q, q.stride()[:3]), ("kv_cache", kv_cache, kv_cache.stride()[:2])):
         if t.data_ptr() % 16 or any(s % 16 for s in strides):
             raise ValueError(f"{name} must be 16-byte aligned with strides that are multiples of 16 bytes")
+    if kv_cache.stride(1) != kv_cache.shape[2]:
+        raise ValueError("the cuda backend needs the cache's token rows contiguous within a page")
     bsz, s_q, h, _ = q.shape
     rows = s_q * h
     shape = tuple(config or launch_shape(rows))
     if shape not in BUILT_CONFIGS:
         raise ValueError(f"launch shape {shape} is not built; one of {sorted(BUILT_CONFIGS)}")
-    row_groups, col_groups, stages, q_regs = shape
+    row_groups, col_groups, stages = shape
     max_tiles = max(1, block_tables.shape[1] * page // TILE)
     splits = num_splits or choose_num_splits(bsz, rows, max_tiles, _num_sms(q.device), shape)
     if out is None:
@@ -229,7 +231,7 @@ def mla_decode_cuda(
     )
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        err = _library().mla_decode_fp8_sm90(ctypes.byref(p), row_groups, col_groups, stages, int(q_regs),
+        err = _library().mla_decode_fp8_sm90(ctypes.byref(p), row_groups, col_groups, stages,
                                              ctypes.c_void_p(stream))
     if err != 0:
         reason = "launch shape not built" if err == -1 else f"cudaError_t {err}"

@@ -4,10 +4,14 @@ expert compute: torch references plus the dispatch functions the model calls.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,52 @@ def moe_experts(
     expert_offset: int = 0,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """``auto``: grouped GEMMs on CUDA (graph-capturable), the per-expert reference on CPU."""
+    """``auto``: grouped GEMMs on CUDA (graph-capturable), the per-expert reference on CPU;
+    ``triton``: the fused Triton kernels (``kernels.moe_triton``, bf16/fp16, CUDA)."""
+    if backend == "triton":
+        from kernels.moe_triton import moe_experts_triton
+
+        return moe_experts_triton(x, w13, w2, topk_weights, topk_ids, expert_offset)
     if backend == "grouped" or (backend == "auto" and x.is_cuda):
         return moe_experts_grouped(x, w13, w2, topk_weights, topk_ids, expert_offset)
     return moe_experts_reference(x, w13, w2, topk_weights, topk_ids, expert_offset)
+
+
+def fp8_experts_backend(on_cuda: bool, block: tuple[int, int], inter: int, backend: str = "auto") -> str:
+    """``triton`` (FP8 weights read directly) on CUDA for 128x128 blocks and an intermediate
+    size that is a multiple of 128 when Triton is installed; else ``dequant`` (bf16 copies of
+    the weights, then ``moe_experts``)."""
+    if backend not in ("auto", "triton", "dequant"):
+        raise ValueError(f"unknown FP8 MoE backend {backend!r}; one of auto, triton, dequant")
+    if backend != "auto":
+        return backend
+    ok = on_cuda and tuple(block) == (128, 128) and inter % 128 == 0 and _HAS_TRITON
+    return "triton" if ok else "dequant"
+
+
+def moe_experts_fp8(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_offset: int = 0,
+    block: tuple[int, int] = (128, 128),
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Block-FP8 experts (e4m3 weights + fp32 ``scale_inv`` per block), same contract as
+    ``moe_experts``. ``triton`` reads the FP8 weights directly (w8a8, activations quantized
+    per token per 128 columns); ``dequant`` builds x-dtype weights and calls ``moe_experts``."""
+    path = fp8_experts_backend(x.is_cuda, block, w13.shape[1] // 2, backend)
+    if path == "triton":
+        from kernels.moe_triton import moe_experts_fp8_triton
+
+        return moe_experts_fp8_triton(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids,
+                                      expert_offset)
+    from kernels.fp8 import dequantize_weight_blocks
+
+    w13d = dequantize_weight_blocks(w13, w13_scale_inv, block, x.dtype)
+    w2d = dequantize_weight_blocks(w2, w2_scale_inv, block, x.dtype)
+    return moe_experts(x, w13d, w2d, topk_weights, topk_ids, expert_offset)

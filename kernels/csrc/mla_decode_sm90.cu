@@ -7,8 +7,12 @@
 //   memory-bound: the kernel must stream the cache at HBM speed with little work per byte.
 //   Rows sit on the M=16 side of warp-level mma.sync, so no MMA row is padding when
 //   heads x s_q is a multiple of 16 (wgmma's M=64 would waste 3/4 of every product).
-// - Q.K^T runs in FP8 (m16n8k32 e4m3): the cache tile is used exactly as stored, rows =
-//   tokens, bytes = the 576 latent+rope dims, which is already the K-major B operand.
+// - Hopper has FP8 tensor-core math only through wgmma (M = 64 rows); an e4m3 mma.sync is
+//   emulated by ptxas, which widens both operands to f16 on every use (measured: 280 conversions
+//   per warp per tile, the kernel's bottleneck). So Q is widened to f16 once, into shared
+//   memory, and each K byte pair is widened exactly once in registers (ldmatrix of the FP8
+//   tile as stored: rows = tokens, 16 bytes = one k-step of 16 dims, in a k order that Q's
+//   shared-memory layout mirrors); Q.K^T then runs on f16 mma.sync (m16n8k16).
 // - P.V runs in fp16 (m16n8k16): an FP8 B operand must be K-major, i.e. V transposed, which
 //   is what sank Triton's FP8 P.V. Instead `ldmatrix.trans` reads the FP8 V tile as 16-bit
 //   pairs, one byte permute regroups the pairs per dimension, and the hardware converts
@@ -60,6 +64,7 @@ constexpr int kTile = 64;                 // tokens per tile
 constexpr int kRowBytes = kDim + 16;      // padded shared-memory row (conflict-free ldmatrix)
 constexpr int kChunksPerRow = kDim / 16;  // 16-byte chunks per cache row
 constexpr int kPStride = kTile + 8;       // halves per P row (144 B: conflict-free ldmatrix)
+constexpr int kQRowBytes = 2 * kDim + 16; // fp16 Q row, padded (conflict-free ldmatrix)
 constexpr float kLn2 = 0.6931471805599453f;
 
 
@@ -76,15 +81,6 @@ __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
 __device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-// D += A(16x32 e4m3, row) * B(32x8 e4m3, col), fp32 accumulate.
-__device__ __forceinline__ void mma_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // D += A(16x16 f16, row) * B(16x8 f16, col), fp32 accumulate.
@@ -107,10 +103,12 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// Two e4m3 bytes (low 16 bits of v) -> f16x2, low byte -> low half. Exact.
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t v) {
-  __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(v & 0xFFFFu), __NV_E4M3);
-  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+// Four e4m3 bytes -> two f16x2 (bytes 0,1 -> lo; bytes 2,3 -> hi), one conversion each, reading
+// the upper half in place (no shift).
+__device__ __forceinline__ void e4m3x4_to_f16x2x2(uint32_t v, uint32_t& lo, uint32_t& hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(v));
 }
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
@@ -120,15 +118,15 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
 
 template <int R, int C, int STAGES>
 constexpr int smem_bytes() {
-  return 16 * R * kRowBytes                  // Q
+  return 16 * R * kQRowBytes                 // Q (fp16)
          + STAGES * kTile * kRowBytes        // cache tiles
          + 16 * R * kPStride * 2             // P (fp16)
          + 2 * R * C * 16 * 4;               // row maxima and row sums exchanged by warps
 }
 
 // One CTA: 16*R query rows of request blockIdx.y, tile range blockIdx.z of its cache, R x C
-// warps (C = 4 or 8 column groups). Q_IN_REGS keeps the 18 Q fragments (72 registers).
-template <int R, int C, int STAGES, bool Q_IN_REGS>
+// warps (C = 4 or 8 column groups), STAGES tiles in flight.
+template <int R, int C, int STAGES>
 __global__ void __launch_bounds__(32 * R * C, (32 * R * C <= 256) ? 2 : 1) mla_decode_fp8_kernel(const Params p) {
   constexpr int kCols = C;
   constexpr int kThreads = 32 * R * C;
@@ -136,11 +134,10 @@ __global__ void __launch_bounds__(32 * R * C, (32 * R * C <= 256) ? 2 : 1) mla_d
   constexpr int kDimsPerWarp = kDimV / C;    // 128 or 64 output dims per warp
   constexpr int kTokPerWarp = kTile / C;     // 16 or 8 tokens of each tile's scores per warp
   constexpr int kNB = kTokPerWarp / 8;       // n-blocks of 8 tokens per warp in Q.K^T
-  constexpr int kThreadsPerRow = kThreads / kTile;  // cache rows are copied by 2, 4 or 8 threads
-  constexpr int kCopies = (kChunksPerRow / 2 + kThreadsPerRow / 2 - 1) / (kThreadsPerRow / 2);
+  constexpr int kCopies = (kTile * kChunksPerRow + kThreads - 1) / kThreads;  // 16-byte copies per thread
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* q_s = smem;
-  uint8_t* kv_s = q_s + kRows * kRowBytes;
+  uint8_t* kv_s = q_s + kRows * kQRowBytes;
   __half* p_s = reinterpret_cast<__half*>(kv_s + STAGES * kTile * kRowBytes);
   float* red_max = reinterpret_cast<float*>(p_s + kRows * kPStride);
   float* red_sum = red_max + R * kCols * 16;
@@ -159,7 +156,11 @@ __global__ void __launch_bounds__(32 * R * C, (32 * R * C <= 256) ? 2 : 1) mla_d
   const int tile_begin = split * per_split;
   const int tile_end = min(n_tiles, tile_begin + per_split);
 
-  // Q rows of this CTA -> shared memory (rows past the request are zero).
+  // Q rows of this CTA -> fp16 in shared memory (exact), rows past the request are zero.
+  // Hopper has no FP8 mma.sync (ptxas widens both operands to f16 on every use), so Q is
+  // widened once here. Within each 16-dim block the dims are stored in the order the K
+  // fragments arrive from ldmatrix (dims 4t..4t+1 at k = 2t.., dims 4t+2.. at k = 8+2t..),
+  // so that a plain ldmatrix of Q pairs with the K bytes as they are.
   for (int c = tid; c < kRows * kChunksPerRow; c += kThreads) {
     const int r = c / kChunksPerRow, k = c % kChunksPerRow;
     const int row = row0 + r;
@@ -168,28 +169,33 @@ __global__ void __launch_bounds__(32 * R * C, (32 * R * C <= 256) ? 2 : 1) mla_d
       const int j = row / p.heads, h = row % p.heads;
       v = *reinterpret_cast<const uint4*>(p.q + b * p.q_sb + j * p.q_ss + h * p.q_sh + k * 16);
     }
-    *reinterpret_cast<uint4*>(q_s + r * kRowBytes + k * 16) = v;
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+    uint32_t hw[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)  // word i holds dims 4i..4i+3: 4i, 4i+1 -> k 2i..; 4i+2, 4i+3 -> k 8+2i..
+      e4m3x4_to_f16x2x2(w[i], hw[i], hw[4 + i]);
+    uint4* dst = reinterpret_cast<uint4*>(q_s + r * kQRowBytes + k * 32);
+    dst[0] = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+    dst[1] = make_uint4(hw[4], hw[5], hw[6], hw[7]);
   }
 
   const int* bt_row = p.block_tables + b * p.bt_s;
-  // Each cache row is copied by kThreadsPerRow threads; thread pairs take adjacent 16-byte
-  // chunks (full 32-byte sectors), and the offsets are fixed per thread.
-  const int copy_row = tid / kThreadsPerRow, copy_sub = tid % kThreadsPerRow;
-  const int copy_first = 2 * (copy_sub >> 1) + (copy_sub & 1);  // chunk of the first copy
-  const long long src_row_off = static_cast<long long>(copy_row) * p.kv_st + 16 * copy_first;
-  const uint32_t dst_row_off = copy_row * kRowBytes + 16 * copy_first;
+  // A tile is 64 consecutive rows of one page (contiguous in memory): consecutive threads copy
+  // consecutive 16-byte chunks, fully coalesced; smem rows are padded by 16 bytes.
   auto load_tile = [&](int tile, int stage) {
     const int tok0 = tile * kTile;
     const long long page = bt_row[tok0 / p.page_size];
-    const bool valid = tok0 + copy_row < seq_len;
-    const uint8_t* src = p.kv + page * p.kv_sp + static_cast<long long>(tok0 % p.page_size) * p.kv_st +
-                         (valid ? src_row_off : 16 * copy_first);
-    const uint32_t dst = smem_addr(kv_s + stage * kTile * kRowBytes) + dst_row_off;
+    const uint8_t* src = p.kv + page * p.kv_sp + static_cast<long long>(tok0 % p.page_size) * kDim;
+    const uint32_t dst = smem_addr(kv_s + stage * kTile * kRowBytes);
+    const int valid_rows = seq_len - tok0;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
-      // copy i covers chunks (kThreadsPerRow * i) .. of this row, two per thread pair
-      if (copy_first + kThreadsPerRow * i < kChunksPerRow)
-        cp_async_16(dst + 16 * kThreadsPerRow * i, src + 16 * kThreadsPerRow * i, valid ? 16 : 0);
+      const unsigned c = tid + kThreads * i;
+      if (kCopies * kThreads == kTile * kChunksPerRow || c < kTile * kChunksPerRow) {
+        const unsigned r = c / kChunksPerRow;
+        const bool valid = static_cast<int>(r) < valid_rows;
+        cp_async_16(dst + 16 * (c + r), src + (valid ? 16 * c : 0), valid ? 16 : 0);
+      }
     }
   };
 
@@ -200,16 +206,12 @@ __global__ void __launch_bounds__(32 * R * C, (32 * R * C <= 256) ? 2 : 1) mla_d
   }
   __syncthreads();  // Q in shared memory
 
-  // ldmatrix addresses. Q (A of m16n8k32): matrices (rows 0-7 | 8-15) x (bytes 0-15 | 16-31).
+  // ldmatrix addresses. Q (A of m16n8k16, fp16): matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15).
   const uint32_t q_addr =
-      smem_addr(q_s + (rg * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kRowBytes + 16 * (lane >> 4));
-  uint32_t q_frag[Q_IN_REGS ? 18 : 1][4];
-  if constexpr (Q_IN_REGS) {
-#pragma unroll
-    for (int ks = 0; ks < 18; ++ks) ldsm_x4(q_addr + ks * 32, q_frag[ks]);
-  }
-  // K (B of m16n8k32). Two n-blocks: tokens (0-7 | 8-15) of this warp x (bytes 0-15 | 16-31) of one
-  // k-step; one n-block: tokens 0-7 x bytes (0-15 | 16-31 | 32-47 | 48-63), two k-steps.
+      smem_addr(q_s + (rg * 16 + (lane & 7) + 8 * ((lane >> 3) & 1)) * kQRowBytes + 16 * (lane >> 4));
+  // K (B of m16n8k16 after widening; each 16-byte matrix row is one k-step of 16 dims). Two
+  // n-blocks: tokens (0-7 | 8-15) of this warp x (bytes 0-15 | 16-31); one n-block: tokens 0-7 x
+  // bytes (0-15 | 16-31 | 32-47 | 48-63).
   const uint32_t k_off = kNB == 2
       ? (cg * kTokPerWarp + (lane & 7) + 8 * (lane >> 4)) * kRowBytes + 16 * ((lane >> 3) & 1)
       : (cg * kTokPerWarp + (lane & 7)) * kRowBytes + 16 * (lane >> 3);
@@ -247,8 +249,8 @@ __global__ void __launch_bounds__(32 * R * C, (32 * R * C <= 256) ? 2 : 1) mla_d
     }
     const uint32_t stage = smem_addr(kv_s + (it % STAGES) * kTile * kRowBytes);
 
-    // S = Q . K^T for 16 rows x this warp's tokens; even and odd k-steps accumulate apart
-    // so that the MMA dependency chains are half as long.
+    // S = Q . K^T for 16 rows x this warp's tokens (f16 MMAs; the e4m3 K bytes are widened
+    // in registers, exactly); even and odd k-steps accumulate apart (shorter MMA chains).
     float acc[2][kNB][4];
 #pragma unroll
     for (int a = 0; a < 2; ++a)
@@ -256,32 +258,22 @@ __global__ void __launch_bounds__(32 * R * C, (32 * R * C <= 256) ? 2 : 1) mla_d
       for (int nb = 0; nb < kNB; ++nb)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc[a][nb][e] = 0.f;
-    auto q_fragment = [&](int ks, uint32_t (&qa)[4]) {
-      if constexpr (Q_IN_REGS) {
+    constexpr int kStepsPerLoad = 4 / kNB;  // k-steps of 16 dims per K ldmatrix.x4
 #pragma unroll
-        for (int e = 0; e < 4; ++e) qa[e] = q_frag[ks][e];
-      } else {
+    for (int kl = 0; kl < kDim / (16 * kStepsPerLoad); ++kl) {
+      uint32_t kb[4];  // two n-blocks: {nb0 step0, nb0 step1, nb1 step0, nb1 step1}; one: steps 0..3
+      ldsm_x4(stage + k_off + kl * 16 * kStepsPerLoad, kb);
+#pragma unroll
+      for (int st = 0; st < kStepsPerLoad; ++st) {
+        const int ks = kl * kStepsPerLoad + st;
+        uint32_t qa[4];
         ldsm_x4(q_addr + ks * 32, qa);
-      }
-    };
-    if constexpr (kNB == 2) {
 #pragma unroll
-      for (int ks = 0; ks < kDim / 32; ++ks) {
-        uint32_t kb[4], qa[4];
-        ldsm_x4(stage + k_off + ks * 32, kb);
-        q_fragment(ks, qa);
-        mma_e4m3(acc[ks & 1][0], qa, kb[0], kb[1]);
-        mma_e4m3(acc[ks & 1][kNB - 1], qa, kb[2], kb[3]);
-      }
-    } else {
-#pragma unroll
-      for (int kk = 0; kk < kDim / 64; ++kk) {
-        uint32_t kb[4], qa[4], qb[4];
-        ldsm_x4(stage + k_off + kk * 64, kb);
-        q_fragment(2 * kk, qa);
-        q_fragment(2 * kk + 1, qb);
-        mma_e4m3(acc[0][0], qa, kb[0], kb[1]);
-        mma_e4m3(acc[1][0], qb, kb[2], kb[3]);
+        for (int nb = 0; nb < kNB; ++nb) {
+          uint32_t b0, b1;
+          e4m3x4_to_f16x2x2(kb[nb * kStepsPerLoad + st], b0, b1);
+          mma_f16(acc[ks & 1][nb], qa, b0, b1);
+        }
       }
     }
     float s[kNB][4];
@@ -368,8 +360,11 @@ __global__ void __launch_bounds__(32 * R * C, (32 * R * C <= 256) ? 2 : 1) mla_d
           // v[2h+1] the same 8 tokens later. Regroup per dimension, then widen to f16.
           const uint32_t even = __byte_perm(v[2 * h], v[2 * h + 1], 0x6420);
           const uint32_t odd = __byte_perm(v[2 * h], v[2 * h + 1], 0x7531);
-          mma_f16(o[2 * cp + h][0], pa, e4m3x2_to_f16x2(even), e4m3x2_to_f16x2(even >> 16));
-          mma_f16(o[2 * cp + h][1], pa, e4m3x2_to_f16x2(odd), e4m3x2_to_f16x2(odd >> 16));
+          uint32_t e0, e1, o0, o1;
+          e4m3x4_to_f16x2x2(even, e0, e1);
+          e4m3x4_to_f16x2x2(odd, o0, o1);
+          mma_f16(o[2 * cp + h][0], pa, e0, e1);
+          mma_f16(o[2 * cp + h][1], pa, o0, o1);
         }
       }
     }
@@ -425,10 +420,10 @@ __global__ void __launch_bounds__(32 * R * C, (32 * R * C <= 256) ? 2 : 1) mla_d
   }
 }
 
-template <int R, int C, int STAGES, bool Q_IN_REGS>
+template <int R, int C, int STAGES>
 int launch(const Params& p, cudaStream_t stream) {
   constexpr int smem = smem_bytes<R, C, STAGES>();
-  auto kernel = mla_decode_fp8_kernel<R, C, STAGES, Q_IN_REGS>;
+  auto kernel = mla_decode_fp8_kernel<R, C, STAGES>;
   static bool configured = false;  // per instantiation; the attribute is per function
   if (!configured) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -443,31 +438,29 @@ int launch(const Params& p, cudaStream_t stream) {
 
 }  // namespace
 
-// The launch shapes this library carries: (row groups R, column groups C, stages, Q in registers).
-#define MLA_DECODE_SHAPES(X)    \
-  X(1, 4, 2, true)              \
-  X(1, 4, 2, false)             \
-  X(1, 8, 2, false)             \
-  X(1, 8, 3, false)             \
-  X(2, 4, 2, false)             \
-  X(2, 8, 2, false)             \
-  X(4, 4, 2, false)
+// The launch shapes this library carries: (row groups R, column groups C, stages).
+#define MLA_DECODE_SHAPES(X) \
+  X(1, 4, 2)                 \
+  X(1, 8, 2)                 \
+  X(1, 8, 3)                 \
+  X(2, 4, 2)                 \
+  X(2, 8, 2)                 \
+  X(4, 4, 2)
 
 extern "C" {
 
 // Returns a cudaError_t (0 = success); -1 for a launch shape this library does not carry.
-int mla_decode_fp8_sm90(const Params* p, int row_groups, int col_groups, int stages, int q_in_regs,
-                        void* stream) {
+int mla_decode_fp8_sm90(const Params* p, int row_groups, int col_groups, int stages, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-#define X(R, C, S, Q) \
-  if (row_groups == R && col_groups == C && stages == S && (q_in_regs != 0) == Q) return launch<R, C, S, Q>(*p, s);
+#define X(R, C, S) \
+  if (row_groups == R && col_groups == C && stages == S) return launch<R, C, S>(*p, s);
   MLA_DECODE_SHAPES(X)
 #undef X
   return -1;
 }
 
 int mla_decode_fp8_sm90_smem_bytes(int row_groups, int col_groups, int stages) {
-#define X(R, C, S, Q) \
+#define X(R, C, S) \
   if (row_groups == R && col_groups == C && stages == S) return smem_bytes<R, C, S>();
   MLA_DECODE_SHAPES(X)
 #undef X

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.fp8 import FP8_DTYPE, dequantize_weight_blocks
-from kernels.moe import RoutingConfig, moe_experts, route, silu_and_mul
+from kernels.moe import RoutingConfig, fp8_experts_backend, moe_experts, moe_experts_fp8, route, silu_and_mul
 from model.config import ModelConfig
 from model.layers.linear import MergedColumnParallelLinear, RowParallelLinear, divide
 from model.parallel import ParallelContext
@@ -103,7 +103,8 @@ class RoutedExperts(nn.Module):
     def dense_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The expert weights in ``dtype``. FP8 experts are dequantized here, on every call, in
         one batched pass: correct and graph-safe, but it re-reads and re-writes all local
-        experts per forward — an FP8 grouped GEMM is the missing fast path."""
+        experts per forward — only used where the Triton FP8 MoE does not apply (CPU, blocks
+        other than 128x128)."""
         if self.w13.dtype != FP8_DTYPE:
             return self.w13.to(dtype), self.w2.to(dtype)
         blk = self.fp8_block
@@ -111,6 +112,11 @@ class RoutedExperts(nn.Module):
                 dequantize_weight_blocks(self.w2, self.w2_scale_inv, blk, dtype))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if (self.w13.dtype == FP8_DTYPE
+                and fp8_experts_backend(x.is_cuda, self.fp8_block, self.inter_local) == "triton"):
+            # FP8 weights read directly by the Triton MoE (no per-forward dequantization)
+            return moe_experts_fp8(x, self.w13, self.w13_scale_inv, self.w2, self.w2_scale_inv,
+                                   topk_weights, topk_ids, self.expert_offset, self.fp8_block)
         w13, w2 = self.dense_weights(x.dtype)
         return moe_experts(x, w13, w2, topk_weights, topk_ids, self.expert_offset)
 
