@@ -57,26 +57,45 @@ def mla_decode_reference(
 BACKENDS = ("auto", "cuda", "triton", "flashinfer", "trtllm", "torch")
 
 
-def choose_auto_backend(kv_dtype: torch.dtype) -> str:
-    """``auto`` on CUDA, by measurement on the H200 (benchmarks/RESULTS.md): our Triton
-    kernel for an FP8 cache (FlashInfer's fp8 mode widens to bf16 and is slower than its own
-    bf16 mode); FlashInfer fa3 for a bf16 cache when it is installed."""
+# Query rows (heads per GPU x query tokens) up to which our CUDA C++ kernel beats the Triton
+# one with an FP8 cache (H200: 16 rows 110 vs 297 µs, 32 rows 195 vs 440 µs; 128 rows 585 vs
+# 443 µs at B=128, S=4096; benchmarks/RESULTS.md).
+CUDA_KERNEL_MAX_ROWS = 32
+
+
+def choose_auto_backend(kv_dtype: torch.dtype, rows: int | None = None, cuda_kernel_ok: bool = False) -> str:
+    """``auto`` on CUDA, by measurement on the H200 (benchmarks/RESULTS.md): with an FP8 cache,
+    our CUDA C++ kernel for few query rows (when it can be built here) and our Triton kernel
+    otherwise (FlashInfer's fp8 mode widens to bf16 and is slower than its own bf16 mode);
+    FlashInfer fa3 for a bf16 cache when it is installed."""
     if kv_dtype == torch.float8_e4m3fn:
-        return "triton"
+        few_rows = rows is not None and rows <= CUDA_KERNEL_MAX_ROWS
+        return "cuda" if few_rows and cuda_kernel_ok else "triton"
     return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
 
 
+def cuda_kernel_available(device: torch.device, kv_dtype: torch.dtype, kv_lora_rank: int, rope_dim: int,
+                          page_size: int = 64) -> bool:
+    from kernels.mla_decode_cuda import find_nvcc, supports
+
+    return supports(device, kv_dtype, kv_dtype, kv_lora_rank, rope_dim, page_size) and find_nvcc() is not None
+
+
 def resolve_backend(requested: str, device: torch.device, kv_dtype: torch.dtype, kv_lora_rank: int,
-                    rope_dim: int) -> str:
+                    rope_dim: int, num_heads: int | None = None) -> str:
     """The decode backend a model will use: ``torch`` on CPU and for shapes or dtypes the GPU
     kernels do not cover (float32 caches, rope dim != 64, non-power-of-two latents); ``auto`` on
-    CUDA means our Triton kernel, which is CUDA-graph safe (FlashInfer re-plans on the host)."""
+    CUDA means one of our CUDA-graph-safe kernels (FlashInfer re-plans on the host): the CUDA C++
+    one for an FP8 cache and at most ``CUDA_KERNEL_MAX_ROWS`` heads per GPU, else Triton."""
     if device.type != "cuda" or requested == "torch":
         return "torch"
     fits_triton = (kv_dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn) and rope_dim == 64
                    and kv_lora_rank & (kv_lora_rank - 1) == 0)
     if requested == "auto":
-        return "triton" if fits_triton else "torch"
+        if not fits_triton:
+            return "torch"
+        ok = cuda_kernel_available(device, kv_dtype, kv_lora_rank, rope_dim)
+        return "cuda" if choose_auto_backend(kv_dtype, num_heads, ok) == "cuda" else "triton"
     if requested == "cuda":
         from kernels.mla_decode_cuda import D_LATENT, find_nvcc, supports
 
@@ -121,7 +140,10 @@ def mla_decode(
     if backend == "torch" or not q.is_cuda:
         return mla_decode_reference(*args)
     if backend == "auto":
-        backend = choose_auto_backend(kv_cache.dtype)
+        rope = kv_cache.shape[-1] - kv_lora_rank
+        ok = q.dtype == kv_cache.dtype and cuda_kernel_available(q.device, kv_cache.dtype, kv_lora_rank, rope,
+                                                                 kv_cache.shape[1])
+        backend = choose_auto_backend(kv_cache.dtype, q.shape[1] * q.shape[2], ok)
     if backend == "cuda":
         from kernels.mla_decode_cuda import mla_decode_cuda
 

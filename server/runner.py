@@ -140,7 +140,8 @@ class ModelRunner:
         self.plan_broadcaster = None
         mc = self.model_config
         self.attention_backend = resolve_backend(
-            config.attention_backend, device, cache_dtype, mc.kv_lora_rank, mc.qk_rope_head_dim
+            config.attention_backend, device, cache_dtype, mc.kv_lora_rank, mc.qk_rope_head_dim,
+            num_heads=model.layers[0].self_attn.num_local_heads,
         )
         self.decode_graphs = None  # server.cuda_graphs.DecodeGraphs, once captured
         self.step_profiler = StepProfiler(device=device)  # off unless MLASERVE_STEP_PROFILE / enabled
