@@ -140,10 +140,10 @@ def ctas_per_sm(shape: tuple[int, int, int]) -> int:
 
 def launch_shape(rows: int) -> tuple[int, int, int]:
     """(row groups, column groups, stages) for ``rows`` = s_q x heads of one
-    request; measured on the H200 (benchmarks/KERNEL_NOTES.md). 16 rows: eight 1-row-group warps
-    per CTA, two CTAs per SM; more rows: more row groups (several CTAs per request past 64)."""
+    request; measured on the H200 (benchmarks/KERNEL_NOTES.md). 16 rows: four warps per CTA
+    (each reads all of Q from shared memory per tile, so fewer warps move fewer bytes), two CTAs per SM; more rows: more row groups (several CTAs per request past 64)."""
     if rows <= 16:
-        return 1, 8, 2
+        return 1, 4, 2
     if rows <= 32:
         return 2, 4, 2
     return 4, 4, 2
