@@ -35,7 +35,7 @@ def mla_prefill_reference(
 
 def mla_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
     """GPU path: torch's fused attention in the compute dtype. Causality is always given as a
-    structure, never as a dense mask: a dense mask sends SDPA to its math backend, which
+    structure, never as a dense mask, and inputs are 4-D: otherwise SDPA takes its math backend, which
     materializes fp32 scores (measured on the H200: 36 ms per layer for 8192 tokens, 90% of a
     prefill step). A block with no cached context is plain causal; a block after cached context
     is causal aligned to the bottom right (query i sees keys 0 .. tk - tq + i). v is zero-padded
@@ -46,12 +46,13 @@ def mla_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_
     tq, tk, dv = q.shape[0], k.shape[0], v.shape[-1]
     if dv < q.shape[-1]:
         v = F.pad(v, (0, q.shape[-1] - dv))
-    qt, kt, vt = (t.transpose(0, 1) for t in (q, k, v))
+    # [1, H, T, D]: the fused kernels take 4-D inputs only (3-D ones fall back to math too).
+    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if tq == tk:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=softmax_scale)
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(tq, tk), scale=softmax_scale)
-    return out.transpose(0, 1)[..., :dv]
+    return out[0].transpose(0, 1)[..., :dv]
 
 
 def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
