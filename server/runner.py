@@ -143,6 +143,8 @@ class ModelRunner:
             config.attention_backend, device, cache_dtype, mc.kv_lora_rank, mc.qk_rope_head_dim,
             num_heads=model.layers[0].self_attn.num_local_heads,
         )
+        logger.info("MLA decode backend: %s (--attention-backend %s, %s KV cache)", self.attention_backend,
+                    config.attention_backend, cache_dtype)
         self.decode_graphs = None  # server.cuda_graphs.DecodeGraphs, once captured
         self.step_profiler = StepProfiler(device=device)  # off unless MLASERVE_STEP_PROFILE / enabled
 
