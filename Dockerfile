@@ -2,10 +2,12 @@
 # machines have no Docker engine. Build: docker build -t mlaserve .
 # Run:   docker run --gpus all -p 8000:8000 -v /models:/models mlaserve /models/DeepSeek-R1 \
 #            --tensor-parallel-size 8 --kv-cache-dtype fp8
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# The devel image: it carries nvcc, which builds our CUDA C++ MLA decode kernel (below, at image
+# build time, so containers start without compiling).
+FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
-    NCCL_NVLS_ENABLE=0
+    NCCL_NVLS_ENABLE=0 MLASERVE_KERNEL_CACHE=/opt/mlaserve/kernel-cache
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-pip python3-venv python3-dev build-essential \
  && rm -rf /var/lib/apt/lists/*
@@ -22,6 +24,7 @@ COPY kernels ./kernels
 COPY distributed ./distributed
 COPY configs ./configs
 RUN pip install '.[gpu]'
+RUN python3 -c "from kernels.mla_decode_cuda import build_library; print(build_library())"
 
 EXPOSE 8000
 ENTRYPOINT ["mlaserve", "serve", "--host", "0.0.0.0", "--port", "8000"]
