@@ -14,8 +14,11 @@ latent space, scaled back by ``k_scale``, plus the log-sum-exp [B, s_q, H] (natu
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def mla_decode_reference(
@@ -76,9 +79,17 @@ def choose_auto_backend(kv_dtype: torch.dtype, rows: int | None = None, cuda_ker
 
 def cuda_kernel_available(device: torch.device, kv_dtype: torch.dtype, kv_lora_rank: int, rope_dim: int,
                           page_size: int = 64) -> bool:
-    from kernels.mla_decode_cuda import find_nvcc, supports
+    """The CUDA C++ kernel covers this GPU and cache, and its library builds (or is cached) here."""
+    from kernels.mla_decode_cuda import CudaKernelUnavailable, default_library_path, supports
 
-    return supports(device, kv_dtype, kv_dtype, kv_lora_rank, rope_dim, page_size) and find_nvcc() is not None
+    if not supports(device, kv_dtype, kv_dtype, kv_lora_rank, rope_dim, page_size):
+        return False
+    try:
+        default_library_path()
+    except CudaKernelUnavailable as exc:
+        logger.warning("CUDA C++ MLA decode unavailable, using Triton: %s", str(exc).splitlines()[0])
+        return False
+    return True
 
 
 def resolve_backend(requested: str, device: torch.device, kv_dtype: torch.dtype, kv_lora_rank: int,
@@ -97,16 +108,17 @@ def resolve_backend(requested: str, device: torch.device, kv_dtype: torch.dtype,
         ok = cuda_kernel_available(device, kv_dtype, kv_lora_rank, rope_dim)
         return "cuda" if choose_auto_backend(kv_dtype, num_heads, ok) == "cuda" else "triton"
     if requested == "cuda":
-        from kernels.mla_decode_cuda import D_LATENT, find_nvcc, supports
+        from kernels.mla_decode_cuda import D_LATENT, CudaKernelUnavailable, default_library_path, supports
 
         if not supports(device, kv_dtype, kv_dtype, kv_lora_rank, rope_dim, 64):
             raise ValueError(
                 f"--attention-backend cuda: needs a Hopper (sm_90) GPU, an fp8 KV cache (--kv-cache-dtype fp8) "
                 f"and kv_lora_rank {D_LATENT} + rope 64 (got {kv_dtype}, {kv_lora_rank}, {rope_dim})"
             )
-        if find_nvcc() is None:
-            raise ValueError("--attention-backend cuda: the kernel is compiled on first use and needs nvcc "
-                             "(set CUDA_HOME or put nvcc on PATH)")
+        try:
+            default_library_path()  # now, not at the first decode step: a failed build is a start-up error
+        except CudaKernelUnavailable as exc:
+            raise ValueError(f"--attention-backend cuda: {exc}") from None
         return requested
     if requested == "triton" and not fits_triton:
         raise ValueError(

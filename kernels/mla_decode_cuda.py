@@ -102,8 +102,14 @@ def build_library(nvcc: str | None = None, out_dir: Path | None = None) -> Path:
 
 
 @functools.lru_cache(maxsize=1)
+def default_library_path() -> Path:
+    """``build_library()`` once per process (a failure is not cached: the next call retries)."""
+    return build_library()
+
+
+@functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build_library()))
+    lib = ctypes.CDLL(str(default_library_path()))
     lib.mla_decode_fp8_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                         ctypes.c_void_p]
     lib.mla_decode_fp8_sm90.restype = ctypes.c_int
@@ -248,5 +254,5 @@ def triton_next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-__all__ = ["CudaKernelUnavailable", "build_library", "choose_num_splits", "launch_shape", "mla_decode_cuda",
+__all__ = ["CudaKernelUnavailable", "build_library", "default_library_path", "choose_num_splits", "launch_shape", "mla_decode_cuda",
            "supports"]

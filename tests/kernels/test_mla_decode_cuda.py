@@ -52,6 +52,25 @@ def test_missing_nvcc_is_a_clear_error(tmp_path, monkeypatch):
         mdc.build_library(out_dir=tmp_path)
 
 
+def test_a_failed_build_falls_back_to_triton_under_auto_and_is_a_startup_error_when_asked(monkeypatch):
+    from kernels import mla_decode
+
+    def broken_build():
+        raise mdc.CudaKernelUnavailable("nvcc failed building mla_decode_sm90.cu:\nerror: ...")
+
+    monkeypatch.setattr(mdc, "supports", lambda *a: True)
+    monkeypatch.setattr(mdc, "default_library_path", broken_build)
+    cuda = torch.device("cuda")
+    assert not mla_decode.cuda_kernel_available(cuda, FP8, 512, 64)
+    assert mla_decode.resolve_backend("auto", cuda, FP8, 512, 64, num_heads=16) == "triton"
+    with pytest.raises(ValueError, match="--attention-backend cuda: nvcc failed"):
+        mla_decode.resolve_backend("cuda", cuda, FP8, 512, 64, num_heads=16)
+    monkeypatch.setattr(mdc, "default_library_path", lambda: "built")
+    assert mla_decode.resolve_backend("auto", cuda, FP8, 512, 64, num_heads=16) == "cuda"
+    assert mla_decode.resolve_backend("auto", cuda, FP8, 512, 64, num_heads=128) == "triton"
+    assert mla_decode.resolve_backend("auto", cuda, torch.bfloat16, 512, 64, num_heads=16) == "triton"
+
+
 def test_launch_heuristics():
     assert mdc.launch_shape(16)[0] == 1
     assert mdc.launch_shape(32)[0] == 2
