@@ -117,9 +117,11 @@ class MLAAttention(nn.Module):
         nd = attn.num_decode_tokens
         if nd:
             out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], positions[:nd], cache, attn, k_scale)
+        # Row offsets from the host copy of the query lengths: reading query_start_loc (a device
+        # tensor) would synchronize the host with the GPU once per layer.
+        end = sum(attn.query_lens_cpu[: attn.num_decode_seqs])
         for i in range(attn.num_decode_seqs, attn.num_seqs):
-            start = int(attn.query_start_loc[i])
-            end = start + attn.query_lens_cpu[i]
+            start, end = end, end + attn.query_lens_cpu[i]
             if end == start:
                 continue
             context = self._gather_context(cache, attn, i, attn.seq_lens_cpu[i] - (end - start), k_scale)
