@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -92,7 +93,11 @@ def build_attention_metadata(
             slots.append(table[pos // block_size] * block_size + pos % block_size)
     slots.extend([-1] * num_pad_tokens)
     width = max((len(t) for t in block_tables), default=0) or 1
-    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    # One numpy fill, then one upload: torch.tensor(list of lists) costs ~3x as much (0.75 vs
+    # 0.24 ms for 96 sequences of 145 blocks, measured on CPU), paid on every step.
+    padded = np.zeros((len(block_tables), width), dtype=np.int32)
+    for i, table in enumerate(block_tables):
+        padded[i, : len(table)] = table
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
@@ -100,7 +105,7 @@ def build_attention_metadata(
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(block_tables), width),
+        block_tables=torch.from_numpy(padded).to(device),
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=seq_lens,
         num_decode_seqs=num_decode_seqs,
