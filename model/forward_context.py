@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from model.upload import numpy_to_device, to_device
 
 @dataclass
 class AttentionMetadata:
@@ -102,10 +103,10 @@ def build_attention_metadata(
     for q in query_lens:
         starts.append(starts[-1] + q)
     return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        block_tables=torch.from_numpy(padded).to(device),
+        slot_mapping=to_device(slots, torch.long, device),
+        query_start_loc=to_device(starts, torch.int32, device),
+        seq_lens=to_device(seq_lens, torch.int32, device),
+        block_tables=numpy_to_device(padded, device),
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=seq_lens,
         num_decode_seqs=num_decode_seqs,

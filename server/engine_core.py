@@ -21,7 +21,7 @@ from server.config import EngineConfig
 from server.errors import InvalidRequestError
 from server.kv_cache import BlockManager
 from server.outputs import TokenLogprob
-from server.runner import ModelRunner, StepResult, determine_num_blocks
+from server.runner import ModelRunner, PendingStep, StepResult, determine_num_blocks
 from server.sampling_params import SamplingParams
 from server.scheduler import Scheduler, SchedulerOutput
 from server.sequence import Sequence
@@ -149,7 +149,7 @@ class EngineCore:
         self.runner.decode_graphs = maybe_capture(self.runner, config, self.max_model_len)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
-        self._pending: tuple[SchedulerOutput, StepResult] | None = None  # async scheduling
+        self._pending: tuple[SchedulerOutput, PendingStep] | None = None  # async scheduling
         self._aborted: list[RequestDelta] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -259,13 +259,17 @@ class EngineCore:
             self.ran_model = not out.is_empty
             result = self.runner.execute(out)  # an empty output just drops finished seqs' state
             return deltas + self._process(out, result) if not out.is_empty else deltas
-        # Async: plan and run step N+1 before applying step N's tokens (placeholders).
+        # Async: plan and launch step N+1 before step N's tokens are read back or applied
+        # (placeholders, filled on the device); then read N's tokens (by now the GPU is busy
+        # with N+1) and apply them while N+1 runs. Steps that need host-side token history run
+        # synchronously instead (ModelRunner.can_overlap).
         out = self.scheduler.schedule()
         self.ran_model = not out.is_empty
-        result = self.runner.execute(out)
-        prev, self._pending = self._pending, ((out, result) if not out.is_empty else None)
+        prev = self._pending
+        step = self.runner.launch(out, prev[1] if prev is not None else None)
+        self._pending = (out, step) if not out.is_empty else None
         if prev is not None:
-            deltas += self._process(*prev)
+            deltas += self._process(prev[0], self.runner.collect(prev[1]))
         return deltas
 
     def _process(self, out: SchedulerOutput, result: StepResult) -> list[RequestDelta]:

@@ -18,6 +18,7 @@ from kernels.mla_decode import resolve_backend
 from model.config import ModelConfig
 from model.deepseek import DeepseekForCausalLM
 from model.forward_context import ForwardContext, build_attention_metadata, forward_context
+from model.upload import to_device
 from server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from server.outputs import TokenLogprob
 from server.sampler import Sampler, SamplingRow, compute_prompt_logprobs, make_request_generator
@@ -57,6 +58,19 @@ class StepResult:
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     # Prompt logprobs of the chunk's positions: (first prompt index covered, entries).
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose sampled tokens may still be on their way back from the GPU
+    (async scheduling). ``result`` is set once collected (or at launch for a synchronous step)."""
+
+    result: StepResult | None = None
+    seq_ids: list[int] = field(default_factory=list)  # sampled sequences, in row order
+    row_of_seq: dict[int, int] = field(default_factory=dict)
+    token_ids: torch.Tensor | None = None  # [rows] on the device: the next step's placeholder inputs
+    host_ids: torch.Tensor | None = None  # pinned copy, valid once ``ready`` has completed
+    ready: "torch.cuda.Event | None" = None
 
 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -147,6 +161,7 @@ class ModelRunner:
                     config.attention_backend, cache_dtype)
         self.decode_graphs = None  # server.cuda_graphs.DecodeGraphs, once captured
         self.step_profiler = StepProfiler(device=device)  # off unless MLASERVE_STEP_PROFILE / enabled
+        self.num_overlapped_steps = 0  # steps launched before the previous step's tokens were read
 
     # ---- sequence lifecycle -----------------------------------------------------------------
     def _generator(self, seq: Sequence) -> torch.Generator | None:
@@ -164,8 +179,11 @@ class ModelRunner:
             self._last_sampled.pop(sid, None)
 
     # ---- step -------------------------------------------------------------------------------
-    def plan(self, out: SchedulerOutput) -> "StepPlan":
-        """The step's inputs as plain lists: what TP workers receive (no tensors, no pickle)."""
+    def plan(self, out: SchedulerOutput, pending: PendingStep | None = None,
+             fills: list[tuple[int, int]] | None = None) -> "StepPlan":
+        """The step's inputs as plain lists: what TP workers receive (no tensors, no pickle).
+        A placeholder whose token is still in flight in ``pending`` gets a 0 here and an entry
+        (input index, row of ``pending.token_ids``) in ``fills``, copied on the device."""
         ids: list[int] = []
         positions: list[int] = []
         tables, ctx_lens, q_lens, logit_rows = [], [], [], []
@@ -175,7 +193,11 @@ class ModelRunner:
             known = entry.num_new_tokens - entry.num_placeholder_tokens
             ids.extend(seq.all_token_ids[entry.start_pos : entry.start_pos + known])
             if entry.num_placeholder_tokens:
-                ids.append(self._last_sampled[seq.seq_id])
+                if pending is not None and pending.result is None and seq.seq_id in pending.row_of_seq:
+                    fills.append((len(ids), pending.row_of_seq[seq.seq_id]))
+                    ids.append(0)
+                else:
+                    ids.append(self._last_sampled[seq.seq_id])
             positions.extend(range(entry.start_pos, entry.start_pos + entry.num_new_tokens))
             tables.append(seq.block_table)
             ctx_lens.append(entry.start_pos)
@@ -197,15 +219,19 @@ class ModelRunner:
         return range(max(0, last - entry.start_pos))
 
     @torch.inference_mode()
-    def run_plan(self, plan: "StepPlan", profile=None) -> torch.Tensor:
+    def run_plan(self, plan: "StepPlan", profile=None, fills=None, pending: PendingStep | None = None) -> torch.Tensor:
         """Forward the step and return float32 logits of ``plan.logit_rows`` (every TP rank).
-        ``profile``: the step's StepRecord when profiling; the ``plan`` phase ends here."""
+        ``profile``: the step's StepRecord when profiling; the ``plan`` phase ends here.
+        ``fills``: placeholder inputs to take from ``pending.token_ids`` on the device."""
         md = build_attention_metadata(
             plan.block_tables, plan.context_lens, plan.query_lens, self.block_size,
             num_decode_seqs=plan.num_decodes, device=self.device,
         )
-        input_ids = torch.tensor(plan.input_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(plan.positions, dtype=torch.long, device=self.device)
+        input_ids = to_device(plan.input_ids, torch.long, self.device)
+        if fills:
+            at, rows = zip(*fills)
+            input_ids[to_device(at, torch.long, self.device)] = pending.token_ids[to_device(rows, torch.long, self.device)]
+        pos = to_device(plan.positions, torch.long, self.device)
         ctx = self.forward_context(md)
         if profile is not None:
             self.step_profiler.mark(profile, "plan")
@@ -213,7 +239,7 @@ class ModelRunner:
             hidden = self._forward_decode(input_ids, pos, ctx)
         else:
             hidden = self._forward_mixed(input_ids, pos, ctx)
-        rows = torch.tensor(plan.logit_rows, dtype=torch.long, device=self.device)
+        rows = to_device(plan.logit_rows, torch.long, self.device)
         return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
@@ -240,6 +266,76 @@ class ModelRunner:
         if prof is not None:
             self.step_profiler.end_runner_step(prof, "sample")
         return result
+
+    # ---- async scheduling: launch step N+1 before step N's tokens reach the host -----------
+    def can_overlap(self, out: SchedulerOutput) -> bool:
+        """Whether ``out`` can be launched before the previous step's tokens are on the host:
+        one GPU (TP workers receive host-side plans; DP ranks keep lockstep), no profiling (it
+        synchronizes anyway), and no row that needs host-side token history or readbacks (penalties,
+        logprobs, prompt logprobs)."""
+        if (not self.config.async_scheduling or self.config.world_size > 1 or self.plan_broadcaster is not None
+                or self.step_profiler.enabled):
+            return False
+        for entry in out.scheduled:
+            p = entry.seq.sampling_params
+            if p.prompt_logprobs is not None or (entry.sample and (
+                    p.logprobs is not None or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                    or p.presence_penalty != 0.0)):
+                return False
+        return True
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, pending: PendingStep | None = None) -> PendingStep:
+        """Start ``out`` on the device. When :meth:`can_overlap` allows, nothing waits for the
+        GPU: placeholders of tokens still in flight in ``pending`` are filled on the device and
+        the new tokens are copied back asynchronously (read them with :meth:`collect`).
+        Otherwise ``pending`` must be collected already and the step runs synchronously."""
+        if out.is_empty or not self.can_overlap(out):
+            if pending is not None:
+                self.collect(pending)
+            return PendingStep(result=self.execute(out))
+        self.release(out.finished_seq_ids)
+        fills: list[tuple[int, int]] = []
+        plan = self.plan(out, pending, fills)
+        logits = self.run_plan(plan, fills=fills, pending=pending)
+        row_of = {r: i for i, r in enumerate(plan.logit_rows)}
+        rows, idx, step = [], [], PendingStep()
+        offset = 0
+        for entry in out.scheduled:
+            if entry.sample:
+                seq = entry.seq
+                # min_tokens needs only the count of outputs; an in-flight token's value is unknown.
+                outputs = seq.output_token_ids + [-1] * entry.num_placeholder_tokens
+                rows.append(SamplingRow(params=seq.sampling_params, prompt_token_ids=seq.prompt_token_ids,
+                                        output_token_ids=outputs, generator=self._generator(seq),
+                                        eos_token_ids=self.eos_token_ids))
+                idx.append(row_of[offset + entry.num_new_tokens - 1])
+                step.row_of_seq[seq.seq_id] = len(step.seq_ids)
+                step.seq_ids.append(seq.seq_id)
+            offset += entry.num_new_tokens
+        if not rows:
+            step.result = StepResult()
+            return step
+        step.token_ids = self.sampler.sample_tokens(logits[to_device(idx, torch.long, logits.device)], rows)
+        if step.token_ids.is_cuda:
+            step.host_ids = torch.empty(step.token_ids.shape, dtype=step.token_ids.dtype, pin_memory=True)
+            step.host_ids.copy_(step.token_ids, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        else:
+            step.host_ids = step.token_ids
+        self.num_overlapped_steps += 1
+        return step
+
+    def collect(self, step: PendingStep) -> StepResult:
+        """The step's result; waits only for that step's own token copy, not for later work."""
+        if step.result is None:
+            if step.ready is not None:
+                step.ready.synchronize()
+            result = StepResult(sampled=dict(zip(step.seq_ids, step.host_ids.tolist())))
+            self._last_sampled.update(result.sampled)
+            step.result = result
+        return step.result
 
     @torch.inference_mode()
     def dummy_step(self) -> None:
@@ -284,7 +380,7 @@ class ModelRunner:
             offset += entry.num_new_tokens
         if not rows:
             return
-        res = self.sampler(logits[torch.tensor(idx, device=logits.device)], rows)
+        res = self.sampler(logits[to_device(idx, torch.long, logits.device)], rows)
         for seq, tok, lp in zip(seqs, res.token_ids, res.logprobs):
             result.sampled[seq.seq_id] = tok
             if lp is not None:

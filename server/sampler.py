@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from model.upload import to_device
 from server.outputs import TokenLogprob
 from server.sampling_params import SamplingParams
 
@@ -135,8 +136,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     for i, r in enumerate(rows):
         bias = r.params.logit_bias
         if bias:
-            ids = torch.tensor(list(bias.keys()), dtype=torch.long, device=logits.device)
-            vals = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            ids = to_device(list(bias.keys()), torch.long, logits.device)
+            vals = to_device(list(bias.values()), logits.dtype, logits.device)
             logits[i].index_add_(0, ids, vals)
 
 
@@ -152,7 +153,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
                     idx_toks.append(t)
     if idx_rows:
         dev = logits.device
-        logits[torch.tensor(idx_rows, device=dev), torch.tensor(idx_toks, device=dev)] = float("-inf")
+        logits[to_device(idx_rows, torch.long, dev), to_device(idx_toks, torch.long, dev)] = float("-inf")
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow],
@@ -195,16 +196,16 @@ def filter_logits(logits: torch.Tensor, min_p: list[float], top_k: list[int], to
     dev, vocab = logits.device, logits.shape[1]
     if any(m > 0 for m in min_p):
         probs = torch.softmax(logits, dim=-1)
-        threshold = torch.tensor(min_p, device=dev).view(-1, 1) * probs.max(dim=-1, keepdim=True).values
+        threshold = to_device(min_p, torch.float32, dev).view(-1, 1) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     k = [top_k[i] if 0 < top_k[i] < vocab else vocab for i in range(len(top_k))]
     filtered = [i for i in range(len(k)) if k[i] < vocab or top_p[i] < 1.0]
     if not filtered:
         return logits
-    idx = torch.tensor(filtered, device=dev)
+    idx = to_device(filtered, torch.long, dev)
     sub = logits[idx]
-    k_t = torch.tensor([k[i] for i in filtered], device=dev).view(-1, 1)
-    p_t = torch.tensor([top_p[i] for i in filtered], device=dev).view(-1, 1)
+    k_t = to_device([k[i] for i in filtered], torch.long, dev).view(-1, 1)
+    p_t = to_device([top_p[i] for i in filtered], torch.float32, dev).view(-1, 1)
     lse = torch.logsumexp(sub, dim=-1, keepdim=True)
     # Most rows' cut lies among their few hundred most likely tokens: look there first (topk
     # is much cheaper than a full sort) and sort whole rows only where that falls short.
@@ -264,16 +265,7 @@ class Sampler:
         dev = logits.device
         want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_lp].float(), dim=-1) if want_lp else None
-
-        logits = logits.float().clone()
-        apply_logit_bias(logits, rows)
-        apply_min_tokens(logits, rows)
-        apply_penalties(logits, rows, self._prompt_cache)
-
-        token_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random_rows:
-            token_ids[torch.tensor(random_rows, device=dev)] = self._sample(logits, rows, random_rows)
+        token_ids = self.sample_tokens(logits, rows)
 
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         if want_lp:
@@ -283,11 +275,27 @@ class Sampler:
                 logprobs[i] = entry
         return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs)
 
+    def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The chosen token of every row, as a tensor on the logits' device. Reads nothing back
+        to the host (except where top-k/top-p rows need a full sort), so the next step can be
+        launched before these tokens are known (async scheduling)."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
+        logits = logits.float().clone()
+        apply_logit_bias(logits, rows)
+        apply_min_tokens(logits, rows)
+        apply_penalties(logits, rows, self._prompt_cache)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if random_rows:
+            token_ids[to_device(random_rows, torch.long, logits.device)] = self._sample(logits, rows, random_rows)
+        return token_ids
+
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], sel: list[int]) -> torch.Tensor:
         dev = logits.device
         params = [rows[i].params for i in sel]
-        x = logits[torch.tensor(sel, device=dev)]
-        x /= torch.tensor([p.temperature for p in params], device=dev).view(-1, 1)
+        x = logits[to_device(sel, torch.long, dev)]
+        x /= to_device([p.temperature for p in params], torch.float32, dev).view(-1, 1)
         x = filter_logits(x, min_p=[p.min_p for p in params], top_k=[p.top_k for p in params],
                           top_p=[p.top_p for p in params])
         probs = torch.softmax(x, dim=-1)
@@ -297,7 +305,7 @@ class Sampler:
             noise.exponential_(generator=self._global_generator(dev))
         else:
             if unseeded:
-                idx = torch.tensor(unseeded, device=dev)
+                idx = to_device(unseeded, torch.long, dev)
                 noise[idx] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
                     generator=self._global_generator(dev))
             for j, i in enumerate(sel):

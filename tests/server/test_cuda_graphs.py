@@ -39,3 +39,27 @@ def test_graph_decode_equals_eager(tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         diff = max(abs(x.logprob - y.logprob) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs))
         assert diff < 2e-2  # bf16; the same kernels, replayed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_async_overlap_on_gpu_equals_sync(tmp_path, kv_cache_dtype):
+    """Async scheduling on the GPU: steps launched before the previous tokens are read back
+    (device-side placeholders, pinned non-blocking readback) give the synchronous tokens,
+    with decode CUDA graphs and the FP8 decode backends."""
+    from model.checkpoint import load_config_dict, write_random_checkpoint
+    from server import LLM, SamplingParams
+
+    cfg = dict(load_config_dict("tiny-v3"), kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=256)
+    ckpt = write_random_checkpoint(cfg, str(tmp_path / "m"), seed=3)
+    prompts = [[3 + i, 7, 9 + 2 * i, 11] * (1 + i) for i in range(6)]
+    params = [SamplingParams(temperature=0.7, seed=40 + i, max_tokens=6 + 3 * i, ignore_eos=True) for i in range(6)]
+    outs = []
+    for async_scheduling in (False, True):
+        llm = LLM(ckpt, device="cuda", dtype="bfloat16", num_gpu_blocks_override=64, block_size=64,
+                  max_cudagraph_capture_size=8, max_num_seqs=8, kv_cache_dtype=kv_cache_dtype,
+                  async_scheduling=async_scheduling)
+        outs.append([o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)])
+        if async_scheduling:
+            assert llm.engine.runner.num_overlapped_steps > 0
+    assert outs[0] == outs[1]

@@ -51,6 +51,33 @@ def test_batch_invariance(ckpt, alone, engine_args):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     if engine_args.get("num_gpu_blocks_override") == 40:
         assert stats["num_preemptions"] > 0
+    if engine_args.get("async_scheduling"):  # steps really launched before the previous tokens were read
+        assert llm.engine.runner.num_overlapped_steps > 0
+
+
+def test_async_overlap_equals_sync_with_sampling_logprobs_and_penalties(ckpt):
+    """Async scheduling launches plain steps before the previous tokens reach the host (device-
+    side placeholders) and runs steps that need host-side history (penalties, logprobs)
+    synchronously; both must give exactly what synchronous scheduling gives."""
+    prompts = _prompts(10, seed=31)
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=4 + 2 * i, ignore_eos=True) for i in range(10)]
+    params[3] = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=2)
+    params[6] = SamplingParams(temperature=0.8, seed=5, max_tokens=11, ignore_eos=True, repetition_penalty=1.3,
+                               presence_penalty=0.5)
+    results = []
+    for async_scheduling in (False, True):
+        llm = LLM(ckpt, block_size=16, num_gpu_blocks_override=256, async_scheduling=async_scheduling)
+        plain = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params[:3])  # plain rows only
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        results.append(([o.outputs[0].token_ids for o in outs], outs[3].outputs[0].logprobs, plain))
+        if async_scheduling:
+            assert llm.engine.runner.num_overlapped_steps > 0
+        stats = llm.engine.stats()
+        assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    (sync_ids, sync_lp, sync_plain), (async_ids, async_lp, async_plain) = results
+    assert async_ids == sync_ids
+    assert [o.outputs[0].token_ids for o in async_plain] == [o.outputs[0].token_ids for o in sync_plain]
+    assert [(e.token_id, e.rank) for e in async_lp] == [(e.token_id, e.rank) for e in sync_lp]
 
 
 def test_seeded_sampling_is_batch_invariant(ckpt):
