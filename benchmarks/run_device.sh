@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call for the issue-6 kernels: GPU tests, MLA decode and GEMM benchmarks (with
-# registers/spills/SASS mix of every compiled decode kernel), summary tables printed last.
+# One device call for the issue-6 kernels: every GPU test (kernels, model, decode graphs and
+# async scheduling), MLA decode (CUDA C++, Triton, FlashInfer), GEMM and MoE benchmarks, decode
+# step times with and without CUDA graphs; summary tables printed last.
 # From the repo root on the lent H200 (the `run` tool, carry [".device-wheels"]):
 #   source .device-wheels/install.sh && bash benchmarks/run_device.sh [sweep|final|ours]
 # sweep: also time candidate configs; ours: only our decode kernels (no FlashInfer, torch
@@ -19,18 +20,25 @@ mode=${1:-final}
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
-timeout 420 python3 -m pytest -m gpu tests/kernels/test_mla_decode_gpu.py tests/kernels/test_fp8_gemm.py \
+export MLASERVE_KERNEL_CACHE=${MLASERVE_KERNEL_CACHE:-/tmp/mlaserve-kernels}
+timeout 420 python3 -m pytest -m gpu tests/kernels tests/model tests/server/test_cuda_graphs.py \
   -q --maxfail=20 -p no:cacheprovider -W ignore::DeprecationWarning > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"; grep -E "passed|failed|Error|assert" "$OUT/pytest.log" | tail -15
 
 extra=()
 [ "$mode" = sweep ] && extra=(--sweep --sweep-batch 128)
-[ "$mode" = ours ] && extra=(--variants ours-fp8,ours-bf16)
+[ "$mode" = ours ] && extra=(--variants cuda-fp8,ours-fp8,ours-bf16)
 python3 benchmarks/bench_mla_decode.py "${extra[@]}" --json "$OUT/mla.json" --markdown "$OUT/mla.md" \
   > "$OUT/bench_mla.log" 2>&1
 echo "bench_mla rc=$?"; grep -E "sweep|FAILED|Error|error" "$OUT/bench_mla.log" | tail -40
 if [ "$mode" != ours ]; then
   python3 benchmarks/bench_gemm.py --json "$OUT/gemm.json" --markdown "$OUT/gemm.md" > "$OUT/bench_gemm.log" 2>&1
   echo "bench_gemm rc=$?"; tail -3 "$OUT/bench_gemm.log" | grep -i error
+  timeout 240 python3 benchmarks/bench_moe.py --quick --output-json "$OUT/moe.json" > "$OUT/bench_moe.log" 2>&1
+  echo "bench_moe rc=$?"
+  timeout 120 python3 benchmarks/bench_decode_graphs.py --model deepseek-v2-lite --batch 1 8 64 --context 512 \
+    --steps 20 --output-json "$OUT/decode_graphs.json" > "$OUT/decode_graphs.log" 2>&1
+  echo "decode graphs rc=$?"; tail -6 "$OUT/decode_graphs.log"
+  sed -n '/^| shape/,$p' "$OUT/bench_moe.log"
 fi
 cat "$OUT/gemm.md" "$OUT/mla.md" 2>/dev/null
