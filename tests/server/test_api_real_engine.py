@@ -166,3 +166,35 @@ def test_prefix_cache_metrics(server):
         assert r.status_code == 200
     assert _metric(server, "vllm:prefix_cache_hits_total") - before >= 32
     assert _metric(server, "vllm:prefix_cache_queries_total") > 0
+
+
+def test_async_scheduling_server_matches_the_synchronous_one(server, tmp_path):
+    """`--async-scheduling` (steps launched before the previous tokens are read back) serves
+    the same seeded completions, streamed or not, with logprobs, and frees every block."""
+    ckpt = write_random_checkpoint("tiny-v3", str(tmp_path / "tiny"), seed=8)
+    bodies = [
+        {"model": "tiny", "prompt": "alpha beta", "max_tokens": 12, "seed": 3, "temperature": 0.9, "n": 2},
+        {"model": "tiny", "prompt": "gamma", "max_tokens": 7, "temperature": 0, "logprobs": 2},
+        {"model": "tiny", "prompt": "delta epsilon zeta", "max_tokens": 9, "seed": 11, "presence_penalty": 0.5},
+    ]
+
+    def texts(url: str) -> list:
+        with httpx.Client(timeout=60) as c:
+            out = [[(ch["index"], ch["text"]) for ch in c.post(url + "/v1/completions", json=b).json()["choices"]]
+                   for b in bodies]
+            with c.stream("POST", url + "/v1/completions", json={**bodies[0], "stream": True}) as r:
+                chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            streamed = {}
+            for chunk in chunks:
+                for ch in chunk["choices"]:
+                    streamed[ch["index"]] = streamed.get(ch["index"], "") + ch["text"]
+            out.append(sorted(streamed.items()))
+        return out
+
+    want = texts(server)
+    with live_server(ckpt, "--device", "cpu", "--served-model-name", "tiny", "--max-model-len", "256",
+                     "--num-gpu-blocks-override", "512", "--block-size", "16", "--async-scheduling",
+                     "--disable-log-stats") as url:
+        assert texts(url) == want
+        total = _metric(url, "mlaserve:kv_cache_total_blocks")
+        assert _metric(url, "mlaserve:kv_cache_free_blocks") == total
