@@ -63,10 +63,10 @@ SWEEP = {
     ],
 }
 
-# Launch shapes of the CUDA C++ kernel: (row groups of 16, column groups, stages).
+# Launch shapes of the CUDA C++ kernel: (row groups of 16, column groups, stages, tile tokens).
 CUDA_SWEEP = {
-    "few": [(1, 4, 2), (1, 8, 2), (1, 8, 3), (2, 4, 2), (2, 8, 2)],
-    "many": [(4, 4, 2), (2, 8, 2)],
+    "few": [(1, 4, 2, 64), (1, 8, 2, 64), (1, 4, 2, 32), (1, 4, 3, 32), (2, 4, 2, 64), (2, 8, 2, 64)],
+    "many": [(4, 4, 2, 64), (2, 8, 2, 64)],
 }
 
 

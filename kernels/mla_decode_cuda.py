@@ -38,10 +38,12 @@ D_ROPE = 64
 ROWS_PER_GROUP = 16
 ROW_BYTES = 576 + 16  # shared-memory row of a cache tile (padded)
 Q_ROW_BYTES = 2 * 576 + 16  # shared-memory row of the fp16 query (padded)
-SMEM_PER_SM = 227 * 1024
+SMEM_PER_SM = 228 * 1024  # Hopper: 228 KB per SM, of which each resident CTA also takes 1 KB
+SMEM_RESERVED_PER_CTA = 1024
 # Launch shapes the library carries (MLA_DECODE_SHAPES in the .cu file):
-# (row groups of 16 query rows, column groups of warps, pipeline stages).
-BUILT_CONFIGS = {(1, 4, 2), (1, 8, 2), (1, 8, 3), (2, 4, 2), (2, 8, 2), (4, 4, 2)}
+# (row groups of 16 query rows, column groups of warps, pipeline stages, tokens per tile).
+BUILT_CONFIGS = {(1, 4, 2, 64), (1, 8, 2, 64), (1, 8, 3, 64), (2, 4, 2, 64), (2, 8, 2, 64), (4, 4, 2, 64),
+                 (1, 4, 2, 32), (1, 4, 3, 32)}
 
 
 class CudaKernelUnavailable(RuntimeError):
@@ -111,7 +113,7 @@ def default_library_path() -> Path:
 def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(default_library_path()))
     lib.mla_decode_fp8_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                        ctypes.c_void_p]
+                                        ctypes.c_int, ctypes.c_void_p]
     lib.mla_decode_fp8_sm90.restype = ctypes.c_int
     lib.mla_decode_fp8_sm90_params_bytes.restype = ctypes.c_int
     if lib.mla_decode_fp8_sm90_params_bytes() != ctypes.sizeof(_Params):
@@ -130,33 +132,40 @@ def supports(device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype, 
             and rope_dim == D_ROPE and page_size % TILE == 0)
 
 
-def smem_bytes(row_groups: int, col_groups: int, stages: int) -> int:
+def smem_bytes(row_groups: int, col_groups: int, stages: int, tile: int = TILE) -> int:
     """Dynamic shared memory of one CTA (mirror of ``smem_bytes`` in the .cu file)."""
     rows = ROWS_PER_GROUP * row_groups
-    return rows * Q_ROW_BYTES + stages * TILE * ROW_BYTES + rows * (TILE + 8) * 2 + 2 * row_groups * col_groups * 16 * 4
+    return (rows * Q_ROW_BYTES + stages * tile * ROW_BYTES + rows * (tile + 8) * 2
+            + 2 * row_groups * col_groups * 16 * 4)
 
 
-def ctas_per_sm(shape: tuple[int, int, int]) -> int:
-    """Resident CTAs per SM: shared memory, and the register cap of the launch bounds (at most
-    256 threads run two CTAs per SM)."""
-    row_groups, col_groups, stages = shape
-    by_threads = 2 if 32 * row_groups * col_groups <= 256 else 1
-    return max(1, min(by_threads, SMEM_PER_SM // smem_bytes(row_groups, col_groups, stages)))
+def ctas_per_sm(shape: tuple[int, int, int, int]) -> int:
+    """Resident CTAs per SM: shared memory, and the register cap of the launch bounds (4-warp
+    CTAs on 32-token tiles are built for three per SM, other CTAs of at most 256 threads for two)."""
+    row_groups, col_groups, stages, tile = shape
+    if tile == 32 and row_groups * col_groups == 4:
+        by_registers = 3
+    else:
+        by_registers = 2 if 32 * row_groups * col_groups <= 256 else 1
+    per_cta = smem_bytes(row_groups, col_groups, stages, tile) + SMEM_RESERVED_PER_CTA
+    return max(1, min(by_registers, SMEM_PER_SM // per_cta))
 
 
-def launch_shape(rows: int) -> tuple[int, int, int]:
-    """(row groups, column groups, stages) for ``rows`` = s_q x heads of one
+def launch_shape(rows: int) -> tuple[int, int, int, int]:
+    """(row groups, column groups, stages, tile tokens) for ``rows`` = s_q x heads of one
     request; measured on the H200 (benchmarks/KERNEL_NOTES.md). 16 rows: four warps per CTA
-    (each reads all of Q from shared memory per tile, so fewer warps move fewer bytes), two CTAs per SM; more rows: more row groups (several CTAs per request past 64)."""
+    (each reads all of Q from shared memory per tile, so fewer warps move fewer bytes), two CTAs
+    per SM; more rows: more row groups (several CTAs per request past 64). The 32-token shapes
+    (three CTAs per SM) are built for the next measurement and not chosen yet."""
     if rows <= 16:
-        return 1, 4, 2
+        return 1, 4, 2, 64
     if rows <= 32:
-        return 2, 4, 2
-    return 4, 4, 2
+        return 2, 4, 2, 64
+    return 4, 4, 2, 64
 
 
 def choose_num_splits(bsz: int, rows: int, max_tiles: int, num_sms: int,
-                      shape: tuple[int, int, int]) -> int:
+                      shape: tuple[int, int, int, int]) -> int:
     """Split each request's tiles so that the CTAs make about one full wave; depends only on
     shapes (never on sequence lengths), so the launch can be captured in a CUDA graph."""
     ctas = bsz * -(-rows // (ROWS_PER_GROUP * shape[0]))
@@ -175,7 +184,7 @@ def mla_decode_cuda(
     k_scale: float = 1.0,
     out_dtype: torch.dtype | None = None,
     num_splits: int | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple[int, int, int, int] | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,8 +216,10 @@ def mla_decode_cuda(
     shape = tuple(config or launch_shape(rows))
     if shape not in BUILT_CONFIGS:
         raise ValueError(f"launch shape {shape} is not built; one of {sorted(BUILT_CONFIGS)}")
-    row_groups, col_groups, stages = shape
-    max_tiles = max(1, block_tables.shape[1] * page // TILE)
+    row_groups, col_groups, stages, tile = shape
+    if page % tile:
+        raise ValueError(f"page size {page} is not a multiple of the launch shape's {tile}-token tile")
+    max_tiles = max(1, block_tables.shape[1] * page // tile)
     splits = num_splits or choose_num_splits(bsz, rows, max_tiles, _num_sms(q.device), shape)
     if out is None:
         out = torch.empty(bsz, s_q, h, D_LATENT, dtype=out_dtype, device=q.device)
@@ -237,7 +248,7 @@ def mla_decode_cuda(
     )
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        err = _library().mla_decode_fp8_sm90(ctypes.byref(p), row_groups, col_groups, stages,
+        err = _library().mla_decode_fp8_sm90(ctypes.byref(p), row_groups, col_groups, stages, tile,
                                              ctypes.c_void_p(stream))
     if err != 0:
         reason = "launch shape not built" if err == -1 else f"cudaError_t {err}"

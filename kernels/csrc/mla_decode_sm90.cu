@@ -60,10 +60,8 @@ namespace {
 
 constexpr int kDim = 576;                 // latent (512) + rope (64)
 constexpr int kDimV = 512;                // the value is the latent
-constexpr int kTile = 64;                 // tokens per tile
 constexpr int kRowBytes = kDim + 16;      // padded shared-memory row (conflict-free ldmatrix)
 constexpr int kChunksPerRow = kDim / 16;  // 16-byte chunks per cache row
-constexpr int kPStride = kTile + 8;       // halves per P row (144 B: conflict-free ldmatrix)
 constexpr int kQRowBytes = 2 * kDim + 16; // fp16 Q row, padded (conflict-free ldmatrix)
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -116,18 +114,27 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-template <int R, int C, int STAGES>
-constexpr int smem_bytes() {
+// Halves per row of the P tile: TILE + 8 keeps ldmatrix rows on distinct banks (144 B or 80 B).
+template <int TILE>
+__host__ __device__ constexpr int p_stride() { return TILE + 8; }
+
+template <int R, int C, int STAGES, int TILE>
+__host__ __device__ constexpr int smem_bytes() {
   return 16 * R * kQRowBytes                 // Q (fp16)
-         + STAGES * kTile * kRowBytes        // cache tiles
-         + 16 * R * kPStride * 2             // P (fp16)
+         + STAGES * TILE * kRowBytes         // cache tiles
+         + 16 * R * p_stride<TILE>() * 2     // P (fp16)
          + 2 * R * C * 16 * 4;               // row maxima and row sums exchanged by warps
 }
 
 // One CTA: 16*R query rows of request blockIdx.y, tile range blockIdx.z of its cache, R x C
-// warps (C = 4 or 8 column groups), STAGES tiles in flight.
-template <int R, int C, int STAGES>
-__global__ void __launch_bounds__(32 * R * C, (32 * R * C <= 256) ? 2 : 1) mla_decode_fp8_kernel(const Params p) {
+// warps (C = 4 or 8 column groups), STAGES tiles of TILE (64 or 32) tokens in flight. 32-token
+// tiles shrink shared memory so that three 4-warp CTAs fit on an SM (registers capped to match).
+template <int R, int C, int STAGES, int TILE>
+__global__ void __launch_bounds__(32 * R * C, (TILE == 32 && R * C == 4) ? 3 : ((32 * R * C <= 256) ? 2 : 1))
+    mla_decode_fp8_kernel(const Params p) {
+  constexpr int kTile = TILE;
+  constexpr int kPStride = p_stride<TILE>();
+  static_assert(TILE % (8 * C) == 0, "each warp takes whole 8-token blocks of a tile");
   constexpr int kCols = C;
   constexpr int kThreads = 32 * R * C;
   constexpr int kRows = 16 * R;
@@ -420,10 +427,10 @@ __global__ void __launch_bounds__(32 * R * C, (32 * R * C <= 256) ? 2 : 1) mla_d
   }
 }
 
-template <int R, int C, int STAGES>
+template <int R, int C, int STAGES, int TILE>
 int launch(const Params& p, cudaStream_t stream) {
-  constexpr int smem = smem_bytes<R, C, STAGES>();
-  auto kernel = mla_decode_fp8_kernel<R, C, STAGES>;
+  constexpr int smem = smem_bytes<R, C, STAGES, TILE>();
+  auto kernel = mla_decode_fp8_kernel<R, C, STAGES, TILE>;
   static bool configured = false;  // per instantiation; the attribute is per function
   if (!configured) {
     cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -438,30 +445,32 @@ int launch(const Params& p, cudaStream_t stream) {
 
 }  // namespace
 
-// The launch shapes this library carries: (row groups R, column groups C, stages).
+// The launch shapes this library carries: (row groups R, column groups C, stages, tile tokens).
 #define MLA_DECODE_SHAPES(X) \
-  X(1, 4, 2)                 \
-  X(1, 8, 2)                 \
-  X(1, 8, 3)                 \
-  X(2, 4, 2)                 \
-  X(2, 8, 2)                 \
-  X(4, 4, 2)
+  X(1, 4, 2, 64)             \
+  X(1, 8, 2, 64)             \
+  X(1, 8, 3, 64)             \
+  X(2, 4, 2, 64)             \
+  X(2, 8, 2, 64)             \
+  X(4, 4, 2, 64)             \
+  X(1, 4, 2, 32)             \
+  X(1, 4, 3, 32)
 
 extern "C" {
 
 // Returns a cudaError_t (0 = success); -1 for a launch shape this library does not carry.
-int mla_decode_fp8_sm90(const Params* p, int row_groups, int col_groups, int stages, void* stream) {
+int mla_decode_fp8_sm90(const Params* p, int row_groups, int col_groups, int stages, int tile, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-#define X(R, C, S) \
-  if (row_groups == R && col_groups == C && stages == S) return launch<R, C, S>(*p, s);
+#define X(R, C, S, T) \
+  if (row_groups == R && col_groups == C && stages == S && tile == T) return launch<R, C, S, T>(*p, s);
   MLA_DECODE_SHAPES(X)
 #undef X
   return -1;
 }
 
-int mla_decode_fp8_sm90_smem_bytes(int row_groups, int col_groups, int stages) {
-#define X(R, C, S) \
-  if (row_groups == R && col_groups == C && stages == S) return smem_bytes<R, C, S>();
+int mla_decode_fp8_sm90_smem_bytes(int row_groups, int col_groups, int stages, int tile) {
+#define X(R, C, S, T) \
+  if (row_groups == R && col_groups == C && stages == S && tile == T) return smem_bytes<R, C, S, T>();
   MLA_DECODE_SHAPES(X)
 #undef X
   return -1;

@@ -40,8 +40,8 @@ def test_library_builds_and_matches_the_ctypes_mirror(tmp_path):
     assert lib.mla_decode_fp8_sm90_params_bytes() == ctypes.sizeof(mdc._Params)
     for shape in mdc.BUILT_CONFIGS:  # the Python mirror of the shared-memory plan is exact
         assert lib.mla_decode_fp8_sm90_smem_bytes(*shape) == mdc.smem_bytes(*shape)
-        assert mdc.smem_bytes(*shape) * mdc.ctas_per_sm(shape) <= mdc.SMEM_PER_SM
-    assert lib.mla_decode_fp8_sm90_smem_bytes(3, 3, 3) == -1
+        assert (mdc.smem_bytes(*shape) + mdc.SMEM_RESERVED_PER_CTA) * mdc.ctas_per_sm(shape) <= mdc.SMEM_PER_SM
+    assert lib.mla_decode_fp8_sm90_smem_bytes(3, 3, 3, 64) == -1
 
 
 def test_missing_nvcc_is_a_clear_error(tmp_path, monkeypatch):
@@ -77,13 +77,14 @@ def test_launch_heuristics():
     assert mdc.launch_shape(64)[0] == 4 and mdc.launch_shape(128)[0] == 4
     for shape in (mdc.launch_shape(r) for r in (1, 16, 17, 32, 48, 64, 512)):
         assert shape in mdc.BUILT_CONFIGS
-    assert mdc.ctas_per_sm((1, 8, 2)) == 2 and mdc.ctas_per_sm((1, 8, 3)) == 1
-    one_group = (1, 8, 2)
+    assert mdc.ctas_per_sm((1, 8, 2, 64)) == 2 and mdc.ctas_per_sm((1, 8, 3, 64)) == 1
+    assert mdc.ctas_per_sm((1, 4, 2, 32)) == 3 and mdc.ctas_per_sm((1, 4, 3, 32)) == 2
+    one_group = (1, 8, 2, 64)
     # B=128, 16 heads: 128 CTAs, two fit per SM -> two splits make one wave of 256.
     assert mdc.choose_num_splits(128, 16, 64, 132, one_group) == 2
     assert mdc.choose_num_splits(1, 16, 64, 132, one_group) == 64  # one request: as many as tiles allow
     assert mdc.choose_num_splits(1, 16, 3, 132, one_group) == 3
-    assert mdc.choose_num_splits(512, 128, 64, 132, (4, 4, 2)) == 1  # the batch fills the GPU
+    assert mdc.choose_num_splits(512, 128, 64, 132, (4, 4, 2, 64)) == 1  # the batch fills the GPU
 
 
 def test_supports_only_fp8_on_cuda():
