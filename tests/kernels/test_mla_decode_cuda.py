@@ -16,7 +16,7 @@ import torch
 
 from kernels import mla_decode_cuda as mdc
 from kernels.mla_decode import mla_decode, mla_decode_reference
-from tests.kernels.test_mla_decode_gpu import GPU_CASES, SM_SCALE, make_case, rel_err
+from tests.kernels.test_mla_decode_gpu import GPU_CASES, SM_SCALE, make_case, rel_err, run_against_reference
 
 FP8 = torch.float8_e4m3fn
 HAS_CUDA = torch.cuda.is_available()
@@ -102,15 +102,7 @@ def test_dispatch_keeps_cpu_tensors_on_the_reference():
 
 
 def _run(case, seed, **kw):
-    bsz, s_q, h, lens = case
-    q, kv, bt, sl, qs, ks = make_case(bsz, s_q, h, lens, FP8, seed=seed, device="cuda")
-    out = torch.full((bsz, s_q, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse = torch.full((bsz, s_q, h), float("nan"), device="cuda")
-    mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, out=out, lse=lse, **kw)
-    torch.cuda.synchronize()
-    ref, ref_lse = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
-    assert not out.isnan().any() and not lse.isnan().any(), "an output element was not written"
-    return rel_err(out, ref), (lse - ref_lse).abs().max().item()
+    return run_against_reference(mdc.mla_decode_cuda, case, FP8, seed, **kw)
 
 
 @gpu

@@ -167,18 +167,24 @@ GPU_CASES = [  # (B, s_q, H, lens)
 ]
 
 
-def _run_triton(case, dtype, config=None, seed=0):
-    from kernels.mla_decode_triton import mla_decode_triton
-
+def run_against_reference(kernel, case, dtype, seed=0, **kw):
+    """Run ``kernel`` (a decode function with the reference's contract) on a fresh poisoned
+    case into NaN-filled outputs; return (relative error, max |LSE error|) vs the reference."""
     bsz, s_q, h, lens = case
     q, kv, bt, sl, qs, ks = make_case(bsz, s_q, h, lens, dtype, seed=seed, device="cuda")
     out = torch.full((bsz, s_q, h, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((bsz, s_q, h), float("nan"), device="cuda")
-    mla_decode_triton(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, config=config, out=out, lse=lse)
+    kernel(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, out=out, lse=lse, **kw)
     torch.cuda.synchronize()
     ref, ref_lse = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
     assert not out.isnan().any() and not lse.isnan().any(), "an output element was not written"
     return rel_err(out, ref), (lse - ref_lse).abs().max().item()
+
+
+def _run_triton(case, dtype, config=None, seed=0):
+    from kernels.mla_decode_triton import mla_decode_triton
+
+    return run_against_reference(mla_decode_triton, case, dtype, seed, config=config)
 
 
 @gpu
