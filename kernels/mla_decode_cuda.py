@@ -188,7 +188,8 @@ def mla_decode_cuda(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged MLA decode; returns (out [B, s_q, H, 512] bf16, lse [B, s_q, H] float32).
+    """Paged MLA decode; returns (out [B, s_q, H, 512] in ``out_dtype``, default bf16; lse
+    [B, s_q, H] float32). The kernel writes bf16; another ``out_dtype`` costs one cast.
 
     Every request needs ``seq_lens[b] >= s_q``. No host synchronization, launch shape from
     tensor shapes only: capturable in a CUDA graph (pass ``out``/``lse`` to reuse buffers).
@@ -201,8 +202,12 @@ def mla_decode_cuda(
     if kv_lora_rank != D_LATENT:
         raise ValueError(f"the cuda backend is built for kv_lora_rank {D_LATENT}, got {kv_lora_rank}")
     out_dtype = out_dtype or torch.bfloat16
-    if out_dtype != torch.bfloat16:
-        raise TypeError(f"the cuda backend writes bf16 output, not {out_dtype}")
+    if out_dtype != torch.bfloat16:  # the kernel writes bf16; other dtypes (fp16 models) get a cast
+        if out is not None:
+            raise ValueError(f"out must be bf16 for the cuda backend, not {out.dtype}")
+        out16, lse = mla_decode_cuda(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, q_scale,
+                                     k_scale, torch.bfloat16, num_splits, config, None, lse)
+        return out16.to(out_dtype), lse
     page = kv_cache.shape[1]
     if page % TILE:
         raise ValueError(f"the cuda backend needs a page size that is a multiple of {TILE}, got {page}")

@@ -161,6 +161,15 @@ def test_cuda_graph_replay_matches_eager():
 
 @gpu
 @needs_hopper
+def test_fp16_output_for_fp16_models():
+    q, kv, bt, sl, qs, ks = make_case(2, 1, 16, [70, 3], FP8, seed=12, device="cuda")
+    out, lse = mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, out_dtype=torch.float16)
+    ref, _ = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
+    assert out.dtype == torch.float16 and rel_err(out, ref) < REL_TOL
+
+
+@gpu
+@needs_hopper
 def test_bad_inputs_are_refused():
     q, kv, bt, sl, qs, ks = make_case(1, 1, 16, [10], torch.bfloat16, device="cuda")
     with pytest.raises(TypeError, match="e4m3"):
