@@ -93,7 +93,7 @@ def cuda_kernel_available(device: torch.device, kv_dtype: torch.dtype, kv_lora_r
 
 
 def resolve_backend(requested: str, device: torch.device, kv_dtype: torch.dtype, kv_lora_rank: int,
-                    rope_dim: int, num_heads: int | None = None) -> str:
+                    rope_dim: int, num_heads: int | None = None, page_size: int = 64) -> str:
     """The decode backend a model will use: ``torch`` on CPU and for shapes or dtypes the GPU
     kernels do not cover (float32 caches, rope dim != 64, non-power-of-two latents); ``auto`` on
     CUDA means one of our CUDA-graph-safe kernels (FlashInfer re-plans on the host): the CUDA C++
@@ -105,15 +105,16 @@ def resolve_backend(requested: str, device: torch.device, kv_dtype: torch.dtype,
     if requested == "auto":
         if not fits_triton:
             return "torch"
-        ok = cuda_kernel_available(device, kv_dtype, kv_lora_rank, rope_dim)
+        ok = cuda_kernel_available(device, kv_dtype, kv_lora_rank, rope_dim, page_size)
         return "cuda" if choose_auto_backend(kv_dtype, num_heads, ok) == "cuda" else "triton"
     if requested == "cuda":
         from kernels.mla_decode_cuda import D_LATENT, CudaKernelUnavailable, default_library_path, supports
 
-        if not supports(device, kv_dtype, kv_dtype, kv_lora_rank, rope_dim, 64):
+        if not supports(device, kv_dtype, kv_dtype, kv_lora_rank, rope_dim, page_size):
             raise ValueError(
-                f"--attention-backend cuda: needs a Hopper (sm_90) GPU, an fp8 KV cache (--kv-cache-dtype fp8) "
-                f"and kv_lora_rank {D_LATENT} + rope 64 (got {kv_dtype}, {kv_lora_rank}, {rope_dim})"
+                f"--attention-backend cuda: needs a Hopper (sm_90) GPU, an fp8 KV cache (--kv-cache-dtype fp8), "
+                f"kv_lora_rank {D_LATENT} + rope 64 and a --block-size that is a multiple of 64 (got {kv_dtype}, "
+                f"{kv_lora_rank}, {rope_dim}, block size {page_size})"
             )
         try:
             default_library_path()  # now, not at the first decode step: a failed build is a start-up error
