@@ -18,12 +18,14 @@
 //   pairs, one byte permute regroups the pairs per dimension, and the hardware converts
 //   e4m3x2 -> f16x2 (exact). Output dimensions then come out interleaved (even/odd), which
 //   the epilogue undoes for free: each thread ends up owning 4 consecutive dims.
-// - A CTA = 4 column groups x R row groups of warps. For each 64-token tile, warp (r, c)
-//   computes scores for rows 16r.. and tokens 16c.., the row maxima are exchanged through
-//   shared memory, P (fp16) goes to shared memory, and warp (r, c) accumulates
-//   O[rows 16r.., dims 128c..] over the whole tile: no duplicated Q.K^T, O in 64 registers.
-// - Tiles are whole 64-token slices of a page, loaded with cp.async (16 B per thread,
-//   rows padded by 16 B so ldmatrix is bank-conflict free), STAGES deep. Tokens past the
+// - A CTA = C column groups (4 or 8) x R row groups of warps. For each tile, warp (r, c)
+//   computes scores for rows 16r.. and its share of the tile's tokens, the row maxima are
+//   exchanged through shared memory, P (fp16) goes to shared memory, and warp (r, c)
+//   accumulates O[rows 16r.., its 512/C dims] over the whole tile: no duplicated Q.K^T, and
+//   with C = 4 O takes 64 registers.
+// - Tiles are 64 (or 32) consecutive tokens of one page, copied with cp.async (16 B per
+//   thread, consecutive threads on consecutive chunks; rows padded by 16 B so ldmatrix is
+//   bank-conflict free), STAGES deep. Tokens past the
 //   sequence are zero-filled by the copy (src-size 0), so poisoned (NaN) slots never reach
 //   the P.V product.
 // - Split-KV: blockIdx.z takes a contiguous range of tiles and writes a normalized partial
