@@ -194,6 +194,8 @@ def mla_decode_cuda(
     Every request needs ``seq_lens[b] >= s_q``. No host synchronization, launch shape from
     tensor shapes only: capturable in a CUDA graph (pass ``out``/``lse`` to reuse buffers).
     """
+    import triton
+
     from kernels.mla_decode_triton import _check_inputs, _combine_kernel, _num_sms
 
     _check_inputs(q, kv_cache, block_tables, seq_lens, kv_lora_rank)
@@ -262,12 +264,8 @@ def mla_decode_cuda(
         _combine_kernel[(bsz * rows,)](
             part_o, part_l, out, lse, h, s_q, splits, out.stride(0), out.stride(1), out.stride(2),
             lse.stride(0), lse.stride(1), lse.stride(2), float(k_scale),
-            SPLITS_P2=triton_next_power_of_2(splits), D=D_LATENT, num_warps=4)
+            SPLITS_P2=triton.next_power_of_2(splits), D=D_LATENT, num_warps=4)
     return out, lse
-
-
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 __all__ = ["CudaKernelUnavailable", "build_library", "default_library_path", "choose_num_splits", "launch_shape", "mla_decode_cuda",

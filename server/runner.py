@@ -8,6 +8,7 @@ mixed prefill+decode steps run eagerly.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -67,10 +68,13 @@ class PendingStep:
 
     result: StepResult | None = None
     seq_ids: list[int] = field(default_factory=list)  # sampled sequences, in row order
-    row_of_seq: dict[int, int] = field(default_factory=dict)
     token_ids: torch.Tensor | None = None  # [rows] on the device: the next step's placeholder inputs
     host_ids: torch.Tensor | None = None  # pinned copy, valid once ``ready`` has completed
     ready: "torch.cuda.Event | None" = None
+
+    @functools.cached_property
+    def row_of_seq(self) -> dict[int, int]:
+        return {sid: i for i, sid in enumerate(self.seq_ids)}
 
 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -179,11 +183,13 @@ class ModelRunner:
             self._last_sampled.pop(sid, None)
 
     # ---- step -------------------------------------------------------------------------------
-    def plan(self, out: SchedulerOutput, pending: PendingStep | None = None,
-             fills: list[tuple[int, int]] | None = None) -> "StepPlan":
-        """The step's inputs as plain lists: what TP workers receive (no tensors, no pickle).
-        A placeholder whose token is still in flight in ``pending`` gets a 0 here and an entry
-        (input index, row of ``pending.token_ids``) in ``fills``, copied on the device."""
+    def plan(self, out: SchedulerOutput, pending: PendingStep | None = None
+             ) -> tuple["StepPlan", list[tuple[int, int]]]:
+        """The step's inputs as plain lists: what TP workers receive (no tensors, no pickle),
+        and the fills: a placeholder whose token is still in flight in ``pending`` gets a 0 in
+        the plan and an entry (input index, row of ``pending.token_ids``), copied on the device."""
+        fills: list[tuple[int, int]] = []
+        in_flight = pending.row_of_seq if pending is not None and pending.result is None else {}
         ids: list[int] = []
         positions: list[int] = []
         tables, ctx_lens, q_lens, logit_rows = [], [], [], []
@@ -193,8 +199,8 @@ class ModelRunner:
             known = entry.num_new_tokens - entry.num_placeholder_tokens
             ids.extend(seq.all_token_ids[entry.start_pos : entry.start_pos + known])
             if entry.num_placeholder_tokens:
-                if pending is not None and pending.result is None and seq.seq_id in pending.row_of_seq:
-                    fills.append((len(ids), pending.row_of_seq[seq.seq_id]))
+                if seq.seq_id in in_flight:
+                    fills.append((len(ids), in_flight[seq.seq_id]))
                     ids.append(0)
                 else:
                     ids.append(self._last_sampled[seq.seq_id])
@@ -208,7 +214,7 @@ class ModelRunner:
             if entry.sample:
                 logit_rows.append(offset + entry.num_new_tokens - 1)
             offset += entry.num_new_tokens
-        return StepPlan(ids, positions, tables, ctx_lens, q_lens, out.num_decodes, sorted(set(logit_rows)))
+        return StepPlan(ids, positions, tables, ctx_lens, q_lens, out.num_decodes, sorted(set(logit_rows))), fills
 
     @staticmethod
     def _prompt_logprob_rows(entry) -> range:
@@ -249,7 +255,7 @@ class ModelRunner:
         if out.is_empty:
             return result
         prof = self.step_profiler.begin() if self.step_profiler.enabled else None
-        plan = self.plan(out)
+        plan, _ = self.plan(out)
         if prof is not None:
             prof.num_seqs, prof.num_tokens = len(plan.query_lens), len(plan.input_ids)
             prof.kind, prof.reason = classify_step(plan.num_decodes, len(plan.query_lens), self.decode_graphs,
@@ -289,30 +295,17 @@ class ModelRunner:
         """Start ``out`` on the device. When :meth:`can_overlap` allows, nothing waits for the
         GPU: placeholders of tokens still in flight in ``pending`` are filled on the device and
         the new tokens are copied back asynchronously (read them with :meth:`collect`).
-        Otherwise ``pending`` must be collected already and the step runs synchronously."""
+        Otherwise ``pending`` is collected first and the step runs synchronously."""
         if out.is_empty or not self.can_overlap(out):
             if pending is not None:
                 self.collect(pending)
             return PendingStep(result=self.execute(out))
         self.release(out.finished_seq_ids)
-        fills: list[tuple[int, int]] = []
-        plan = self.plan(out, pending, fills)
+        plan, fills = self.plan(out, pending)
         logits = self.run_plan(plan, fills=fills, pending=pending)
-        row_of = {r: i for i, r in enumerate(plan.logit_rows)}
-        rows, idx, step = [], [], PendingStep()
-        offset = 0
-        for entry in out.scheduled:
-            if entry.sample:
-                seq = entry.seq
-                # min_tokens needs only the count of outputs; an in-flight token's value is unknown.
-                outputs = seq.output_token_ids + [-1] * entry.num_placeholder_tokens
-                rows.append(SamplingRow(params=seq.sampling_params, prompt_token_ids=seq.prompt_token_ids,
-                                        output_token_ids=outputs, generator=self._generator(seq),
-                                        eos_token_ids=self.eos_token_ids))
-                idx.append(row_of[offset + entry.num_new_tokens - 1])
-                step.row_of_seq[seq.seq_id] = len(step.seq_ids)
-                step.seq_ids.append(seq.seq_id)
-            offset += entry.num_new_tokens
+        # Placeholders count as -1: overlapped steps use only the number of outputs (min_tokens).
+        rows, idx, seqs = self._sampling_rows(out, {r: i for i, r in enumerate(plan.logit_rows)}, in_flight=True)
+        step = PendingStep(seq_ids=[seq.seq_id for seq in seqs])
         if not rows:
             step.result = StepResult()
             return step
@@ -359,7 +352,9 @@ class ModelRunner:
         with forward_context(ctx):
             return self.model(input_ids, positions)
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, row_of: dict, result: StepResult) -> None:
+    def _sampling_rows(self, out: SchedulerOutput, row_of: dict, in_flight: bool = False):
+        """(SamplingRow per sampled sequence, its logits row, the sequence). A placeholder's
+        token is the last sampled one, or -1 when it is still ``in_flight`` on the device."""
         rows, idx, seqs = [], [], []
         offset = 0
         for entry in out.scheduled:
@@ -367,7 +362,7 @@ class ModelRunner:
                 seq = entry.seq
                 outputs = seq.output_token_ids
                 if entry.num_placeholder_tokens:
-                    outputs = outputs + [self._last_sampled[seq.seq_id]]
+                    outputs = outputs + [-1 if in_flight else self._last_sampled[seq.seq_id]]
                 rows.append(SamplingRow(
                     params=seq.sampling_params,
                     prompt_token_ids=seq.prompt_token_ids,
@@ -378,6 +373,10 @@ class ModelRunner:
                 idx.append(row_of[offset + entry.num_new_tokens - 1])
                 seqs.append(seq)
             offset += entry.num_new_tokens
+        return rows, idx, seqs
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, row_of: dict, result: StepResult) -> None:
+        rows, idx, seqs = self._sampling_rows(out, row_of)
         if not rows:
             return
         res = self.sampler(logits[to_device(idx, torch.long, logits.device)], rows)

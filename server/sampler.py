@@ -260,12 +260,10 @@ class Sampler:
         return gen
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
+        token_ids = self.sample_tokens(logits, rows)  # checks the shape; leaves ``logits`` as it was
         dev = logits.device
         want_lp = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_lp].float(), dim=-1) if want_lp else None
-        token_ids = self.sample_tokens(logits, rows)
 
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         if want_lp:
