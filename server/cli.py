@@ -188,6 +188,17 @@ _ENGINE_FIELDS = (
 )
 
 
+def add_scheduling_arguments(g) -> None:
+    """The engine's scheduling flags (vLLM's spellings); shared by `serve` and `bench throughput`."""
+    g.add_argument("--max-model-len", type=_human_int, default=None, help="e.g. 10240, 10k, 8K")
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=_human_int, default=None)
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     bool_flag = argparse.BooleanOptionalAction
     p.add_argument("model_tag", nargs="?", metavar="MODEL_DIR",
@@ -225,14 +236,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--trust-remote-code", action=bool_flag, default=None,
                    help="accepted for vLLM compatibility; checkpoint code is never run")
-    g = p.add_argument_group("scheduling")
-    g.add_argument("--max-model-len", type=_human_int, default=None, help="e.g. 10240, 10k, 8K")
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=_human_int, default=None)
-    g.add_argument("--enable-chunked-prefill", action=bool_flag, default=None)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=bool_flag, default=None)
-    g.add_argument("--async-scheduling", action=bool_flag, default=None)
+    add_scheduling_arguments(p.add_argument_group("scheduling"))
     g = p.add_argument_group("memory")
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
     g.add_argument("--kv-cache-memory-bytes", type=_human_int, default=None)

@@ -19,7 +19,7 @@ import os
 import sys
 from datetime import datetime
 
-from server.cli import CLIError, Subcommand, _human_int, bundled_model_dir
+from server.cli import CLIError, Subcommand, _human_int, add_scheduling_arguments, bundled_model_dir
 from server.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig, EngineConfigError
 
 # argparse dest -> EngineConfig field of the engine flags ``bench throughput`` accepts.
@@ -75,13 +75,7 @@ def add_throughput_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=DTYPES, default=None)
     g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None)
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
-    g.add_argument("--max-model-len", type=_human_int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None)
-    g.add_argument("--max-num-batched-tokens", type=_human_int, default=None)
-    g.add_argument("--enable-chunked-prefill", action=bool_flag, default=None)
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=bool_flag, default=None)
-    g.add_argument("--async-scheduling", action=bool_flag, default=None)
+    add_scheduling_arguments(g)
     g.add_argument("--gpu-memory-utilization", type=float, default=None)
     g.add_argument("--kv-cache-memory-bytes", type=_human_int, default=None)
     g.add_argument("--num-gpu-blocks-override", type=int, default=None)
