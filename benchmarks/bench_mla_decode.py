@@ -63,11 +63,12 @@ SWEEP = {
     ],
 }
 
-# Launch shapes of the CUDA C++ kernel: (row groups of 16, column groups, stages, tile tokens).
-CUDA_SWEEP = {
-    "few": [(1, 4, 2, 64), (1, 8, 2, 64), (1, 4, 2, 32), (1, 4, 3, 32), (2, 4, 2, 64), (2, 8, 2, 64)],
-    "many": [(4, 4, 2, 64), (2, 8, 2, 64)],
-}
+def cuda_sweep_shapes(rows: int) -> list[tuple[int, int, int, int]]:
+    """Every launch shape the CUDA C++ library carries that suits ``rows`` query rows per
+    request: one or two row groups for few rows, two or four for many."""
+    from kernels.mla_decode_cuda import BUILT_CONFIGS
+
+    return [s for s in sorted(BUILT_CONFIGS) if (s[0] <= 2 if rows <= 32 else s[0] >= 2)]
 
 
 def measure_ceilings() -> dict:
@@ -221,7 +222,7 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
         record("cuda-fp8", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE), ref8, 1,
                dict(config=launch_shape(rows_per_req)))
         if sweep and sweep_cuda:
-            for shape in CUDA_SWEEP["few" if rows_per_req <= 32 else "many"]:
+            for shape in cuda_sweep_shapes(rows_per_req):
                 for splits in (None, 1, 2, 3, 4, 8):
                     record("sweep-cuda", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE,
                                                                  config=shape, num_splits=splits),
