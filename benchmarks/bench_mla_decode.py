@@ -65,10 +65,10 @@ SWEEP = {
 
 def cuda_sweep_shapes(rows: int) -> list[tuple[int, int, int, int]]:
     """Every launch shape the CUDA C++ library carries that suits ``rows`` query rows per
-    request: one or two row groups for few rows, two or four for many."""
+    request: one or two row groups for up to 32 rows; none above (the wgmma kernel's regime)."""
     from kernels.mla_decode_cuda import BUILT_CONFIGS
 
-    return [s for s in sorted(BUILT_CONFIGS) if (s[0] <= 2 if rows <= 32 else s[0] >= 2)]
+    return [s for s in sorted(BUILT_CONFIGS) if s[0] <= 2] if rows <= 32 else []
 
 
 def measure_ceilings() -> dict:
@@ -217,11 +217,16 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
         record("ours-bf16", lambda: mla_decode_triton(*args16), ref16, 2,
                dict(config={k: v for k, v in cfg.items() if v is not None and k != "pv"}))
     if "cuda-fp8" in variants:
-        from kernels.mla_decode_cuda import launch_shape, mla_decode_cuda
+        from kernels.mla_decode_cuda import choose_kernel, launch_shape, mla_decode_cuda
 
+        kernel = choose_kernel(rows_per_req)
         record("cuda-fp8", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE), ref8, 1,
-               dict(config=launch_shape(rows_per_req)))
+               dict(config=launch_shape(rows_per_req) if kernel == "mma" else kernel))
         if sweep and sweep_cuda:
+            for splits in (None, 1, 2, 4):
+                record("sweep-cuda", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE,
+                                                             kernel="wgmma", num_splits=splits),
+                       ref8, 1, dict(config="wgmma", splits=splits))
             for shape in cuda_sweep_shapes(rows_per_req):
                 for splits in (None, 1, 2, 3, 4, 8):
                     record("sweep-cuda", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE,

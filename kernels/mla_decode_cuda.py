@@ -1,18 +1,20 @@
-"""Our CUDA C++ paged MLA decode for Hopper (``kernels/csrc/mla_decode_sm90.cu``): FP8 query
-and FP8 latent cache, split-KV, CUDA-graph safe. Same contract as
-``kernels.mla_decode.mla_decode_reference``.
+"""Our CUDA C++ paged MLA decode for Hopper (``kernels/csrc/``): FP8 query and FP8 latent
+cache, split-KV, CUDA-graph safe. Same contract as ``kernels.mla_decode.mla_decode_reference``.
 
-Why a C++ kernel next to the Triton one: with few query rows per request (16 heads per GPU
-under TP8, V2-Lite's 16 heads) decode should stream the cache at HBM speed, and Triton 3.6
-could not (notes in ``benchmarks/KERNEL_NOTES.md``): it puts 16 rows on warp MMAs with
-byte-wise gathers of the FP8 values. The C++ kernel reads V's FP8 pairs with
-``ldmatrix.trans`` and widens them in registers, and splits the work so that no warp
-recomputes another's scores (design notes at the top of the .cu file).
+Two kernels, chosen by query rows per request (heads per GPU x query tokens):
 
-Build: the source is compiled with ``nvcc`` on first use (about 5 s) into a per-user cache
-(``$MLASERVE_KERNEL_CACHE``, default ``~/.cache/mlaserve/kernels``), keyed by a hash of the
-source and flags, under a file lock so that tensor-parallel workers build it once. The
-library has a C ABI and is called through ``ctypes`` with raw pointers and the current CUDA
+- ``mma`` (``mla_decode_sm90.cu``), up to 32 rows (16 heads per GPU under TP8, V2-Lite):
+  decode is memory-bound there, and Triton 3.6 could not stream the cache at HBM speed
+  (``benchmarks/KERNEL_NOTES.md``). Warp-level mma.sync on 16-row groups; V's FP8 pairs are
+  read with ``ldmatrix.trans`` and widened in registers.
+- ``wgmma`` (``mla_decode_wgmma_sm90a.cu``), 64+ rows (128 heads): compute-bound; FP8 wgmma
+  for Q·Kᵀ and P·V, V transposed in shared memory (Hopper's FP8 MMAs need both operands
+  K-major), 64 rows and two warpgroups per CTA.
+
+Build: the sources are compiled with ``nvcc`` (sm_90a) on first use (about 10 s) into a
+per-user cache (``$MLASERVE_KERNEL_CACHE``, default ``~/.cache/mlaserve/kernels``), keyed by a
+hash of the sources and flags, under a file lock so that tensor-parallel workers build it once.
+The library has a C ABI and is called through ``ctypes`` with raw pointers and the current CUDA
 stream, so it depends on no particular torch version. Nothing is downloaded.
 """
 
@@ -29,8 +31,11 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "mla_decode_sm90.cu"
-NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-gencode", "arch=compute_90,code=sm_90",
+CSRC = Path(__file__).with_name("csrc")
+# Both kernels go into one library: mma.sync for few rows, wgmma (sm_90a) for 64+ rows.
+SOURCES = (CSRC / "mla_decode_sm90.cu", CSRC / "mla_decode_wgmma_sm90a.cu")
+HEADERS = (CSRC / "mla_decode_params.h",)
+NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-gencode", "arch=compute_90a,code=sm_90a",
               "-shared", "-Xcompiler", "-fPIC")
 TILE = 64  # tokens per tile; the page size must be a multiple
 D_LATENT = 512
@@ -44,6 +49,13 @@ SMEM_RESERVED_PER_CTA = 1024
 # (row groups of 16 query rows, column groups of warps, pipeline stages, tokens per tile).
 BUILT_CONFIGS = {(1, 4, 2, 64), (1, 8, 2, 64), (1, 8, 3, 64), (2, 4, 2, 64), (2, 8, 2, 64), (4, 4, 2, 64),
                  (1, 4, 2, 32), (1, 4, 3, 32)}
+# The wgmma kernel (mla_decode_wgmma_sm90a.cu): 64 query rows per CTA, two warpgroups, one CTA
+# per SM. Query rows per request above MMA_MAX_ROWS go to it.
+KERNELS = ("mma", "wgmma")
+MMA_MAX_ROWS = 32
+WGMMA_ROWS = 64
+_WG_TILE_BYTES = 8 * (36 * 144 + 16)  # padded core-matrix layout of a 64 x 576-byte operand
+WGMMA_SMEM_BYTES = _WG_TILE_BYTES * 4 + 2 * 32 * (4 * 144 + 16) + 64 * 64 + 3 * 2 * 64 * 4
 
 
 class CudaKernelUnavailable(RuntimeError):
@@ -83,22 +95,25 @@ def build_library(nvcc: str | None = None, out_dir: Path | None = None) -> Path:
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise CudaKernelUnavailable("the cuda attention backend needs nvcc (set CUDA_HOME or put nvcc on PATH)")
-    src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(NVCC_FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join(NVCC_FLAGS).encode())
+    for path in (*SOURCES, *HEADERS):
+        digest.update(path.read_bytes())
+    key = digest.hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"mla_decode_sm90-{key}.so"
+    lib = out_dir / f"mla_decode_sm90a-{key}.so"
     if lib.exists():
         return lib
-    with open(out_dir / f".mla_decode_sm90-{key}.lock", "w") as lock:
+    with open(out_dir / f".mla_decode_sm90a-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait and reuse its result
         if lib.exists():
             return lib
         tmp = lib.with_suffix(f".tmp{os.getpid()}")
-        cmd = [nvcc, *NVCC_FLAGS, "-o", str(tmp), str(SOURCE)]
+        cmd = [nvcc, *NVCC_FLAGS, "-o", str(tmp), *map(str, SOURCES)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            raise CudaKernelUnavailable(f"nvcc failed building {SOURCE.name}:\n{res.stderr[-4000:]}")
+            names = ", ".join(path.name for path in SOURCES)
+            raise CudaKernelUnavailable(f"nvcc failed building {names}:\n{res.stderr[-4000:]}")
         os.replace(tmp, lib)
     return lib
 
@@ -115,6 +130,8 @@ def _library() -> ctypes.CDLL:
     lib.mla_decode_fp8_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                         ctypes.c_int, ctypes.c_void_p]
     lib.mla_decode_fp8_sm90.restype = ctypes.c_int
+    lib.mla_decode_fp8_wgmma_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_void_p]
+    lib.mla_decode_fp8_wgmma_sm90.restype = ctypes.c_int
     lib.mla_decode_fp8_sm90_params_bytes.restype = ctypes.c_int
     if lib.mla_decode_fp8_sm90_params_bytes() != ctypes.sizeof(_Params):
         raise CudaKernelUnavailable("Params layout of the built library differs from kernels/mla_decode_cuda.py")
@@ -164,12 +181,22 @@ def launch_shape(rows: int) -> tuple[int, int, int, int]:
     return 4, 4, 2, 64
 
 
+def choose_kernel(rows: int) -> str:
+    """``mma`` (mma.sync, 16-row groups) up to MMA_MAX_ROWS query rows per request, where decode
+    is memory-bound and wgmma's 64-row M would be mostly padding; ``wgmma`` above."""
+    return "mma" if rows <= MMA_MAX_ROWS else "wgmma"
+
+
 def choose_num_splits(bsz: int, rows: int, max_tiles: int, num_sms: int,
-                      shape: tuple[int, int, int, int]) -> int:
-    """Split each request's tiles so that the CTAs make about one full wave; depends only on
-    shapes (never on sequence lengths), so the launch can be captured in a CUDA graph."""
-    ctas = bsz * -(-rows // (ROWS_PER_GROUP * shape[0]))
-    want = num_sms * ctas_per_sm(shape) // ctas
+                      shape: tuple[int, int, int, int] | None) -> int:
+    """Split each request's tiles so that the CTAs make about one full wave (``shape`` None:
+    the wgmma kernel, one 64-row CTA per SM); depends only on shapes (never on sequence
+    lengths), so the launch can be captured in a CUDA graph."""
+    if shape is None:
+        ctas, per_sm = bsz * -(-rows // WGMMA_ROWS), 1
+    else:
+        ctas, per_sm = bsz * -(-rows // (ROWS_PER_GROUP * shape[0])), ctas_per_sm(shape)
+    want = num_sms * per_sm // ctas
     return max(1, min(want, max_tiles, 64))
 
 
@@ -187,9 +214,12 @@ def mla_decode_cuda(
     config: tuple[int, int, int, int] | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode; returns (out [B, s_q, H, 512] in ``out_dtype``, default bf16; lse
     [B, s_q, H] float32). The kernel writes bf16; another ``out_dtype`` costs one cast.
+    ``kernel`` (``mma`` or ``wgmma``) defaults to ``choose_kernel(s_q * H)``; ``config`` is a
+    launch shape of the ``mma`` kernel.
 
     Every request needs ``seq_lens[b] >= s_q``. No host synchronization, launch shape from
     tensor shapes only: capturable in a CUDA graph (pass ``out``/``lse`` to reuse buffers).
@@ -208,7 +238,7 @@ def mla_decode_cuda(
         if out is not None:
             raise ValueError(f"out must be bf16 for the cuda backend, not {out.dtype}")
         out16, lse = mla_decode_cuda(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, q_scale,
-                                     k_scale, torch.bfloat16, num_splits, config, None, lse)
+                                     k_scale, torch.bfloat16, num_splits, config, None, lse, kernel)
         return out16.to(out_dtype), lse
     page = kv_cache.shape[1]
     if page % TILE:
@@ -220,10 +250,15 @@ def mla_decode_cuda(
         raise ValueError("the cuda backend needs the cache's token rows contiguous within a page")
     bsz, s_q, h, _ = q.shape
     rows = s_q * h
-    shape = tuple(config or launch_shape(rows))
-    if shape not in BUILT_CONFIGS:
+    kernel = kernel or ("mma" if config else choose_kernel(rows))
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
+    if kernel == "wgmma" and config is not None:
+        raise ValueError("config is a launch shape of the mma kernel; the wgmma kernel has one shape")
+    shape = tuple(config or launch_shape(rows)) if kernel == "mma" else None
+    if shape is not None and shape not in BUILT_CONFIGS:
         raise ValueError(f"launch shape {shape} is not built; one of {sorted(BUILT_CONFIGS)}")
-    row_groups, col_groups, stages, tile = shape
+    tile = shape[3] if shape else TILE
     if page % tile:
         raise ValueError(f"page size {page} is not a multiple of the launch shape's {tile}-token tile")
     max_tiles = max(1, block_tables.shape[1] * page // tile)
@@ -255,11 +290,13 @@ def mla_decode_cuda(
     )
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        err = _library().mla_decode_fp8_sm90(ctypes.byref(p), row_groups, col_groups, stages, tile,
-                                             ctypes.c_void_p(stream))
+        if shape is None:
+            err = _library().mla_decode_fp8_wgmma_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
+        else:
+            err = _library().mla_decode_fp8_sm90(ctypes.byref(p), *shape, ctypes.c_void_p(stream))
     if err != 0:
         reason = "launch shape not built" if err == -1 else f"cudaError_t {err}"
-        raise RuntimeError(f"mla_decode_fp8_sm90: {reason}")
+        raise RuntimeError(f"mla_decode_fp8_sm90 ({kernel}): {reason}")
     if splits > 1:
         _combine_kernel[(bsz * rows,)](
             part_o, part_l, out, lse, h, s_q, splits, out.stride(0), out.stride(1), out.stride(2),
@@ -268,5 +305,5 @@ def mla_decode_cuda(
     return out, lse
 
 
-__all__ = ["CudaKernelUnavailable", "build_library", "default_library_path", "choose_num_splits", "launch_shape", "mla_decode_cuda",
-           "supports"]
+__all__ = ["CudaKernelUnavailable", "build_library", "default_library_path", "choose_kernel", "choose_num_splits",
+           "launch_shape", "mla_decode_cuda", "supports"]

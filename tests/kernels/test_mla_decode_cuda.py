@@ -42,6 +42,8 @@ def test_library_builds_and_matches_the_ctypes_mirror(tmp_path):
         assert lib.mla_decode_fp8_sm90_smem_bytes(*shape) == mdc.smem_bytes(*shape)
         assert (mdc.smem_bytes(*shape) + mdc.SMEM_RESERVED_PER_CTA) * mdc.ctas_per_sm(shape) <= mdc.SMEM_PER_SM
     assert lib.mla_decode_fp8_sm90_smem_bytes(3, 3, 3, 64) == -1
+    assert lib.mla_decode_fp8_wgmma_sm90_smem_bytes() == mdc.WGMMA_SMEM_BYTES
+    assert mdc.WGMMA_SMEM_BYTES + mdc.SMEM_RESERVED_PER_CTA <= mdc.SMEM_PER_SM
 
 
 def test_missing_nvcc_is_a_clear_error(tmp_path, monkeypatch):
@@ -89,6 +91,11 @@ def test_launch_heuristics():
     assert mdc.choose_num_splits(1, 16, 64, 132, one_group) == 64  # one request: as many as tiles allow
     assert mdc.choose_num_splits(1, 16, 3, 132, one_group) == 3
     assert mdc.choose_num_splits(512, 128, 64, 132, (4, 4, 2, 64)) == 1  # the batch fills the GPU
+    # The wgmma kernel: up to 32 rows stay on mma.sync; one 64-row CTA per SM.
+    assert [mdc.choose_kernel(r) for r in (1, 16, 32, 33, 64, 128, 512)] == ["mma"] * 3 + ["wgmma"] * 4
+    assert mdc.choose_num_splits(128, 128, 64, 132, None) == 1  # 256 CTAs: two waves already
+    assert mdc.choose_num_splits(32, 128, 64, 132, None) == 2
+    assert mdc.choose_num_splits(1, 128, 64, 132, None) == 64
 
 
 def test_supports_only_fp8_on_cuda():
@@ -125,6 +132,44 @@ def test_every_built_shape(config):
     for case in ((3, 1, 16, [1, 64, 300]), (2, 3, 32, [3, 513]), (2, 2, 128, [4100, 66]), (1, 4, 4, [7])):
         err, lse_err = _run(case, seed=5, config=config, num_splits=2)
         assert err < REL_TOL and lse_err < LSE_TOL, (case, config, err, lse_err)
+
+
+WGMMA_CASES = [  # (B, s_q, H, lens): 64+ rows, rows not a multiple of 64, 16 heads x 4 MTP tokens
+    (2, 1, 128, [4100, 66]),
+    (3, 1, 64, [1, 64, 300]),
+    (2, 4, 16, [4, 513]),
+    (2, 3, 40, [3, 700]),
+    (1, 2, 128, [2]),
+]
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("case", WGMMA_CASES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_wgmma_kernel(case, num_splits):
+    err, lse_err = _run(case, seed=3 + (num_splits or 0), kernel="wgmma", num_splits=num_splits)
+    assert err < REL_TOL and lse_err < LSE_TOL, (err, lse_err)
+
+
+@gpu
+@needs_hopper
+def test_wgmma_kernel_page_size_128_and_graph_replay():
+    q, kv, bt, sl, qs, ks = make_case(3, 1, 128, [70, 1, 4000], FP8, page=128, seed=8, device="cuda")
+    out = torch.empty(3, 1, 128, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(3, 1, 128, device="cuda")
+    call = lambda: mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, out=out, lse=lse)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    sl.copy_(torch.tensor([3, 129, 2000], dtype=torch.int32))  # new lengths, same graph
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, ref_lse = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
+    assert rel_err(out, ref) < REL_TOL and (lse - ref_lse).abs().max().item() < LSE_TOL
 
 
 @gpu
@@ -181,3 +226,8 @@ def test_bad_inputs_are_refused():
     q, kv, bt, sl, qs, ks = make_case(1, 1, 16, [10], FP8, page=32, device="cuda")
     with pytest.raises(ValueError, match="multiple of 64"):
         mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE)
+    q, kv, bt, sl, qs, ks = make_case(1, 1, 16, [10], FP8, device="cuda")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, kernel="tcgen05")
+    with pytest.raises(ValueError, match="one shape"):
+        mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, kernel="wgmma", config=(1, 4, 2, 64))

@@ -1,0 +1,406 @@
+// Paged MLA decode for many query rows per request (64+: 128 heads under DP attention or on one
+// GPU, 16 heads x 4 MTP tokens), FP8 (e4m3) query and latent cache, Hopper (sm_90a) wgmma.
+//
+// Same contract as kernels/mla_decode.py::mla_decode_reference; the Python side and the launch
+// choice are in kernels/mla_decode_cuda.py. Why this design (numbers in benchmarks/KERNEL_NOTES.md):
+//
+// - With 64+ rows decode is compute-bound (B=128, S=4096, 128 heads: 146 GFLOP against 302 MB),
+//   and Hopper's only FP8 tensor-core path is wgmma: M = 64 rows per warpgroup, operands read
+//   straight from shared memory once per 64 rows (mma.sync re-reads them per 16-row warp: the
+//   sister kernel's limit at 128 heads). Both products run in FP8: Q.K^T and P.V.
+// - A CTA = 64 query rows x a split of the request's 64-token tiles, two warpgroups. For each
+//   tile, warpgroup w computes scores for tokens 32w..32w+31 (m64n32k32, no duplicated Q.K^T),
+//   the row maxima are exchanged through shared memory, each warpgroup writes its P (e4m3,
+//   scaled by 256 to use the format's range; P <= 1) and accumulates O for output dims
+//   256w..256w+255 over the whole tile (m64n256k32, 128 fp32 registers per thread).
+// - FP8 wgmma needs both operands K-major: for P.V the latent V must be transposed (tokens
+//   contiguous per dim). Each warpgroup transposes its own 256 dims of the tile in shared memory
+//   while its Q.K^T runs: 16-byte loads, 4x4 byte transposes with byte permutes, 4-byte stores.
+// - Operands use wgmma's no-swizzle layout (core matrices of 8 rows x 16 bytes), with core
+//   matrices padded (144-byte steps along K, 5200 / 592-byte steps between row groups) so that
+//   the cp.async stores, the transpose's loads and its stores are all free of bank conflicts.
+// - Tokens past the sequence are zero-filled by the copy (src-size 0), so poisoned (NaN) slots
+//   never reach the P.V product; split-KV writes normalized partials + LSE for the combine
+//   kernel (kernels/mla_decode_triton.py), like the sister kernel. Launch shape depends only on
+//   tensor shapes: capturable in a CUDA graph.
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "mla_decode_params.h"
+
+namespace {
+
+constexpr int kDim = 576;                // latent (512) + rope (64)
+constexpr int kDimV = 512;
+constexpr int kTile = 64;                // tokens per tile
+constexpr int kRows = 64;                // query rows per CTA (wgmma M)
+constexpr int kThreads = 256;            // two warpgroups
+constexpr int kStages = 3;               // cache tiles in flight
+constexpr int kChunks = kDim / 16;       // 16-byte chunks per row
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kPScale = 256.f;         // P (<= 1) is stored as e4m3(256 p)
+
+// Q and cache tiles (64 rows x 576 bytes): core matrix (row group g, chunk c) at g*kGroupStride +
+// c*kCmStep; 8 rows of 16 bytes each.
+constexpr int kCmStep = 144;
+constexpr int kGroupStride = kChunks * kCmStep + 16;  // 5200
+constexpr int kTileBytes = 8 * kGroupStride;
+// V^T (per warpgroup: 256 dims x 64 tokens): core matrix (dim group, token chunk) at
+// dg*kVtGroupStride + tc*kCmStep.
+constexpr int kVtGroupStride = 4 * kCmStep + 16;      // 592
+constexpr int kVtHalfBytes = 32 * kVtGroupStride;
+// P (64 rows x 64 tokens, e4m3): packed core matrices, 128 B along K, 512 B between row groups.
+constexpr int kPBytes = kRows * kTile;
+
+constexpr int kSmemQ = 0;
+constexpr int kSmemK = kSmemQ + kTileBytes;
+constexpr int kSmemVt = kSmemK + kStages * kTileBytes;
+constexpr int kSmemP = kSmemVt + 2 * kVtHalfBytes;
+constexpr int kSmemMax = kSmemP + kPBytes;                   // float [2 parities][2 wg][64]
+constexpr int kSmemSum = kSmemMax + 2 * 2 * kRows * 4;       // float [2 wg][64]
+constexpr int kSmemBytes = kSmemSum + 2 * kRows * 4;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// Generic-proxy shared-memory writes (st.shared, cp.async) -> visible to wgmma (async proxy).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+
+// Shared-memory matrix descriptor, no-swizzle layout: `lead` = bytes between core matrices
+// along K, `stride` = bytes between 8-row groups along M/N.
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lead >> 4) << 16) |
+         (static_cast<uint64_t>(stride >> 4) << 32);
+}
+
+// The accumulators must stay put while a wgmma reads or writes them; this keeps the compiler
+// from moving them across the asynchronous window.
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64 x 32] (+)= A[64 x 32] . B[32 x 32]^T, e4m3 operands from shared memory, fp32 accumulators
+// (16 per thread); `accumulate` = 0 overwrites D.
+__device__ __forceinline__ void wgmma_m64n32k32(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+      "}, %16, %17, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64 x 256] (+)= A[64 x 32] . B[256 x 32]^T, e4m3 operands from shared memory, fp32 accumulators
+// (128 per thread); `accumulate` = 0 overwrites D.
+__device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// The 64 x 576-byte operands (Q rows, cache tiles) are copied as 16-byte chunks; chunk i goes to
+// (row group, chunk column, row in group) so that 8 consecutive threads fill one core matrix.
+__device__ __forceinline__ int chunk_row(int i) { return (i / (8 * kChunks)) * 8 + (i & 7); }
+__device__ __forceinline__ int chunk_col(int i) { return (i % (8 * kChunks)) >> 3; }
+__device__ __forceinline__ int chunk_dst(int i) {
+  return (i / (8 * kChunks)) * kGroupStride + chunk_col(i) * kCmStep + (i & 7) * 16;
+}
+constexpr int kCopies = kRows * kChunks / kThreads;  // 9 chunks per thread per operand
+static_assert(kRows * kChunks % kThreads == 0, "whole copies per thread");
+
+// This warpgroup's 256 dims of a cache tile -> V^T (tokens contiguous per dim). A thread takes
+// two blocks of 4 tokens x 16 dims: four 16-byte loads, 4x4 byte transposes, 4-byte stores
+// (lanes spread over 4 dim chunks x 8 token quads: conflict-free on both sides).
+__device__ __forceinline__ void transpose_v(const uint8_t* tile, uint8_t* vt_half, int wg, int warp_in_wg, int lane) {
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int combo = warp_in_wg * 2 + k;
+    const int c_local = 4 * (combo >> 1) + (lane >> 3);  // 16-dim chunk within the half
+    const int tq = 8 * (combo & 1) + (lane & 7);         // token quad 0..15
+    const uint8_t* src = tile + (tq >> 1) * kGroupStride + (16 * wg + c_local) * kCmStep + (tq & 1) * 64;
+    uint4 x[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x[i] = *reinterpret_cast<const uint4*>(src + 16 * i);
+    uint8_t* dst = vt_half + 2 * c_local * kVtGroupStride + (tq >> 2) * kCmStep + 4 * (tq & 3);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {  // dims 4w..4w+3 of the chunk, tokens 0..3 of the quad
+      const uint32_t a = (&x[0].x)[w], b = (&x[1].x)[w], c = (&x[2].x)[w], d = (&x[3].x)[w];
+      const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
+      const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+      const uint32_t out[4] = {__byte_perm(ab_lo, cd_lo, 0x5410), __byte_perm(ab_lo, cd_lo, 0x7632),
+                               __byte_perm(ab_hi, cd_hi, 0x5410), __byte_perm(ab_hi, cd_hi, 0x7632)};
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int dd = 4 * w + m;
+        *reinterpret_cast<uint32_t*>(dst + (dd >> 3) * kVtGroupStride + (dd & 7) * 16) = out[m];
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const Params p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint8_t* q_s = smem + kSmemQ;
+  uint8_t* k_s = smem + kSmemK;
+  uint8_t* p_s = smem + kSmemP;
+  float* red_sum = reinterpret_cast<float*>(smem + kSmemSum);
+
+  const int tid = threadIdx.x;
+  const int wg = tid >> 7;  // warpgroup: scores for tokens 32wg.. of each tile, output dims 256wg..
+  const int warp_in_wg = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, q4 = lane & 3;  // accumulator fragment coordinates
+  uint8_t* vt_s = smem + kSmemVt + wg * kVtHalfBytes;
+  const int b = blockIdx.y, split = blockIdx.z;
+  const int rows_total = p.s_q * p.heads;
+  const int row0 = blockIdx.x * kRows;
+
+  const int seq_len = p.seq_lens[b];
+  const int n_tiles = (seq_len + kTile - 1) / kTile;
+  const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
+  const int tile_begin = split * per_split;
+  const int tile_end = min(n_tiles, tile_begin + per_split);
+
+  // Q rows of this CTA (rows past the request are zero), in the first copy group.
+#pragma unroll
+  for (int i = 0; i < kCopies; ++i) {
+    const int c = tid + kThreads * i;
+    const int row = row0 + chunk_row(c);
+    const bool valid = row < rows_total;
+    const uint8_t* src = p.q;
+    if (valid) src += b * p.q_sb + (row / p.heads) * p.q_ss + (row % p.heads) * p.q_sh + chunk_col(c) * 16;
+    cp_async_16(smem_addr(q_s + chunk_dst(c)), src, valid ? 16 : 0);
+  }
+
+  const int* bt_row = p.block_tables + b * p.bt_s;
+  auto load_tile = [&](int tile, int stage) {  // 64 consecutive tokens of one page
+    const int tok0 = tile * kTile;
+    const long long page = bt_row[tok0 / p.page_size];
+    const uint8_t* base = p.kv + page * p.kv_sp + static_cast<long long>(tok0 % p.page_size) * p.kv_st;
+    const uint32_t dst = smem_addr(k_s + stage * kTileBytes);
+    const int valid_rows = seq_len - tok0;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const int c = tid + kThreads * i;
+      const int r = chunk_row(c);
+      const bool valid = r < valid_rows;
+      cp_async_16(dst + chunk_dst(c), base + (valid ? r * p.kv_st + chunk_col(c) * 16 : 0), valid ? 16 : 0);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (tile_begin + s < tile_end) load_tile(tile_begin + s, s);
+    cp_async_commit();
+  }
+
+  const uint64_t q_desc = make_desc(smem_addr(q_s), kCmStep, kGroupStride);
+  const uint64_t p_desc = make_desc(smem_addr(p_s), 128, 512);
+  const uint64_t vt_desc = make_desc(smem_addr(vt_s), kCmStep, kVtGroupStride);
+  constexpr uint64_t kStepK = (2 * kCmStep) >> 4;  // one k-step of 32 bytes = two core matrices
+  constexpr uint64_t kStepP = 256 >> 4;
+
+  // This thread's two accumulator rows and their causal limits (number of visible keys).
+  int r_local[2], limit[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    r_local[i] = 16 * warp_in_wg + g + 8 * i;
+    const int row = min(row0 + r_local[i], rows_total - 1);
+    limit[i] = seq_len - p.s_q + row / p.heads + 1;
+  }
+
+  float o[128];  // O[rows g, g+8][dims 256wg + 8j + 2q4 + {0, 1}], j = 0..31
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};
+  float l_run[2] = {0.f, 0.f};  // this thread's share of the row sums (unscaled P)
+
+  for (int tile = tile_begin, it = 0; tile < tile_end; ++tile, ++it) {
+    cp_async_wait<kStages - 2>();
+    fence_async_shared();
+    __syncthreads();  // tile `it` landed; last iteration's readers of P, V^T and the refilled stage are done
+    {
+      const int next = tile + kStages - 1;
+      if (next < tile_end) load_tile(next, (it + kStages - 1) % kStages);
+      cp_async_commit();
+    }
+    const uint8_t* stage = k_s + (it % kStages) * kTileBytes;
+
+    // S = Q . K^T for this warpgroup's 32 tokens, asynchronously; V^T meanwhile.
+    float s[16];
+    const uint64_t k_desc = make_desc(smem_addr(stage + 4 * wg * kGroupStride), kCmStep, kGroupStride);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kDim / 32; ++ks) wgmma_m64n32k32(s, q_desc + ks * kStepK, k_desc + ks * kStepK, ks);
+    wgmma_commit();
+    transpose_v(stage, vt_s, wg, warp_in_wg, lane);
+    wgmma_wait<0>();
+    fence_regs(s);
+
+    // Scale to log2 units, mask, row maxima across both warpgroups.
+    const int tok_base = tile * kTile + 32 * wg + 2 * q4;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = e >> 1;
+        const float v = tok_base + 8 * j + (e & 1) < limit[i] ? s[4 * j + e] * p.scale_log2 : -INFINITY;
+        s[4 * j + e] = v;
+        mx[i] = fmaxf(mx[i], v);
+      }
+    float* red_max = reinterpret_cast<float*>(smem + kSmemMax) + (it & 1) * 2 * kRows;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      if (q4 == 0) red_max[wg * kRows + r_local[i]] = mx[i];
+    }
+    __syncthreads();
+    float alpha[2], m_use[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float m_new = fmaxf(m_run[i], fmaxf(red_max[r_local[i]], red_max[kRows + r_local[i]]));
+      m_use[i] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays at 0
+      alpha[i] = exp2f(m_run[i] - m_use[i]);
+      m_run[i] = m_new;
+    }
+
+    // P = exp2(S - m) -> e4m3(256 P) in shared memory (A operand of P.V); row sums.
+    float sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float p0 = exp2f(s[4 * j + 2 * i] - m_use[i]), p1 = exp2f(s[4 * j + 2 * i + 1] - m_use[i]);
+        sum[i] += p0 + p1;
+        const __nv_fp8x2_storage_t pp =
+            __nv_cvt_float2_to_fp8x2(make_float2(p0 * kPScale, p1 * kPScale), __NV_SATFINITE, __NV_E4M3);
+        const int r = r_local[i], t = 32 * wg + 8 * j + 2 * q4;
+        *reinterpret_cast<__nv_fp8x2_storage_t*>(p_s + (r >> 3) * 512 + (t >> 4) * 128 + (r & 7) * 16 + (t & 15)) = pp;
+      }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + sum[i];
+    if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j + 0] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
+    }
+    fence_async_shared();
+    __syncthreads();  // P from both warpgroups, V^T of this one
+
+    // O[64 rows, this warpgroup's 256 dims] += P[64, 64 tokens] . V[64 tokens, 256 dims].
+    wgmma_fence();
+    wgmma_m64n256k32(o, p_desc, vt_desc, 1);
+    wgmma_m64n256k32(o, p_desc + kStepP, vt_desc + kStepK, 1);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+  }
+
+  // Row sums: the 4 lanes of a row, then both warpgroups.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
+    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+    if (q4 == 0) red_sum[wg * kRows + r_local[i]] = l_run[i];
+  }
+  __syncthreads();
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = row0 + r_local[i];
+    if (row >= rows_total) continue;
+    const float l = red_sum[r_local[i]] + red_sum[kRows + r_local[i]];
+    const float inv = l > 0.f ? 1.f / (l * kPScale) : 0.f;
+    const float lse = l > 0.f ? (m_run[i] + log2f(l)) * kLn2 : -INFINITY;
+    const int dim0 = 256 * wg + 2 * q4;
+    if (p.num_splits > 1) {
+      const long long flat = static_cast<long long>(b) * rows_total + row;
+      float* dst = p.part_o + (flat * p.num_splits + split) * kDimV + dim0;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * i] * inv, o[4 * j + 2 * i + 1] * inv);
+      if (wg == 0 && q4 == 0) p.part_l[flat * p.num_splits + split] = lse;
+    } else {
+      const int jq = row / p.heads, h = row % p.heads;
+      const float sc = inv * p.out_scale;
+      __nv_bfloat16* dst = p.out + b * p.o_sb + jq * p.o_ss + h * p.o_sh + dim0;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
+            __floats2bfloat162_rn(o[4 * j + 2 * i] * sc, o[4 * j + 2 * i + 1] * sc);
+      if (wg == 0 && q4 == 0) p.lse[b * p.l_sb + jq * p.l_ss + h * p.l_sh] = lse;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns a cudaError_t (0 = success).
+int mla_decode_fp8_wgmma_sm90(const Params* p, void* stream) {
+  static bool configured = false;
+  if (!configured) {
+    const cudaError_t err = cudaFuncSetAttribute(mla_decode_fp8_wgmma_kernel,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    configured = true;
+  }
+  const dim3 grid((p->s_q * p->heads + kRows - 1) / kRows, p->batch, p->num_splits);
+  mla_decode_fp8_wgmma_kernel<<<grid, kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(*p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int mla_decode_fp8_wgmma_sm90_smem_bytes() { return kSmemBytes; }
+
+}  // extern "C"
