@@ -39,16 +39,18 @@ constexpr int kDimV = 512;
 constexpr int kTile = 64;                // tokens per tile
 constexpr int kRows = 64;                // query rows per CTA (wgmma M)
 constexpr int kThreads = 256;            // two warpgroups
-constexpr int kStages = 3;               // cache tiles in flight
+constexpr int kStages = 2;               // cache tiles in shared memory
 constexpr int kChunks = kDim / 16;       // 16-byte chunks per row
 constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kPScale = 256.f;         // P (<= 1) is stored as e4m3(256 p)
 
-// Q and cache tiles (64 rows x 576 bytes): core matrix (row group g, chunk c) at g*kGroupStride +
-// c*kCmStep; 8 rows of 16 bytes each.
+// Cache tiles (64 rows x 576 bytes): core matrix (row group g, chunk c) at g*kGroupStride +
+// c*kCmStep; 8 rows of 16 bytes each. Q (never transposed) is packed: 128 B and 4608 B steps.
 constexpr int kCmStep = 144;
 constexpr int kGroupStride = kChunks * kCmStep + 16;  // 5200
 constexpr int kTileBytes = 8 * kGroupStride;
+constexpr int kQGroupStride = kChunks * 128;
+constexpr int kQBytes = 8 * kQGroupStride;
 // V^T (per warpgroup: 256 dims x 64 tokens): core matrix (dim group, token chunk) at
 // dg*kVtGroupStride + tc*kCmStep.
 constexpr int kVtGroupStride = 4 * kCmStep + 16;      // 592
@@ -57,10 +59,10 @@ constexpr int kVtHalfBytes = 32 * kVtGroupStride;
 constexpr int kPBytes = kRows * kTile;
 
 constexpr int kSmemQ = 0;
-constexpr int kSmemK = kSmemQ + kTileBytes;
-constexpr int kSmemVt = kSmemK + kStages * kTileBytes;
-constexpr int kSmemP = kSmemVt + 2 * kVtHalfBytes;
-constexpr int kSmemMax = kSmemP + kPBytes;                   // float [2 parities][2 wg][64]
+constexpr int kSmemK = kSmemQ + kQBytes;
+constexpr int kSmemVt = kSmemK + kStages * kTileBytes;      // [2 buffers][2 warpgroups]
+constexpr int kSmemP = kSmemVt + 4 * kVtHalfBytes;          // [2 buffers]
+constexpr int kSmemMax = kSmemP + 2 * kPBytes;              // float [2 parities][2 wg][64]
 constexpr int kSmemSum = kSmemMax + 2 * 2 * kRows * 4;       // float [2 wg][64]
 constexpr int kSmemBytes = kSmemSum + 2 * kRows * 4;
 
@@ -148,8 +150,9 @@ __device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t desc_
 // (row group, chunk column, row in group) so that 8 consecutive threads fill one core matrix.
 __device__ __forceinline__ int chunk_row(int i) { return (i / (8 * kChunks)) * 8 + (i & 7); }
 __device__ __forceinline__ int chunk_col(int i) { return (i % (8 * kChunks)) >> 3; }
+template <int GROUP_STRIDE, int CM_STEP>
 __device__ __forceinline__ int chunk_dst(int i) {
-  return (i / (8 * kChunks)) * kGroupStride + chunk_col(i) * kCmStep + (i & 7) * 16;
+  return (i / (8 * kChunks)) * GROUP_STRIDE + chunk_col(i) * CM_STEP + (i & 7) * 16;
 }
 constexpr int kCopies = kRows * kChunks / kThreads;  // 9 chunks per thread per operand
 static_assert(kRows * kChunks % kThreads == 0, "whole copies per thread");
@@ -188,14 +191,12 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
   extern __shared__ __align__(128) uint8_t smem[];
   uint8_t* q_s = smem + kSmemQ;
   uint8_t* k_s = smem + kSmemK;
-  uint8_t* p_s = smem + kSmemP;
   float* red_sum = reinterpret_cast<float*>(smem + kSmemSum);
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;  // warpgroup: scores for tokens 32wg.. of each tile, output dims 256wg..
   const int warp_in_wg = (tid >> 5) & 3, lane = tid & 31;
   const int g = lane >> 2, q4 = lane & 3;  // accumulator fragment coordinates
-  uint8_t* vt_s = smem + kSmemVt + wg * kVtHalfBytes;
   const int b = blockIdx.y, split = blockIdx.z;
   const int rows_total = p.s_q * p.heads;
   const int row0 = blockIdx.x * kRows;
@@ -204,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
   const int n_tiles = (seq_len + kTile - 1) / kTile;
   const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
   const int tile_begin = split * per_split;
-  const int tile_end = min(n_tiles, tile_begin + per_split);
+  const int n = max(0, min(n_tiles, tile_begin + per_split) - tile_begin);  // tiles of this CTA
 
   // Q rows of this CTA (rows past the request are zero), in the first copy group.
 #pragma unroll
@@ -214,35 +215,40 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
     const bool valid = row < rows_total;
     const uint8_t* src = p.q;
     if (valid) src += b * p.q_sb + (row / p.heads) * p.q_ss + (row % p.heads) * p.q_sh + chunk_col(c) * 16;
-    cp_async_16(smem_addr(q_s + chunk_dst(c)), src, valid ? 16 : 0);
+    cp_async_16(smem_addr(q_s + chunk_dst<kQGroupStride, 128>(c)), src, valid ? 16 : 0);
   }
 
   const int* bt_row = p.block_tables + b * p.bt_s;
-  auto load_tile = [&](int tile, int stage) {  // 64 consecutive tokens of one page
-    const int tok0 = tile * kTile;
+  auto load_tile = [&](int it) {  // tile `it` of this CTA: 64 consecutive tokens of one page
+    const int tok0 = (tile_begin + it) * kTile;
     const long long page = bt_row[tok0 / p.page_size];
     const uint8_t* base = p.kv + page * p.kv_sp + static_cast<long long>(tok0 % p.page_size) * p.kv_st;
-    const uint32_t dst = smem_addr(k_s + stage * kTileBytes);
+    const uint32_t dst = smem_addr(k_s + (it % kStages) * kTileBytes);
     const int valid_rows = seq_len - tok0;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int c = tid + kThreads * i;
       const int r = chunk_row(c);
       const bool valid = r < valid_rows;
-      cp_async_16(dst + chunk_dst(c), base + (valid ? r * p.kv_st + chunk_col(c) * 16 : 0), valid ? 16 : 0);
+      cp_async_16(dst + chunk_dst<kGroupStride, kCmStep>(c), base + (valid ? r * p.kv_st + chunk_col(c) * 16 : 0),
+                  valid ? 16 : 0);
     }
   };
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (tile_begin + s < tile_end) load_tile(tile_begin + s, s);
-    cp_async_commit();
-  }
 
-  const uint64_t q_desc = make_desc(smem_addr(q_s), kCmStep, kGroupStride);
-  const uint64_t p_desc = make_desc(smem_addr(p_s), 128, 512);
-  const uint64_t vt_desc = make_desc(smem_addr(vt_s), kCmStep, kVtGroupStride);
-  constexpr uint64_t kStepK = (2 * kCmStep) >> 4;  // one k-step of 32 bytes = two core matrices
-  constexpr uint64_t kStepP = 256 >> 4;
+  const uint64_t q_desc = make_desc(smem_addr(q_s), 128, kQGroupStride);
+  constexpr uint64_t kStepQ = 256 >> 4;            // one k-step of 32 bytes = two core matrices
+  constexpr uint64_t kStepK = (2 * kCmStep) >> 4;
+  auto vt_half = [&](int it) { return smem + kSmemVt + ((it & 1) * 2 + wg) * kVtHalfBytes; };
+  auto p_buf = [&](int it) { return smem + kSmemP + (it & 1) * kPBytes; };
+  // S = Q . K^T for this warpgroup's 32 tokens of tile `it`, issued asynchronously.
+  auto issue_qk = [&](float (&s)[16], int it) {
+    const uint64_t k_desc =
+        make_desc(smem_addr(k_s + (it % kStages) * kTileBytes + 4 * wg * kGroupStride), kCmStep, kGroupStride);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kDim / 32; ++ks) wgmma_m64n32k32(s, q_desc + ks * kStepQ, k_desc + ks * kStepK, ks);
+    wgmma_commit();
+  };
 
   // This thread's two accumulator rows and their causal limits (number of visible keys).
   int r_local[2], limit[2];
@@ -258,31 +264,42 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};  // this thread's share of the row sums (unscaled P)
+  float s[16], s_next[16];
 
-  for (int tile = tile_begin, it = 0; tile < tile_end; ++tile, ++it) {
-    cp_async_wait<kStages - 2>();
+  // Software pipeline: the softmax of tile `it` runs under Q.K^T of tile it+1, and V of tile
+  // it+1 is transposed under P.V of `it`. Both products are waited for at the end of each
+  // iteration: accumulators still in flight across the loop's back edge make ptxas serialize
+  // every wgmma (warning C7514).
+  cp_async_commit();  // Q
+  if (n > 0) {
+    load_tile(0);
+    cp_async_commit();
+    cp_async_wait<0>();
     fence_async_shared();
-    __syncthreads();  // tile `it` landed; last iteration's readers of P, V^T and the refilled stage are done
-    {
-      const int next = tile + kStages - 1;
-      if (next < tile_end) load_tile(next, (it + kStages - 1) % kStages);
-      cp_async_commit();
-    }
-    const uint8_t* stage = k_s + (it % kStages) * kTileBytes;
-
-    // S = Q . K^T for this warpgroup's 32 tokens, asynchronously; V^T meanwhile.
-    float s[16];
-    const uint64_t k_desc = make_desc(smem_addr(stage + 4 * wg * kGroupStride), kCmStep, kGroupStride);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kDim / 32; ++ks) wgmma_m64n32k32(s, q_desc + ks * kStepK, k_desc + ks * kStepK, ks);
-    wgmma_commit();
-    transpose_v(stage, vt_s, wg, warp_in_wg, lane);
+    __syncthreads();
+    if (n > 1) load_tile(1);
+    cp_async_commit();
+    issue_qk(s, 0);
+    transpose_v(k_s, vt_half(0), wg, warp_in_wg, lane);
     wgmma_wait<0>();
     fence_regs(s);
+  } else {
+    cp_async_wait<0>();
+  }
+
+  for (int it = 0; it < n; ++it) {
+    const bool has_next = it + 1 < n;
+    if (has_next) {
+      cp_async_wait<0>();
+      fence_async_shared();
+      __syncthreads();  // tile it+1 landed; every thread is done with tile it's stage
+      if (it + 2 < n) load_tile(it + 2);
+      cp_async_commit();
+      issue_qk(s_next, it + 1);
+    }
 
     // Scale to log2 units, mask, row maxima across both warpgroups.
-    const int tok_base = tile * kTile + 32 * wg + 2 * q4;
+    const int tok_base = (tile_begin + it) * kTile + 32 * wg + 2 * q4;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -311,6 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
     }
 
     // P = exp2(S - m) -> e4m3(256 P) in shared memory (A operand of P.V); row sums.
+    uint8_t* p_s = p_buf(it);
     float sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -325,6 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
       }
 #pragma unroll
     for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + sum[i];
+
     if (alpha[0] != 1.f || alpha[1] != 1.f) {
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
@@ -335,16 +354,26 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
       }
     }
     fence_async_shared();
-    __syncthreads();  // P from both warpgroups, V^T of this one
+    __syncthreads();  // P of tile `it` from both warpgroups, V^T of this one
 
     // O[64 rows, this warpgroup's 256 dims] += P[64, 64 tokens] . V[64 tokens, 256 dims].
-    wgmma_fence();
-    wgmma_m64n256k32(o, p_desc, vt_desc, 1);
-    wgmma_m64n256k32(o, p_desc + kStepP, vt_desc + kStepK, 1);
-    wgmma_commit();
+    {
+      const uint64_t p_desc = make_desc(smem_addr(p_s), 128, 512);
+      const uint64_t vt_desc = make_desc(smem_addr(vt_half(it)), kCmStep, kVtGroupStride);
+      wgmma_fence();
+      wgmma_m64n256k32(o, p_desc, vt_desc, 1);
+      wgmma_m64n256k32(o, p_desc + kStepQ, vt_desc + kStepK, 1);
+      wgmma_commit();
+    }
+    if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_half(it + 1), wg, warp_in_wg, lane);
     wgmma_wait<0>();
     fence_regs(o);
+    fence_regs(s_next);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = s_next[i];
   }
+  wgmma_wait<0>();
+  fence_regs(o);
 
   // Row sums: the 4 lanes of a row, then both warpgroups.
 #pragma unroll

@@ -10,6 +10,7 @@ ragged lengths, every built launch shape, forced split counts, and CUDA-graph re
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import pytest
 import torch
@@ -26,6 +27,9 @@ needs_hopper = pytest.mark.skipif(not IS_HOPPER, reason="needs a compute capabil
 # Absolute LSE error; FP8 Q·Kᵀ accumulates with reduced precision on Hopper (see the Triton tests).
 LSE_TOL = 1.5e-2
 REL_TOL = 1e-2  # bf16 output rounding and fp16 P dominate (~2e-3 measured for the Triton kernel)
+# The wgmma kernel runs P.V in FP8 (P as e4m3: 3 mantissa bits); measured 1.3e-2 at S=4096. The
+# issue's bound for an FP8 decode is 2e-2.
+WGMMA_REL_TOL = 2e-2
 
 
 # ----------------------------------------------------------------------------- CPU
@@ -122,7 +126,8 @@ def _run(case, seed, **kw):
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_default_shape(case, num_splits):
     err, lse_err = _run(case, seed=len(case[3]) + (num_splits or 0), num_splits=num_splits)
-    assert err < REL_TOL and lse_err < LSE_TOL, (err, lse_err)
+    tol = WGMMA_REL_TOL if mdc.choose_kernel(case[1] * case[2]) == "wgmma" else REL_TOL
+    assert err < tol and lse_err < LSE_TOL, (err, lse_err)
 
 
 @gpu
@@ -148,8 +153,9 @@ WGMMA_CASES = [  # (B, s_q, H, lens): 64+ rows, rows not a multiple of 64, 16 he
 @pytest.mark.parametrize("case", WGMMA_CASES)
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_wgmma_kernel(case, num_splits):
-    err, lse_err = _run(case, seed=3 + (num_splits or 0), kernel="wgmma", num_splits=num_splits)
-    assert err < REL_TOL and lse_err < LSE_TOL, (err, lse_err)
+    wgmma = functools.partial(mdc.mla_decode_cuda, kernel="wgmma")
+    err, lse_err = run_against_reference(wgmma, case, FP8, 3 + (num_splits or 0), num_splits=num_splits)
+    assert err < WGMMA_REL_TOL and lse_err < LSE_TOL, (err, lse_err)
 
 
 @gpu
@@ -169,7 +175,7 @@ def test_wgmma_kernel_page_size_128_and_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     ref, ref_lse = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
-    assert rel_err(out, ref) < REL_TOL and (lse - ref_lse).abs().max().item() < LSE_TOL
+    assert rel_err(out, ref) < WGMMA_REL_TOL and (lse - ref_lse).abs().max().item() < LSE_TOL
 
 
 @gpu
