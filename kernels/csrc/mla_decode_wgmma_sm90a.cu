@@ -219,9 +219,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
   }
 
   const int* bt_row = p.block_tables + b * p.bt_s;
-  auto load_tile = [&](int it) {  // tile `it` of this CTA: 64 consecutive tokens of one page
+  // The page of tile `it` is read from the block table an iteration before its copy is issued:
+  // a dependent global load on the copy's path would stall the whole CTA for its latency.
+  auto page_of = [&](int it) { return it < n ? bt_row[(tile_begin + it) * kTile / p.page_size] : 0; };
+  auto load_tile = [&](int it, long long page) {  // tile `it` of this CTA: 64 consecutive tokens of one page
     const int tok0 = (tile_begin + it) * kTile;
-    const long long page = bt_row[tok0 / p.page_size];
     const uint8_t* base = p.kv + page * p.kv_sp + static_cast<long long>(tok0 % p.page_size) * p.kv_st;
     const uint32_t dst = smem_addr(k_s + (it % kStages) * kTileBytes);
     const int valid_rows = seq_len - tok0;
@@ -271,14 +273,16 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
   // iteration: accumulators still in flight across the loop's back edge make ptxas serialize
   // every wgmma (warning C7514).
   cp_async_commit();  // Q
+  int next_page = 0;  // page of tile it+2
   if (n > 0) {
-    load_tile(0);
+    load_tile(0, page_of(0));
     cp_async_commit();
-    cp_async_wait<0>();
+    if (n > 1) load_tile(1, page_of(1));
+    cp_async_commit();
+    next_page = page_of(2);
+    cp_async_wait<1>();
     fence_async_shared();
     __syncthreads();
-    if (n > 1) load_tile(1);
-    cp_async_commit();
     issue_qk(s, 0);
     transpose_v(k_s, vt_half(0), wg, warp_in_wg, lane);
     wgmma_wait<0>();
@@ -293,9 +297,10 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
       cp_async_wait<0>();
       fence_async_shared();
       __syncthreads();  // tile it+1 landed; every thread is done with tile it's stage
-      if (it + 2 < n) load_tile(it + 2);
-      cp_async_commit();
       issue_qk(s_next, it + 1);
+      if (it + 2 < n) load_tile(it + 2, next_page);
+      cp_async_commit();
+      next_page = page_of(it + 3);
     }
 
     // Scale to log2 units, mask, row maxima across both warpgroups.

@@ -161,7 +161,7 @@ def test_wgmma_kernel(case, num_splits):
 @gpu
 @needs_hopper
 def test_wgmma_kernel_page_size_128_and_graph_replay():
-    q, kv, bt, sl, qs, ks = make_case(3, 1, 128, [70, 1, 4000], FP8, page=128, seed=8, device="cuda")
+    q, kv, bt, sl, qs, ks = make_case(3, 1, 128, [300, 1, 4000], FP8, page=128, seed=8, device="cuda")
     out = torch.empty(3, 1, 128, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(3, 1, 128, device="cuda")
     call = lambda: mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, out=out, lse=lse)  # noqa: E731
@@ -170,7 +170,7 @@ def test_wgmma_kernel_page_size_128_and_graph_replay():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         call()
-    sl.copy_(torch.tensor([3, 129, 2000], dtype=torch.int32))  # new lengths, same graph
+    sl.copy_(torch.tensor([129, 1, 2000], dtype=torch.int32))  # new lengths (slots past the old ones are NaN)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
