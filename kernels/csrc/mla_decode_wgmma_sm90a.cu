@@ -11,8 +11,11 @@
 // - A CTA = 64 query rows x a split of the request's 64-token tiles, two warpgroups. For each
 //   tile, warpgroup w computes scores for tokens 32w..32w+31 (m64n32k32, no duplicated Q.K^T),
 //   the row maxima are exchanged through shared memory, each warpgroup writes its P (e4m3,
-//   scaled by 256 to use the format's range; P <= 1) and accumulates O for output dims
-//   256w..256w+255 over the whole tile (m64n256k32, 128 fp32 registers per thread).
+//   scaled by 16) and accumulates O for output dims 256w..256w+255 over the whole tile
+//   (m64n256k32, 128 fp32 registers per thread). The running maximum moves lazily (only when a
+//   row's maximum passes it by 16x), so O is rarely rescaled.
+// - Software pipeline: the softmax of a tile runs under Q.K^T of the next one, and the next V
+//   transpose under P.V; a tile's page index is read an iteration before its copy.
 // - FP8 wgmma needs both operands K-major: for P.V the latent V must be transposed (tokens
 //   contiguous per dim). Each warpgroup transposes its own 256 dims of the tile in shared memory
 //   while its Q.K^T runs: 16-byte loads, 4x4 byte transposes with byte permutes, 4-byte stores.
@@ -42,7 +45,10 @@ constexpr int kThreads = 256;            // two warpgroups
 constexpr int kStages = 2;               // cache tiles in shared memory
 constexpr int kChunks = kDim / 16;       // 16-byte chunks per row
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kPScale = 256.f;         // P (<= 1) is stored as e4m3(256 p)
+// P = exp2(s - m) <= 2^kRescaleSlack (m moves lazily) is stored as e4m3(2^kLog2PScale P): at
+// most 256 (e4m3 tops out at 448), and values down to 2^-10 stay normal numbers.
+constexpr float kRescaleSlack = 4.f;
+constexpr float kLog2PScale = 4.f;
 
 // Cache tiles (64 rows x 576 bytes): core matrix (row group g, chunk c) at g*kGroupStride +
 // c*kCmStep; 8 rows of 16 bytes each. Q (never transposed) is packed: 128 B and 4608 B steps.
@@ -86,9 +92,13 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 
 // Shared-memory matrix descriptor, no-swizzle layout: `lead` = bytes between core matrices
 // along K, `stride` = bytes between 8-row groups along M/N.
-__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lead, uint32_t stride) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lead >> 4) << 16) |
-         (static_cast<uint64_t>(stride >> 4) << 32);
+// Built from two 32-bit halves: stepping along K only adds to the low half (start address, in
+// 16-byte units, far below its 14-bit limit), which keeps 64-bit adds out of the issue loop.
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lead) { return ((addr & 0x3FFFF) >> 4) | ((lead >> 4) << 16); }
+__device__ __forceinline__ uint64_t make_desc(uint32_t lo, uint32_t stride) {
+  uint64_t d;
+  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "r"(stride >> 4));
+  return d;
 }
 
 // The accumulators must stay put while a wgmma reads or writes them; this keeps the compiler
@@ -237,18 +247,18 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
     }
   };
 
-  const uint64_t q_desc = make_desc(smem_addr(q_s), 128, kQGroupStride);
-  constexpr uint64_t kStepQ = 256 >> 4;            // one k-step of 32 bytes = two core matrices
-  constexpr uint64_t kStepK = (2 * kCmStep) >> 4;
+  const uint32_t q_lo = desc_lo(smem_addr(q_s), 128);
+  constexpr uint32_t kStepQ = 256 >> 4;            // one k-step of 32 bytes = two core matrices
+  constexpr uint32_t kStepK = (2 * kCmStep) >> 4;
   auto vt_half = [&](int it) { return smem + kSmemVt + ((it & 1) * 2 + wg) * kVtHalfBytes; };
   auto p_buf = [&](int it) { return smem + kSmemP + (it & 1) * kPBytes; };
   // S = Q . K^T for this warpgroup's 32 tokens of tile `it`, issued asynchronously.
   auto issue_qk = [&](float (&s)[16], int it) {
-    const uint64_t k_desc =
-        make_desc(smem_addr(k_s + (it % kStages) * kTileBytes + 4 * wg * kGroupStride), kCmStep, kGroupStride);
+    const uint32_t k_lo = desc_lo(smem_addr(k_s + (it % kStages) * kTileBytes + 4 * wg * kGroupStride), kCmStep);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < kDim / 32; ++ks) wgmma_m64n32k32(s, q_desc + ks * kStepQ, k_desc + ks * kStepK, ks);
+    for (int ks = 0; ks < kDim / 32; ++ks)
+      wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), make_desc(k_lo + ks * kStepK, kGroupStride), ks);
     wgmma_commit();
   };
 
@@ -265,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};  // this thread's share of the row sums (unscaled P)
+  float l_run[2] = {0.f, 0.f};  // this thread's share of the row sums (of the scaled P)
   float s[16], s_next[16];
 
   // Software pipeline: the softmax of tile `it` runs under Q.K^T of tile it+1, and V of tile
@@ -303,18 +313,23 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
       next_page = page_of(it + 3);
     }
 
-    // Scale to log2 units, mask, row maxima across both warpgroups.
-    const int tok_base = (tile_begin + it) * kTile + 32 * wg + 2 * q4;
+    // Mask (only a tile that reaches the causal limit needs it), row maxima across both
+    // warpgroups. Scores stay unscaled: the scale is positive, so it is applied to the maxima
+    // and folded into the exponent's FMA.
+    const int tile_tok0 = (tile_begin + it) * kTile;
+    if (tile_tok0 + kTile > seq_len - p.s_q + 1) {
+      const int tok_base = tile_tok0 + 32 * wg + 2 * q4;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (tok_base + 8 * j + (e & 1) >= limit[e >> 1]) s[4 * j + e] = -INFINITY;
+    }
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = e >> 1;
-        const float v = tok_base + 8 * j + (e & 1) < limit[i] ? s[4 * j + e] * p.scale_log2 : -INFINITY;
-        s[4 * j + e] = v;
-        mx[i] = fmaxf(mx[i], v);
-      }
+      for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
     float* red_max = reinterpret_cast<float*>(smem + kSmemMax) + (it & 1) * 2 * kRows;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -323,26 +338,33 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
       if (q4 == 0) red_max[wg * kRows + r_local[i]] = mx[i];
     }
     __syncthreads();
-    float alpha[2], m_use[2];
+    // Lazy rescaling: the reference maximum m_run moves only when a row's maximum passes it by
+    // more than kRescaleSlack (log2 units), so O is rescaled on few tiles; P then stays below
+    // 2^kRescaleSlack, which the e4m3 scale 2^kLog2PScale leaves room for.
+    float alpha[2], bias[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const float m_new = fmaxf(m_run[i], fmaxf(red_max[r_local[i]], red_max[kRows + r_local[i]]));
-      m_use[i] = m_new == -INFINITY ? 0.f : m_new;  // a row with nothing visible yet stays at 0
-      alpha[i] = exp2f(m_run[i] - m_use[i]);
-      m_run[i] = m_new;
+      const float m_tile = fmaxf(red_max[r_local[i]], red_max[kRows + r_local[i]]) * p.scale_log2;
+      alpha[i] = 1.f;
+      if (m_tile > m_run[i] + kRescaleSlack) {
+        alpha[i] = exp2f(m_run[i] - m_tile);
+        m_run[i] = m_tile;
+      }
+      // P = exp2(s * scale - m) * 2^kLog2PScale; a row with nothing visible yet keeps m at 0
+      bias[i] = (m_run[i] == -INFINITY ? 0.f : m_run[i]) - kLog2PScale;
     }
 
-    // P = exp2(S - m) -> e4m3(256 P) in shared memory (A operand of P.V); row sums.
+    // P -> e4m3 in shared memory (A operand of P.V); row sums.
     uint8_t* p_s = p_buf(it);
     float sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const float p0 = exp2f(s[4 * j + 2 * i] - m_use[i]), p1 = exp2f(s[4 * j + 2 * i + 1] - m_use[i]);
+        const float p0 = exp2f(fmaf(s[4 * j + 2 * i], p.scale_log2, -bias[i]));
+        const float p1 = exp2f(fmaf(s[4 * j + 2 * i + 1], p.scale_log2, -bias[i]));
         sum[i] += p0 + p1;
-        const __nv_fp8x2_storage_t pp =
-            __nv_cvt_float2_to_fp8x2(make_float2(p0 * kPScale, p1 * kPScale), __NV_SATFINITE, __NV_E4M3);
+        const __nv_fp8x2_storage_t pp = __nv_cvt_float2_to_fp8x2(make_float2(p0, p1), __NV_SATFINITE, __NV_E4M3);
         const int r = r_local[i], t = 32 * wg + 8 * j + 2 * q4;
         *reinterpret_cast<__nv_fp8x2_storage_t*>(p_s + (r >> 3) * 512 + (t >> 4) * 128 + (r & 7) * 16 + (t & 15)) = pp;
       }
@@ -363,11 +385,11 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
 
     // O[64 rows, this warpgroup's 256 dims] += P[64, 64 tokens] . V[64 tokens, 256 dims].
     {
-      const uint64_t p_desc = make_desc(smem_addr(p_s), 128, 512);
-      const uint64_t vt_desc = make_desc(smem_addr(vt_half(it)), kCmStep, kVtGroupStride);
+      const uint32_t p_lo = desc_lo(smem_addr(p_s), 128);
+      const uint32_t vt_lo = desc_lo(smem_addr(vt_half(it)), kCmStep);
       wgmma_fence();
-      wgmma_m64n256k32(o, p_desc, vt_desc, 1);
-      wgmma_m64n256k32(o, p_desc + kStepQ, vt_desc + kStepK, 1);
+      wgmma_m64n256k32(o, make_desc(p_lo, 512), make_desc(vt_lo, kVtGroupStride), 1);
+      wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepK, kVtGroupStride), 1);
       wgmma_commit();
     }
     if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_half(it + 1), wg, warp_in_wg, lane);
@@ -394,8 +416,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
     const int row = row0 + r_local[i];
     if (row >= rows_total) continue;
     const float l = red_sum[r_local[i]] + red_sum[kRows + r_local[i]];
-    const float inv = l > 0.f ? 1.f / (l * kPScale) : 0.f;
-    const float lse = l > 0.f ? (m_run[i] + log2f(l)) * kLn2 : -INFINITY;
+    const float inv = l > 0.f ? 1.f / l : 0.f;  // l sums the scaled P, like O
+    const float lse = l > 0.f ? (m_run[i] + log2f(l) - kLog2PScale) * kLn2 : -INFINITY;
     const int dim0 = 256 * wg + 2 * q4;
     if (p.num_splits > 1) {
       const long long flat = static_cast<long long>(b) * rows_total + row;
