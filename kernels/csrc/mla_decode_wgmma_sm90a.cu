@@ -11,9 +11,9 @@
 // - A CTA = 64 query rows x a split of the request's 64-token tiles, two warpgroups. For each
 //   tile, warpgroup w computes scores for tokens 32w..32w+31 (m64n32k32, no duplicated Q.K^T),
 //   the row maxima are exchanged through shared memory, each warpgroup writes its P (e4m3,
-//   scaled by 16) and accumulates O for output dims 256w..256w+255 over the whole tile
+//   scaled by 64) and accumulates O for output dims 256w..256w+255 over the whole tile
 //   (m64n256k32, 128 fp32 registers per thread). The running maximum moves lazily (only when a
-//   row's maximum passes it by 16x), so O is rarely rescaled.
+//   row's maximum passes it by 4x), so O is rarely rescaled.
 // - Software pipeline: the softmax of a tile runs under Q.K^T of the next one, and the next V
 //   transpose under P.V; a tile's page index is read an iteration before its copy.
 // - FP8 wgmma needs both operands K-major: for P.V the latent V must be transposed (tokens
@@ -46,9 +46,9 @@ constexpr int kStages = 2;               // cache tiles in shared memory
 constexpr int kChunks = kDim / 16;       // 16-byte chunks per row
 constexpr float kLn2 = 0.6931471805599453f;
 // P = exp2(s - m) <= 2^kRescaleSlack (m moves lazily) is stored as e4m3(2^kLog2PScale P): at
-// most 256 (e4m3 tops out at 448), and values down to 2^-10 stay normal numbers.
-constexpr float kRescaleSlack = 4.f;
-constexpr float kLog2PScale = 4.f;
+// most 256 (e4m3 tops out at 448), and values down to 2^-12 stay normal numbers.
+constexpr float kRescaleSlack = 2.f;
+constexpr float kLog2PScale = 6.f;
 
 // Cache tiles (64 rows x 576 bytes): core matrix (row group g, chunk c) at g*kGroupStride +
 // c*kCmStep; 8 rows of 16 bytes each. Q (never transposed) is packed: 128 B and 4608 B steps.
@@ -156,15 +156,12 @@ __device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t desc_
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-// The 64 x 576-byte operands (Q rows, cache tiles) are copied as 16-byte chunks; chunk i goes to
+// Q (64 rows x 576 bytes, rows strided in memory) is copied as 16-byte chunks; chunk i goes to
 // (row group, chunk column, row in group) so that 8 consecutive threads fill one core matrix.
 __device__ __forceinline__ int chunk_row(int i) { return (i / (8 * kChunks)) * 8 + (i & 7); }
 __device__ __forceinline__ int chunk_col(int i) { return (i % (8 * kChunks)) >> 3; }
-template <int GROUP_STRIDE, int CM_STEP>
-__device__ __forceinline__ int chunk_dst(int i) {
-  return (i / (8 * kChunks)) * GROUP_STRIDE + chunk_col(i) * CM_STEP + (i & 7) * 16;
-}
-constexpr int kCopies = kRows * kChunks / kThreads;  // 9 chunks per thread per operand
+__device__ __forceinline__ int chunk_dst(int i) { return (i / (8 * kChunks)) * kQGroupStride + chunk_col(i) * 128 + (i & 7) * 16; }
+constexpr int kCopies = kRows * kChunks / kThreads;  // 9 chunks per thread per 64-row operand
 static_assert(kRows * kChunks % kThreads == 0, "whole copies per thread");
 
 // This warpgroup's 256 dims of a cache tile -> V^T (tokens contiguous per dim). A thread takes
@@ -225,24 +222,27 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
     const bool valid = row < rows_total;
     const uint8_t* src = p.q;
     if (valid) src += b * p.q_sb + (row / p.heads) * p.q_ss + (row % p.heads) * p.q_sh + chunk_col(c) * 16;
-    cp_async_16(smem_addr(q_s + chunk_dst<kQGroupStride, 128>(c)), src, valid ? 16 : 0);
+    cp_async_16(smem_addr(q_s + chunk_dst(c)), src, valid ? 16 : 0);
   }
 
   const int* bt_row = p.block_tables + b * p.bt_s;
   // The page of tile `it` is read from the block table an iteration before its copy is issued:
   // a dependent global load on the copy's path would stall the whole CTA for its latency.
   auto page_of = [&](int it) { return it < n ? bt_row[(tile_begin + it) * kTile / p.page_size] : 0; };
-  auto load_tile = [&](int it, long long page) {  // tile `it` of this CTA: 64 consecutive tokens of one page
+  // A tile is 64 consecutive token rows of one page, contiguous in memory (the wrapper checks):
+  // consecutive threads copy consecutive 16-byte chunks (whole 128-byte lines per 8 threads;
+  // the padded core-matrix steps keep those 8 stores on distinct banks).
+  auto load_tile = [&](int it, long long page) {  // tile `it` of this CTA
     const int tok0 = (tile_begin + it) * kTile;
-    const uint8_t* base = p.kv + page * p.kv_sp + static_cast<long long>(tok0 % p.page_size) * p.kv_st;
+    const uint8_t* base = p.kv + page * p.kv_sp + static_cast<long long>(tok0 % p.page_size) * kDim;
     const uint32_t dst = smem_addr(k_s + (it % kStages) * kTileBytes);
     const int valid_rows = seq_len - tok0;
 #pragma unroll
     for (int i = 0; i < kCopies; ++i) {
       const int c = tid + kThreads * i;
-      const int r = chunk_row(c);
+      const int r = c / kChunks, col = c % kChunks;
       const bool valid = r < valid_rows;
-      cp_async_16(dst + chunk_dst<kGroupStride, kCmStep>(c), base + (valid ? r * p.kv_st + chunk_col(c) * 16 : 0),
+      cp_async_16(dst + (r >> 3) * kGroupStride + col * kCmStep + (r & 7) * 16, base + (valid ? 16 * c : 0),
                   valid ? 16 : 0);
     }
   };
