@@ -54,9 +54,9 @@ BUILT_CONFIGS = {(1, 4, 2, 64), (1, 8, 2, 64), (1, 8, 3, 64), (2, 4, 2, 64), (2,
 KERNELS = ("mma", "wgmma")
 MMA_MAX_ROWS = 32
 WGMMA_ROWS = 64
-# Shared memory of a wgmma CTA (mirror of the .cu plan): packed Q, two padded cache tiles, two
-# V^T buffers per warpgroup, two P tiles, row maxima and sums.
-WGMMA_SMEM_BYTES = 64 * 576 + 2 * 8 * (36 * 144 + 16) + 4 * 32 * (4 * 144 + 16) + 2 * 64 * 64 + 3 * 2 * 64 * 4
+# Shared memory of a wgmma CTA (mirror of the .cu plan): packed Q, three padded cache tiles,
+# V^T (two warpgroup halves), P, row maxima and sums.
+WGMMA_SMEM_BYTES = 64 * 576 + 3 * 8 * (36 * 144 + 16) + 2 * 32 * (4 * 144 + 16) + 64 * 64 + 3 * 2 * 64 * 4
 
 
 class CudaKernelUnavailable(RuntimeError):

@@ -14,8 +14,8 @@
 //   scaled by 64) and accumulates O for output dims 256w..256w+255 over the whole tile
 //   (m64n256k32, 128 fp32 registers per thread). The running maximum moves lazily (only when a
 //   row's maximum passes it by 4x), so O is rarely rescaled.
-// - Software pipeline: the softmax of a tile runs under Q.K^T of the next one, and the next V
-//   transpose under P.V; a tile's page index is read an iteration before its copy.
+// - Software pipeline: the softmax of a tile runs under Q.K^T of the next one, two more tiles
+//   are in flight, and a tile's page index is read an iteration before its copy.
 // - FP8 wgmma needs both operands K-major: for P.V the latent V must be transposed (tokens
 //   contiguous per dim). Each warpgroup transposes its own 256 dims of the tile in shared memory
 //   while its Q.K^T runs: 16-byte loads, 4x4 byte transposes with byte permutes, 4-byte stores.
@@ -42,7 +42,7 @@ constexpr int kDimV = 512;
 constexpr int kTile = 64;                // tokens per tile
 constexpr int kRows = 64;                // query rows per CTA (wgmma M)
 constexpr int kThreads = 256;            // two warpgroups
-constexpr int kStages = 2;               // cache tiles in shared memory
+constexpr int kStages = 3;               // cache tiles in shared memory (two copies in flight)
 constexpr int kChunks = kDim / 16;       // 16-byte chunks per row
 constexpr float kLn2 = 0.6931471805599453f;
 // P = exp2(s - m) <= 2^kRescaleSlack (m moves lazily) is stored as e4m3(2^kLog2PScale P): at
@@ -66,9 +66,9 @@ constexpr int kPBytes = kRows * kTile;
 
 constexpr int kSmemQ = 0;
 constexpr int kSmemK = kSmemQ + kQBytes;
-constexpr int kSmemVt = kSmemK + kStages * kTileBytes;      // [2 buffers][2 warpgroups]
-constexpr int kSmemP = kSmemVt + 4 * kVtHalfBytes;          // [2 buffers]
-constexpr int kSmemMax = kSmemP + 2 * kPBytes;              // float [2 parities][2 wg][64]
+constexpr int kSmemVt = kSmemK + kStages * kTileBytes;      // [2 warpgroups]
+constexpr int kSmemP = kSmemVt + 2 * kVtHalfBytes;
+constexpr int kSmemMax = kSmemP + kPBytes;                  // float [2 parities][2 wg][64]
 constexpr int kSmemSum = kSmemMax + 2 * 2 * kRows * 4;       // float [2 wg][64]
 constexpr int kSmemBytes = kSmemSum + 2 * kRows * 4;
 
@@ -250,8 +250,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
   const uint32_t q_lo = desc_lo(smem_addr(q_s), 128);
   constexpr uint32_t kStepQ = 256 >> 4;            // one k-step of 32 bytes = two core matrices
   constexpr uint32_t kStepK = (2 * kCmStep) >> 4;
-  auto vt_half = [&](int it) { return smem + kSmemVt + ((it & 1) * 2 + wg) * kVtHalfBytes; };
-  auto p_buf = [&](int it) { return smem + kSmemP + (it & 1) * kPBytes; };
+  uint8_t* vt_s = smem + kSmemVt + wg * kVtHalfBytes;  // this warpgroup's V^T
+  uint8_t* p_s = smem + kSmemP;
   // S = Q . K^T for this warpgroup's 32 tokens of tile `it`, issued asynchronously.
   auto issue_qk = [&](float (&s)[16], int it) {
     const uint32_t k_lo = desc_lo(smem_addr(k_s + (it % kStages) * kTileBytes + 4 * wg * kGroupStride), kCmStep);
@@ -278,23 +278,25 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
   float l_run[2] = {0.f, 0.f};  // this thread's share of the row sums (of the scaled P)
   float s[16], s_next[16];
 
-  // Software pipeline: the softmax of tile `it` runs under Q.K^T of tile it+1, and V of tile
-  // it+1 is transposed under P.V of `it`. Both products are waited for at the end of each
-  // iteration: accumulators still in flight across the loop's back edge make ptxas serialize
-  // every wgmma (warning C7514).
+  // Software pipeline: the softmax of tile `it` runs under Q.K^T of tile it+1; tiles it+2 and
+  // it+3 are in flight meanwhile (measured: the copies, not the MMAs, bound this kernel when
+  // only one tile was in flight). Both products are waited for at the end of each iteration:
+  // accumulators still in flight across the loop's back edge make ptxas serialize every wgmma
+  // (warning C7514).
   cp_async_commit();  // Q
-  int next_page = 0;  // page of tile it+2
+  int next_page = 0;  // page of tile it+3
   if (n > 0) {
-    load_tile(0, page_of(0));
-    cp_async_commit();
-    if (n > 1) load_tile(1, page_of(1));
-    cp_async_commit();
-    next_page = page_of(2);
-    cp_async_wait<1>();
+#pragma unroll
+    for (int t = 0; t < kStages; ++t) {
+      if (t < n) load_tile(t, page_of(t));
+      cp_async_commit();
+    }
+    next_page = page_of(kStages);
+    cp_async_wait<kStages - 1>();
     fence_async_shared();
     __syncthreads();
     issue_qk(s, 0);
-    transpose_v(k_s, vt_half(0), wg, warp_in_wg, lane);
+    transpose_v(k_s, vt_s, wg, warp_in_wg, lane);
     wgmma_wait<0>();
     fence_regs(s);
   } else {
@@ -304,13 +306,13 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
   for (int it = 0; it < n; ++it) {
     const bool has_next = it + 1 < n;
     if (has_next) {
-      cp_async_wait<0>();
+      cp_async_wait<kStages - 2>();
       fence_async_shared();
       __syncthreads();  // tile it+1 landed; every thread is done with tile it's stage
-      issue_qk(s_next, it + 1);
-      if (it + 2 < n) load_tile(it + 2, next_page);
+      if (it + kStages < n) load_tile(it + kStages, next_page);
       cp_async_commit();
-      next_page = page_of(it + 3);
+      next_page = page_of(it + kStages + 1);
+      issue_qk(s_next, it + 1);
     }
 
     // Mask (only a tile that reaches the causal limit needs it), row maxima across both
@@ -355,7 +357,6 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
     }
 
     // P -> e4m3 in shared memory (A operand of P.V); row sums.
-    uint8_t* p_s = p_buf(it);
     float sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -386,16 +387,17 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
     // O[64 rows, this warpgroup's 256 dims] += P[64, 64 tokens] . V[64 tokens, 256 dims].
     {
       const uint32_t p_lo = desc_lo(smem_addr(p_s), 128);
-      const uint32_t vt_lo = desc_lo(smem_addr(vt_half(it)), kCmStep);
+      const uint32_t vt_lo = desc_lo(smem_addr(vt_s), kCmStep);
       wgmma_fence();
       wgmma_m64n256k32(o, make_desc(p_lo, 512), make_desc(vt_lo, kVtGroupStride), 1);
       wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepK, kVtGroupStride), 1);
       wgmma_commit();
     }
-    if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_half(it + 1), wg, warp_in_wg, lane);
     wgmma_wait<0>();
     fence_regs(o);
     fence_regs(s_next);
+    // V^T of tile it+1 (this warpgroup's P.V of `it` is done with the buffer).
+    if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_s, wg, warp_in_wg, lane);
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = s_next[i];
   }
