@@ -60,9 +60,10 @@ def mla_decode_reference(
 BACKENDS = ("auto", "cuda", "triton", "flashinfer", "trtllm", "torch")
 
 
-# Query rows (heads per GPU x query tokens) up to which our CUDA C++ kernel beats the Triton
-# one with an FP8 cache (H200: 16 rows 110 vs 297 µs, 32 rows 195 vs 440 µs; 128 rows 585 vs
-# 443 µs at B=128, S=4096; benchmarks/RESULTS.md).
+# Query rows (heads per GPU x query tokens) up to which `auto` takes our CUDA C++ library with an
+# FP8 cache (H200, B=128, S=4096: 16 rows 110 vs 297 µs for Triton, 32 rows 197 vs 440 µs). Above,
+# its FP8-wgmma kernel is only 1.1x Triton (128 rows: 397 vs 447 µs) for a 6x larger error (FP8
+# P.V: 1.5e-2 vs 2.3e-3), so `auto` keeps Triton there; `--attention-backend cuda` selects it.
 CUDA_KERNEL_MAX_ROWS = 32
 
 
