@@ -39,7 +39,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "mla_decode_params.h"
+#include "mla_decode_common.cuh"
 
 namespace {
 
@@ -51,10 +51,6 @@ constexpr int kQRowBytes = 2 * kDim + 16; // fp16 Q row, padded (conflict-free l
 constexpr float kLn2 = 0.6931471805599453f;
 
 
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -73,17 +69,6 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], u
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // Four e4m3 bytes -> two f16x2 (bytes 0,1 -> lo; bytes 2,3 -> hi), one conversion each, reading
@@ -143,10 +128,8 @@ __global__ void __launch_bounds__(32 * R * C, (TILE == 32 && R * C == 4) ? 3 : (
   const int row0 = blockIdx.x * kRows;
 
   const int seq_len = p.seq_lens[b];
-  const int n_tiles = (seq_len + kTile - 1) / kTile;
-  const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
-  const int tile_begin = split * per_split;
-  const int tile_end = min(n_tiles, tile_begin + per_split);
+  const TileRange tiles(seq_len, kTile, p.num_splits, split);
+  const int tile_begin = tiles.begin, tile_end = tiles.end;
 
   // Q rows of this CTA -> fp16 in shared memory (exact), rows past the request are zero.
   // Hopper has no FP8 mma.sync (ptxas widens both operands to f16 on every use), so Q is

@@ -33,7 +33,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "mla_decode_params.h"
+#include "mla_decode_common.cuh"
 
 namespace {
 
@@ -71,17 +71,6 @@ constexpr int kSmemP = kSmemVt + 2 * kVtHalfBytes;
 constexpr int kSmemMax = kSmemP + kPBytes;                  // float [2 parities][2 wg][64]
 constexpr int kSmemSum = kSmemMax + 2 * 2 * kRows * 4;       // float [2 wg][64]
 constexpr int kSmemBytes = kSmemSum + 2 * kRows * 4;
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // Generic-proxy shared-memory writes (st.shared, cp.async) -> visible to wgmma (async proxy).
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -209,10 +198,8 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
   const int row0 = blockIdx.x * kRows;
 
   const int seq_len = p.seq_lens[b];
-  const int n_tiles = (seq_len + kTile - 1) / kTile;
-  const int per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
-  const int tile_begin = split * per_split;
-  const int n = max(0, min(n_tiles, tile_begin + per_split) - tile_begin);  // tiles of this CTA
+  const TileRange tiles(seq_len, kTile, p.num_splits, split);
+  const int tile_begin = tiles.begin, n = tiles.end - tiles.begin;  // tiles of this CTA
 
   // Q rows of this CTA (rows past the request are zero), in the first copy group.
 #pragma unroll
