@@ -17,8 +17,9 @@
 // - Software pipeline: the softmax of a tile runs under Q.K^T of the next one, two more tiles
 //   are in flight, and a tile's page index is read an iteration before its copy.
 // - FP8 wgmma needs both operands K-major: for P.V the latent V must be transposed (tokens
-//   contiguous per dim). Each warpgroup transposes its own 256 dims of the tile in shared memory
-//   while its Q.K^T runs: 16-byte loads, 4x4 byte transposes with byte permutes, 4-byte stores.
+//   contiguous per dim). Each warpgroup transposes its own 256 dims of the next tile in shared
+//   memory once its P.V is done (one V^T buffer: shared memory holds Q, three tiles and V^T):
+//   16-byte loads, 4x4 byte transposes with byte permutes, 4-byte stores.
 // - Operands use wgmma's no-swizzle layout (core matrices of 8 rows x 16 bytes), with core
 //   matrices padded (144-byte steps along K, 5200 / 592-byte steps between row groups) so that
 //   the cp.async stores, the transpose's loads and its stores are all free of bank conflicts.
