@@ -1,0 +1,82 @@
+"""Where the wgmma MLA decode kernel's time goes: time it with one part deleted at a time (Q.K^T
+wgmma, P.V wgmma, the V transpose, the steady-state tile copies), on the same inputs in one
+process. The variants compute garbage; only their times mean something. On the device:
+
+    source .device-wheels/install.sh && python3 benchmarks/ablate_mla_wgmma.py
+
+Each variant is a text edit of a copy of kernels/csrc/mla_decode_wgmma_sm90a.cu (the asserts say
+when an edited line no longer exists), built with the library's nvcc flags into /tmp/abl.
+"""
+import argparse
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kernels import mla_decode_cuda as mdc  # noqa: E402
+
+# Lines deleted per variant (the kernel's own lines, verbatim).
+CUTS = {
+    "base": [],
+    "noqk": ["      wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), make_desc(k_lo + ks * kStepK, kGroupStride), ks);"],
+    "nopv": ["      wgmma_m64n256k32(o, make_desc(p_lo, 512), make_desc(vt_lo, kVtGroupStride), 1);",
+             "      wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepK, kVtGroupStride), 1);"],
+    "notr": ["    if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_s, wg, warp_in_wg, lane);"],
+    "noload": ["      if (it + kStages < n) load_tile(it + kStages, next_page);"],
+}
+CUTS["nomma"] = CUTS["noqk"] + CUTS["nopv"]
+
+
+def build_variant(name: str, out: Path) -> Path:
+    src = mdc.SOURCES[1].read_text()
+    for line in CUTS[name]:
+        assert line in src, f"{name}: the kernel no longer has {line.strip()!r}"
+        src = src.replace(line, "")
+    d = out / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / mdc.SOURCES[1].name).write_text(src)
+    (d / mdc.HEADERS[0].name).write_text(mdc.HEADERS[0].read_text())
+    lib = d / "variant.so"
+    subprocess.run([mdc.find_nvcc() or "nvcc", *mdc.NVCC_FLAGS, "-o", str(lib), str(d / mdc.SOURCES[1].name)],
+                   check=True, capture_output=True, text=True)
+    return lib
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--out", type=Path, default=Path("/tmp/mlaserve-ablate"))
+    ap.add_argument("--build-only", action="store_true", help="check that every variant still builds (no GPU)")
+    args = ap.parse_args()
+    libs = {name: build_variant(name, args.out) for name in CUTS}
+    if args.build_only:
+        print("built", ", ".join(libs))
+        return
+    from triton.testing import do_bench
+
+    from benchmarks.bench_mla_decode import K_SCALE, Q_SCALE, SM_SCALE, Case, build_inputs
+
+    x = build_inputs(Case(args.batch, args.seq, args.heads, 1))
+    for name, path in libs.items():
+        lib = ctypes.CDLL(str(path))
+        lib.mla_decode_fp8_wgmma_sm90.argtypes = [ctypes.POINTER(mdc._Params), ctypes.c_void_p]
+        lib.mla_decode_fp8_wgmma_sm90.restype = ctypes.c_int
+        mdc._library = lambda lib=lib: lib  # every call below goes to this variant
+
+        def run():
+            return mdc.mla_decode_cuda(x["q8"], x["kv8"], x["tables"], x["lens"], SM_SCALE, q_scale=Q_SCALE,
+                                       k_scale=K_SCALE, kernel="wgmma")
+
+        run()
+        torch.cuda.synchronize()
+        print(f"{name:8s} {do_bench(run, warmup=25, rep=100, return_mode='median') * 1e3:8.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
