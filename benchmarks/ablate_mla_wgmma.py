@@ -5,7 +5,8 @@ process. The variants compute garbage; only their times mean something. On the d
     source .device-wheels/install.sh && python3 benchmarks/ablate_mla_wgmma.py
 
 Each variant is a text edit of a copy of kernels/csrc/mla_decode_wgmma_sm90a.cu (the asserts say
-when an edited line no longer exists), built with the library's nvcc flags into /tmp/abl.
+when an edited line no longer exists; a CPU test checks that too), built with the library's nvcc
+flags under --out (default /tmp/mlaserve-ablate).
 """
 import argparse
 import ctypes

@@ -237,3 +237,12 @@ def test_bad_inputs_are_refused():
         mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, kernel="tcgen05")
     with pytest.raises(ValueError, match="one shape"):
         mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, kernel="wgmma", config=(1, 4, 2, 64))
+
+
+def test_ablation_tool_still_finds_the_kernel_lines_it_deletes():
+    """benchmarks/ablate_mla_wgmma.py deletes verbatim kernel lines; keep it in step with the .cu."""
+    from benchmarks.ablate_mla_wgmma import CUTS
+
+    src = mdc.SOURCES[1].read_text()
+    for name, lines in CUTS.items():
+        assert all(line in src for line in lines), name
