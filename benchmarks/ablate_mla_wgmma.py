@@ -23,11 +23,12 @@ from kernels import mla_decode_cuda as mdc  # noqa: E402
 # Lines deleted per variant (the kernel's own lines, verbatim).
 CUTS = {
     "base": [],
-    "noqk": ["      wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), make_desc(k_lo + ks * kStepK, kGroupStride), ks);"],
+    "noqk": ["      wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), desc_k, ks);"],
     "nopv": ["      wgmma_m64n256k32(o, make_desc(p_lo, 512), make_desc(vt_lo, kVtGroupStride), 1);",
-             "      wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepK, kVtGroupStride), 1);"],
-    "notr": ["    if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_s, wg, warp_in_wg, lane);"],
-    "noload": ["      if (it + kStages < n) load_tile(it + kStages, next_page);"],
+             "      wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepVt, kVtGroupStride), 1);"],
+    "notr": ["    if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_s, wg, warp_in_wg, lane, valid_in(it + 1));"],
+    # the steady-state loads and the waits for them (a wait for a load never issued would hang)
+    "noload": ["        load_tile(it + kStages, next_page);", "      wait_tile(it + 1);"],
 }
 CUTS["nomma"] = CUTS["noqk"] + CUTS["nopv"]
 
@@ -66,7 +67,7 @@ def main() -> None:
     x = build_inputs(Case(args.batch, args.seq, args.heads, 1))
     for name, path in libs.items():
         lib = ctypes.CDLL(str(path))
-        lib.mla_decode_fp8_wgmma_sm90.argtypes = [ctypes.POINTER(mdc._Params), ctypes.c_void_p]
+        lib.mla_decode_fp8_wgmma_sm90.argtypes = [ctypes.POINTER(mdc._Params), ctypes.c_longlong, ctypes.c_void_p]
         lib.mla_decode_fp8_wgmma_sm90.restype = ctypes.c_int
         mdc._library = lambda lib=lib: lib  # every call below goes to this variant
 

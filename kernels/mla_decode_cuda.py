@@ -9,7 +9,8 @@ Two kernels, chosen by query rows per request (heads per GPU x query tokens):
   read with ``ldmatrix.trans`` and widened in registers.
 - ``wgmma`` (``mla_decode_wgmma_sm90a.cu``), 64+ rows (128 heads): compute-bound; FP8 wgmma
   for Q·Kᵀ and P·V, V transposed in shared memory (Hopper's FP8 MMAs need both operands
-  K-major), 64 rows and two warpgroups per CTA.
+  K-major), 64 rows and two warpgroups per CTA, cache tiles loaded by TMA (the library encodes
+  the cache's tensor map on each call: host work only, and a CUDA graph keeps it).
 
 Build: the sources are compiled with ``nvcc`` (sm_90a) on first use (about 10 s) into a
 per-user cache (``$MLASERVE_KERNEL_CACHE``, default ``~/.cache/mlaserve/kernels``), keyed by a
@@ -54,9 +55,11 @@ BUILT_CONFIGS = {(1, 4, 2, 64), (1, 8, 2, 64), (1, 8, 3, 64), (2, 4, 2, 64), (2,
 KERNELS = ("mma", "wgmma")
 MMA_MAX_ROWS = 32
 WGMMA_ROWS = 64
-# Shared memory of a wgmma CTA (mirror of the .cu plan): packed Q, three padded cache tiles,
-# V^T (two warpgroup halves), P, row maxima and sums.
-WGMMA_SMEM_BYTES = 64 * 576 + 3 * 8 * (36 * 144 + 16) + 2 * 32 * (4 * 144 + 16) + 64 * 64 + 3 * 2 * 64 * 4
+# Shared memory of a wgmma CTA (mirror of the .cu plan): three cache tiles as TMA writes them
+# (five 64 x 128-byte boxes), packed Q, V^T (two padded warpgroup halves), P, row maxima and
+# sums, the stages' mbarriers, and room to align the tiles to 1024 bytes.
+WGMMA_SMEM_BYTES = (3 * 5 * 64 * 128 + 64 * 576 + 2 * 32 * (4 * 144 + 16) + 64 * 64 + 3 * 2 * 64 * 4
+                    + 3 * 8 + 1024)
 
 
 class CudaKernelUnavailable(RuntimeError):
@@ -131,7 +134,7 @@ def _library() -> ctypes.CDLL:
     lib.mla_decode_fp8_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                         ctypes.c_int, ctypes.c_void_p]
     lib.mla_decode_fp8_sm90.restype = ctypes.c_int
-    lib.mla_decode_fp8_wgmma_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_void_p]
+    lib.mla_decode_fp8_wgmma_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_void_p]
     lib.mla_decode_fp8_wgmma_sm90.restype = ctypes.c_int
     lib.mla_decode_fp8_sm90_params_bytes.restype = ctypes.c_int
     if lib.mla_decode_fp8_sm90_params_bytes() != ctypes.sizeof(_Params):
@@ -292,11 +295,12 @@ def mla_decode_cuda(
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         if shape is None:
-            err = _library().mla_decode_fp8_wgmma_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
+            err = _library().mla_decode_fp8_wgmma_sm90(ctypes.byref(p), kv_cache.shape[0], ctypes.c_void_p(stream))
         else:
             err = _library().mla_decode_fp8_sm90(ctypes.byref(p), *shape, ctypes.c_void_p(stream))
     if err != 0:
-        reason = "launch shape not built" if err == -1 else f"cudaError_t {err}"
+        reasons = {-1: "launch shape not built", -2: "the driver refused the cache's TMA tensor map"}
+        reason = reasons.get(err, f"cudaError_t {err}")
         raise RuntimeError(f"mla_decode_fp8_sm90 ({kernel}): {reason}")
     if splits > 1:
         _combine_kernel[(bsz * rows,)](

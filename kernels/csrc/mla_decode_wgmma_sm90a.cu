@@ -14,20 +14,29 @@
 //   scaled by 64) and accumulates O for output dims 256w..256w+255 over the whole tile
 //   (m64n256k32, 128 fp32 registers per thread). The running maximum moves lazily (only when a
 //   row's maximum passes it by 4x), so O is rarely rescaled.
+// - Cache tiles arrive by TMA: one thread issues five 128-byte x 64-token boxes per tile (the
+//   fifth half out of bounds, zero-filled) into wgmma's 128-byte-swizzled K-major layout, and
+//   an mbarrier per stage says when they landed. (Per-thread cp.async of 16-byte chunks cost
+//   40 % of the kernel's time: 2304 copies per tile, their address math on the issue path.)
 // - Software pipeline: the softmax of a tile runs under Q.K^T of the next one, two more tiles
-//   are in flight, and a tile's page index is read an iteration before its copy.
+//   are in flight, and a tile's page index is read an iteration before its TMA is issued.
 // - FP8 wgmma needs both operands K-major: for P.V the latent V must be transposed (tokens
 //   contiguous per dim). Each warpgroup transposes its own 256 dims of the next tile in shared
 //   memory once its P.V is done (one V^T buffer: shared memory holds Q, three tiles and V^T):
-//   16-byte loads, 4x4 byte transposes with byte permutes, 4-byte stores.
-// - Operands use wgmma's no-swizzle layout (core matrices of 8 rows x 16 bytes), with core
-//   matrices padded (144-byte steps along K, 5200 / 592-byte steps between row groups) so that
-//   the cp.async stores, the transpose's loads and its stores are all free of bank conflicts.
-// - Tokens past the sequence are zero-filled by the copy (src-size 0), so poisoned (NaN) slots
-//   never reach the P.V product; split-KV writes normalized partials + LSE for the combine
+//   16-byte loads, 4x4 byte transposes with byte permutes, 4-byte stores. A thread transposes
+//   tokens b, b+8, b+16, b+24 (not four consecutive ones), which makes the loads from the
+//   swizzled tile conflict-free; P.V's reduction order is a permutation of the tile's tokens,
+//   the same one for P's columns and V^T's rows (see p_column).
+// - Q, P and V^T use wgmma's no-swizzle layout (core matrices of 8 rows x 16 bytes), V^T
+//   padded (144-byte steps along K, 592-byte steps between row groups) so that the
+//   transpose's stores are free of bank conflicts.
+// - Slots past the sequence in a tile's last page are loaded as they are (poisoned slots hold
+//   NaN): their scores are masked to -inf and the transpose writes zeros for them, so they
+//   never reach the P.V product. Split-KV writes normalized partials + LSE for the combine
 //   kernel (kernels/mla_decode_triton.py), like the sister kernel. Launch shape depends only on
-//   tensor shapes: capturable in a CUDA graph.
+//   tensor shapes, the tensor map only on the cache tensor: capturable in a CUDA graph.
 
+#include <cuda.h>  // CUtensorMap and its enums only: the driver is reached through the runtime
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -43,7 +52,7 @@ constexpr int kDimV = 512;
 constexpr int kTile = 64;                // tokens per tile
 constexpr int kRows = 64;                // query rows per CTA (wgmma M)
 constexpr int kThreads = 256;            // two warpgroups
-constexpr int kStages = 3;               // cache tiles in shared memory (two copies in flight)
+constexpr int kStages = 3;               // cache tiles in shared memory (two loads in flight)
 constexpr int kChunks = kDim / 16;       // 16-byte chunks per row
 constexpr float kLn2 = 0.6931471805599453f;
 // P = exp2(s - m) <= 2^kRescaleSlack (m moves lazily) is stored as e4m3(2^kLog2PScale P): at
@@ -51,27 +60,34 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kRescaleSlack = 2.f;
 constexpr float kLog2PScale = 6.f;
 
-// Cache tiles (64 rows x 576 bytes): core matrix (row group g, chunk c) at g*kGroupStride +
-// c*kCmStep; 8 rows of 16 bytes each. Q (never transposed) is packed: 128 B and 4608 B steps.
-constexpr int kCmStep = 144;
-constexpr int kGroupStride = kChunks * kCmStep + 16;  // 5200
-constexpr int kTileBytes = 8 * kGroupStride;
+// Cache tiles, as TMA writes them with the 128-byte swizzle: five boxes of 64 token rows x 128
+// bytes (dims 128i..128i+127; the last box's second half is zero), the 16-byte chunk c of token
+// t at box + 128 t + 16 (c ^ (t & 7)). Boxes must start on 1024-byte boundaries.
+constexpr int kBoxBytes = 128;
+constexpr int kBoxes = (kDim + kBoxBytes - 1) / kBoxBytes;  // 5
+constexpr int kBoxSize = kTile * kBoxBytes;                // 8192
+constexpr int kTileBytes = kBoxes * kBoxSize;              // 40960
+// Q (never transposed, copied by the threads) is packed: 128 B and 4608 B steps.
 constexpr int kQGroupStride = kChunks * 128;
 constexpr int kQBytes = 8 * kQGroupStride;
 // V^T (per warpgroup: 256 dims x 64 tokens): core matrix (dim group, token chunk) at
 // dg*kVtGroupStride + tc*kCmStep.
+constexpr int kCmStep = 144;
 constexpr int kVtGroupStride = 4 * kCmStep + 16;      // 592
 constexpr int kVtHalfBytes = 32 * kVtGroupStride;
 // P (64 rows x 64 tokens, e4m3): packed core matrices, 128 B along K, 512 B between row groups.
 constexpr int kPBytes = kRows * kTile;
 
-constexpr int kSmemQ = 0;
-constexpr int kSmemK = kSmemQ + kQBytes;
-constexpr int kSmemVt = kSmemK + kStages * kTileBytes;      // [2 warpgroups]
+// Offsets from the first 1024-byte boundary of the dynamic shared memory.
+constexpr int kSmemK = 0;
+constexpr int kSmemQ = kSmemK + kStages * kTileBytes;
+constexpr int kSmemVt = kSmemQ + kQBytes;                   // [2 warpgroups]
 constexpr int kSmemP = kSmemVt + 2 * kVtHalfBytes;
 constexpr int kSmemMax = kSmemP + kPBytes;                  // float [2 parities][2 wg][64]
 constexpr int kSmemSum = kSmemMax + 2 * 2 * kRows * 4;       // float [2 wg][64]
-constexpr int kSmemBytes = kSmemSum + 2 * kRows * 4;
+constexpr int kSmemBar = kSmemSum + 2 * kRows * 4;           // uint64 [kStages]: tile landed
+constexpr int kSmemAlign = 1024;
+constexpr int kSmemBytes = kSmemBar + kStages * 8 + kSmemAlign;  // + room to align the base
 
 // Generic-proxy shared-memory writes (st.shared, cp.async) -> visible to wgmma (async proxy).
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -89,6 +105,36 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t lo, uint32_t stride) {
   uint64_t d;
   asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "r"(stride >> 4));
   return d;
+}
+// The same for a 128-byte-swizzled K-major operand (8-row atoms of 1024 bytes, 1024-byte
+// aligned): the leading offset is unused, a step along K inside the atom adds to the start.
+__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t addr) {
+  uint64_t d;
+  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(desc_lo(addr, 16)), "r"((1024u >> 4) | (1u << 30)));
+  return d;
+}
+
+// mbarriers (one per stage): the TMA's bytes complete the phase that thread 0 armed.
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arm(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+// One box of the cache's tensor map (coordinates: byte in the token row, token in the page,
+// page) to shared memory, completing `bar`'s transaction count.
+__device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* map, int x, int y, int z, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar) : "memory");
 }
 
 // The accumulators must stay put while a wgmma reads or writes them; this keeps the compiler
@@ -154,45 +200,39 @@ __device__ __forceinline__ int chunk_dst(int i) { return (i / (8 * kChunks)) * k
 constexpr int kCopies = kRows * kChunks / kThreads;  // 9 chunks per thread per 64-row operand
 static_assert(kRows * kChunks % kThreads == 0, "whole copies per thread");
 
-// Nine 16-byte copies of one thread's chunks of a full tile: chunk i comes from src + 4096 i
-// (consecutive threads, consecutive chunks) and goes to tile + (plan[i] & 0xFFFF).
-__device__ __forceinline__ void copy_full_tile(uint32_t tile, const uint32_t (&plan)[kCopies], const uint8_t* src) {
-  static_assert(kCopies == 9 && kThreads * 16 == 4096, "the asm below spells out nine copies 4096 bytes apart");
-  uint32_t d[kCopies];
-#pragma unroll
-  for (int i = 0; i < kCopies; ++i) d[i] = tile + (plan[i] & 0xFFFF);
-  asm volatile(
-      "cp.async.cg.shared.global [%0], [%9], 16;\n"
-      "cp.async.cg.shared.global [%1], [%9+4096], 16;\n"
-      "cp.async.cg.shared.global [%2], [%9+8192], 16;\n"
-      "cp.async.cg.shared.global [%3], [%9+12288], 16;\n"
-      "cp.async.cg.shared.global [%4], [%9+16384], 16;\n"
-      "cp.async.cg.shared.global [%5], [%9+20480], 16;\n"
-      "cp.async.cg.shared.global [%6], [%9+24576], 16;\n"
-      "cp.async.cg.shared.global [%7], [%9+28672], 16;\n"
-      "cp.async.cg.shared.global [%8], [%9+32768], 16;\n" ::"r"(d[0]),
-      "r"(d[1]), "r"(d[2]), "r"(d[3]), "r"(d[4]), "r"(d[5]), "r"(d[6]), "r"(d[7]), "r"(d[8]), "l"(src));
-}
+// P.V's reduction runs over a permutation of the tile's 64 tokens (the transpose below reads
+// tokens b, b+8, b+16, b+24 together): token 32h + 8k + b is column 32h + 4b + k of P and row
+// 32h + 4b + k of V^T. The permutation keeps each 32-token half in place.
+__device__ __forceinline__ int p_column(int token) { return (token & ~31) | ((token & 7) << 2) | ((token >> 3) & 3); }
 
-// This warpgroup's 256 dims of a cache tile -> V^T (tokens contiguous per dim). A thread takes
-// two blocks of 4 tokens x 16 dims: four 16-byte loads, 4x4 byte transposes, 4-byte stores
-// (lanes spread over 4 dim chunks x 8 token quads: conflict-free on both sides).
-__device__ __forceinline__ void transpose_v(const uint8_t* tile, uint8_t* vt_half, int wg, int warp_in_wg, int lane) {
+// This warpgroup's 256 dims of a cache tile -> V^T (tokens contiguous per dim, in P's column
+// order). A thread takes two blocks of 4 tokens (b, b+8, b+16, b+24 of one half) x 16 dims:
+// four 16-byte loads (8 lanes read one token-row set of a 128-byte swizzle atom: conflict-free),
+// 4x4 byte transposes with byte permutes, 4-byte stores (conflict-free thanks to V^T's padding).
+// Tokens at or past `valid` (slots past the sequence, maybe NaN) become zeros.
+__device__ __forceinline__ void transpose_v(const uint8_t* tile, uint8_t* vt_half, int wg, int warp_in_wg, int lane,
+                                            int valid) {
+  const int b = lane & 7;
 #pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const int combo = warp_in_wg * 2 + k;
+  for (int k2 = 0; k2 < 2; ++k2) {
+    const int combo = warp_in_wg * 2 + k2;
     const int c_local = 4 * (combo >> 1) + (lane >> 3);  // 16-dim chunk within the half
-    const int tq = 8 * (combo & 1) + (lane & 7);         // token quad 0..15
-    const uint8_t* src = tile + (tq >> 1) * kGroupStride + (16 * wg + c_local) * kCmStep + (tq & 1) * 64;
+    const int h = combo & 1;                             // token half
+    const int c = 16 * wg + c_local;                     // chunk within the 576-byte row
+    const uint8_t* src = tile + (c >> 3) * kBoxSize + (32 * h + b) * kBoxBytes + (((c & 7) ^ b) << 4);
     uint4 x[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) x[i] = *reinterpret_cast<const uint4*>(src + 16 * i);
-    uint8_t* dst = vt_half + 2 * c_local * kVtGroupStride + (tq >> 2) * kCmStep + 4 * (tq & 3);
+    for (int k = 0; k < 4; ++k) {
+      x[k] = *reinterpret_cast<const uint4*>(src + 8 * k * kBoxBytes);
+      if (32 * h + 8 * k + b >= valid) x[k] = make_uint4(0, 0, 0, 0);
+    }
+    const int col = p_column(32 * h + b);  // V^T rows col..col+3 hold tokens k = 0..3
+    uint8_t* dst = vt_half + 2 * c_local * kVtGroupStride + (col >> 4) * kCmStep + (col & 15);
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {  // dims 4w..4w+3 of the chunk, tokens 0..3 of the quad
-      const uint32_t a = (&x[0].x)[w], b = (&x[1].x)[w], c = (&x[2].x)[w], d = (&x[3].x)[w];
-      const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
-      const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+    for (int w = 0; w < 4; ++w) {  // dims 4w..4w+3 of the chunk, tokens k = 0..3
+      const uint32_t a = (&x[0].x)[w], bb = (&x[1].x)[w], cc = (&x[2].x)[w], d = (&x[3].x)[w];
+      const uint32_t ab_lo = __byte_perm(a, bb, 0x5140), ab_hi = __byte_perm(a, bb, 0x7362);
+      const uint32_t cd_lo = __byte_perm(cc, d, 0x5140), cd_hi = __byte_perm(cc, d, 0x7362);
       const uint32_t out[4] = {__byte_perm(ab_lo, cd_lo, 0x5410), __byte_perm(ab_lo, cd_lo, 0x7632),
                                __byte_perm(ab_hi, cd_hi, 0x5410), __byte_perm(ab_hi, cd_hi, 0x7632)};
 #pragma unroll
@@ -204,11 +244,14 @@ __device__ __forceinline__ void transpose_v(const uint8_t* tile, uint8_t* vt_hal
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const Params p) {
-  extern __shared__ __align__(128) uint8_t smem[];
+__global__ void __launch_bounds__(kThreads, 1)
+    mla_decode_fp8_wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((kSmemAlign - (smem_addr(smem_raw) & (kSmemAlign - 1))) & (kSmemAlign - 1));
   uint8_t* q_s = smem + kSmemQ;
   uint8_t* k_s = smem + kSmemK;
   float* red_sum = reinterpret_cast<float*>(smem + kSmemSum);
+  const uint32_t bar0 = smem_addr(smem + kSmemBar);  // stage s's barrier at bar0 + 8 s
 
   const int tid = threadIdx.x;
   const int wg = tid >> 7;  // warpgroup: scores for tokens 32wg.. of each tile, output dims 256wg..
@@ -234,50 +277,34 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
   }
 
   const int* bt_row = p.block_tables + b * p.bt_s;
-  // The page of tile `it` is read from the block table an iteration before its copy is issued:
-  // a dependent global load on the copy's path would stall the whole CTA for its latency.
+  // Thread 0 loads the tiles. The page of tile `it` is read from the block table an iteration
+  // before its TMA is issued (a dependent global load right before the issue would stall).
   auto page_of = [&](int it) { return it < n ? bt_row[(tile_begin + it) * kTile / p.page_size] : 0; };
-  // A tile is 64 consecutive token rows of one page, contiguous in memory (the wrapper checks):
-  // consecutive threads copy consecutive 16-byte chunks (whole 128-byte lines per 8 threads;
-  // the padded core-matrix steps keep those 8 stores on distinct banks). Each thread's nine
-  // chunk destinations are planned once; a full tile is then issued as nine back-to-back
-  // copies from distinct registers (ncu: recomputing the addresses between copies stalled on
-  // registers the previous copy had not read yet, a quarter of all stall samples).
-  uint32_t copy_plan[kCopies];  // (row << 16) | offset within a tile, for chunk tid + kThreads * i
+  auto load_tile = [&](int it, int page) {  // tile `it` of this CTA, thread 0 only
+    const int stage = it % kStages;
+    const uint32_t bar = bar0 + 8 * stage, dst = smem_addr(k_s + stage * kTileBytes);
+    const int row = (tile_begin + it) * kTile % p.page_size;
+    mbar_arm(bar, kTileBytes);
 #pragma unroll
-  for (int i = 0; i < kCopies; ++i) {
-    const int c = tid + kThreads * i;
-    const int r = c / kChunks, col = c % kChunks;
-    copy_plan[i] = (r << 16) | ((r >> 3) * kGroupStride + col * kCmStep + (r & 7) * 16);
-  }
-  auto load_tile = [&](int it, long long page) {  // tile `it` of this CTA
-    const int tok0 = (tile_begin + it) * kTile;
-    const uint8_t* src = p.kv + page * p.kv_sp + static_cast<long long>(tok0 % p.page_size) * kDim + 16 * tid;
-    const uint32_t dst = smem_addr(k_s + (it % kStages) * kTileBytes);
-    const int valid_rows = seq_len - tok0;
-    if (valid_rows >= kTile) {
-      copy_full_tile(dst, copy_plan, src);
-    } else {
-#pragma unroll
-      for (int i = 0; i < kCopies; ++i) {
-        const bool valid = static_cast<int>(copy_plan[i] >> 16) < valid_rows;
-        cp_async_16(dst + (copy_plan[i] & 0xFFFF), valid ? src + kThreads * 16 * i : src, valid ? 16 : 0);
-      }
-    }
+    for (int i = 0; i < kBoxes; ++i) tma_load_box(dst + i * kBoxSize, &kv_map, i * kBoxBytes, row, page, bar);
   };
+  auto wait_tile = [&](int it) { mbar_wait(bar0 + 8 * (it % kStages), (it / kStages) & 1); };
+  auto valid_in = [&](int it) { return seq_len - (tile_begin + it) * kTile; };  // tokens of tile it
 
   const uint32_t q_lo = desc_lo(smem_addr(q_s), 128);
   constexpr uint32_t kStepQ = 256 >> 4;            // one k-step of 32 bytes = two core matrices
-  constexpr uint32_t kStepK = (2 * kCmStep) >> 4;
+  constexpr uint32_t kStepVt = (2 * kCmStep) >> 4;
   uint8_t* vt_s = smem + kSmemVt + wg * kVtHalfBytes;  // this warpgroup's V^T
   uint8_t* p_s = smem + kSmemP;
   // S = Q . K^T for this warpgroup's 32 tokens of tile `it`, issued asynchronously.
   auto issue_qk = [&](float (&s)[16], int it) {
-    const uint32_t k_lo = desc_lo(smem_addr(k_s + (it % kStages) * kTileBytes + 4 * wg * kGroupStride), kCmStep);
+    const uint32_t k_base = smem_addr(k_s + (it % kStages) * kTileBytes + 32 * wg * kBoxBytes);
     wgmma_fence();
 #pragma unroll
-    for (int ks = 0; ks < kDim / 32; ++ks)
-      wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), make_desc(k_lo + ks * kStepK, kGroupStride), ks);
+    for (int ks = 0; ks < kDim / 32; ++ks) {  // 32 bytes of K: box ks / 4, bytes 32 (ks % 4) of its rows
+      const uint64_t desc_k = make_desc_sw128(k_base + (ks >> 2) * kBoxSize + (ks & 3) * 32);
+      wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), desc_k, ks);
+    }
     wgmma_commit();
   };
 
@@ -303,34 +330,36 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
   // accumulators still in flight across the loop's back edge make ptxas serialize every wgmma
   // (warning C7514).
   cp_async_commit();  // Q
-  int next_page = 0;  // page of tile it+3
-  if (n > 0) {
-#pragma unroll
-    for (int t = 0; t < kStages; ++t) {
-      if (t < n) load_tile(t, page_of(t));
-      cp_async_commit();
-    }
+  int next_page = 0;  // page of tile it+3 (thread 0)
+  if (tid == 0) {
+    for (int t = 0; t < kStages; ++t) mbar_init(bar0 + 8 * t);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
+  }
+  __syncthreads();
+  if (tid == 0 && n > 0) {
+    for (int t = 0; t < kStages && t < n; ++t) load_tile(t, page_of(t));
     next_page = page_of(kStages);
-    cp_async_wait<kStages - 1>();
-    fence_async_shared();
-    __syncthreads();
+  }
+  cp_async_wait<0>();
+  fence_async_shared();
+  __syncthreads();  // Q
+  if (n > 0) {
+    wait_tile(0);
     issue_qk(s, 0);
-    transpose_v(k_s, vt_s, wg, warp_in_wg, lane);
+    transpose_v(k_s, vt_s, wg, warp_in_wg, lane, valid_in(0));
     wgmma_wait<0>();
     fence_regs(s);
-  } else {
-    cp_async_wait<0>();
   }
 
   for (int it = 0; it < n; ++it) {
     const bool has_next = it + 1 < n;
     if (has_next) {
-      cp_async_wait<kStages - 2>();
-      fence_async_shared();
-      __syncthreads();  // tile it+1 landed; every thread is done with tile it's stage
-      if (it + kStages < n) load_tile(it + kStages, next_page);
-      cp_async_commit();
-      next_page = page_of(it + kStages + 1);
+      __syncthreads();  // every thread is done with tile it's stage (Q.K^T, transpose)
+      if (tid == 0 && it + kStages < n) {
+        load_tile(it + kStages, next_page);
+        next_page = page_of(it + kStages + 1);
+      }
+      wait_tile(it + 1);
       issue_qk(s_next, it + 1);
     }
 
@@ -375,19 +404,30 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
       bias[i] = (m_run[i] == -INFINITY ? 0.f : m_run[i]) - kLog2PScale;
     }
 
-    // P -> e4m3 in shared memory (A operand of P.V); row sums.
+    // P -> e4m3 in shared memory (A operand of P.V); row sums. This thread's 8 scores of a row
+    // (tokens 32wg + 8j + 2q4 + e) are P columns 32wg + 8q4 + 4e + j (p_column): one 8-byte store.
     float sum[2] = {0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int i = 0; i < 2; ++i) {
+      float pv[4][2];  // [j][e]
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const float p0 = exp2f(fmaf(s[4 * j + 2 * i], p.scale_log2, -bias[i]));
-        const float p1 = exp2f(fmaf(s[4 * j + 2 * i + 1], p.scale_log2, -bias[i]));
-        sum[i] += p0 + p1;
-        const __nv_fp8x2_storage_t pp = __nv_cvt_float2_to_fp8x2(make_float2(p0, p1), __NV_SATFINITE, __NV_E4M3);
-        const int r = r_local[i], t = 32 * wg + 8 * j + 2 * q4;
-        *reinterpret_cast<__nv_fp8x2_storage_t*>(p_s + (r >> 3) * 512 + (t >> 4) * 128 + (r & 7) * 16 + (t & 15)) = pp;
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          pv[j][e] = exp2f(fmaf(s[4 * j + 2 * i + e], p.scale_log2, -bias[i]));
+          sum[i] += pv[j][e];
+        }
+      uint32_t word[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(pv[0][e], pv[1][e]), __NV_SATFINITE, __NV_E4M3);
+        const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(pv[2][e], pv[3][e]), __NV_SATFINITE, __NV_E4M3);
+        word[e] = lo | (hi << 16);
       }
+      const int r = r_local[i], col = p_column(32 * wg + 2 * q4);
+      *reinterpret_cast<uint2*>(p_s + (r >> 3) * 512 + (col >> 4) * 128 + (r & 7) * 16 + (col & 15)) =
+          make_uint2(word[0], word[1]);
+    }
 #pragma unroll
     for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + sum[i];
 
@@ -409,14 +449,14 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
       const uint32_t vt_lo = desc_lo(smem_addr(vt_s), kCmStep);
       wgmma_fence();
       wgmma_m64n256k32(o, make_desc(p_lo, 512), make_desc(vt_lo, kVtGroupStride), 1);
-      wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepK, kVtGroupStride), 1);
+      wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepVt, kVtGroupStride), 1);
       wgmma_commit();
     }
     wgmma_wait<0>();
     fence_regs(o);
     fence_regs(s_next);
     // V^T of tile it+1 (this warpgroup's P.V of `it` is done with the buffer).
-    if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_s, wg, warp_in_wg, lane);
+    if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_s, wg, warp_in_wg, lane, valid_in(it + 1));
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = s_next[i];
   }
@@ -460,12 +500,44 @@ __global__ void __launch_bounds__(kThreads, 1) mla_decode_fp8_wgmma_kernel(const
   }
 }
 
+// cuTensorMapEncodeTiled, looked up through the runtime (no link against the driver library).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn encode_tiled() {
+  static EncodeTiledFn fn = nullptr;
+  if (fn == nullptr) {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) ==
+            cudaSuccess && found == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<EncodeTiledFn>(ptr);
+  }
+  return fn;
+}
+
+// The cache [num_pages, page_size, 576] bytes as a 3-D tensor (byte, token, page) whose boxes
+// are 128 bytes x one tile of tokens, written to shared memory with the 128-byte swizzle.
+bool encode_cache_map(CUtensorMap* map, const Params& p, long long num_pages) {
+  const EncodeTiledFn encode = encode_tiled();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kDim), static_cast<cuuint64_t>(p.page_size),
+                              static_cast<cuuint64_t>(num_pages)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.kv_st), static_cast<cuuint64_t>(p.kv_sp)};
+  const cuuint32_t box[3] = {kBoxBytes, kTile, 1};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<uint8_t*>(p.kv), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 }  // namespace
 
 extern "C" {
 
-// Returns a cudaError_t (0 = success).
-int mla_decode_fp8_wgmma_sm90(const Params* p, void* stream) {
+// Returns a cudaError_t (0 = success), or -2 when the cache's tensor map cannot be encoded.
+int mla_decode_fp8_wgmma_sm90(const Params* p, long long num_pages, void* stream) {
   static bool configured = false;
   if (!configured) {
     const cudaError_t err = cudaFuncSetAttribute(mla_decode_fp8_wgmma_kernel,
@@ -473,8 +545,10 @@ int mla_decode_fp8_wgmma_sm90(const Params* p, void* stream) {
     if (err != cudaSuccess) return static_cast<int>(err);
     configured = true;
   }
+  alignas(64) CUtensorMap kv_map;
+  if (!encode_cache_map(&kv_map, *p, num_pages)) return -2;
   const dim3 grid((p->s_q * p->heads + kRows - 1) / kRows, p->batch, p->num_splits);
-  mla_decode_fp8_wgmma_kernel<<<grid, kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(*p);
+  mla_decode_fp8_wgmma_kernel<<<grid, kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(*p, kv_map);
   return static_cast<int>(cudaGetLastError());
 }
 

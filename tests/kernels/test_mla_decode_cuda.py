@@ -180,6 +180,26 @@ def test_wgmma_kernel_page_size_128_and_graph_replay():
 
 @gpu
 @needs_hopper
+def test_wgmma_kernel_reads_a_page_strided_cache_and_a_second_cache():
+    """The TMA tensor map follows the cache tensor: a view whose pages are strided (the other
+    half of each page row block holds NaN), then another cache of another size (as per layer)."""
+    case = (2, 1, 128, [700, 65])
+    q, kv, bt, sl, qs, ks = make_case(*case, FP8, seed=13, device="cuda")
+    wide = torch.full((kv.shape[0], 2 * kv.shape[1], 576), 0x7F, dtype=torch.uint8, device="cuda").view(FP8)  # NaN
+    wide[:, : kv.shape[1]] = kv
+    strided = wide[:, : kv.shape[1]]
+    assert strided.stride(0) == 2 * kv.stride(0)
+    ref, ref_lse = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
+    out, lse = mdc.mla_decode_cuda(q, strided, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, kernel="wgmma")
+    assert rel_err(out, ref) < WGMMA_REL_TOL and (lse - ref_lse).abs().max().item() < LSE_TOL
+    q2, kv2, bt2, sl2, qs2, ks2 = make_case(1, 2, 64, [2000], FP8, seed=14, device="cuda")
+    out2, _ = mdc.mla_decode_cuda(q2, kv2, bt2, sl2, SM_SCALE, q_scale=qs2, k_scale=ks2, kernel="wgmma")
+    ref2, _ = mla_decode_reference(q2, kv2, bt2, sl2, SM_SCALE, q_scale=qs2, k_scale=ks2)
+    assert rel_err(out2, ref2) < WGMMA_REL_TOL
+
+
+@gpu
+@needs_hopper
 def test_page_size_128_and_strided_query():
     bsz, s_q, h, lens = 2, 1, 16, [300, 129]
     q, kv, bt, sl, qs, ks = make_case(bsz, s_q, h, lens, FP8, page=128, seed=9, device="cuda")
