@@ -52,7 +52,18 @@ constexpr int kDimV = 512;
 constexpr int kTile = 64;                // tokens per tile
 constexpr int kRows = 64;                // query rows per CTA (wgmma M)
 constexpr int kThreads = 256;            // two warpgroups
-constexpr int kStages = 3;               // cache tiles in shared memory (two loads in flight)
+// Build-time knobs (benchmarks/ablate_mla_wgmma.py sweeps them): cache tiles in shared memory,
+// and V^T buffers per warpgroup. With two, the transpose of tile i+1 runs under the P.V of
+// tile i; shared memory then leaves room for two tiles only (one TMA load in flight).
+#ifndef MLA_WGMMA_STAGES
+#define MLA_WGMMA_STAGES 3
+#endif
+#ifndef MLA_WGMMA_VT_BUFFERS
+#define MLA_WGMMA_VT_BUFFERS 1
+#endif
+constexpr int kStages = MLA_WGMMA_STAGES;
+constexpr int kVtBuffers = MLA_WGMMA_VT_BUFFERS;
+static_assert(kVtBuffers == 1 || kVtBuffers == 2, "one or two V^T buffers");
 constexpr int kChunks = kDim / 16;       // 16-byte chunks per row
 constexpr float kLn2 = 0.6931471805599453f;
 // P = exp2(s - m) <= 2^kRescaleSlack (m moves lazily) is stored as e4m3(2^kLog2PScale P): at
@@ -81,13 +92,14 @@ constexpr int kPBytes = kRows * kTile;
 // Offsets from the first 1024-byte boundary of the dynamic shared memory.
 constexpr int kSmemK = 0;
 constexpr int kSmemQ = kSmemK + kStages * kTileBytes;
-constexpr int kSmemVt = kSmemQ + kQBytes;                   // [2 warpgroups]
-constexpr int kSmemP = kSmemVt + 2 * kVtHalfBytes;
+constexpr int kSmemVt = kSmemQ + kQBytes;                   // [kVtBuffers][2 warpgroups]
+constexpr int kSmemP = kSmemVt + kVtBuffers * 2 * kVtHalfBytes;
 constexpr int kSmemMax = kSmemP + kPBytes;                  // float [2 parities][2 wg][64]
 constexpr int kSmemSum = kSmemMax + 2 * 2 * kRows * 4;       // float [2 wg][64]
 constexpr int kSmemBar = kSmemSum + 2 * kRows * 4;           // uint64 [kStages]: tile landed
 constexpr int kSmemAlign = 1024;
 constexpr int kSmemBytes = kSmemBar + kStages * 8 + kSmemAlign;  // + room to align the base
+static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper CTA can have");
 
 // Generic-proxy shared-memory writes (st.shared, cp.async) -> visible to wgmma (async proxy).
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -101,16 +113,13 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 // Built from two 32-bit halves: stepping along K only adds to the low half (start address, in
 // 16-byte units, far below its 14-bit limit), which keeps 64-bit adds out of the issue loop.
 __device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lead) { return ((addr & 0x3FFFF) >> 4) | ((lead >> 4) << 16); }
-__device__ __forceinline__ uint64_t make_desc(uint32_t lo, uint32_t stride) {
+// `layout` = kSwizzle128 for a 128-byte-swizzled K-major operand (8-row atoms of 1024 bytes,
+// 1024-byte aligned, stride 1024): its leading offset is unused, and a step along K inside the
+// atom adds to the start address like any other.
+constexpr uint32_t kSwizzle128 = 1u << 30;
+__device__ __forceinline__ uint64_t make_desc(uint32_t lo, uint32_t stride, uint32_t layout = 0) {
   uint64_t d;
-  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "r"(stride >> 4));
-  return d;
-}
-// The same for a 128-byte-swizzled K-major operand (8-row atoms of 1024 bytes, 1024-byte
-// aligned): the leading offset is unused, a step along K inside the atom adds to the start.
-__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t addr) {
-  uint64_t d;
-  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(desc_lo(addr, 16)), "r"((1024u >> 4) | (1u << 30)));
+  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "r"((stride >> 4) | layout));
   return d;
 }
 
@@ -222,9 +231,11 @@ __device__ __forceinline__ void transpose_v(const uint8_t* tile, uint8_t* vt_hal
     const uint8_t* src = tile + (c >> 3) * kBoxSize + (32 * h + b) * kBoxBytes + (((c & 7) ^ b) << 4);
     uint4 x[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      x[k] = *reinterpret_cast<const uint4*>(src + 8 * k * kBoxBytes);
-      if (32 * h + 8 * k + b >= valid) x[k] = make_uint4(0, 0, 0, 0);
+    for (int k = 0; k < 4; ++k) x[k] = *reinterpret_cast<const uint4*>(src + 8 * k * kBoxBytes);
+    if (valid < kTile) {  // the sequence's last tile only (a branch the whole CTA takes alike)
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (32 * h + 8 * k + b >= valid) x[k] = make_uint4(0, 0, 0, 0);
     }
     const int col = p_column(32 * h + b);  // V^T rows col..col+3 hold tokens k = 0..3
     uint8_t* dst = vt_half + 2 * c_local * kVtGroupStride + (col >> 4) * kCmStep + (col & 15);
@@ -254,8 +265,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t bar0 = smem_addr(smem + kSmemBar);  // stage s's barrier at bar0 + 8 s
 
   const int tid = threadIdx.x;
-  const int wg = tid >> 7;  // warpgroup: scores for tokens 32wg.. of each tile, output dims 256wg..
-  const int warp_in_wg = (tid >> 5) & 3, lane = tid & 31;
+  // Warpgroup: scores for tokens 32wg.. of each tile, output dims 256wg... Broadcast from lane 0
+  // so that the compiler knows them warp-uniform and keeps the descriptor math that depends on
+  // them in uniform registers (per-thread values cost a register move per wgmma operand).
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+  const int warp_in_wg = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0), lane = tid & 31;
   const int g = lane >> 2, q4 = lane & 3;  // accumulator fragment coordinates
   const int b = blockIdx.y, split = blockIdx.z;
   const int rows_total = p.s_q * p.heads;
@@ -294,15 +308,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t q_lo = desc_lo(smem_addr(q_s), 128);
   constexpr uint32_t kStepQ = 256 >> 4;            // one k-step of 32 bytes = two core matrices
   constexpr uint32_t kStepVt = (2 * kCmStep) >> 4;
-  uint8_t* vt_s = smem + kSmemVt + wg * kVtHalfBytes;  // this warpgroup's V^T
+  auto vt_of = [&](int it) { return smem + kSmemVt + ((it % kVtBuffers) * 2 + wg) * kVtHalfBytes; };  // its V^T
   uint8_t* p_s = smem + kSmemP;
   // S = Q . K^T for this warpgroup's 32 tokens of tile `it`, issued asynchronously.
   auto issue_qk = [&](float (&s)[16], int it) {
-    const uint32_t k_base = smem_addr(k_s + (it % kStages) * kTileBytes + 32 * wg * kBoxBytes);
+    const uint32_t k_lo = desc_lo(smem_addr(k_s + (it % kStages) * kTileBytes + 32 * wg * kBoxBytes), 16);
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kDim / 32; ++ks) {  // 32 bytes of K: box ks / 4, bytes 32 (ks % 4) of its rows
-      const uint64_t desc_k = make_desc_sw128(k_base + (ks >> 2) * kBoxSize + (ks & 3) * 32);
+      const uint64_t desc_k = make_desc(k_lo + (((ks >> 2) * kBoxSize + (ks & 3) * 32) >> 4), 1024, kSwizzle128);
       wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), desc_k, ks);
     }
     wgmma_commit();
@@ -346,11 +360,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (n > 0) {
     wait_tile(0);
     issue_qk(s, 0);
-    transpose_v(k_s, vt_s, wg, warp_in_wg, lane, valid_in(0));
+    transpose_v(k_s, vt_of(0), wg, warp_in_wg, lane, valid_in(0));
     wgmma_wait<0>();
     fence_regs(s);
   }
 
+  // Unrolled by two so that handing s_next over to s is a register renaming, not 16 moves.
+#pragma unroll 2
   for (int it = 0; it < n; ++it) {
     const bool has_next = it + 1 < n;
     if (has_next) {
@@ -446,17 +462,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     // O[64 rows, this warpgroup's 256 dims] += P[64, 64 tokens] . V[64 tokens, 256 dims].
     {
       const uint32_t p_lo = desc_lo(smem_addr(p_s), 128);
-      const uint32_t vt_lo = desc_lo(smem_addr(vt_s), kCmStep);
+      const uint32_t vt_lo = desc_lo(smem_addr(vt_of(it)), kCmStep);
       wgmma_fence();
       wgmma_m64n256k32(o, make_desc(p_lo, 512), make_desc(vt_lo, kVtGroupStride), 1);
       wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepVt, kVtGroupStride), 1);
       wgmma_commit();
     }
+    // V^T of tile it+1: with two buffers while this P.V runs, with one once it is done.
+    auto transpose_next = [&]() {
+      transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_of(it + 1), wg, warp_in_wg, lane, valid_in(it + 1));
+    };
+    if (has_next && kVtBuffers == 2) transpose_next();
     wgmma_wait<0>();
     fence_regs(o);
     fence_regs(s_next);
-    // V^T of tile it+1 (this warpgroup's P.V of `it` is done with the buffer).
-    if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_s, wg, warp_in_wg, lane, valid_in(it + 1));
+    if (has_next && kVtBuffers == 1) transpose_next();
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = s_next[i];
   }
