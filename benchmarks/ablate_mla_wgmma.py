@@ -1,5 +1,5 @@
 """Where the wgmma MLA decode kernel's time goes: time it with one part deleted at a time (Q.K^T
-wgmma, P.V wgmma, the producer's V transposes, the steady-state tile loads), on the same inputs in one
+wgmma, P.V wgmma, the V transpose, the steady-state tile copies), on the same inputs in one
 process. The variants compute garbage; only their times mean something. On the device:
 
     source .device-wheels/install.sh && python3 benchmarks/ablate_mla_wgmma.py
@@ -26,9 +26,9 @@ CUTS = {
     "noqk": ["      wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), desc_k, ks);"],
     "nopv": ["      wgmma_m64n256k32(o, make_desc(p_lo, 512), make_desc(vt_lo, kVtGroupStride), 1);",
              "      wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepVt, kVtGroupStride), 1);"],
-    "notr": ["      transpose_v(tile, vt_of(t, 0), warp_in_wg, lane, valid_in(t));"],
+    "notr": ["      transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_of(it + 1), wg, warp_in_wg, lane, valid_in(it + 1));"],
     # the steady-state loads and the waits for them (a wait for a load never issued would hang)
-    "noload": ["        load_tile(t + kStages, next_page);", "      wait_tile(it + 1);", "      wait_tile(t);"],
+    "noload": ["        load_tile(it + kStages, next_page);", "      wait_tile(it + 1);"],
 }
 CUTS["nomma"] = CUTS["noqk"] + CUTS["nopv"]
 

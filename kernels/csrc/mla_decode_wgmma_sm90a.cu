@@ -51,10 +51,19 @@ constexpr int kDim = 576;                // latent (512) + rope (64)
 constexpr int kDimV = 512;
 constexpr int kTile = 64;                // tokens per tile
 constexpr int kRows = 64;                // query rows per CTA (wgmma M)
-constexpr int kConsumers = 256;          // two warpgroups: MMAs and softmax
-constexpr int kProducers = 128;          // one warpgroup: TMA loads, V transposes
-constexpr int kThreads = kConsumers + kProducers;
-constexpr int kStages = 2;               // cache tiles in shared memory
+constexpr int kThreads = 256;            // two warpgroups
+// Build-time knobs (benchmarks/ablate_mla_wgmma.py sweeps them): cache tiles in shared memory,
+// and V^T buffers per warpgroup. With two, the transpose of tile i+1 runs under the P.V of
+// tile i; shared memory then leaves room for two tiles only (one TMA load in flight).
+#ifndef MLA_WGMMA_STAGES
+#define MLA_WGMMA_STAGES 3
+#endif
+#ifndef MLA_WGMMA_VT_BUFFERS
+#define MLA_WGMMA_VT_BUFFERS 1
+#endif
+constexpr int kStages = MLA_WGMMA_STAGES;
+constexpr int kVtBuffers = MLA_WGMMA_VT_BUFFERS;
+static_assert(kVtBuffers == 1 || kVtBuffers == 2, "one or two V^T buffers");
 constexpr int kChunks = kDim / 16;       // 16-byte chunks per row
 constexpr float kLn2 = 0.6931471805599453f;
 // P = exp2(s - m) <= 2^kRescaleSlack (m moves lazily) is stored as e4m3(2^kLog2PScale P): at
@@ -75,7 +84,7 @@ constexpr int kQBytes = 8 * kQGroupStride;
 // V^T (per warpgroup: 256 dims x 64 tokens): core matrix (dim group, token chunk) at
 // dg*kVtGroupStride + tc*kCmStep.
 constexpr int kCmStep = 144;
-constexpr int kVtGroupStride = 4 * kCmStep + 32;      // 608
+constexpr int kVtGroupStride = 4 * kCmStep + 16;      // 592
 constexpr int kVtHalfBytes = 32 * kVtGroupStride;
 // P (64 rows x 64 tokens, e4m3): packed core matrices, 128 B along K, 512 B between row groups.
 constexpr int kPBytes = kRows * kTile;
@@ -83,14 +92,13 @@ constexpr int kPBytes = kRows * kTile;
 // Offsets from the first 1024-byte boundary of the dynamic shared memory.
 constexpr int kSmemK = 0;
 constexpr int kSmemQ = kSmemK + kStages * kTileBytes;
-constexpr int kSmemVt = kSmemQ + kQBytes;                   // [2 buffers][2 warpgroups]
-constexpr int kSmemP = kSmemVt + 2 * 2 * kVtHalfBytes;
+constexpr int kSmemVt = kSmemQ + kQBytes;                   // [kVtBuffers][2 warpgroups]
+constexpr int kSmemP = kSmemVt + kVtBuffers * 2 * kVtHalfBytes;
 constexpr int kSmemMax = kSmemP + kPBytes;                  // float [2 parities][2 wg][64]
 constexpr int kSmemSum = kSmemMax + 2 * 2 * kRows * 4;       // float [2 wg][64]
-constexpr int kSmemBar = kSmemSum + 2 * kRows * 4;  // mbarriers, see the kernel
-constexpr int kBarriers = 2 * kStages + 4;
+constexpr int kSmemBar = kSmemSum + 2 * kRows * 4;           // uint64 [kStages]: tile landed
 constexpr int kSmemAlign = 1024;
-constexpr int kSmemBytes = kSmemBar + kBarriers * 8 + kSmemAlign;  // + room to align the base
+constexpr int kSmemBytes = kSmemBar + kStages * 8 + kSmemAlign;  // + room to align the base
 static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper CTA can have");
 
 // Generic-proxy shared-memory writes (st.shared, cp.async) -> visible to wgmma (async proxy).
@@ -115,12 +123,9 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t lo, uint32_t stride, uint
   return d;
 }
 
-// mbarriers: a phase completes after `count` arrivals (and, once armed, the TMA's bytes).
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+// mbarriers (one per stage): the TMA's bytes complete the phase that thread 0 armed.
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_arm(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
@@ -133,17 +138,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
 }
-// Barrier among the two consumer warpgroups only (the producer never waits there).
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
-// Registers move from the producer warpgroup (few needed) to the consumers (O: 128 per thread).
-// (A second producer warpgroup would cap the whole kernel at 128 registers at compile time,
-// too few for P.V's 128 accumulators.) The producer's share buys loads in flight.
-// setmaxnreg only moves registers within what the CTA got at launch: the 168 per thread that
-// ptxas allots a 384-thread kernel (a consumer's increase waits for them forever otherwise).
-constexpr int kProducerRegs = 80, kConsumerRegs = 208;
-constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
-static_assert(kProducers * kProducerRegs + kConsumers * kConsumerRegs <= kThreads * kLaunchRegs, "register pool");
-
 // One box of the cache's tensor map (coordinates: byte in the token row, token in the page,
 // page) to shared memory, completing `bar`'s transaction count.
 __device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* map, int x, int y, int z, uint32_t bar) {
@@ -212,54 +206,50 @@ __device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t desc_
 __device__ __forceinline__ int chunk_row(int i) { return (i / (8 * kChunks)) * 8 + (i & 7); }
 __device__ __forceinline__ int chunk_col(int i) { return (i % (8 * kChunks)) >> 3; }
 __device__ __forceinline__ int chunk_dst(int i) { return (i / (8 * kChunks)) * kQGroupStride + chunk_col(i) * 128 + (i & 7) * 16; }
-constexpr int kCopies = kRows * kChunks / kConsumers;  // 9 chunks per consumer thread
-static_assert(kRows * kChunks % kConsumers == 0, "whole copies per thread");
+constexpr int kCopies = kRows * kChunks / kThreads;  // 9 chunks per thread per 64-row operand
+static_assert(kRows * kChunks % kThreads == 0, "whole copies per thread");
 
 // P.V's reduction runs over a permutation of the tile's 64 tokens (the transpose below reads
-// tokens b, b+8, ..., b+56 together): token 8k + b is column 8b + k of P and row 8b + k of V^T.
-__device__ __forceinline__ int p_column(int token) { return ((token & 7) << 3) | (token >> 3); }
+// tokens b, b+8, b+16, b+24 together): token 32h + 8k + b is column 32h + 4b + k of P and row
+// 32h + 4b + k of V^T. The permutation keeps each 32-token half in place.
+__device__ __forceinline__ int p_column(int token) { return (token & ~31) | ((token & 7) << 2) | ((token >> 3) & 3); }
 
-// 4x4 byte transpose: out[m] byte i = byte m of in[i].
-__device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&out)[4]) {
-  const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
-  const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
-  out[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
-  out[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
-  out[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
-  out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
-}
-
-// V (512 dims) of a cache tile -> V^T (tokens contiguous per dim, in P's column order), both
-// warpgroup halves from `vt` on; the producer warpgroup's 128 threads. A thread takes two
-// blocks of 8 tokens (b, b+8, ..., b+56) x 16 dims: eight 16-byte loads (8 lanes read one
-// token-row set of a 128-byte swizzle atom: conflict-free), 4x4 byte transposes with byte
-// permutes, 8-byte stores (conflict-free thanks to V^T's padding). Tokens at or past `valid`
-// (slots past the sequence, maybe NaN) become zeros.
-__device__ __forceinline__ void transpose_v(const uint8_t* tile, uint8_t* vt, int warp, int lane, int valid) {
+// This warpgroup's 256 dims of a cache tile -> V^T (tokens contiguous per dim, in P's column
+// order). A thread takes two blocks of 4 tokens (b, b+8, b+16, b+24 of one half) x 16 dims:
+// four 16-byte loads (8 lanes read one token-row set of a 128-byte swizzle atom: conflict-free),
+// 4x4 byte transposes with byte permutes, 4-byte stores (conflict-free thanks to V^T's padding).
+// Tokens at or past `valid` (slots past the sequence, maybe NaN) become zeros.
+__device__ __forceinline__ void transpose_v(const uint8_t* tile, uint8_t* vt_half, int wg, int warp_in_wg, int lane,
+                                            int valid) {
   const int b = lane & 7;
 #pragma unroll
-  for (int u = 0; u < 2; ++u) {
-    const int c = 2 * (4 * warp + 2 * u + (lane >> 4)) + ((lane >> 3) & 1);  // 16-dim chunk, 0..31
-    const uint8_t* src = tile + (c >> 3) * kBoxSize + b * kBoxBytes + (((c & 7) ^ b) << 4);
-    uint4 x[8];
+  for (int k2 = 0; k2 < 2; ++k2) {
+    const int combo = warp_in_wg * 2 + k2;
+    const int c_local = 4 * (combo >> 1) + (lane >> 3);  // 16-dim chunk within the half
+    const int h = combo & 1;                             // token half
+    const int c = 16 * wg + c_local;                     // chunk within the 576-byte row
+    const uint8_t* src = tile + (c >> 3) * kBoxSize + (32 * h + b) * kBoxBytes + (((c & 7) ^ b) << 4);
+    uint4 x[4];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) x[k] = *reinterpret_cast<const uint4*>(src + 8 * k * kBoxBytes);
+    for (int k = 0; k < 4; ++k) x[k] = *reinterpret_cast<const uint4*>(src + 8 * k * kBoxBytes);
     if (valid < kTile) {  // the sequence's last tile only (a branch the whole CTA takes alike)
 #pragma unroll
-      for (int k = 0; k < 8; ++k)
-        if (8 * k + b >= valid) x[k] = make_uint4(0, 0, 0, 0);
+      for (int k = 0; k < 4; ++k)
+        if (32 * h + 8 * k + b >= valid) x[k] = make_uint4(0, 0, 0, 0);
     }
-    const int c_local = c & 15, col = p_column(b);  // V^T rows col..col+7 hold tokens k = 0..7
-    uint8_t* dst = vt + (c >> 4) * kVtHalfBytes + 2 * c_local * kVtGroupStride + (col >> 4) * kCmStep + (col & 15);
+    const int col = p_column(32 * h + b);  // V^T rows col..col+3 hold tokens k = 0..3
+    uint8_t* dst = vt_half + 2 * c_local * kVtGroupStride + (col >> 4) * kCmStep + (col & 15);
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {  // dims 4w..4w+3 of the chunk
-      uint32_t lo[4], hi[4];
-      transpose4x4((&x[0].x)[w], (&x[1].x)[w], (&x[2].x)[w], (&x[3].x)[w], lo);
-      transpose4x4((&x[4].x)[w], (&x[5].x)[w], (&x[6].x)[w], (&x[7].x)[w], hi);
+    for (int w = 0; w < 4; ++w) {  // dims 4w..4w+3 of the chunk, tokens k = 0..3
+      const uint32_t a = (&x[0].x)[w], bb = (&x[1].x)[w], cc = (&x[2].x)[w], d = (&x[3].x)[w];
+      const uint32_t ab_lo = __byte_perm(a, bb, 0x5140), ab_hi = __byte_perm(a, bb, 0x7362);
+      const uint32_t cd_lo = __byte_perm(cc, d, 0x5140), cd_hi = __byte_perm(cc, d, 0x7362);
+      const uint32_t out[4] = {__byte_perm(ab_lo, cd_lo, 0x5410), __byte_perm(ab_lo, cd_lo, 0x7632),
+                               __byte_perm(ab_hi, cd_hi, 0x5410), __byte_perm(ab_hi, cd_hi, 0x7632)};
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
         const int dd = 4 * w + m;
-        *reinterpret_cast<uint2*>(dst + (dd >> 3) * kVtGroupStride + (dd & 7) * 16) = make_uint2(lo[m], hi[m]);
+        *reinterpret_cast<uint32_t*>(dst + (dd >> 3) * kVtGroupStride + (dd & 7) * 16) = out[m];
       }
     }
   }
@@ -272,14 +262,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* q_s = smem + kSmemQ;
   uint8_t* k_s = smem + kSmemK;
   float* red_sum = reinterpret_cast<float*>(smem + kSmemSum);
+  const uint32_t bar0 = smem_addr(smem + kSmemBar);  // stage s's barrier at bar0 + 8 s
 
   const int tid = threadIdx.x;
-  // Warpgroup: 0 and 1 consume (scores for tokens 32wg.. of each tile, output dims 256wg..), 2
-  // produces. Broadcast from lane 0 so that the compiler knows them warp-uniform: the role
-  // branch is then not divergent for wgmma, and the descriptor math that depends on them stays
-  // in uniform registers (per-thread values cost a register move per wgmma operand).
+  // Warpgroup: scores for tokens 32wg.. of each tile, output dims 256wg... Broadcast from lane 0
+  // so that the compiler knows them warp-uniform and keeps the descriptor math that depends on
+  // them in uniform registers (per-thread values cost a register move per wgmma operand).
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
   const int warp_in_wg = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0), lane = tid & 31;
+  const int g = lane >> 2, q4 = lane & 3;  // accumulator fragment coordinates
   const int b = blockIdx.y, split = blockIdx.z;
   const int rows_total = p.s_q * p.heads;
   const int row0 = blockIdx.x * kRows;
@@ -288,86 +279,36 @@ __global__ void __launch_bounds__(kThreads, 1)
   const TileRange tiles(seq_len, kTile, p.num_splits, split);
   const int tile_begin = tiles.begin, n = tiles.end - tiles.begin;  // tiles of this CTA
 
-  // mbarriers. tile_full[s]: tile landed in stage s (TMA bytes). stage_free[s]: every consumer
-  // is done with Q.K^T of the stage's tile and every producer thread with its transposes.
-  // vt_full[i]: V^T buffer i written (producer threads). vt_free[i]: P.V done with it (consumers).
-  const uint32_t bar0 = smem_addr(smem + kSmemBar);
-  auto tile_full = [&](int it) { return bar0 + 8 * (it % kStages); };
-  auto stage_free = [&](int it) { return bar0 + 8 * (kStages + it % kStages); };
-  auto vt_full = [&](int it) { return bar0 + 8 * (2 * kStages + (it & 1)); };
-  auto vt_free = [&](int it) { return bar0 + 8 * (2 * kStages + 2 + (it & 1)); };
-  if (tid == 0) {
-    for (int t = 0; t < kStages; ++t) {
-      mbar_init(tile_full(t), 1);
-      mbar_init(stage_free(t), kThreads);
-    }
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(vt_full(i), kProducers);
-      mbar_init(vt_free(i), kConsumers);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
-  }
-  __syncthreads();  // the last block-wide barrier: the roles part here
-
-  // A tile's k-th use of its stage / V^T buffer is the barrier's k-th phase (parity k & 1).
-  auto wait_tile = [&](int it) { mbar_wait(tile_full(it), (it / kStages) & 1); };
-  auto valid_in = [&](int it) { return seq_len - (tile_begin + it) * kTile; };  // tokens of tile it
-  auto vt_of = [&](int it, int half) { return smem + kSmemVt + ((it & 1) * 2 + half) * kVtHalfBytes; };
-
-  if (wg == 2) {
-    // Producer: one thread issues the TMA loads, the warpgroup transposes V for the consumers.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
-    const bool leader = tid == kConsumers;
-    const int* bt_row = p.block_tables + b * p.bt_s;
-    // The page of a tile is read from the block table a tile before its TMA is issued (a
-    // dependent global load right before the issue would stall).
-    auto page_of = [&](int it) { return it < n ? bt_row[(tile_begin + it) * kTile / p.page_size] : 0; };
-    auto load_tile = [&](int it, int page) {
-      const uint32_t dst = smem_addr(k_s + (it % kStages) * kTileBytes);
-      const int row = (tile_begin + it) * kTile % p.page_size;
-      mbar_arm(tile_full(it), kTileBytes);
-#pragma unroll
-      for (int i = 0; i < kBoxes; ++i) tma_load_box(dst + i * kBoxSize, &kv_map, i * kBoxBytes, row, page, tile_full(it));
-    };
-    int next_page = 0;
-    if (leader) {
-      for (int t = 0; t < kStages && t < n; ++t) load_tile(t, page_of(t));
-      next_page = page_of(kStages);
-    }
-    for (int t = 0; t < n; ++t) {
-      wait_tile(t);
-      if (t >= 2) mbar_wait(vt_free(t), ((t >> 1) + 1) & 1);  // P.V of tile t-2 is done
-      const uint8_t* tile = k_s + (t % kStages) * kTileBytes;
-      transpose_v(tile, vt_of(t, 0), warp_in_wg, lane, valid_in(t));
-      fence_async_shared();  // V^T stores -> visible to wgmma
-      mbar_arrive(vt_full(t));
-      mbar_arrive(stage_free(t));
-      if (leader && t + kStages < n) {
-        mbar_wait(stage_free(t), (t / kStages) & 1);
-        load_tile(t + kStages, next_page);
-        next_page = page_of(t + kStages + 1);
-      }
-    }
-    return;
-  }
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
-
-  const int g = lane >> 2, q4 = lane & 3;  // accumulator fragment coordinates
-  // Q rows of this CTA (rows past the request are zero).
+  // Q rows of this CTA (rows past the request are zero), in the first copy group.
 #pragma unroll
   for (int i = 0; i < kCopies; ++i) {
-    const int c = tid + kConsumers * i;
+    const int c = tid + kThreads * i;
     const int row = row0 + chunk_row(c);
     const bool valid = row < rows_total;
     const uint8_t* src = p.q;
     if (valid) src += b * p.q_sb + (row / p.heads) * p.q_ss + (row % p.heads) * p.q_sh + chunk_col(c) * 16;
     cp_async_16(smem_addr(q_s + chunk_dst(c)), src, valid ? 16 : 0);
   }
-  cp_async_commit();
+
+  const int* bt_row = p.block_tables + b * p.bt_s;
+  // Thread 0 loads the tiles. The page of tile `it` is read from the block table an iteration
+  // before its TMA is issued (a dependent global load right before the issue would stall).
+  auto page_of = [&](int it) { return it < n ? bt_row[(tile_begin + it) * kTile / p.page_size] : 0; };
+  auto load_tile = [&](int it, int page) {  // tile `it` of this CTA, thread 0 only
+    const int stage = it % kStages;
+    const uint32_t bar = bar0 + 8 * stage, dst = smem_addr(k_s + stage * kTileBytes);
+    const int row = (tile_begin + it) * kTile % p.page_size;
+    mbar_arm(bar, kTileBytes);
+#pragma unroll
+    for (int i = 0; i < kBoxes; ++i) tma_load_box(dst + i * kBoxSize, &kv_map, i * kBoxBytes, row, page, bar);
+  };
+  auto wait_tile = [&](int it) { mbar_wait(bar0 + 8 * (it % kStages), (it / kStages) & 1); };
+  auto valid_in = [&](int it) { return seq_len - (tile_begin + it) * kTile; };  // tokens of tile it
 
   const uint32_t q_lo = desc_lo(smem_addr(q_s), 128);
   constexpr uint32_t kStepQ = 256 >> 4;            // one k-step of 32 bytes = two core matrices
   constexpr uint32_t kStepVt = (2 * kCmStep) >> 4;
+  auto vt_of = [&](int it) { return smem + kSmemVt + ((it % kVtBuffers) * 2 + wg) * kVtHalfBytes; };  // its V^T
   uint8_t* p_s = smem + kSmemP;
   // S = Q . K^T for this warpgroup's 32 tokens of tile `it`, issued asynchronously.
   auto issue_qk = [&](float (&s)[16], int it) {
@@ -397,19 +338,31 @@ __global__ void __launch_bounds__(kThreads, 1)
   float l_run[2] = {0.f, 0.f};  // this thread's share of the row sums (of the scaled P)
   float s[16], s_next[16];
 
-  // Software pipeline: the softmax of tile `it` runs under Q.K^T of tile it+1 while the
-  // producer loads tile it+2 and transposes V of tile it+1. Both products are waited for at the
-  // end of each iteration: accumulators still in flight across the loop's back edge make ptxas
-  // serialize every wgmma (warning C7514).
+  // Software pipeline: the softmax of tile `it` runs under Q.K^T of tile it+1; tiles it+2 and
+  // it+3 are in flight meanwhile (measured: the copies, not the MMAs, bound this kernel when
+  // only one tile was in flight). Both products are waited for at the end of each iteration:
+  // accumulators still in flight across the loop's back edge make ptxas serialize every wgmma
+  // (warning C7514).
+  cp_async_commit();  // Q
+  int next_page = 0;  // page of tile it+3 (thread 0)
+  if (tid == 0) {
+    for (int t = 0; t < kStages; ++t) mbar_init(bar0 + 8 * t);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
+  }
+  __syncthreads();
+  if (tid == 0 && n > 0) {
+    for (int t = 0; t < kStages && t < n; ++t) load_tile(t, page_of(t));
+    next_page = page_of(kStages);
+  }
   cp_async_wait<0>();
   fence_async_shared();
-  consumer_sync();  // Q
+  __syncthreads();  // Q
   if (n > 0) {
     wait_tile(0);
     issue_qk(s, 0);
+    transpose_v(k_s, vt_of(0), wg, warp_in_wg, lane, valid_in(0));
     wgmma_wait<0>();
     fence_regs(s);
-    mbar_arrive(stage_free(0));
   }
 
   // Unrolled by two so that handing s_next over to s is a register renaming, not 16 moves.
@@ -417,6 +370,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int it = 0; it < n; ++it) {
     const bool has_next = it + 1 < n;
     if (has_next) {
+      __syncthreads();  // every thread is done with tile it's stage (Q.K^T, transpose)
+      if (tid == 0 && it + kStages < n) {
+        load_tile(it + kStages, next_page);
+        next_page = page_of(it + kStages + 1);
+      }
       wait_tile(it + 1);
       issue_qk(s_next, it + 1);
     }
@@ -445,7 +403,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
       if (q4 == 0) red_max[wg * kRows + r_local[i]] = mx[i];
     }
-    consumer_sync();
+    __syncthreads();
     // Lazy rescaling: the reference maximum m_run moves only when a row's maximum passes it by
     // more than kRescaleSlack (log2 units), so O is rescaled on few tiles; P then stays below
     // 2^kRescaleSlack, which the e4m3 scale 2^kLog2PScale leaves room for.
@@ -463,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     // P -> e4m3 in shared memory (A operand of P.V); row sums. This thread's 8 scores of a row
-    // (tokens 32wg + 8j + 2q4 + e) are P columns 16q4 + 8e + 4wg + j (p_column): two 4-byte stores.
+    // (tokens 32wg + 8j + 2q4 + e) are P columns 32wg + 8q4 + 4e + j (p_column): one 8-byte store.
     float sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -482,11 +440,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(pv[2][e], pv[3][e]), __NV_SATFINITE, __NV_E4M3);
         word[e] = lo | (hi << 16);
       }
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int r = r_local[i], col = p_column(32 * wg + 2 * q4 + e);
-        *reinterpret_cast<uint32_t*>(p_s + (r >> 3) * 512 + (col >> 4) * 128 + (r & 7) * 16 + (col & 15)) = word[e];
-      }
+      const int r = r_local[i], col = p_column(32 * wg + 2 * q4);
+      *reinterpret_cast<uint2*>(p_s + (r >> 3) * 512 + (col >> 4) * 128 + (r & 7) * 16 + (col & 15)) =
+          make_uint2(word[0], word[1]);
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + sum[i];
@@ -501,23 +457,26 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     fence_async_shared();
-    consumer_sync();  // P of tile `it` from both warpgroups
+    __syncthreads();  // P of tile `it` from both warpgroups, V^T of this one
 
     // O[64 rows, this warpgroup's 256 dims] += P[64, 64 tokens] . V[64 tokens, 256 dims].
-    mbar_wait(vt_full(it), (it >> 1) & 1);
     {
       const uint32_t p_lo = desc_lo(smem_addr(p_s), 128);
-      const uint32_t vt_lo = desc_lo(smem_addr(vt_of(it, wg)), kCmStep);
+      const uint32_t vt_lo = desc_lo(smem_addr(vt_of(it)), kCmStep);
       wgmma_fence();
       wgmma_m64n256k32(o, make_desc(p_lo, 512), make_desc(vt_lo, kVtGroupStride), 1);
       wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepVt, kVtGroupStride), 1);
       wgmma_commit();
     }
+    // V^T of tile it+1: with two buffers while this P.V runs, with one once it is done.
+    auto transpose_next = [&]() {
+      transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_of(it + 1), wg, warp_in_wg, lane, valid_in(it + 1));
+    };
+    if (has_next && kVtBuffers == 2) transpose_next();
     wgmma_wait<0>();
     fence_regs(o);
     fence_regs(s_next);
-    mbar_arrive(vt_free(it));
-    if (has_next) mbar_arrive(stage_free(it + 1));
+    if (has_next && kVtBuffers == 1) transpose_next();
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = s_next[i];
   }
@@ -531,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
     if (q4 == 0) red_sum[wg * kRows + r_local[i]] = l_run[i];
   }
-  consumer_sync();
+  __syncthreads();
 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
