@@ -60,7 +60,7 @@ WGMMA_ROWS = 64
 # P, row maxima and sums, the stages' mbarriers, and room to align the tiles to 1024 bytes.
 WGMMA_STAGES = 3
 WGMMA_VT_BUFFERS = 1
-WGMMA_SMEM_BYTES = (WGMMA_STAGES * 5 * 64 * 128 + 64 * 576 + WGMMA_VT_BUFFERS * 2 * 32 * (4 * 144 + 16) + 64 * 64
+WGMMA_SMEM_BYTES = (WGMMA_STAGES * 5 * 64 * 128 + 64 * 576 + WGMMA_VT_BUFFERS * 2 * 32 * (4 * 144 + 32) + 64 * 64
                     + 3 * 2 * 64 * 4 + WGMMA_STAGES * 8 + 1024)
 
 

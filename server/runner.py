@@ -159,7 +159,7 @@ class ModelRunner:
         mc = self.model_config
         self.attention_backend = resolve_backend(
             config.attention_backend, device, cache_dtype, mc.kv_lora_rank, mc.qk_rope_head_dim,
-            num_heads=model.layers[0].self_attn.num_local_heads, page_size=config.block_size,
+            page_size=config.block_size,
         )
         logger.info("MLA decode backend: %s (--attention-backend %s, %s KV cache)", self.attention_backend,
                     config.attention_backend, cache_dtype)

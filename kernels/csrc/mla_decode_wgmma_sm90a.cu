@@ -23,12 +23,13 @@
 // - FP8 wgmma needs both operands K-major: for P.V the latent V must be transposed (tokens
 //   contiguous per dim). Each warpgroup transposes its own 256 dims of the next tile in shared
 //   memory once its P.V is done (one V^T buffer: shared memory holds Q, three tiles and V^T):
-//   16-byte loads, 4x4 byte transposes with byte permutes, 4-byte stores. A thread transposes
-//   tokens b, b+8, b+16, b+24 (not four consecutive ones), which makes the loads from the
+//   16-byte loads, 4x4 byte transposes with byte permutes, 8-byte stores. A thread transposes
+//   tokens b, b+8, ..., b+56 (not eight consecutive ones), which makes the loads from the
 //   swizzled tile conflict-free; P.V's reduction order is a permutation of the tile's tokens,
-//   the same one for P's columns and V^T's rows (see p_column).
+//   the same one for P's columns and V^T's rows (see p_column). (A producer warpgroup doing
+//   the transposes under the MMAs was slower: 275 vs 251 us, benchmarks/KERNEL_NOTES.md.)
 // - Q, P and V^T use wgmma's no-swizzle layout (core matrices of 8 rows x 16 bytes), V^T
-//   padded (144-byte steps along K, 592-byte steps between row groups) so that the
+//   padded (144-byte steps along K, 608-byte steps between row groups) so that the
 //   transpose's stores are free of bank conflicts.
 // - Slots past the sequence in a tile's last page are loaded as they are (poisoned slots hold
 //   NaN): their scores are masked to -inf and the transpose writes zeros for them, so they
@@ -84,7 +85,7 @@ constexpr int kQBytes = 8 * kQGroupStride;
 // V^T (per warpgroup: 256 dims x 64 tokens): core matrix (dim group, token chunk) at
 // dg*kVtGroupStride + tc*kCmStep.
 constexpr int kCmStep = 144;
-constexpr int kVtGroupStride = 4 * kCmStep + 16;      // 592
+constexpr int kVtGroupStride = 4 * kCmStep + 32;      // 608
 constexpr int kVtHalfBytes = 32 * kVtGroupStride;
 // P (64 rows x 64 tokens, e4m3): packed core matrices, 128 B along K, 512 B between row groups.
 constexpr int kPBytes = kRows * kTile;
@@ -210,47 +211,49 @@ constexpr int kCopies = kRows * kChunks / kThreads;  // 9 chunks per thread per 
 static_assert(kRows * kChunks % kThreads == 0, "whole copies per thread");
 
 // P.V's reduction runs over a permutation of the tile's 64 tokens (the transpose below reads
-// tokens b, b+8, b+16, b+24 together): token 32h + 8k + b is column 32h + 4b + k of P and row
-// 32h + 4b + k of V^T. The permutation keeps each 32-token half in place.
-__device__ __forceinline__ int p_column(int token) { return (token & ~31) | ((token & 7) << 2) | ((token >> 3) & 3); }
+// tokens b, b+8, ..., b+56 together): token 8k + b is column 8b + k of P and row 8b + k of V^T.
+__device__ __forceinline__ int p_column(int token) { return ((token & 7) << 3) | (token >> 3); }
+
+// 4x4 byte transpose: out[m] byte i = byte m of in[i].
+__device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&out)[4]) {
+  const uint32_t ab_lo = __byte_perm(a, b, 0x5140), ab_hi = __byte_perm(a, b, 0x7362);
+  const uint32_t cd_lo = __byte_perm(c, d, 0x5140), cd_hi = __byte_perm(c, d, 0x7362);
+  out[0] = __byte_perm(ab_lo, cd_lo, 0x5410);
+  out[1] = __byte_perm(ab_lo, cd_lo, 0x7632);
+  out[2] = __byte_perm(ab_hi, cd_hi, 0x5410);
+  out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
+}
 
 // This warpgroup's 256 dims of a cache tile -> V^T (tokens contiguous per dim, in P's column
-// order). A thread takes two blocks of 4 tokens (b, b+8, b+16, b+24 of one half) x 16 dims:
-// four 16-byte loads (8 lanes read one token-row set of a 128-byte swizzle atom: conflict-free),
-// 4x4 byte transposes with byte permutes, 4-byte stores (conflict-free thanks to V^T's padding).
-// Tokens at or past `valid` (slots past the sequence, maybe NaN) become zeros.
+// order). A thread takes a block of 8 tokens (b, b+8, ..., b+56) x 16 dims: eight 16-byte
+// loads (8 lanes read one token-row set of a 128-byte swizzle atom: conflict-free), 4x4 byte
+// transposes with byte permutes, 8-byte stores (conflict-free thanks to V^T's padding). Tokens
+// at or past `valid` (slots past the sequence, maybe NaN) become zeros.
 __device__ __forceinline__ void transpose_v(const uint8_t* tile, uint8_t* vt_half, int wg, int warp_in_wg, int lane,
                                             int valid) {
   const int b = lane & 7;
+  const int c_local = 2 * (2 * warp_in_wg + (lane >> 4)) + ((lane >> 3) & 1);  // 16-dim chunk of the half
+  const int c = 16 * wg + c_local;
+  const uint8_t* src = tile + (c >> 3) * kBoxSize + b * kBoxBytes + (((c & 7) ^ b) << 4);
+  uint4 x[8];
 #pragma unroll
-  for (int k2 = 0; k2 < 2; ++k2) {
-    const int combo = warp_in_wg * 2 + k2;
-    const int c_local = 4 * (combo >> 1) + (lane >> 3);  // 16-dim chunk within the half
-    const int h = combo & 1;                             // token half
-    const int c = 16 * wg + c_local;                     // chunk within the 576-byte row
-    const uint8_t* src = tile + (c >> 3) * kBoxSize + (32 * h + b) * kBoxBytes + (((c & 7) ^ b) << 4);
-    uint4 x[4];
+  for (int k = 0; k < 8; ++k) x[k] = *reinterpret_cast<const uint4*>(src + 8 * k * kBoxBytes);
+  if (valid < kTile) {  // the sequence's last tile only (a branch the whole CTA takes alike)
 #pragma unroll
-    for (int k = 0; k < 4; ++k) x[k] = *reinterpret_cast<const uint4*>(src + 8 * k * kBoxBytes);
-    if (valid < kTile) {  // the sequence's last tile only (a branch the whole CTA takes alike)
+    for (int k = 0; k < 8; ++k)
+      if (8 * k + b >= valid) x[k] = make_uint4(0, 0, 0, 0);
+  }
+  const int col = p_column(b);  // V^T rows col..col+7 hold tokens k = 0..7
+  uint8_t* dst = vt_half + 2 * c_local * kVtGroupStride + (col >> 4) * kCmStep + (col & 15);
 #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (32 * h + 8 * k + b >= valid) x[k] = make_uint4(0, 0, 0, 0);
-    }
-    const int col = p_column(32 * h + b);  // V^T rows col..col+3 hold tokens k = 0..3
-    uint8_t* dst = vt_half + 2 * c_local * kVtGroupStride + (col >> 4) * kCmStep + (col & 15);
+  for (int w = 0; w < 4; ++w) {  // dims 4w..4w+3 of the chunk
+    uint32_t lo[4], hi[4];
+    transpose4x4((&x[0].x)[w], (&x[1].x)[w], (&x[2].x)[w], (&x[3].x)[w], lo);
+    transpose4x4((&x[4].x)[w], (&x[5].x)[w], (&x[6].x)[w], (&x[7].x)[w], hi);
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {  // dims 4w..4w+3 of the chunk, tokens k = 0..3
-      const uint32_t a = (&x[0].x)[w], bb = (&x[1].x)[w], cc = (&x[2].x)[w], d = (&x[3].x)[w];
-      const uint32_t ab_lo = __byte_perm(a, bb, 0x5140), ab_hi = __byte_perm(a, bb, 0x7362);
-      const uint32_t cd_lo = __byte_perm(cc, d, 0x5140), cd_hi = __byte_perm(cc, d, 0x7362);
-      const uint32_t out[4] = {__byte_perm(ab_lo, cd_lo, 0x5410), __byte_perm(ab_lo, cd_lo, 0x7632),
-                               __byte_perm(ab_hi, cd_hi, 0x5410), __byte_perm(ab_hi, cd_hi, 0x7632)};
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int dd = 4 * w + m;
-        *reinterpret_cast<uint32_t*>(dst + (dd >> 3) * kVtGroupStride + (dd & 7) * 16) = out[m];
-      }
+    for (int m = 0; m < 4; ++m) {
+      const int dd = 4 * w + m;
+      *reinterpret_cast<uint2*>(dst + (dd >> 3) * kVtGroupStride + (dd & 7) * 16) = make_uint2(lo[m], hi[m]);
     }
   }
 }
@@ -421,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     // P -> e4m3 in shared memory (A operand of P.V); row sums. This thread's 8 scores of a row
-    // (tokens 32wg + 8j + 2q4 + e) are P columns 32wg + 8q4 + 4e + j (p_column): one 8-byte store.
+    // (tokens 32wg + 8j + 2q4 + e) are P columns 16q4 + 8e + 4wg + j (p_column): two 4-byte stores.
     float sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -440,9 +443,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(pv[2][e], pv[3][e]), __NV_SATFINITE, __NV_E4M3);
         word[e] = lo | (hi << 16);
       }
-      const int r = r_local[i], col = p_column(32 * wg + 2 * q4);
-      *reinterpret_cast<uint2*>(p_s + (r >> 3) * 512 + (col >> 4) * 128 + (r & 7) * 16 + (col & 15)) =
-          make_uint2(word[0], word[1]);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = r_local[i], col = p_column(32 * wg + 2 * q4 + e);
+        *reinterpret_cast<uint32_t*>(p_s + (r >> 3) * 512 + (col >> 4) * 128 + (r & 7) * 16 + (col & 15)) = word[e];
+      }
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + sum[i];
