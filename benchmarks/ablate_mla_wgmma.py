@@ -23,7 +23,8 @@ from kernels import mla_decode_cuda as mdc  # noqa: E402
 # Lines deleted per variant (the kernel's own lines, verbatim).
 CUTS = {
     "base": [],
-    "noqk": ["      wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), desc_k, ks);"],
+    "noqk": ["      if (ks < kQRegSteps) wgmma_m64n32k32_rs(s, q_reg[ks], desc_k, ks);",
+             "      if (ks >= kQRegSteps) wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), desc_k, ks);"],
     "nopv": ["      wgmma_m64n256k32(o, make_desc(p_lo, 512), make_desc(vt_lo, kVtGroupStride), 1);",
              "      wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepVt, kVtGroupStride), 1);"],
     "notr": ["      transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_of(it + 1), wg, warp_in_wg, lane, valid_in(it + 1));"],
