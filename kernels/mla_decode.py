@@ -63,13 +63,13 @@ BACKENDS = ("auto", "cuda", "triton", "flashinfer", "trtllm", "torch")
 def choose_auto_backend(kv_dtype: torch.dtype, cuda_kernel_ok: bool = False) -> str:
     """``auto`` on CUDA, by measurement on the H200 (benchmarks/RESULTS.md, B=128, S=4096): with
     an FP8 cache, our CUDA C++ library when it can be built here (16 heads: 110 vs 297 µs for
-    Triton; 128 heads: 251 vs 443 µs), else our Triton kernel (FlashInfer's fp8 mode widens to
+    Triton; 128 heads: 247 vs 443 µs), else our Triton kernel (FlashInfer's fp8 mode widens to
     bf16 and is slower than its own bf16 mode); FlashInfer fa3 for a bf16 cache when installed.
 
-    The library's 64+-row kernel runs P.V in FP8 (P as e4m3): 1.4e-2 relative error against
+    The library's 64+-row kernel runs P.V in FP8 (P as e4m3): 1.5e-2 relative error against
     float64 on the same FP8 inputs, vs 2e-3 for Triton — inside the issue's 2e-2 bound and below
-    what quantizing the cache to e4m3 already costs. ``--attention-backend triton`` keeps P in
-    fp16."""
+    what storing the cache in e4m3 already costs (4e-2 on random data, H=128, S=2048, CPU
+    reference). ``--attention-backend triton`` keeps P in fp16."""
     if kv_dtype == torch.float8_e4m3fn:
         return "cuda" if cuda_kernel_ok else "triton"
     return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
