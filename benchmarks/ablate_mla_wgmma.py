@@ -27,7 +27,7 @@ CUTS = {
              "      if (ks >= kQRegSteps) wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), desc_k, ks);"],
     "nopv": ["      wgmma_m64n256k32(o, make_desc(p_lo, 512), make_desc(vt_lo, kVtGroupStride), 1);",
              "      wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepVt, kVtGroupStride), 1);"],
-    "notr": ["      transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_of(it + 1), wg, warp_in_wg, lane, valid_in(it + 1));"],
+    "notr": ["    if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_s, wg, warp_in_wg, lane, valid_in(it + 1));"],
     # the steady-state loads and the waits for them (a wait for a load never issued would hang)
     "noload": ["        load_tile(it + kStages, next_page);", "      wait_tile(it + 1);"],
 }

@@ -55,12 +55,11 @@ BUILT_CONFIGS = {(1, 4, 2, 64), (1, 8, 2, 64), (1, 8, 3, 64), (2, 4, 2, 64), (2,
 KERNELS = ("mma", "wgmma")
 MMA_MAX_ROWS = 32
 WGMMA_ROWS = 64
-# Shared memory of a wgmma CTA (mirror of the .cu plan): the cache tiles as TMA writes them
-# (five 64 x 128-byte boxes each), packed Q, the V^T buffers (two padded warpgroup halves each),
-# P, row maxima and sums, the stages' mbarriers, and room to align the tiles to 1024 bytes.
+# Shared memory of a wgmma CTA (mirror of the .cu plan): three cache tiles as TMA writes them
+# (five 64 x 128-byte boxes each), packed Q, V^T (two padded warpgroup halves), P, row maxima
+# and sums, the stages' mbarriers, and room to align the tiles to 1024 bytes.
 WGMMA_STAGES = 3
-WGMMA_VT_BUFFERS = 1
-WGMMA_SMEM_BYTES = (WGMMA_STAGES * 5 * 64 * 128 + 64 * 576 + WGMMA_VT_BUFFERS * 2 * 32 * (4 * 144 + 32) + 64 * 64
+WGMMA_SMEM_BYTES = (WGMMA_STAGES * 5 * 64 * 128 + 64 * 576 + 2 * 32 * (4 * 144 + 32) + 64 * 64
                     + 3 * 2 * 64 * 4 + WGMMA_STAGES * 8 + 1024)
 
 

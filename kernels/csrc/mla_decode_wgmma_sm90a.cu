@@ -53,18 +53,9 @@ constexpr int kDimV = 512;
 constexpr int kTile = 64;                // tokens per tile
 constexpr int kRows = 64;                // query rows per CTA (wgmma M)
 constexpr int kThreads = 256;            // two warpgroups
-// Build-time knobs (benchmarks/ablate_mla_wgmma.py sweeps them): cache tiles in shared memory,
-// and V^T buffers per warpgroup. With two, the transpose of tile i+1 runs under the P.V of
-// tile i; shared memory then leaves room for two tiles only (one TMA load in flight).
-#ifndef MLA_WGMMA_STAGES
-#define MLA_WGMMA_STAGES 3
-#endif
-#ifndef MLA_WGMMA_VT_BUFFERS
-#define MLA_WGMMA_VT_BUFFERS 1
-#endif
-constexpr int kStages = MLA_WGMMA_STAGES;
-constexpr int kVtBuffers = MLA_WGMMA_VT_BUFFERS;
-static_assert(kVtBuffers == 1 || kVtBuffers == 2, "one or two V^T buffers");
+// Cache tiles in shared memory (two TMA loads in flight). Measured: two stages, or a second V^T
+// buffer with the next transpose under the current P.V, changed nothing (KERNEL_NOTES.md).
+constexpr int kStages = 3;
 constexpr int kChunks = kDim / 16;       // 16-byte chunks per row
 constexpr float kLn2 = 0.6931471805599453f;
 // P = exp2(s - m) <= 2^kRescaleSlack (m moves lazily) is stored as e4m3(2^kLog2PScale P): at
@@ -93,8 +84,8 @@ constexpr int kPBytes = kRows * kTile;
 // Offsets from the first 1024-byte boundary of the dynamic shared memory.
 constexpr int kSmemK = 0;
 constexpr int kSmemQ = kSmemK + kStages * kTileBytes;
-constexpr int kSmemVt = kSmemQ + kQBytes;                   // [kVtBuffers][2 warpgroups]
-constexpr int kSmemP = kSmemVt + kVtBuffers * 2 * kVtHalfBytes;
+constexpr int kSmemVt = kSmemQ + kQBytes;                   // [2 warpgroups]
+constexpr int kSmemP = kSmemVt + 2 * kVtHalfBytes;
 constexpr int kSmemMax = kSmemP + kPBytes;                  // float [2 parities][2 wg][64]
 constexpr int kSmemSum = kSmemMax + 2 * 2 * kRows * 4;       // float [2 wg][64]
 constexpr int kSmemBar = kSmemSum + 2 * kRows * 4;           // uint64 [kStages]: tile landed
@@ -327,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint32_t q_reg[kQRegSteps][4];
   constexpr uint32_t kStepQ = 256 >> 4;            // one k-step of 32 bytes = two core matrices
   constexpr uint32_t kStepVt = (2 * kCmStep) >> 4;
-  auto vt_of = [&](int it) { return smem + kSmemVt + ((it % kVtBuffers) * 2 + wg) * kVtHalfBytes; };  // its V^T
+  uint8_t* vt_s = smem + kSmemVt + wg * kVtHalfBytes;  // this warpgroup's V^T
   uint8_t* p_s = smem + kSmemP;
   // S = Q . K^T for this warpgroup's 32 tokens of tile `it`, issued asynchronously.
   auto issue_qk = [&](float (&s)[16], int it) {
@@ -388,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (n > 0) {
     wait_tile(0);
     issue_qk(s, 0);
-    transpose_v(k_s, vt_of(0), wg, warp_in_wg, lane, valid_in(0));
+    transpose_v(k_s, vt_s, wg, warp_in_wg, lane, valid_in(0));
     wgmma_wait<0>();
     fence_regs(s);
   }
@@ -492,21 +483,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     // O[64 rows, this warpgroup's 256 dims] += P[64, 64 tokens] . V[64 tokens, 256 dims].
     {
       const uint32_t p_lo = desc_lo(smem_addr(p_s), 128);
-      const uint32_t vt_lo = desc_lo(smem_addr(vt_of(it)), kCmStep);
+      const uint32_t vt_lo = desc_lo(smem_addr(vt_s), kCmStep);
       wgmma_fence();
       wgmma_m64n256k32(o, make_desc(p_lo, 512), make_desc(vt_lo, kVtGroupStride), 1);
       wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepVt, kVtGroupStride), 1);
       wgmma_commit();
     }
-    // V^T of tile it+1: with two buffers while this P.V runs, with one once it is done.
-    auto transpose_next = [&]() {
-      transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_of(it + 1), wg, warp_in_wg, lane, valid_in(it + 1));
-    };
-    if (has_next && kVtBuffers == 2) transpose_next();
     wgmma_wait<0>();
     fence_regs(o);
     fence_regs(s_next);
-    if (has_next && kVtBuffers == 1) transpose_next();
+    // V^T of tile it+1 (this warpgroup's P.V of `it` is done with the buffer).
+    if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_s, wg, warp_in_wg, lane, valid_in(it + 1));
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = s_next[i];
   }
