@@ -1,5 +1,5 @@
 """Where the wgmma MLA decode kernel's time goes: time it with one part deleted at a time (Q.K^T
-wgmma, P.V wgmma, the V transpose, the steady-state tile copies), on the same inputs in one
+wgmma, P.V wgmma, the V^T fragment loads, the steady-state tile loads), on the same inputs in one
 process. The variants compute garbage; only their times mean something. On the device:
 
     source .device-wheels/install.sh && python3 benchmarks/ablate_mla_wgmma.py
@@ -25,11 +25,10 @@ CUTS = {
     "base": [],
     "noqk": ["      if (ks < kQRegSteps) wgmma_m64n32k32_rs(s, q_reg[ks], desc_k, ks);",
              "      if (ks >= kQRegSteps) wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), desc_k, ks);"],
-    "nopv": ["      wgmma_m64n256k32(o, make_desc(p_lo, 512), make_desc(vt_lo, kVtGroupStride), 1);",
-             "      wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepVt, kVtGroupStride), 1);"],
-    "notr": ["    if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_s, wg, warp_in_wg, lane, valid_in(it + 1));"],
+    "nopv": ["        for (int mb = 0; mb < 4; ++mb) wgmma_m64n64k32_rs(o[mb], va[kk][mb], make_desc(p_lo + kk * kStepQ, 512), 1);"],
+    "nofrag": ["    load_v_fragments(k_s + (it % kStages) * kTileBytes, d0, q4, valid_in(it), va);"],
     # the steady-state loads and the waits for them (a wait for a load never issued would hang)
-    "noload": ["        load_tile(it + kStages, next_page);", "      wait_tile(it + 1);"],
+    "noload": ["      load_tile(it + kStages, next_page);", "      wait_tile(it + 1);"],
 }
 CUTS["nomma"] = CUTS["noqk"] + CUTS["nopv"]
 

@@ -55,12 +55,12 @@ BUILT_CONFIGS = {(1, 4, 2, 64), (1, 8, 2, 64), (1, 8, 3, 64), (2, 4, 2, 64), (2,
 KERNELS = ("mma", "wgmma")
 MMA_MAX_ROWS = 32
 WGMMA_ROWS = 64
-# Shared memory of a wgmma CTA (mirror of the .cu plan): three cache tiles as TMA writes them
-# (five 64 x 128-byte boxes each), packed Q, V^T (two padded warpgroup halves), P, row maxima
-# and sums, the stages' mbarriers, and room to align the tiles to 1024 bytes.
-WGMMA_STAGES = 3
-WGMMA_SMEM_BYTES = (WGMMA_STAGES * 5 * 64 * 128 + 64 * 576 + 2 * 32 * (4 * 144 + 32) + 64 * 64
-                    + 3 * 2 * 64 * 4 + WGMMA_STAGES * 8 + 1024)
+# Shared memory of a wgmma CTA (mirror of the .cu plan): four cache tiles as TMA writes them
+# (five 64 x 128-byte boxes each), packed Q, P, row maxima, sums and rescale factors, the
+# stages' mbarriers, and room to align the tiles to 1024 bytes.
+WGMMA_STAGES = 4
+WGMMA_SMEM_BYTES = (WGMMA_STAGES * 5 * 64 * 128 + 64 * 576 + 64 * 64 + 3 * 2 * 64 * 4 + 64 * 4
+                    + WGMMA_STAGES * 8 + 1024)
 
 
 class CudaKernelUnavailable(RuntimeError):
@@ -274,6 +274,11 @@ def mla_decode_cuda(
         lse = torch.empty(bsz, s_q, h, dtype=torch.float32, device=q.device)
     if out.shape != (bsz, s_q, h, D_LATENT) or out.stride(-1) != 1 or out.dtype != torch.bfloat16:
         raise ValueError(f"out must be bf16 [B, s_q, H, {D_LATENT}] with unit last stride")
+    if kernel == "wgmma" and (out.data_ptr() % 16 or any(st % 8 for st in out.stride()[:3])):
+        # the wgmma kernel writes 16-byte runs of a row: other layouts go through a copy
+        tmp, lse = mla_decode_cuda(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, q_scale,
+                                   k_scale, out_dtype, num_splits, config, None, lse, kernel)
+        return out.copy_(tmp), lse
     if lse.shape != (bsz, s_q, h) or lse.dtype != torch.float32:
         raise ValueError("lse must be float32 [B, s_q, H]")
     if bsz == 0:

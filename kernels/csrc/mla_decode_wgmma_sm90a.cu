@@ -9,31 +9,31 @@
 //   straight from shared memory once per 64 rows (mma.sync re-reads them per 16-row warp: the
 //   sister kernel's limit at 128 heads). Both products run in FP8: Q.K^T and P.V.
 // - A CTA = 64 query rows x a split of the request's 64-token tiles, two warpgroups. For each
-//   tile, warpgroup w computes scores for tokens 32w..32w+31 (m64n32k32, no duplicated Q.K^T),
-//   the row maxima are exchanged through shared memory, each warpgroup writes its P (e4m3,
-//   scaled by 64) and accumulates O for output dims 256w..256w+255 over the whole tile
-//   (m64n256k32, 128 fp32 registers per thread). The running maximum moves lazily (only when a
-//   row's maximum passes it by 4x), so O is rarely rescaled.
+//   tile, warpgroup w computes scores for tokens 32w..32w+31 (m64n32k32, no duplicated Q.K^T;
+//   the first 8 of 18 k-steps take Q from registers, the rest from shared memory), the row
+//   maxima are exchanged through shared memory, each warpgroup writes its P (e4m3, scaled by
+//   64) and accumulates O for output dims 256w..256w+255 over the whole tile. The running
+//   maximum moves lazily (only when a row's maximum passes it by 4x), so O is rarely rescaled.
+// - FP8 wgmma needs both operands K-major, and the cache holds V token-major. So P.V runs
+//   transposed, O^T += V^T . P^T (M = 64 dims, N = the 64 query rows, K = 32 tokens, 4 m-blocks
+//   x 2 k-steps of m64n64k32 per warpgroup, 128 fp32 accumulators per thread), with V^T as the
+//   register operand: each thread loads its 8 contiguous dims of 16 tokens (8-byte loads) and
+//   transposes them with byte permutes into wgmma's A fragments. P, in shared memory as it is,
+//   is the K-major B operand. The reduction runs over a permutation of the tile's tokens, the
+//   same for P's columns and the fragments (see p_column), chosen so that the loads are free
+//   of bank conflicts. (Earlier versions transposed V into a shared-memory V^T: 64 KB more
+//   shared-memory traffic per tile; a producer warpgroup doing those transposes was slower
+//   still. Numbers in benchmarks/KERNEL_NOTES.md.)
 // - Cache tiles arrive by TMA: one thread issues five 128-byte x 64-token boxes per tile (the
 //   fifth half out of bounds, zero-filled) into wgmma's 128-byte-swizzled K-major layout, and
 //   an mbarrier per stage says when they landed. (Per-thread cp.async of 16-byte chunks cost
 //   40 % of the kernel's time: 2304 copies per tile, their address math on the issue path.)
-// - Software pipeline: the softmax of a tile runs under Q.K^T of the next one, two more tiles
-//   are in flight, and a tile's page index is read an iteration before its TMA is issued.
-// - FP8 wgmma needs both operands K-major: for P.V the latent V must be transposed (tokens
-//   contiguous per dim). Each warpgroup transposes its own 256 dims of the next tile in shared
-//   memory once its P.V is done (one V^T buffer: shared memory holds Q, three tiles and V^T):
-//   16-byte loads, 4x4 byte transposes with byte permutes, 8-byte stores. A thread transposes
-//   tokens b, b+8, ..., b+56 (not eight consecutive ones), which makes the loads from the
-//   swizzled tile conflict-free; P.V's reduction order is a permutation of the tile's tokens,
-//   the same one for P's columns and V^T's rows (see p_column). (A producer warpgroup doing
-//   the transposes under the MMAs was slower: 275 vs 251 us, benchmarks/KERNEL_NOTES.md.)
-// - Q, P and V^T use wgmma's no-swizzle layout (core matrices of 8 rows x 16 bytes), V^T
-//   padded (144-byte steps along K, 608-byte steps between row groups) so that the
-//   transpose's stores are free of bank conflicts.
+// - Software pipeline: the softmax of a tile runs under Q.K^T of the next one, up to three
+//   more tiles are in flight, and a tile's page index is read an iteration before its TMA.
+// - Q and P use wgmma's no-swizzle layout (core matrices of 8 rows x 16 bytes, packed).
 // - Slots past the sequence in a tile's last page are loaded as they are (poisoned slots hold
-//   NaN): their scores are masked to -inf and the transpose writes zeros for them, so they
-//   never reach the P.V product. Split-KV writes normalized partials + LSE for the combine
+//   NaN): their scores are masked to -inf and the fragment loads replace them with zeros, so
+//   they never reach the P.V product. Split-KV writes normalized partials + LSE for the combine
 //   kernel (kernels/mla_decode_triton.py), like the sister kernel. Launch shape depends only on
 //   tensor shapes, the tensor map only on the cache tensor: capturable in a CUDA graph.
 
@@ -53,9 +53,9 @@ constexpr int kDimV = 512;
 constexpr int kTile = 64;                // tokens per tile
 constexpr int kRows = 64;                // query rows per CTA (wgmma M)
 constexpr int kThreads = 256;            // two warpgroups
-// Cache tiles in shared memory (two TMA loads in flight). Measured: two stages, or a second V^T
-// buffer with the next transpose under the current P.V, changed nothing (KERNEL_NOTES.md).
-constexpr int kStages = 3;
+// Cache tiles in shared memory. A tile's stage is refilled only once its P.V fragments are
+// loaded (after the P hand-off), so four stages keep two loads ahead of Q.K^T.
+constexpr int kStages = 4;
 constexpr int kChunks = kDim / 16;       // 16-byte chunks per row
 constexpr float kLn2 = 0.6931471805599453f;
 // P = exp2(s - m) <= 2^kRescaleSlack (m moves lazily) is stored as e4m3(2^kLog2PScale P): at
@@ -73,22 +73,17 @@ constexpr int kTileBytes = kBoxes * kBoxSize;              // 40960
 // Q (never transposed, copied by the threads) is packed: 128 B and 4608 B steps.
 constexpr int kQGroupStride = kChunks * 128;
 constexpr int kQBytes = 8 * kQGroupStride;
-// V^T (per warpgroup: 256 dims x 64 tokens): core matrix (dim group, token chunk) at
-// dg*kVtGroupStride + tc*kCmStep.
-constexpr int kCmStep = 144;
-constexpr int kVtGroupStride = 4 * kCmStep + 32;      // 608
-constexpr int kVtHalfBytes = 32 * kVtGroupStride;
 // P (64 rows x 64 tokens, e4m3): packed core matrices, 128 B along K, 512 B between row groups.
 constexpr int kPBytes = kRows * kTile;
 
 // Offsets from the first 1024-byte boundary of the dynamic shared memory.
 constexpr int kSmemK = 0;
 constexpr int kSmemQ = kSmemK + kStages * kTileBytes;
-constexpr int kSmemVt = kSmemQ + kQBytes;                   // [2 warpgroups]
-constexpr int kSmemP = kSmemVt + 2 * kVtHalfBytes;
+constexpr int kSmemP = kSmemQ + kQBytes;
 constexpr int kSmemMax = kSmemP + kPBytes;                  // float [2 parities][2 wg][64]
 constexpr int kSmemSum = kSmemMax + 2 * 2 * kRows * 4;       // float [2 wg][64]
-constexpr int kSmemBar = kSmemSum + 2 * kRows * 4;           // uint64 [kStages]: tile landed
+constexpr int kSmemAlpha = kSmemSum + 2 * kRows * 4;         // float [64]: this tile's rescale
+constexpr int kSmemBar = kSmemAlpha + kRows * 4;             // uint64 [kStages]: tile landed
 constexpr int kSmemAlign = 1024;
 constexpr int kSmemBytes = kSmemBar + kStages * 8 + kSmemAlign;  // + room to align the base
 static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper CTA can have");
@@ -171,38 +166,15 @@ __device__ __forceinline__ void wgmma_m64n32k32_rs(float (&d)[16], const uint32_
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
-// D[64 x 256] (+)= A[64 x 32] . B[256 x 32]^T, e4m3 operands from shared memory, fp32 accumulators
-// (128 per thread); `accumulate` = 0 overwrites D.
-__device__ __forceinline__ void wgmma_m64n256k32(float (&d)[128], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+// D[64 x 64] (+)= A[64 x 32] . B[64 x 32]^T, A from registers (as above), B from shared memory.
+__device__ __forceinline__ void wgmma_m64n64k32_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k32.f32.e4m3.e4m3 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
 // Q (64 rows x 576 bytes, rows strided in memory) is copied as 16-byte chunks; chunk i goes to
@@ -213,9 +185,13 @@ __device__ __forceinline__ int chunk_dst(int i) { return (i / (8 * kChunks)) * k
 constexpr int kCopies = kRows * kChunks / kThreads;  // 9 chunks per thread per 64-row operand
 static_assert(kRows * kChunks % kThreads == 0, "whole copies per thread");
 
-// P.V's reduction runs over a permutation of the tile's 64 tokens (the transpose below reads
-// tokens b, b+8, ..., b+56 together): token 8k + b is column 8b + k of P and row 8b + k of V^T.
-__device__ __forceinline__ int p_column(int token) { return ((token & 7) << 3) | (token >> 3); }
+// P.V runs as O^T += V^T . P^T (M = 64 dims per wgmma, N = the 64 query rows, K = 32 tokens),
+// V^T from registers: no transposed copy of V in shared memory. The reduction runs over a
+// permutation of the tile's tokens, the same for P's columns (K of the B operand) and for the
+// fragments: token 32kk + 16hh + 8a + 2q + e is column 32kk + 16hh + 4q + 2a + e.
+__device__ __forceinline__ int p_column(int token) {
+  return (token & 48) | (((token >> 1) & 3) << 2) | (((token >> 3) & 1) << 1) | (token & 1);
+}
 
 // 4x4 byte transpose: out[m] byte i = byte m of in[i].
 __device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c, uint32_t d, uint32_t (&out)[4]) {
@@ -227,38 +203,41 @@ __device__ __forceinline__ void transpose4x4(uint32_t a, uint32_t b, uint32_t c,
   out[3] = __byte_perm(ab_hi, cd_hi, 0x7632);
 }
 
-// This warpgroup's 256 dims of a cache tile -> V^T (tokens contiguous per dim, in P's column
-// order). A thread takes a block of 8 tokens (b, b+8, ..., b+56) x 16 dims: eight 16-byte
-// loads (8 lanes read one token-row set of a 128-byte swizzle atom: conflict-free), 4x4 byte
-// transposes with byte permutes, 8-byte stores (conflict-free thanks to V^T's padding). Tokens
-// at or past `valid` (slots past the sequence, maybe NaN) become zeros.
-__device__ __forceinline__ void transpose_v(const uint8_t* tile, uint8_t* vt_half, int wg, int warp_in_wg, int lane,
-                                            int valid) {
-  const int b = lane & 7;
-  const int c_local = 2 * (2 * warp_in_wg + (lane >> 4)) + ((lane >> 3) & 1);  // 16-dim chunk of the half
-  const int c = 16 * wg + c_local;
-  const uint8_t* src = tile + (c >> 3) * kBoxSize + b * kBoxBytes + (((c & 7) ^ b) << 4);
-  uint4 x[8];
+// This thread's A fragments of a tile's O^T += V^T . P^T: va[kk][mb] for k-step kk (P columns
+// 32kk..) and m-block mb, whose rows g and g+8 are dims d0 + 2mb and d0 + 2mb + 1 (d0 = 256wg +
+// 64warp + 8g: the thread's 8 dims are contiguous bytes of a token row). Registers: 0 = (row g,
+// columns 4q4..4q4+3), 1 = (row g+8, same), 2 and 3 = the same 16 columns on. 8-byte loads
+// (16 lanes read 8 distinct 16-byte slots of the swizzled rows: conflict-free), 4x4 byte
+// transposes. Tokens at or past `valid` (slots past the sequence, maybe NaN) become zeros.
+__device__ __forceinline__ void load_v_fragments(const uint8_t* tile, int d0, int q4, int valid, uint32_t (&va)[2][4][4]) {
+  const int c = d0 >> 4;
+  const uint8_t* box = tile + (c >> 3) * kBoxSize + (d0 & 8);
 #pragma unroll
-  for (int k = 0; k < 8; ++k) x[k] = *reinterpret_cast<const uint4*>(src + 8 * k * kBoxBytes);
-  if (valid < kTile) {  // the sequence's last tile only (a branch the whole CTA takes alike)
+  for (int kk = 0; kk < 2; ++kk)
 #pragma unroll
-    for (int k = 0; k < 8; ++k)
-      if (8 * k + b >= valid) x[k] = make_uint4(0, 0, 0, 0);
-  }
-  const int col = p_column(b);  // V^T rows col..col+7 hold tokens k = 0..7
-  uint8_t* dst = vt_half + 2 * c_local * kVtGroupStride + (col >> 4) * kCmStep + (col & 15);
+    for (int hh = 0; hh < 2; ++hh) {
+      uint2 x[4];
 #pragma unroll
-  for (int w = 0; w < 4; ++w) {  // dims 4w..4w+3 of the chunk
-    uint32_t lo[4], hi[4];
-    transpose4x4((&x[0].x)[w], (&x[1].x)[w], (&x[2].x)[w], (&x[3].x)[w], lo);
-    transpose4x4((&x[4].x)[w], (&x[5].x)[w], (&x[6].x)[w], (&x[7].x)[w], hi);
+      for (int i = 0; i < 4; ++i) {
+        const int t = 32 * kk + 16 * hh + 8 * (i >> 1) + 2 * q4 + (i & 1);
+        x[i] = *reinterpret_cast<const uint2*>(box + t * kBoxBytes + (((c & 7) ^ (t & 7)) << 4));
+      }
+      if (valid < kTile) {  // the sequence's last tile only (a branch the whole CTA takes alike)
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const int dd = 4 * w + m;
-      *reinterpret_cast<uint2*>(dst + (dd >> 3) * kVtGroupStride + (dd & 7) * 16) = make_uint2(lo[m], hi[m]);
+        for (int i = 0; i < 4; ++i)
+          if (32 * kk + 16 * hh + 8 * (i >> 1) + 2 * q4 + (i & 1) >= valid) x[i] = make_uint2(0, 0);
+      }
+#pragma unroll
+      for (int wh = 0; wh < 2; ++wh) {  // dims d0 + 4wh .. d0 + 4wh + 3
+        uint32_t out[4];
+        transpose4x4((&x[0].x)[wh], (&x[1].x)[wh], (&x[2].x)[wh], (&x[3].x)[wh], out);
+#pragma unroll
+        for (int m = 0; m < 4; ++m) {
+          const int ld = 4 * wh + m;  // dim d0 + ld = row (ld & 1 ? g + 8 : g) of m-block ld / 2
+          va[kk][ld >> 1][(ld & 1) + 2 * hh] = out[m];
+        }
+      }
     }
-  }
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -317,8 +296,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kQRegSteps = 8;
   uint32_t q_reg[kQRegSteps][4];
   constexpr uint32_t kStepQ = 256 >> 4;            // one k-step of 32 bytes = two core matrices
-  constexpr uint32_t kStepVt = (2 * kCmStep) >> 4;
-  uint8_t* vt_s = smem + kSmemVt + wg * kVtHalfBytes;  // this warpgroup's V^T
   uint8_t* p_s = smem + kSmemP;
   // S = Q . K^T for this warpgroup's 32 tokens of tile `it`, issued asynchronously.
   auto issue_qk = [&](float (&s)[16], int it) {
@@ -342,20 +319,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     limit[i] = seq_len - p.s_q + row / p.heads + 1;
   }
 
-  float o[128];  // O[rows g, g+8][dims 256wg + 8j + 2q4 + {0, 1}], j = 0..31
+  // O^T accumulators: o[mb][4j + 2rb + c] = O[query row 8j + 2q4 + c][dim d0 + 2mb + rb].
+  const int d0 = 256 * wg + 64 * warp_in_wg + 8 * g;
+  float o[4][32];
 #pragma unroll
-  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[mb][i] = 0.f;
+  uint32_t va[2][4][4];  // this tile's V^T fragments
   float m_run[2] = {-INFINITY, -INFINITY};
   float l_run[2] = {0.f, 0.f};  // this thread's share of the row sums (of the scaled P)
   float s[16], s_next[16];
 
-  // Software pipeline: the softmax of tile `it` runs under Q.K^T of tile it+1; tiles it+2 and
-  // it+3 are in flight meanwhile (measured: the copies, not the MMAs, bound this kernel when
+  // Software pipeline: the softmax of tile `it` runs under Q.K^T of tile it+1; tiles it+2 to
+  // it+4 are in flight meanwhile (measured: the copies, not the MMAs, bound this kernel when
   // only one tile was in flight). Both products are waited for at the end of each iteration:
   // accumulators still in flight across the loop's back edge make ptxas serialize every wgmma
   // (warning C7514).
   cp_async_commit();  // Q
-  int next_page = 0;  // page of tile it+3 (thread 0)
+  int next_page = 0;  // page of tile it+kStages (thread 0)
   if (tid == 0) {
     for (int t = 0; t < kStages; ++t) mbar_init(bar0 + 8 * t);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
@@ -379,7 +361,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (n > 0) {
     wait_tile(0);
     issue_qk(s, 0);
-    transpose_v(k_s, vt_s, wg, warp_in_wg, lane, valid_in(0));
     wgmma_wait<0>();
     fence_regs(s);
   }
@@ -389,14 +370,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int it = 0; it < n; ++it) {
     const bool has_next = it + 1 < n;
     if (has_next) {
-      __syncthreads();  // every thread is done with tile it's stage (Q.K^T, transpose)
-      if (tid == 0 && it + kStages < n) {
-        load_tile(it + kStages, next_page);
-        next_page = page_of(it + kStages + 1);
-      }
       wait_tile(it + 1);
       issue_qk(s_next, it + 1);
     }
+    load_v_fragments(k_s + (it % kStages) * kTileBytes, d0, q4, valid_in(it), va);
 
     // Mask (only a tile that reaches the causal limit needs it), row maxima across both
     // warpgroups. Scores stay unscaled: the scale is positive, so it is applied to the maxima
@@ -439,8 +416,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       bias[i] = (m_run[i] == -INFINITY ? 0.f : m_run[i]) - kLog2PScale;
     }
 
-    // P -> e4m3 in shared memory (A operand of P.V); row sums. This thread's 8 scores of a row
-    // (tokens 32wg + 8j + 2q4 + e) are P columns 16q4 + 8e + 4wg + j (p_column): two 4-byte stores.
+    // P -> e4m3 in shared memory (B operand of O^T += V^T . P^T); row sums. This thread's 8
+    // scores of a row (tokens 32wg + 8j + 2q4 + e) are P columns 32wg + 16(j >> 1) + 4q4 +
+    // 2(j & 1) + e (p_column): two 4-byte stores.
     float sum[2] = {0.f, 0.f};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -452,53 +430,63 @@ __global__ void __launch_bounds__(kThreads, 1)
           pv[j][e] = exp2f(fmaf(s[4 * j + 2 * i + e], p.scale_log2, -bias[i]));
           sum[i] += pv[j][e];
         }
-      uint32_t word[2];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(pv[0][e], pv[1][e]), __NV_SATFINITE, __NV_E4M3);
-        const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(pv[2][e], pv[3][e]), __NV_SATFINITE, __NV_E4M3);
-        word[e] = lo | (hi << 16);
-      }
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int r = r_local[i], col = p_column(32 * wg + 2 * q4 + e);
-        *reinterpret_cast<uint32_t*>(p_s + (r >> 3) * 512 + (col >> 4) * 128 + (r & 7) * 16 + (col & 15)) = word[e];
+      for (int hh = 0; hh < 2; ++hh) {
+        const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(pv[2 * hh][0], pv[2 * hh][1]), __NV_SATFINITE, __NV_E4M3);
+        const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(pv[2 * hh + 1][0], pv[2 * hh + 1][1]), __NV_SATFINITE, __NV_E4M3);
+        const int r = r_local[i], col = p_column(32 * wg + 16 * hh + 2 * q4);
+        *reinterpret_cast<uint32_t*>(p_s + (r >> 3) * 512 + (col >> 4) * 128 + (r & 7) * 16 + (col & 15)) = lo | (hi << 16);
       }
     }
 #pragma unroll
     for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + sum[i];
 
-    if (alpha[0] != 1.f || alpha[1] != 1.f) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j + 0] *= alpha[0];
-        o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1];
-        o[4 * j + 3] *= alpha[1];
-      }
+    // O's query rows are the accumulators' columns, spread over other threads: the rescale
+    // factors go through shared memory (both warpgroups computed the same ones).
+    float* red_alpha = reinterpret_cast<float*>(smem + kSmemAlpha);
+    if (wg == 0 && q4 == 0) {
+      red_alpha[r_local[0]] = alpha[0];
+      red_alpha[r_local[1]] = alpha[1];
     }
     fence_async_shared();
-    __syncthreads();  // P of tile `it` from both warpgroups, V^T of this one
+    // P of tile `it` from both warpgroups; every thread is done with tile it's stage.
+    const bool rescale = __syncthreads_or(alpha[0] != 1.f || alpha[1] != 1.f);
+    if (tid == 0 && it + kStages < n) {
+      load_tile(it + kStages, next_page);
+      next_page = page_of(it + kStages + 1);
+    }
+    if (rescale) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 a = *reinterpret_cast<const float2*>(red_alpha + 8 * j + 2 * q4);
+#pragma unroll
+        for (int mb = 0; mb < 4; ++mb) {
+          o[mb][4 * j + 0] *= a.x;
+          o[mb][4 * j + 1] *= a.y;
+          o[mb][4 * j + 2] *= a.x;
+          o[mb][4 * j + 3] *= a.y;
+        }
+      }
+    }
 
-    // O[64 rows, this warpgroup's 256 dims] += P[64, 64 tokens] . V[64 tokens, 256 dims].
+    // O^T[this warpgroup's 256 dims, 64 rows] += V^T[dims, 64 tokens] . P^T[64 tokens, 64 rows].
     {
       const uint32_t p_lo = desc_lo(smem_addr(p_s), 128);
-      const uint32_t vt_lo = desc_lo(smem_addr(vt_s), kCmStep);
       wgmma_fence();
-      wgmma_m64n256k32(o, make_desc(p_lo, 512), make_desc(vt_lo, kVtGroupStride), 1);
-      wgmma_m64n256k32(o, make_desc(p_lo + kStepQ, 512), make_desc(vt_lo + kStepVt, kVtGroupStride), 1);
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+        for (int mb = 0; mb < 4; ++mb) wgmma_m64n64k32_rs(o[mb], va[kk][mb], make_desc(p_lo + kk * kStepQ, 512), 1);
       wgmma_commit();
     }
     wgmma_wait<0>();
-    fence_regs(o);
+#pragma unroll
+    for (int mb = 0; mb < 4; ++mb) fence_regs(o[mb]);
     fence_regs(s_next);
-    // V^T of tile it+1 (this warpgroup's P.V of `it` is done with the buffer).
-    if (has_next) transpose_v(k_s + ((it + 1) % kStages) * kTileBytes, vt_s, wg, warp_in_wg, lane, valid_in(it + 1));
 #pragma unroll
     for (int i = 0; i < 16; ++i) s[i] = s_next[i];
   }
   wgmma_wait<0>();
-  fence_regs(o);
 
   // Row sums: the 4 lanes of a row, then both warpgroups.
 #pragma unroll
@@ -509,32 +497,46 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
+  // LSE, by the threads that own the rows' statistics.
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int row = row0 + r_local[i];
-    if (row >= rows_total) continue;
+    if (wg != 0 || q4 != 0 || row >= rows_total) continue;
     const float l = red_sum[r_local[i]] + red_sum[kRows + r_local[i]];
-    const float inv = l > 0.f ? 1.f / l : 0.f;  // l sums the scaled P, like O
     const float lse = l > 0.f ? (m_run[i] + log2f(l) - kLog2PScale) * kLn2 : -INFINITY;
-    const int dim0 = 256 * wg + 2 * q4;
-    if (p.num_splits > 1) {
-      const long long flat = static_cast<long long>(b) * rows_total + row;
-      float* dst = p.part_o + (flat * p.num_splits + split) * kDimV + dim0;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * i] * inv, o[4 * j + 2 * i + 1] * inv);
-      if (wg == 0 && q4 == 0) p.part_l[flat * p.num_splits + split] = lse;
-    } else {
-      const int jq = row / p.heads, h = row % p.heads;
-      const float sc = inv * p.out_scale;
-      __nv_bfloat16* dst = p.out + b * p.o_sb + jq * p.o_ss + h * p.o_sh + dim0;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
-            __floats2bfloat162_rn(o[4 * j + 2 * i] * sc, o[4 * j + 2 * i + 1] * sc);
-      if (wg == 0 && q4 == 0) p.lse[b * p.l_sb + jq * p.l_ss + h * p.l_sh] = lse;
-    }
+    if (p.num_splits > 1)
+      p.part_l[(static_cast<long long>(b) * rows_total + row) * p.num_splits + split] = lse;
+    else
+      p.lse[b * p.l_sb + (row / p.heads) * p.l_ss + (row % p.heads) * p.l_sh] = lse;
   }
+  // O: this thread's 8 dims d0..d0+7 of its 16 query rows 8j + 2q4 + c.
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int n_local = 8 * j + 2 * q4 + c, row = row0 + n_local;
+      if (row >= rows_total) continue;
+      const float l = red_sum[n_local] + red_sum[kRows + n_local];
+      const float inv = l > 0.f ? 1.f / l : 0.f;  // l sums the scaled P, like O
+      float v[8];
+#pragma unroll
+      for (int ld = 0; ld < 8; ++ld) v[ld] = o[ld >> 1][4 * j + 2 * (ld & 1) + c] * inv;
+      if (p.num_splits > 1) {
+        float* dst = p.part_o + ((static_cast<long long>(b) * rows_total + row) * p.num_splits + split) * kDimV + d0;
+        *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
+        *reinterpret_cast<float4*>(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
+      } else {
+        __nv_bfloat16* dst = p.out + b * p.o_sb + (row / p.heads) * p.o_ss + (row % p.heads) * p.o_sh + d0;
+        uint4 packed;
+        uint32_t* w = &packed.x;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * k] * p.out_scale, v[2 * k + 1] * p.out_scale);
+          w[k] = *reinterpret_cast<const uint32_t*>(&pair);
+        }
+        *reinterpret_cast<uint4*>(dst) = packed;
+      }
+    }
 }
 
 // cuTensorMapEncodeTiled, looked up through the runtime (no link against the driver library).

@@ -199,6 +199,18 @@ def test_wgmma_kernel_reads_a_page_strided_cache_and_a_second_cache():
 
 @gpu
 @needs_hopper
+def test_wgmma_kernel_fills_an_out_view_whose_rows_are_not_16_byte_aligned():
+    """The kernel stores 8 bf16 (16 bytes) of a row at once; other layouts go through a copy."""
+    q, kv, bt, sl, qs, ks = make_case(2, 1, 64, [300, 65], FP8, seed=15, device="cuda")
+    wide = torch.full((2, 1, 64, 516), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = wide[..., :512]  # head stride 516 elements
+    mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, out=out, kernel="wgmma")
+    ref, _ = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
+    assert rel_err(out, ref) < WGMMA_REL_TOL and wide[..., 512:].isnan().all()
+
+
+@gpu
+@needs_hopper
 def test_page_size_128_and_strided_query():
     bsz, s_q, h, lens = 2, 1, 16, [300, 129]
     q, kv, bt, sl, qs, ks = make_case(bsz, s_q, h, lens, FP8, page=128, seed=9, device="cuda")
