@@ -41,7 +41,8 @@ def build_variant(name: str, out: Path) -> Path:
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
     (d / mdc.SOURCES[1].name).write_text(src)
-    (d / mdc.HEADERS[0].name).write_text(mdc.HEADERS[0].read_text())
+    for header in mdc.HEADERS:
+        (d / header.name).write_text(header.read_text())
     lib = d / "variant.so"
     subprocess.run([mdc.find_nvcc() or "nvcc", *mdc.NVCC_FLAGS, "-o", str(lib), str(d / mdc.SOURCES[1].name)],
                    check=True, capture_output=True, text=True)

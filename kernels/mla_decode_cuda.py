@@ -35,7 +35,7 @@ import torch
 CSRC = Path(__file__).with_name("csrc")
 # Both kernels go into one library: mma.sync for few rows, wgmma (sm_90a) for 64+ rows.
 SOURCES = (CSRC / "mla_decode_sm90.cu", CSRC / "mla_decode_wgmma_sm90a.cu")
-HEADERS = (CSRC / "mla_decode_common.cuh",)
+HEADERS = (CSRC / "mla_decode_common.cuh", CSRC / "sm90_async.cuh")
 NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-gencode", "arch=compute_90a,code=sm_90a",
               "-shared", "-Xcompiler", "-fPIC")
 TILE = 64  # tokens per tile; the page size must be a multiple
