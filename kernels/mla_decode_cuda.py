@@ -8,9 +8,9 @@ Two kernels, chosen by query rows per request (heads per GPU x query tokens):
   (``benchmarks/KERNEL_NOTES.md``). Warp-level mma.sync on 16-row groups; V's FP8 pairs are
   read with ``ldmatrix.trans`` and widened in registers.
 - ``wgmma`` (``mla_decode_wgmma_sm90a.cu``), 64+ rows (128 heads): compute-bound; FP8 wgmma
-  for Q·Kᵀ and P·V, V transposed in shared memory (Hopper's FP8 MMAs need both operands
-  K-major), 64 rows and two warpgroups per CTA, cache tiles loaded by TMA (the library encodes
-  the cache's tensor map on each call: host work only, and a CUDA graph keeps it).
+  for Q·Kᵀ and P·V (P·V as O^T = V^T·P^T with V^T built in registers: Hopper's FP8 MMAs need
+  both operands K-major), 64 rows and two warpgroups per CTA, cache tiles loaded by TMA (the
+  library encodes the cache's tensor map on each call: host work only, a CUDA graph keeps it).
 
 Build: the sources are compiled with ``nvcc`` (sm_90a) on first use (about 10 s) into a
 per-user cache (``$MLASERVE_KERNEL_CACHE``, default ``~/.cache/mlaserve/kernels``), keyed by a
