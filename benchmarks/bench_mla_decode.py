@@ -8,6 +8,11 @@ Prints µs, achieved TB/s and TFLOP/s, their share of ceilings measured in the s
 the relative error against a float64 reference on the same (quantized) inputs, computed on
 the first few requests. Cost model (FlashMLA's): FLOPs = 2·B·H·s_q·S·(576+512),
 bytes = B·S·576·element size.
+
+Each call is captured in a CUDA graph and the replays are timed (``--timing eager`` times the
+Python calls): a split-KV call is several launches plus allocations, and at 16 heads the host
+takes longer to issue them than the GPU takes to run them, so eager timing measured the host
+(the serving path replays decode graphs too).
 """
 
 from __future__ import annotations
@@ -162,10 +167,32 @@ def sass_stats(compiled) -> dict:
     return dict(regs=compiled.n_regs, spills=compiled.n_spills, smem=compiled.metadata.shared, **count)
 
 
-def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_triton: bool = True,
-               sweep_cuda: bool = True) -> list[dict]:
+def time_call(fn, reps: tuple[int, int], use_graph: bool) -> tuple[float, str]:
+    """Median seconds per call of ``fn`` and how it was timed: as a CUDA-graph replay (the
+    kernels' GPU time, no host gaps between launches) or eager, where capture is not asked for
+    or fails."""
     from triton.testing import do_bench
 
+    target, mode = fn, "eager"
+    if use_graph:
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # first calls (lazy setup) outside the capture
+                fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            target, mode = graph.replay, "graph"
+        except Exception as exc:  # not capturable: eager timing, said in the row
+            torch.cuda.synchronize()
+            print(f"graph capture failed ({exc!r}); timing eagerly", flush=True)
+    return do_bench(target, warmup=reps[0], rep=reps[1], return_mode="median") * 1e-3, mode
+
+
+def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_triton: bool = True,
+               sweep_cuda: bool = True, use_graph: bool = True) -> list[dict]:
     from kernels.mla_decode_triton import MLADecodeConfig, _mla_decode_kernel, default_config, mla_decode_triton
 
     x = build_inputs(case)
@@ -195,8 +222,10 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
                 fn()
             torch.cuda.synchronize()
             t = (time.perf_counter() - t0) / 3
+            extra = dict(extra or {}, timing="eager")
         else:
-            t = do_bench(fn, warmup=reps[0], rep=reps[1], return_mode="median") * 1e-3
+            t, mode = time_call(fn, reps, use_graph)
+            extra = dict(extra or {}, timing=mode)
         tbs = case.bytes(elt) / t / 1e12
         tfl = case.flops() / t / 1e12
         row = dict(B=case.bsz, S=case.seq, H=case.heads, s_q=case.s_q, variant=name, us=t * 1e6,
@@ -223,10 +252,11 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
         record("cuda-fp8", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE), ref8, 1,
                dict(config=launch_shape(rows_per_req) if kernel == "mma" else kernel))
         if sweep and sweep_cuda:
-            for splits in (None, 1, 2, 4):
-                record("sweep-cuda", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE,
-                                                             kernel="wgmma", num_splits=splits),
-                       ref8, 1, dict(config="wgmma", splits=splits))
+            for name in ("narrow", "wgmma"):  # the two single-shape kernels
+                for splits in (None, 1, 2, 3, 4, 8):
+                    record("sweep-cuda", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE,
+                                                                 kernel=name, num_splits=splits),
+                           ref8, 1, dict(config=name, splits=splits))
             for shape in cuda_sweep_shapes(rows_per_req):
                 for splits in (None, 1, 2, 3, 4, 8):
                     record("sweep-cuda", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE,
@@ -266,6 +296,7 @@ def fmt_row(r: dict) -> str:
     cfg = ",".join(f"{k}={v}" for k, v in cfg.items()) if isinstance(cfg, dict) else str(cfg)
     if "splits" in r:
         cfg += f" splits={r['splits']}"
+    cfg += f" [{r.get('timing', '?')}]"
     sass = f" regs={r['regs']} spills={r['spills']} QGMMA={r['QGMMA']} HGMMA={r['HGMMA']}" if "regs" in r else ""
     return (f"B={r['B']:4d} H={r['H']:4d} s_q={r['s_q']} {r['variant']:12s} {r['us']:9.1f} us "
             f"{r['tbs']:5.2f} TB/s ({r['pct_hbm']:5.1f}%) {r['tflops']:6.1f} TFLOP/s ({r['pct_bf16']:5.1f}% bf16) "
@@ -275,7 +306,8 @@ def fmt_row(r: dict) -> str:
 def markdown(rows: list[dict], ceil: dict) -> str:
     lines = [
         f"Ceilings measured in this run: HBM copy {ceil['hbm_tbs']:.2f} TB/s, bf16 GEMM "
-        f"{ceil['bf16_tflops']:.0f} TFLOP/s, fp8 GEMM {ceil['fp8_tflops']:.0f} TFLOP/s.",
+        f"{ceil['bf16_tflops']:.0f} TFLOP/s, fp8 GEMM {ceil['fp8_tflops']:.0f} TFLOP/s. Times are "
+        "CUDA-graph replays unless the config says eager.",
         "",
         "| B | H | s_q | variant | µs | TB/s | % HBM | TFLOP/s | % bf16 | rel. err | config |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -285,6 +317,7 @@ def markdown(rows: list[dict], ceil: dict) -> str:
             continue
         cfg = r.get("config", "")
         cfg = " ".join(f"{k}={v}" for k, v in cfg.items()) if isinstance(cfg, dict) else str(cfg)
+        cfg += " (eager)" if r.get("timing") == "eager" else ""
         lines.append(f"| {r['B']} | {r['H']} | {r['s_q']} | {r['variant']} | {r['us']:.1f} | {r['tbs']:.2f} | "
                      f"{r['pct_hbm']:.0f} | {r['tflops']:.0f} | {r['pct_bf16']:.0f} | {r['relerr']:.1e} | {cfg} |")
     return "\n".join(lines) + "\n"
@@ -303,6 +336,8 @@ def main() -> None:
     ap.add_argument("--sweep-batch", type=int, nargs="+", default=[128], help="sweep only at these batch sizes")
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--markdown", help="write the summary table here")
+    ap.add_argument("--timing", choices=("graph", "eager"), default="graph",
+                    help="time CUDA-graph replays of each call (default) or the eager calls")
     args = ap.parse_args()
     variants = args.variants.split(",")
     ceil = measure_ceilings()
@@ -313,7 +348,8 @@ def main() -> None:
             for bsz in args.batch:
                 sweep = args.sweep and bsz in args.sweep_batch and s_q == args.sq[0]
                 rows += bench_case(Case(bsz, args.seq, heads, s_q), variants, sweep, ceil,
-                                   sweep_triton=args.sweep_what != "cuda", sweep_cuda=args.sweep_what != "triton")
+                                   sweep_triton=args.sweep_what != "cuda", sweep_cuda=args.sweep_what != "triton",
+                                   use_graph=args.timing == "graph")
                 torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

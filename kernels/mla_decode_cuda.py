@@ -1,12 +1,14 @@
 """Our CUDA C++ paged MLA decode for Hopper (``kernels/csrc/``): FP8 query and FP8 latent
 cache, split-KV, CUDA-graph safe. Same contract as ``kernels.mla_decode.mla_decode_reference``.
 
-Two kernels, chosen by query rows per request (heads per GPU x query tokens):
+Three kernels; the launch picks by query rows per request (heads per GPU x query tokens):
 
-- ``mma`` (``mla_decode_sm90.cu``), up to 32 rows (16 heads per GPU under TP8, V2-Lite):
-  decode is memory-bound there, and Triton 3.6 could not stream the cache at HBM speed
-  (``benchmarks/KERNEL_NOTES.md``). Warp-level mma.sync on 16-row groups; V's FP8 pairs are
-  read with ``ldmatrix.trans`` and widened in registers.
+- ``narrow`` (``mla_decode_wgmma_narrow_sm90a.cu``), up to 32 rows (16 heads per GPU under TP8,
+  V2-Lite): decode is memory-bound there. Tokens-major FP8 wgmma (the tile's 64 tokens on the
+  M side, 16 or 32 query rows on N, so no MMA row is padding), one warpgroup per CTA, two CTAs
+  per SM, cache tiles by TMA.
+- ``mma`` (``mla_decode_sm90.cu``), the previous few-row kernel, kept selectable: warp-level
+  mma.sync on 16-row groups with FP8 widened to f16 in registers (Hopper has no FP8 mma.sync).
 - ``wgmma`` (``mla_decode_wgmma_sm90a.cu``), 64+ rows (128 heads): compute-bound; FP8 wgmma
   for Q·Kᵀ and P·V (P·V as O^T = V^T·P^T with V^T built in registers: Hopper's FP8 MMAs need
   both operands K-major), 64 rows and two warpgroups per CTA, cache tiles loaded by TMA (the
@@ -33,9 +35,9 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-# Both kernels go into one library: mma.sync for few rows, wgmma (sm_90a) for 64+ rows.
-SOURCES = (CSRC / "mla_decode_sm90.cu", CSRC / "mla_decode_wgmma_sm90a.cu")
-HEADERS = (CSRC / "mla_decode_common.cuh", CSRC / "sm90_async.cuh")
+# All kernels go into one library.
+SOURCES = (CSRC / "mla_decode_sm90.cu", CSRC / "mla_decode_wgmma_sm90a.cu", CSRC / "mla_decode_wgmma_narrow_sm90a.cu")
+HEADERS = (CSRC / "mla_decode_common.cuh", CSRC / "sm90_async.cuh", CSRC / "mla_decode_wgmma_tile.cuh")
 NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-gencode", "arch=compute_90a,code=sm_90a",
               "-shared", "-Xcompiler", "-fPIC")
 TILE = 64  # tokens per tile; the page size must be a multiple
@@ -51,9 +53,9 @@ SMEM_RESERVED_PER_CTA = 1024
 BUILT_CONFIGS = {(1, 4, 2, 64), (1, 8, 2, 64), (1, 8, 3, 64), (2, 4, 2, 64), (2, 8, 2, 64), (4, 4, 2, 64),
                  (1, 4, 2, 32), (1, 4, 3, 32)}
 # The wgmma kernel (mla_decode_wgmma_sm90a.cu): 64 query rows per CTA, two warpgroups, one CTA
-# per SM. Query rows per request above MMA_MAX_ROWS go to it.
-KERNELS = ("mma", "wgmma")
-MMA_MAX_ROWS = 32
+# per SM. Query rows per request above NARROW_MAX_ROWS go to it; fewer go to the narrow kernel.
+KERNELS = ("narrow", "mma", "wgmma")
+NARROW_MAX_ROWS = 32
 WGMMA_ROWS = 64
 # Shared memory of a wgmma CTA (mirror of the .cu plan): four cache tiles as TMA writes them
 # (five 64 x 128-byte boxes each), packed Q, P, row maxima, sums and rescale factors, the
@@ -61,6 +63,25 @@ WGMMA_ROWS = 64
 WGMMA_STAGES = 4
 WGMMA_SMEM_BYTES = (WGMMA_STAGES * 5 * 64 * 128 + 64 * 576 + 64 * 64 + 3 * 2 * 64 * 4 + 64 * 4
                     + WGMMA_STAGES * 8 + 1024)
+
+# The narrow kernel (mla_decode_wgmma_narrow_sm90a.cu): 16 or 32 query rows per CTA (the
+# smallest that holds a request's rows; more rows take several CTAs), one warpgroup, two
+# stages, two CTAs per SM.
+NARROW_ROWS = (16, 32)
+NARROW_STAGES = 2
+NARROW_CTAS_PER_SM = 2
+
+
+def narrow_rows_per_cta(rows: int) -> int:
+    return NARROW_ROWS[0] if rows <= NARROW_ROWS[0] else NARROW_ROWS[1]
+
+
+def narrow_smem_bytes(rows_per_cta: int) -> int:
+    """Shared memory of a narrow CTA (mirror of ``NarrowPlan`` in the .cu file): the stages'
+    cache tiles, packed Q, P, per-warp column maxima (two parities) and sums, mbarriers, and
+    room to align the tiles to 1024 bytes."""
+    n = rows_per_cta
+    return NARROW_STAGES * 5 * 64 * 128 + n * 576 + n * 64 + 3 * 4 * n * 4 + NARROW_STAGES * 8 + 1024
 
 
 class CudaKernelUnavailable(RuntimeError):
@@ -137,6 +158,9 @@ def _library() -> ctypes.CDLL:
     lib.mla_decode_fp8_sm90.restype = ctypes.c_int
     lib.mla_decode_fp8_wgmma_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_void_p]
     lib.mla_decode_fp8_wgmma_sm90.restype = ctypes.c_int
+    lib.mla_decode_fp8_wgmma_narrow_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_int,
+                                                     ctypes.c_void_p]
+    lib.mla_decode_fp8_wgmma_narrow_sm90.restype = ctypes.c_int
     lib.mla_decode_fp8_sm90_params_bytes.restype = ctypes.c_int
     if lib.mla_decode_fp8_sm90_params_bytes() != ctypes.sizeof(_Params):
         raise CudaKernelUnavailable("Params layout of the built library differs from kernels/mla_decode_cuda.py")
@@ -187,17 +211,21 @@ def launch_shape(rows: int) -> tuple[int, int, int, int]:
 
 
 def choose_kernel(rows: int) -> str:
-    """``mma`` (mma.sync, 16-row groups) up to MMA_MAX_ROWS query rows per request, where decode
-    is memory-bound and wgmma's 64-row M would be mostly padding; ``wgmma`` above."""
-    return "mma" if rows <= MMA_MAX_ROWS else "wgmma"
+    """``narrow`` (tokens-major wgmma, 16 or 32 rows per CTA) up to NARROW_MAX_ROWS query rows
+    per request, where decode is memory-bound and a 64-row CTA would be mostly padding;
+    ``wgmma`` (64 rows per CTA) above."""
+    return "narrow" if rows <= NARROW_MAX_ROWS else "wgmma"
 
 
 def choose_num_splits(bsz: int, rows: int, max_tiles: int, num_sms: int,
-                      shape: tuple[int, int, int, int] | None) -> int:
-    """Split each request's tiles so that the CTAs make about one full wave (``shape`` None:
-    the wgmma kernel, one 64-row CTA per SM); depends only on shapes (never on sequence
-    lengths), so the launch can be captured in a CUDA graph."""
-    if shape is None:
+                      shape: tuple[int, int, int, int] | None, kernel: str = "mma") -> int:
+    """Split each request's tiles so that the CTAs make about one full wave (``shape``: the mma
+    kernel's launch shape; the wgmma kernel has one 64-row CTA per SM, the narrow kernel two);
+    depends only on shapes (never on sequence lengths), so the launch can be captured in a
+    CUDA graph."""
+    if kernel == "narrow":
+        ctas, per_sm = bsz * -(-rows // narrow_rows_per_cta(rows)), NARROW_CTAS_PER_SM
+    elif kernel == "wgmma":
         ctas, per_sm = bsz * -(-rows // WGMMA_ROWS), 1
     else:
         ctas, per_sm = bsz * -(-rows // (ROWS_PER_GROUP * shape[0])), ctas_per_sm(shape)
@@ -223,8 +251,8 @@ def mla_decode_cuda(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode; returns (out [B, s_q, H, 512] in ``out_dtype``, default bf16; lse
     [B, s_q, H] float32). The kernel writes bf16; another ``out_dtype`` costs one cast.
-    ``kernel`` (``mma`` or ``wgmma``) defaults to ``choose_kernel(s_q * H)``; ``config`` is a
-    launch shape of the ``mma`` kernel.
+    ``kernel`` (``narrow``, ``mma`` or ``wgmma``) defaults to ``choose_kernel(s_q * H)``;
+    ``config`` is a launch shape of the ``mma`` kernel.
 
     Every request needs ``seq_lens[b] >= s_q``. No host synchronization, launch shape from
     tensor shapes only: capturable in a CUDA graph (pass ``out``/``lse`` to reuse buffers).
@@ -258,8 +286,8 @@ def mla_decode_cuda(
     kernel = kernel or ("mma" if config else choose_kernel(rows))
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
-    if kernel == "wgmma" and config is not None:
-        raise ValueError("config is a launch shape of the mma kernel; the wgmma kernel has one shape")
+    if kernel != "mma" and config is not None:
+        raise ValueError(f"config is a launch shape of the mma kernel; the {kernel} kernel has one shape")
     shape = tuple(config or launch_shape(rows)) if kernel == "mma" else None
     if shape is not None and shape not in BUILT_CONFIGS:
         raise ValueError(f"launch shape {shape} is not built; one of {sorted(BUILT_CONFIGS)}")
@@ -267,15 +295,15 @@ def mla_decode_cuda(
     if page % tile:
         raise ValueError(f"page size {page} is not a multiple of the launch shape's {tile}-token tile")
     max_tiles = max(1, block_tables.shape[1] * page // tile)
-    splits = num_splits or choose_num_splits(bsz, rows, max_tiles, _num_sms(q.device), shape)
+    splits = num_splits or choose_num_splits(bsz, rows, max_tiles, _num_sms(q.device), shape, kernel)
     if out is None:
         out = torch.empty(bsz, s_q, h, D_LATENT, dtype=out_dtype, device=q.device)
     if lse is None:
         lse = torch.empty(bsz, s_q, h, dtype=torch.float32, device=q.device)
     if out.shape != (bsz, s_q, h, D_LATENT) or out.stride(-1) != 1 or out.dtype != torch.bfloat16:
         raise ValueError(f"out must be bf16 [B, s_q, H, {D_LATENT}] with unit last stride")
-    if kernel == "wgmma" and (out.data_ptr() % 16 or any(st % 8 for st in out.stride()[:3])):
-        # the wgmma kernel writes 16-byte runs of a row: other layouts go through a copy
+    if kernel != "mma" and (out.data_ptr() % 16 or any(st % 8 for st in out.stride()[:3])):
+        # the wgmma kernels write 16-byte runs of a row: other layouts go through a copy
         tmp, lse = mla_decode_cuda(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, q_scale,
                                    k_scale, out_dtype, num_splits, config, None, lse, kernel)
         return out.copy_(tmp), lse
@@ -300,7 +328,10 @@ def mla_decode_cuda(
     )
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        if shape is None:
+        if kernel == "narrow":
+            err = _library().mla_decode_fp8_wgmma_narrow_sm90(ctypes.byref(p), kv_cache.shape[0],
+                                                               narrow_rows_per_cta(rows), ctypes.c_void_p(stream))
+        elif kernel == "wgmma":
             err = _library().mla_decode_fp8_wgmma_sm90(ctypes.byref(p), kv_cache.shape[0], ctypes.c_void_p(stream))
         else:
             err = _library().mla_decode_fp8_sm90(ctypes.byref(p), *shape, ctypes.c_void_p(stream))
