@@ -1,12 +1,14 @@
-"""Where the wgmma MLA decode kernel's time goes: time it with one part deleted at a time (Q.K^T
+"""Where a wgmma MLA decode kernel's time goes: time it with one part deleted at a time (Q.K^T
 wgmma, P.V wgmma, the V^T fragment loads, the steady-state tile loads), on the same inputs in one
-process. The variants compute garbage; only their times mean something. On the device:
+process, as CUDA-graph replays. The variants compute garbage; only their times mean something.
+On the device:
 
-    source .device-wheels/install.sh && python3 benchmarks/ablate_mla_wgmma.py
+    source .device-wheels/install.sh && python3 benchmarks/ablate_mla_wgmma.py             # 64-row kernel
+    source .device-wheels/install.sh && python3 benchmarks/ablate_mla_wgmma.py --kernel narrow --heads 16
 
-Each variant is a text edit of a copy of kernels/csrc/mla_decode_wgmma_sm90a.cu (the asserts say
-when an edited line no longer exists; a CPU test checks that too), built with the library's nvcc
-flags under --out (default /tmp/mlaserve-ablate).
+Each variant is a text edit of a copy of the kernel's .cu file (the asserts say when an edited
+line no longer exists; a CPU test checks that too), built with the library's nvcc flags under
+--out (default /tmp/mlaserve-ablate).
 """
 import argparse
 import ctypes
@@ -20,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import mla_decode_cuda as mdc  # noqa: E402
 
-# Lines deleted per variant (the kernel's own lines, verbatim).
+# Lines deleted per variant (the kernels' own lines, verbatim), per kernel.
 CUTS = {
     "base": [],
     "noqk": ["      if (ks < kQRegSteps) wgmma_m64n32k32_rs(s, q_reg[ks], desc_k, ks);",
@@ -31,54 +33,68 @@ CUTS = {
     "noload": ["      load_tile(it + kStages, next_page);", "      wait_tile(it + 1);"],
 }
 CUTS["nomma"] = CUTS["noqk"] + CUTS["nopv"]
+NARROW_CUTS = {
+    "base": [],
+    "noqk": ["      wgmma_k32(s, desc_k, make_desc(q_lo + ks * kStep, kQGroupStride), ks);"],
+    "nopv": ["        for (int mb = 0; mb < 4; ++mb) wgmma_k32_rs(o[h][mb], va[h][kk][mb], make_desc(p_lo + kk * kStep, 512), 1);"],
+    "nofrag": ["    load_v_fragments(tile, d0, q4, seq_len - tile_tok0, va[0]);  // under the MMAs",
+               "    load_v_fragments(tile, d0 + 256, q4, seq_len - tile_tok0, va[1]);"],
+    "noload": ["      load_tile(it + kStages, next_page);", "    mbar_wait(bar0 + 8 * stage, (it / kStages) & 1);"],
+}
+NARROW_CUTS["nomma"] = NARROW_CUTS["noqk"] + NARROW_CUTS["nopv"]
+KERNEL_CUTS = {"wgmma": (mdc.SOURCES[1], CUTS), "narrow": (mdc.SOURCES[2], NARROW_CUTS)}
 
 
-def build_variant(name: str, out: Path) -> Path:
-    src = mdc.SOURCES[1].read_text()
-    for line in CUTS[name]:
+def build_variant(kernel: str, name: str, out: Path) -> Path:
+    source, cuts = KERNEL_CUTS[kernel]
+    src = source.read_text()
+    for line in cuts[name]:
         assert line in src, f"{name}: the kernel no longer has {line.strip()!r}"
         src = src.replace(line, "")
-    d = out / name
+    d = out / kernel / name
     d.mkdir(parents=True, exist_ok=True)
-    (d / mdc.SOURCES[1].name).write_text(src)
+    (d / source.name).write_text(src)
     for header in mdc.HEADERS:
         (d / header.name).write_text(header.read_text())
     lib = d / "variant.so"
-    subprocess.run([mdc.find_nvcc() or "nvcc", *mdc.NVCC_FLAGS, "-o", str(lib), str(d / mdc.SOURCES[1].name)],
+    subprocess.run([mdc.find_nvcc() or "nvcc", *mdc.NVCC_FLAGS, "-o", str(lib), str(d / source.name)],
                    check=True, capture_output=True, text=True)
     return lib
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", choices=tuple(KERNEL_CUTS), default="wgmma")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--out", type=Path, default=Path("/tmp/mlaserve-ablate"))
     ap.add_argument("--build-only", action="store_true", help="check that every variant still builds (no GPU)")
     args = ap.parse_args()
-    libs = {name: build_variant(name, args.out) for name in CUTS}
+    libs = {name: build_variant(args.kernel, name, args.out) for name in KERNEL_CUTS[args.kernel][1]}
     if args.build_only:
         print("built", ", ".join(libs))
         return
-    from triton.testing import do_bench
-
-    from benchmarks.bench_mla_decode import K_SCALE, Q_SCALE, SM_SCALE, Case, build_inputs
+    from benchmarks.bench_mla_decode import K_SCALE, Q_SCALE, SM_SCALE, Case, build_inputs, time_call
 
     x = build_inputs(Case(args.batch, args.seq, args.heads, 1))
     for name, path in libs.items():
         lib = ctypes.CDLL(str(path))
         lib.mla_decode_fp8_wgmma_sm90.argtypes = [ctypes.POINTER(mdc._Params), ctypes.c_longlong, ctypes.c_void_p]
         lib.mla_decode_fp8_wgmma_sm90.restype = ctypes.c_int
+        lib.mla_decode_fp8_wgmma_narrow_sm90.argtypes = [ctypes.POINTER(mdc._Params), ctypes.c_longlong,
+                                                         ctypes.c_int, ctypes.c_void_p]
+        lib.mla_decode_fp8_wgmma_narrow_sm90.restype = ctypes.c_int
         mdc._library = lambda lib=lib: lib  # every call below goes to this variant
 
         def run():
             return mdc.mla_decode_cuda(x["q8"], x["kv8"], x["tables"], x["lens"], SM_SCALE, q_scale=Q_SCALE,
-                                       k_scale=K_SCALE, kernel="wgmma")
+                                       k_scale=K_SCALE, kernel=args.kernel)
 
         run()
         torch.cuda.synchronize()
-        print(f"{name:8s} {do_bench(run, warmup=25, rep=100, return_mode='median') * 1e3:8.1f} us", flush=True)
+        t, mode = time_call(run, (25, 100), use_graph=True)
+        print(f"{name:8s} {t * 1e6:8.1f} us ({mode})", flush=True)
 
 
 if __name__ == "__main__":

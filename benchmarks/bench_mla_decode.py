@@ -12,7 +12,9 @@ bytes = B·S·576·element size.
 Each call is captured in a CUDA graph and the replays are timed (``--timing eager`` times the
 Python calls): a split-KV call is several launches plus allocations, and at 16 heads the host
 takes longer to issue them than the GPU takes to run them, so eager timing measured the host
-(the serving path replays decode graphs too).
+(the serving path replays decode graphs too). Before each call the L2 is emptied by reading a
+256 MB buffer (``--l2-flush write`` zeroes it instead, as triton's do_bench does, which leaves
+dirty lines for the timed kernel to write back).
 """
 
 from __future__ import annotations
@@ -167,12 +169,46 @@ def sass_stats(compiled) -> dict:
     return dict(regs=compiled.n_regs, spills=compiled.n_spills, smem=compiled.metadata.shared, **count)
 
 
-def time_call(fn, reps: tuple[int, int], use_graph: bool) -> tuple[float, str]:
+_FLUSH: dict[str, torch.Tensor] = {}
+
+
+def timed_median(target, reps: tuple[int, int], flush: str = "read") -> float:
+    """Median seconds of ``target()`` over about ``reps[1]`` ms of calls (after ``reps[0]`` ms of
+    warm-up), the L2 cache emptied before each call by a 256 MB pass. ``flush="read"`` reads the
+    buffer, so the L2 holds only clean lines when the timed call starts; ``"write"`` (what
+    triton.testing.do_bench does) zeroes it, which leaves ~50 MB of dirty lines that a
+    memory-bound kernel then writes back to HBM inside its own timing."""
+    buf = _FLUSH.get("buf")
+    if buf is None:
+        buf = _FLUSH["buf"] = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        target()
+    end.record()
+    torch.cuda.synchronize()
+    per_call = max(start.elapsed_time(end) / 5, 1e-3)
+    n_warm, n_rep = max(1, int(reps[0] / per_call)), max(5, int(reps[1] / per_call))
+    for _ in range(n_warm):
+        target()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n_rep)]
+    for a, b in events:
+        if flush == "read":
+            buf.max()
+        else:
+            buf.zero_()
+        a.record()
+        target()
+        b.record()
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in events)
+    return times[len(times) // 2] * 1e-3
+
+
+def time_call(fn, reps: tuple[int, int], use_graph: bool, flush: str = "read") -> tuple[float, str]:
     """Median seconds per call of ``fn`` and how it was timed: as a CUDA-graph replay (the
     kernels' GPU time, no host gaps between launches) or eager, where capture is not asked for
     or fails."""
-    from triton.testing import do_bench
-
     target, mode = fn, "eager"
     if use_graph:
         try:
@@ -188,11 +224,11 @@ def time_call(fn, reps: tuple[int, int], use_graph: bool) -> tuple[float, str]:
         except Exception as exc:  # not capturable: eager timing, said in the row
             torch.cuda.synchronize()
             print(f"graph capture failed ({exc!r}); timing eagerly", flush=True)
-    return do_bench(target, warmup=reps[0], rep=reps[1], return_mode="median") * 1e-3, mode
+    return timed_median(target, reps, flush), mode
 
 
 def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_triton: bool = True,
-               sweep_cuda: bool = True, use_graph: bool = True) -> list[dict]:
+               sweep_cuda: bool = True, use_graph: bool = True, flush: str = "read") -> list[dict]:
     from kernels.mla_decode_triton import MLADecodeConfig, _mla_decode_kernel, default_config, mla_decode_triton
 
     x = build_inputs(case)
@@ -224,7 +260,7 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
             t = (time.perf_counter() - t0) / 3
             extra = dict(extra or {}, timing="eager")
         else:
-            t, mode = time_call(fn, reps, use_graph)
+            t, mode = time_call(fn, reps, use_graph, flush)
             extra = dict(extra or {}, timing=mode)
         tbs = case.bytes(elt) / t / 1e12
         tfl = case.flops() / t / 1e12
@@ -338,6 +374,8 @@ def main() -> None:
     ap.add_argument("--markdown", help="write the summary table here")
     ap.add_argument("--timing", choices=("graph", "eager"), default="graph",
                     help="time CUDA-graph replays of each call (default) or the eager calls")
+    ap.add_argument("--l2-flush", choices=("read", "write"), default="read",
+                    help="empty the L2 before each call by reading (default) or by zeroing a 256 MB buffer")
     args = ap.parse_args()
     variants = args.variants.split(",")
     ceil = measure_ceilings()
@@ -349,7 +387,7 @@ def main() -> None:
                 sweep = args.sweep and bsz in args.sweep_batch and s_q == args.sq[0]
                 rows += bench_case(Case(bsz, args.seq, heads, s_q), variants, sweep, ceil,
                                    sweep_triton=args.sweep_what != "cuda", sweep_cuda=args.sweep_what != "triton",
-                                   use_graph=args.timing == "graph")
+                                   use_graph=args.timing == "graph", flush=args.l2_flush)
                 torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:

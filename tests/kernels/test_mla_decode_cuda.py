@@ -307,8 +307,9 @@ def test_bad_inputs_are_refused():
 
 def test_ablation_tool_still_finds_the_kernel_lines_it_deletes():
     """benchmarks/ablate_mla_wgmma.py deletes verbatim kernel lines; keep it in step with the .cu."""
-    from benchmarks.ablate_mla_wgmma import CUTS
+    from benchmarks.ablate_mla_wgmma import KERNEL_CUTS
 
-    src = mdc.SOURCES[1].read_text()
-    for name, lines in CUTS.items():
-        assert all(line in src for line in lines), name
+    for kernel, (source, cuts) in KERNEL_CUTS.items():
+        src = source.read_text()
+        for name, lines in cuts.items():
+            assert all(line in src for line in lines), (kernel, name)
