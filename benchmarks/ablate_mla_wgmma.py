@@ -39,7 +39,7 @@ NARROW_CUTS = {
     "nopv": ["        for (int mb = 0; mb < 4; ++mb) wgmma_k32_rs(o[h][mb], va[h][kk][mb], make_desc(p_lo + kk * kStep, 512), 1);"],
     "nofrag": ["    load_v_fragments(tile, d0, q4, seq_len - tile_tok0, va[0]);  // under the MMAs",
                "    load_v_fragments(tile, d0 + 256, q4, seq_len - tile_tok0, va[1]);"],
-    "noload": ["      load_tile(it + kStages, next_page);", "    mbar_wait(bar0 + 8 * stage, (it / kStages) & 1);"],
+    "noload": ["    if (refill) load_tile(it + kStages, refill_page);", "    mbar_wait(bar0 + 8 * stage, (it / kStages) & 1);"],
 }
 NARROW_CUTS["nomma"] = NARROW_CUTS["noqk"] + NARROW_CUTS["nopv"]
 KERNEL_CUTS = {"wgmma": (mdc.SOURCES[1], CUTS), "narrow": (mdc.SOURCES[2], NARROW_CUTS)}

@@ -5,8 +5,8 @@ Three kernels; the launch picks by query rows per request (heads per GPU x query
 
 - ``narrow`` (``mla_decode_wgmma_narrow_sm90a.cu``), up to 32 rows (16 heads per GPU under TP8,
   V2-Lite): decode is memory-bound there. Tokens-major FP8 wgmma (the tile's 64 tokens on the
-  M side, 16 or 32 query rows on N, so no MMA row is padding), one warpgroup per CTA, two CTAs
-  per SM, cache tiles by TMA.
+  M side, 16 or 32 query rows on N, so no MMA row is padding), two warpgroups per CTA on
+  alternate tiles, a five-stage TMA ring, one CTA per SM.
 - ``mma`` (``mla_decode_sm90.cu``), the previous few-row kernel, kept selectable: warp-level
   mma.sync on 16-row groups with FP8 widened to f16 in registers (Hopper has no FP8 mma.sync).
 - ``wgmma`` (``mla_decode_wgmma_sm90a.cu``), 64+ rows (128 heads): compute-bound; FP8 wgmma
@@ -65,11 +65,11 @@ WGMMA_SMEM_BYTES = (WGMMA_STAGES * 5 * 64 * 128 + 64 * 576 + 64 * 64 + 3 * 2 * 6
                     + WGMMA_STAGES * 8 + 1024)
 
 # The narrow kernel (mla_decode_wgmma_narrow_sm90a.cu): 16 or 32 query rows per CTA (the
-# smallest that holds a request's rows; more rows take several CTAs), one warpgroup, two
-# stages, two CTAs per SM.
+# smallest that holds a request's rows; more rows take several CTAs), two warpgroups, five
+# stages, one CTA per SM.
 NARROW_ROWS = (16, 32)
-NARROW_STAGES = 2
-NARROW_CTAS_PER_SM = 2
+NARROW_STAGES = 5
+NARROW_CTAS_PER_SM = 1
 
 
 def narrow_rows_per_cta(rows: int) -> int:
@@ -78,10 +78,10 @@ def narrow_rows_per_cta(rows: int) -> int:
 
 def narrow_smem_bytes(rows_per_cta: int) -> int:
     """Shared memory of a narrow CTA (mirror of ``NarrowPlan`` in the .cu file): the stages'
-    cache tiles, packed Q, P, per-warp column maxima (two parities) and sums, mbarriers, and
-    room to align the tiles to 1024 bytes."""
+    cache tiles, packed Q, P and per-warp column maxima (two parities) per warpgroup, per-warp
+    column sums, mbarriers, and room to align the tiles to 1024 bytes."""
     n = rows_per_cta
-    return NARROW_STAGES * 5 * 64 * 128 + n * 576 + n * 64 + 3 * 4 * n * 4 + NARROW_STAGES * 8 + 1024
+    return NARROW_STAGES * 5 * 64 * 128 + n * 576 + 2 * n * 64 + (2 * 2 * 4 * n + 4 * n) * 4 + NARROW_STAGES * 8 + 1024
 
 
 class CudaKernelUnavailable(RuntimeError):
@@ -220,7 +220,7 @@ def choose_kernel(rows: int) -> str:
 def choose_num_splits(bsz: int, rows: int, max_tiles: int, num_sms: int,
                       shape: tuple[int, int, int, int] | None, kernel: str = "mma") -> int:
     """Split each request's tiles so that the CTAs make about one full wave (``shape``: the mma
-    kernel's launch shape; the wgmma kernel has one 64-row CTA per SM, the narrow kernel two);
+    kernel's launch shape; the wgmma and narrow kernels have one CTA per SM);
     depends only on shapes (never on sequence lengths), so the launch can be captured in a
     CUDA graph."""
     if kernel == "narrow":

@@ -13,17 +13,21 @@
 //   shared memory, B = Q, m64nNk32 x 18), then O^T += V^T . P^T (A = V^T built in registers
 //   from the tile with byte permutes, as the 64-row kernel does; B = P from shared memory;
 //   8 m-blocks of 64 dims x 2 k-steps). Both products run in FP8.
-// - A CTA is one warpgroup: 128 threads, one request's N rows x a split of its tiles. The
+// - A CTA is one request's N rows x a split of its tiles, with two warpgroups that take every
+//   other tile, each with its own softmax state; at the end warpgroup 1 hands its O^T, maxima
+//   and sums to warpgroup 0 through shared memory and they are merged like two splits. The
 //   softmax is per accumulator column (a query row): each thread's maxima go across the 8 lane
-//   groups by shuffles and across the 4 warps through shared memory; the rescale factors then
-//   belong to the thread's own O^T columns, so rescaling needs no exchange.
-// - Cache tiles arrive by TMA (mla_decode_wgmma_tile.cuh), two stages per CTA, two CTAs per SM.
-//   A tile's stage is refilled as soon as every thread has its Q.K^T result and V^T fragments,
-//   before the softmax, so the next load overlaps this tile's softmax and P.V and the other
-//   CTA's work.
+//   groups by shuffles and across the warpgroup's 4 warps through shared memory (a named
+//   barrier per warpgroup); the rescale factors then belong to the thread's own O^T columns,
+//   so rescaling needs no exchange.
+// - Cache tiles arrive by TMA (mla_decode_wgmma_tile.cuh) into a ring of five stages, one CTA
+//   per SM: three tiles in flight while two are consumed. A warpgroup refills a tile's stage as
+//   soon as its threads have the Q.K^T result and the V^T fragments, before the softmax.
+//   (Measured on the H200, B=128, 16 heads: 84.7 us against 86.3 us for one warpgroup per CTA
+//   and two CTAs per SM with two stages each; at B=128 it needs no split-KV, so no combine.)
 // - Slots past the sequence are loaded as they are (maybe NaN): their scores are masked and
-//   the fragment loads zero them. Split-KV writes normalized partials + LSE for the combine
-//   kernel, as the other kernels do. The launch shape depends only on tensor shapes:
+//   the fragment loads zero them. Split-KV (small batches) writes normalized partials + LSE for
+//   the combine kernel, as the other kernels do. The launch shape depends only on tensor shapes:
 //   capturable in a CUDA graph.
 
 #include <cuda.h>
@@ -39,9 +43,9 @@
 
 namespace {
 
-constexpr int kThreads = 128;  // one warpgroup
-constexpr int kWarps = 4;
-constexpr int kStages = 2;     // per CTA; two CTAs per SM
+constexpr int kThreads = 256;  // two warpgroups, each on every other tile
+constexpr int kWarps = 4;      // per warpgroup
+constexpr int kStages = 5;     // one CTA per SM: three tiles in flight while two are consumed
 constexpr int kSmemAlign = 1024;
 constexpr uint32_t kStep = 256 >> 4;  // one k-step of 32 bytes in a packed operand: two core matrices
 
@@ -50,9 +54,9 @@ template <int N>
 struct NarrowPlan {
   static constexpr int kSmemK = 0;                                   // kStages cache tiles
   static constexpr int kSmemQ = kSmemK + kStages * kTileBytes;       // packed Q, N x 576
-  static constexpr int kSmemP = kSmemQ + (N / 8) * kQGroupStride;    // P, N x 64 e4m3, packed
-  static constexpr int kSmemMax = kSmemP + N * kTile;                // float [2 parities][4 warps][N]
-  static constexpr int kSmemSum = kSmemMax + 2 * kWarps * N * 4;     // float [4 warps][N]
+  static constexpr int kSmemP = kSmemQ + (N / 8) * kQGroupStride;    // P per warpgroup, N x 64 e4m3, packed
+  static constexpr int kSmemMax = kSmemP + 2 * N * kTile;            // float [2 wg][2 parities][4 warps][N]
+  static constexpr int kSmemSum = kSmemMax + 2 * 2 * kWarps * N * 4; // float [4 warps][N]
   static constexpr int kSmemBar = kSmemSum + kWarps * N * 4;         // uint64 [kStages]
   static constexpr int kBytes = kSmemBar + kStages * 8 + kSmemAlign; // + room to align the base
 };
@@ -67,8 +71,10 @@ __device__ __forceinline__ void wgmma_k32_rs(float (&d)[16], const uint32_t (&a)
   wgmma_m64n32k32_rs(d, a, b, acc);
 }
 
+__device__ __forceinline__ void warpgroup_sync(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory"); }
+
 template <int N>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, 1)
     mla_decode_fp8_narrow_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
   using Plan = NarrowPlan<N>;
   // This thread's accumulator columns (query rows) are 8j + 2q4 + e; column index c = 2j + e.
@@ -77,12 +83,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint8_t* smem = smem_raw + ((kSmemAlign - (smem_addr(smem_raw) & (kSmemAlign - 1))) & (kSmemAlign - 1));
   uint8_t* k_s = smem + Plan::kSmemK;
   uint8_t* q_s = smem + Plan::kSmemQ;
-  uint8_t* p_s = smem + Plan::kSmemP;
+  const int tid = threadIdx.x;
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform
+  uint8_t* p_s = smem + Plan::kSmemP + wg * N * kTile;
   float* red_sum = reinterpret_cast<float*>(smem + Plan::kSmemSum);
   const uint32_t bar0 = smem_addr(smem + Plan::kSmemBar);  // stage s's barrier at bar0 + 8 s
 
-  const int tid = threadIdx.x;
-  const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;  // warp-uniform
+  const int warp = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0), lane = tid & 31;  // warp-uniform
+  const bool leader = (tid & 127) == 0;  // refills the stages its warpgroup frees
   const int g = lane >> 2, q4 = lane & 3;  // accumulator fragment coordinates
   const int b = blockIdx.y, split = blockIdx.z;
   const int rows_total = p.s_q * p.heads;
@@ -115,16 +123,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int i = 0; i < kBoxes; ++i) tma_load_box(dst + i * kBoxSize, &kv_map, i * kBoxBytes, row, page, bar);
   };
 
-  int next_page = 0;  // page of tile it + kStages (thread 0)
   if (tid == 0) {
     for (int t = 0; t < kStages; ++t) mbar_init(bar0 + 8 * t);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
   }
   __syncthreads();
-  if (tid == 0 && n > 0) {
+  if (tid == 0 && n > 0)
     for (int t = 0; t < kStages && t < n; ++t) load_tile(t, page_of(t));
-    next_page = page_of(kStages);
-  }
   cp_async_wait<0>();
   fence_async_shared();
   __syncthreads();  // Q
@@ -152,9 +157,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   float s[N / 2];  // s[4j + 2i + e] = S[query row 8j + 2q4 + e][token 16warp + g + 8i]
 
   const uint32_t q_lo = desc_lo(smem_addr(q_s), 128), p_lo = desc_lo(smem_addr(p_s), 128);
-  for (int it = 0; it < n; ++it) {
+  for (int it = wg; it < n; it += 2) {
     const int stage = it % kStages;
     const uint8_t* tile = k_s + stage * kTileBytes;
+    const bool refill = leader && it + kStages < n;
+    const int refill_page = refill ? page_of(it + kStages) : 0;  // read early: its latency hides below
     mbar_wait(bar0 + 8 * stage, (it / kStages) & 1);
 
     // S^T = K . Q^T: 32 bytes of K per k-step, box ks / 4, bytes 32 (ks % 4) of its rows.
@@ -183,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (int i = 0; i < 2; ++i)
           if (tok + 8 * i >= limit[c]) s[4 * (c >> 1) + 2 * i + (c & 1)] = -INFINITY;
     }
-    float* red_max = reinterpret_cast<float*>(smem + Plan::kSmemMax) + (it & 1) * kWarps * N;
+    float* red_max = reinterpret_cast<float*>(smem + Plan::kSmemMax) + (2 * wg + ((it >> 1) & 1)) * kWarps * N;
 #pragma unroll
     for (int c = 0; c < kCols; ++c) {
       float mx = fmaxf(s[4 * (c >> 1) + (c & 1)], s[4 * (c >> 1) + 2 + (c & 1)]);
@@ -192,11 +199,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 16));
       if (g == 0) red_max[warp * N + column(c)] = mx;
     }
-    __syncthreads();  // maxima; every thread has this tile's scores and fragments: refill the stage
-    if (tid == 0 && it + kStages < n) {
-      load_tile(it + kStages, next_page);
-      next_page = page_of(it + kStages + 1);
-    }
+    warpgroup_sync(wg);  // maxima; the warpgroup has this tile's scores and fragments: refill the stage
+    if (refill) load_tile(it + kStages, refill_page);
 
     // Lazy rescaling and P in e4m3, as in the 64-row kernel (kRescaleSlack, kLog2PScale). P is
     // the B operand of O^T += V^T . P^T: row = query row, column = p_column(token).
@@ -234,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, 2)
           for (int i = 0; i < N / 2; ++i) o[h][mb][i] *= alpha[2 * (i >> 2) + (i & 1)];
     }
     fence_async_shared();
-    __syncthreads();  // P complete
+    warpgroup_sync(wg);  // P complete
 
     // O^T[512 dims, N rows] += V^T[dims, 64 tokens] . P^T[64 tokens, N rows].
     wgmma_fence();
@@ -252,16 +256,56 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int mb = 0; mb < 4; ++mb) fence_regs(o[h][mb]);
   }
 
-  // Column sums: the 8 lane groups, then the 4 warps.
+  // Warpgroup 1 hands its state to warpgroup 0 through the idle stages (the same thread of the
+  // other warpgroup holds the same accumulator elements), which merges the two by their maxima.
+  __syncthreads();  // all tiles consumed
+  float* xfer = reinterpret_cast<float*>(k_s) + (tid & 127);  // element i at xfer[128 i]
+  if (wg == 1) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) xfer[128 * ((h * 4 + mb) * (N / 2) + i)] = o[h][mb][i];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      xfer[128 * (4 * N + c)] = m_run[c];
+      xfer[128 * (4 * N + kCols + c)] = l_run[c];
+    }
+  }
+  __syncthreads();
+  if (wg == 0) {
+    float a0[kCols], a1[kCols];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float m1 = xfer[128 * (4 * N + c)], m = fmaxf(m_run[c], m1);
+      a0[c] = m == -INFINITY ? 0.f : exp2f(m_run[c] - m);
+      a1[c] = m == -INFINITY ? 0.f : exp2f(m1 - m);
+      m_run[c] = m;
+      l_run[c] = l_run[c] * a0[c] + xfer[128 * (4 * N + kCols + c)] * a1[c];
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+        for (int i = 0; i < N / 2; ++i) {
+          const int c = 2 * (i >> 2) + (i & 1);
+          o[h][mb][i] = o[h][mb][i] * a0[c] + xfer[128 * ((h * 4 + mb) * (N / 2) + i)] * a1[c];
+        }
+  }
+
+  // Column sums (warpgroup 0): the 8 lane groups, then the 4 warps.
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {
     float l = l_run[c];
     l += __shfl_xor_sync(0xffffffffu, l, 4);
     l += __shfl_xor_sync(0xffffffffu, l, 8);
     l += __shfl_xor_sync(0xffffffffu, l, 16);
-    if (g == 0) red_sum[warp * N + column(c)] = l;
+    if (g == 0 && wg == 0) red_sum[warp * N + column(c)] = l;
   }
   __syncthreads();
+  if (wg != 0) return;
 
 #pragma unroll
   for (int c = 0; c < kCols; ++c) {

@@ -103,15 +103,15 @@ def test_launch_heuristics():
     assert mdc.choose_num_splits(1, 16, 64, 132, one_group) == 64  # one request: as many as tiles allow
     assert mdc.choose_num_splits(1, 16, 3, 132, one_group) == 3
     assert mdc.choose_num_splits(512, 128, 64, 132, (4, 4, 2, 64)) == 1  # the batch fills the GPU
-    # Up to 32 rows the narrow kernel (two CTAs per SM), above the 64-row wgmma kernel (one).
+    # Up to 32 rows the narrow kernel, above the 64-row wgmma kernel; one CTA per SM each.
     assert [mdc.choose_kernel(r) for r in (1, 16, 32, 33, 64, 128, 512)] == ["narrow"] * 3 + ["wgmma"] * 4
     assert mdc.choose_num_splits(128, 128, 64, 132, None, "wgmma") == 1  # 256 CTAs: two waves already
     assert mdc.choose_num_splits(32, 128, 64, 132, None, "wgmma") == 2
     assert mdc.choose_num_splits(1, 128, 64, 132, None, "wgmma") == 64
     assert [mdc.narrow_rows_per_cta(r) for r in (1, 16, 17, 32, 48)] == [16, 16, 32, 32, 32]
-    assert mdc.choose_num_splits(128, 16, 64, 132, None, "narrow") == 2  # 128 CTAs, 264 slots
-    assert mdc.choose_num_splits(64, 16, 64, 132, None, "narrow") == 4
-    assert mdc.choose_num_splits(64, 48, 64, 132, None, "narrow") == 2  # two 32-row CTAs per request
+    assert mdc.choose_num_splits(128, 16, 64, 132, None, "narrow") == 1  # 128 CTAs, 132 SMs
+    assert mdc.choose_num_splits(64, 16, 64, 132, None, "narrow") == 2
+    assert mdc.choose_num_splits(32, 48, 64, 132, None, "narrow") == 2  # two 32-row CTAs per request
 
 
 def test_supports_only_fp8_on_cuda():
