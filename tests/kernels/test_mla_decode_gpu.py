@@ -228,9 +228,11 @@ def test_triton_configs(config_kw, dtype):
 def test_dispatch_on_cuda_matches_reference():
     q, kv, bt, sl, qs, ks = make_case(2, 1, 16, [100, 7], torch.float8_e4m3fn, seed=3, device="cuda")
     ref, _ = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
-    for backend in ("triton", "auto"):
+    # auto takes the CUDA library on Hopper, whose P.V runs in FP8 (1.5e-2 measured; the issue's
+    # bound for an FP8 decode is 2e-2); triton keeps P in fp16.
+    for backend, tol in (("triton", 1e-2), ("auto", 2e-2)):
         out, _ = mla_decode(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, backend=backend)
-        assert rel_err(out, ref) < 1e-2
+        assert rel_err(out, ref) < tol, backend
 
 
 @gpu
