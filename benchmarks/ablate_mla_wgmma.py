@@ -77,14 +77,7 @@ def main() -> None:
 
     x = build_inputs(Case(args.batch, args.seq, args.heads, 1))
     for name, path in libs.items():
-        lib = ctypes.CDLL(str(path))
-        if args.kernel == "wgmma":  # each variant library holds only its kernel
-            lib.mla_decode_fp8_wgmma_sm90.argtypes = [ctypes.POINTER(mdc._Params), ctypes.c_longlong, ctypes.c_void_p]
-            lib.mla_decode_fp8_wgmma_sm90.restype = ctypes.c_int
-        else:
-            lib.mla_decode_fp8_wgmma_narrow_sm90.argtypes = [ctypes.POINTER(mdc._Params), ctypes.c_longlong,
-                                                             ctypes.c_int, ctypes.c_void_p]
-            lib.mla_decode_fp8_wgmma_narrow_sm90.restype = ctypes.c_int
+        lib = mdc.declare_entry_points(ctypes.CDLL(str(path)))  # holds only this kernel
         mdc._library = lambda lib=lib: lib  # every call below goes to this variant
 
         def run():

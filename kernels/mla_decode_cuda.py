@@ -57,11 +57,14 @@ BUILT_CONFIGS = {(1, 4, 2, 64), (1, 8, 2, 64), (1, 8, 3, 64), (2, 4, 2, 64), (2,
 KERNELS = ("narrow", "mma", "wgmma")
 NARROW_MAX_ROWS = 32
 WGMMA_ROWS = 64
-# Shared memory of a wgmma CTA (mirror of the .cu plan): four cache tiles as TMA writes them
-# (five 64 x 128-byte boxes each), packed Q, P, row maxima, sums and rescale factors, the
-# stages' mbarriers, and room to align the tiles to 1024 bytes.
+# A cache tile in a wgmma kernel's shared memory, as TMA writes it: five 64-token x 128-byte
+# boxes (mla_decode_wgmma_tile.cuh).
+WGMMA_TILE_BYTES = 5 * 64 * 128
+# Shared memory of a wgmma CTA (mirror of the .cu plan): four cache tiles, packed Q, P, row
+# maxima, sums and rescale factors, the stages' mbarriers, and room to align the tiles to 1024
+# bytes.
 WGMMA_STAGES = 4
-WGMMA_SMEM_BYTES = (WGMMA_STAGES * 5 * 64 * 128 + 64 * 576 + 64 * 64 + 3 * 2 * 64 * 4 + 64 * 4
+WGMMA_SMEM_BYTES = (WGMMA_STAGES * WGMMA_TILE_BYTES + 64 * 576 + 64 * 64 + 3 * 2 * 64 * 4 + 64 * 4
                     + WGMMA_STAGES * 8 + 1024)
 
 # The narrow kernel (mla_decode_wgmma_narrow_sm90a.cu): 16 or 32 query rows per CTA (the
@@ -81,7 +84,7 @@ def narrow_smem_bytes(rows_per_cta: int) -> int:
     cache tiles, packed Q, P and per-warp column maxima (two parities) per warpgroup, per-warp
     column sums, mbarriers, and room to align the tiles to 1024 bytes."""
     n = rows_per_cta
-    return NARROW_STAGES * 5 * 64 * 128 + n * 576 + 2 * n * 64 + (2 * 2 * 4 * n + 4 * n) * 4 + NARROW_STAGES * 8 + 1024
+    return NARROW_STAGES * WGMMA_TILE_BYTES + n * 576 + 2 * n * 64 + (2 * 2 * 4 * n + 4 * n) * 4 + NARROW_STAGES * 8 + 1024
 
 
 class CudaKernelUnavailable(RuntimeError):
@@ -150,18 +153,29 @@ def default_library_path() -> Path:
     return build_library()
 
 
+# The C entry points' argument types (every one returns an int error code).
+_ENTRY_POINTS = {
+    "mla_decode_fp8_sm90": [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                            ctypes.c_void_p],
+    "mla_decode_fp8_wgmma_sm90": [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_void_p],
+    "mla_decode_fp8_wgmma_narrow_sm90": [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p],
+    "mla_decode_fp8_sm90_params_bytes": [],
+}
+
+
+def declare_entry_points(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Give the library's entry points their ctypes signatures; a library built from some of the
+    sources (benchmarks/ablate_mla_wgmma.py builds one kernel at a time) gets those it has."""
+    for name, argtypes in _ENTRY_POINTS.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(default_library_path()))
-    lib.mla_decode_fp8_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                        ctypes.c_int, ctypes.c_void_p]
-    lib.mla_decode_fp8_sm90.restype = ctypes.c_int
-    lib.mla_decode_fp8_wgmma_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_void_p]
-    lib.mla_decode_fp8_wgmma_sm90.restype = ctypes.c_int
-    lib.mla_decode_fp8_wgmma_narrow_sm90.argtypes = [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_int,
-                                                     ctypes.c_void_p]
-    lib.mla_decode_fp8_wgmma_narrow_sm90.restype = ctypes.c_int
-    lib.mla_decode_fp8_sm90_params_bytes.restype = ctypes.c_int
+    lib = declare_entry_points(ctypes.CDLL(str(default_library_path())))
     if lib.mla_decode_fp8_sm90_params_bytes() != ctypes.sizeof(_Params):
         raise CudaKernelUnavailable("Params layout of the built library differs from kernels/mla_decode_cuda.py")
     return lib

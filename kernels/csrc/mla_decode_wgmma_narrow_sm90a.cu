@@ -112,7 +112,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   cp_async_commit();
 
   const int* bt_row = p.block_tables + b * p.bt_s;
-  // Thread 0 loads the tiles; a tile's page is read from the block table one tile ahead.
+  // Thread 0 issues the first kStages tiles; then each warpgroup's leader refills the stage of the
+  // tile it has just read (the page index is read at the top of that iteration).
   auto page_of = [&](int it) { return it < n ? bt_row[(tile_begin + it) * kTile / p.page_size] : 0; };
   auto load_tile = [&](int it, int page) {
     const int stage = it % kStages;
