@@ -60,12 +60,13 @@ WGMMA_ROWS = 64
 # A cache tile in a wgmma kernel's shared memory, as TMA writes it: five 64-token x 128-byte
 # boxes (mla_decode_wgmma_tile.cuh).
 WGMMA_TILE_BYTES = 5 * 64 * 128
-# Shared memory of a wgmma CTA (mirror of the .cu plan): four cache tiles, packed Q, P, row
-# maxima, sums and rescale factors, the stages' mbarriers, and room to align the tiles to 1024
-# bytes.
+# Shared memory of a wgmma CTA (mirror of the .cu plan): four cache tiles, packed Q, four slots
+# of a tile's P, rescale factors and reference maxima (and a stamp), the final row sums and
+# maxima, the stages' mbarriers, and room to align the tiles to 1024 bytes.
 WGMMA_STAGES = 4
-WGMMA_SMEM_BYTES = (WGMMA_STAGES * WGMMA_TILE_BYTES + 64 * 576 + 64 * 64 + 3 * 2 * 64 * 4 + 64 * 4
-                    + WGMMA_STAGES * 8 + 1024)
+WGMMA_SLOTS = 4
+WGMMA_SMEM_BYTES = (WGMMA_STAGES * WGMMA_TILE_BYTES + 64 * 576 + WGMMA_SLOTS * (64 * 64 + 2 * 64 * 4 + 4)
+                    + 5 * 64 * 4 + WGMMA_STAGES * 8 + 1024)
 
 # The narrow kernel (mla_decode_wgmma_narrow_sm90a.cu): 16 or 32 query rows per CTA (the
 # smallest that holds a request's rows; more rows take several CTAs), two warpgroups, five

@@ -6,35 +6,38 @@
 //
 // - With 64+ rows decode is compute-bound (B=128, S=4096, 128 heads: 146 GFLOP against 302 MB),
 //   and Hopper's only FP8 tensor-core path is wgmma: M = 64 rows per warpgroup, operands read
-//   straight from shared memory once per 64 rows (mma.sync re-reads them per 16-row warp: the
-//   sister kernel's limit at 128 heads). Both products run in FP8: Q.K^T and P.V.
-// - A CTA = 64 query rows x a split of the request's 64-token tiles, two warpgroups. For each
-//   tile, warpgroup w computes scores for tokens 32w..32w+31 (m64n32k32, no duplicated Q.K^T;
-//   the first 8 of 18 k-steps take Q from registers, the rest from shared memory), the row
-//   maxima are exchanged through shared memory, each warpgroup writes its P (e4m3, scaled by
-//   64) and accumulates O for output dims 256w..256w+255 over the whole tile. The running
-//   maximum moves lazily (only when a row's maximum passes it by 4x), so O is rarely rescaled.
+//   straight from shared memory. Both products run in FP8: Q.K^T and P.V.
+// - A CTA = 64 query rows x a split of the request's 64-token tiles, two warpgroups that take
+//   turns (FlashMLA's split of the work): warpgroup w computes the scores of tiles 2i + w
+//   (S = Q.K^T, m64n64k32 x 18, both operands from shared memory) and their softmax, and
+//   publishes P (e4m3, scaled by 64) in shared memory; each warpgroup accumulates its half of
+//   the output dims (256w..256w+255) over every tile, its own and the other's. So one
+//   warpgroup's softmax runs while the other's MMAs do, and Q is read once per tile.
+// - The softmax runs as a chain over the tiles in order (0, 1, 2, ...): a tile's reference
+//   maximum starts from the one the previous tile (the other warpgroup's) published. It moves
+//   lazily, only when a row's maximum passes it by 4x, so the rescale factors of O are rarely
+//   other than 1; a tile that moved any row stamps its slot, and O is rescaled only then.
 // - FP8 wgmma needs both operands K-major, and the cache holds V token-major. So P.V runs
 //   transposed, O^T += V^T . P^T (M = 64 dims, N = the 64 query rows, K = 32 tokens, 4 m-blocks
-//   x 2 k-steps of m64n64k32 per warpgroup, 128 fp32 accumulators per thread), with V^T as the
-//   register operand: each thread loads its 8 contiguous dims of 16 tokens (8-byte loads) and
-//   transposes them with byte permutes into wgmma's A fragments. P, in shared memory as it is,
-//   is the K-major B operand. The reduction runs over a permutation of the tile's tokens, the
-//   same for P's columns and the fragments (see p_column), chosen so that the loads are free
-//   of bank conflicts. (Earlier versions transposed V into a shared-memory V^T: 64 KB more
-//   shared-memory traffic per tile; a producer warpgroup doing those transposes was slower
-//   still. Numbers in benchmarks/KERNEL_NOTES.md.)
-// - Cache tiles arrive by TMA: one thread issues five 128-byte x 64-token boxes per tile (the
-//   fifth half out of bounds, zero-filled) into wgmma's 128-byte-swizzled K-major layout, and
-//   an mbarrier per stage says when they landed. (Per-thread cp.async of 16-byte chunks cost
-//   40 % of the kernel's time: 2304 copies per tile, their address math on the issue path.)
-// - Software pipeline: the softmax of a tile runs under Q.K^T of the next one, up to three
-//   more tiles are in flight, and a tile's page index is read an iteration before its TMA.
+//   x 2 k-steps of m64n64k32 per warpgroup and tile, 128 fp32 accumulators per thread), with
+//   V^T as the register operand: each thread loads its 8 contiguous dims of 16 tokens (8-byte
+//   loads) and transposes them with byte permutes into wgmma's A fragments. P, in shared memory
+//   as it is, is the K-major B operand. The reduction runs over a permutation of the tile's
+//   tokens, the same for P's columns and the fragments (see p_column), chosen so that the loads
+//   are free of bank conflicts.
+// - Cache tiles arrive by TMA: five 128-byte x 64-token boxes per tile (the fifth half out of
+//   bounds, zero-filled) into wgmma's 128-byte-swizzled K-major layout, an mbarrier per stage
+//   says when they landed. Four stages; tiles of warpgroup w's parity use stages of that parity,
+//   and w's first thread refills them once both warpgroups are past the tile.
+// - Per warpgroup and pair of tiles: scores of its tile issued; wait for the other warpgroup's
+//   P of the tile before, and issue P.V of that one; softmax of its own tile (under those MMAs);
+//   publish; P.V of its own tile. Nothing is in flight across the loop's back edge (accumulators
+//   in flight there make ptxas serialize every wgmma, warning C7514).
 // - Q and P use wgmma's no-swizzle layout (core matrices of 8 rows x 16 bytes, packed).
 // - Slots past the sequence in a tile's last page are loaded as they are (poisoned slots hold
 //   NaN): their scores are masked to -inf and the fragment loads replace them with zeros, so
 //   they never reach the P.V product. Split-KV writes normalized partials + LSE for the combine
-//   kernel (kernels/mla_decode_triton.py), like the sister kernel. Launch shape depends only on
+//   kernel (kernels/mla_decode_triton.py), like the sister kernels. Launch shape depends only on
 //   tensor shapes, the tensor map only on the cache tensor: capturable in a CUDA graph.
 
 #include <cuda.h>  // CUtensorMap and its enums only: the driver is reached through the runtime
@@ -52,24 +55,33 @@ namespace {
 
 constexpr int kRows = 64;                // query rows per CTA (wgmma M)
 constexpr int kThreads = 256;            // two warpgroups
-// Cache tiles in shared memory. A tile's stage is refilled only once its P.V fragments are
-// loaded (after the P hand-off), so four stages keep two loads ahead of Q.K^T.
+// Cache tiles in shared memory; even, so that each warpgroup's tiles keep to their own stages.
 constexpr int kStages = 4;
 constexpr int kQBytes = 8 * kQGroupStride;
-// P (64 rows x 64 tokens, e4m3): packed core matrices, 128 B along K, 512 B between row groups.
+// P of one tile (64 rows x 64 tokens, e4m3): packed core matrices, 128 B along K, 512 B between
+// row groups. Tile t's P, rescale factors, reference maxima and stamp live in slot t % 4: the
+// other warpgroup may still read slot t while tiles t + 1 and t + 2 are published.
 constexpr int kPBytes = kRows * kTile;
+constexpr int kSlots = 4;
 
 // Offsets from the first 1024-byte boundary of the dynamic shared memory.
 constexpr int kSmemK = 0;
 constexpr int kSmemQ = kSmemK + kStages * kTileBytes;
 constexpr int kSmemP = kSmemQ + kQBytes;
-constexpr int kSmemMax = kSmemP + kPBytes;                  // float [2 parities][2 wg][64]
-constexpr int kSmemSum = kSmemMax + 2 * 2 * kRows * 4;       // float [2 wg][64]
-constexpr int kSmemAlpha = kSmemSum + 2 * kRows * 4;         // float [64]: this tile's rescale
-constexpr int kSmemBar = kSmemAlpha + kRows * 4;             // uint64 [kStages]: tile landed
+constexpr int kSmemAlpha = kSmemP + kSlots * kPBytes;        // float [slot][64]: O's rescale factors
+constexpr int kSmemMax = kSmemAlpha + kSlots * kRows * 4;    // float [slot][64]: reference maxima after the tile
+constexpr int kSmemStamp = kSmemMax + kSlots * kRows * 4;    // int [slot]: t + 1 when tile t moved a reference
+constexpr int kSmemSum = kSmemStamp + kSlots * 4;            // float [2 wg][64] sums, [2 wg][64] maxima, [64] total
+constexpr int kSmemBar = kSmemSum + 5 * kRows * 4;           // uint64 [kStages]: tile landed
 constexpr int kSmemAlign = 1024;
 constexpr int kSmemBytes = kSmemBar + kStages * 8 + kSmemAlign;  // + room to align the base
 static_assert(kSmemBytes <= 227 * 1024, "more shared memory than a Hopper CTA can have");
+static_assert(kStages % 2 == 0, "each warpgroup refills the stages of its own tiles");
+
+// Named barriers: warpgroup w published a tile (w arrives, the other syncs), and warpgroup w's
+// own threads (its P and rescale factors before its P.V).
+constexpr int kBarPublished = 1;  // + w
+constexpr int kBarWarpgroup = 3;  // + w
 
 constexpr int kCopies = kRows * kChunks / kThreads;  // 9 chunks per thread per 64-row operand
 static_assert(kRows * kChunks % kThreads == 0, "whole copies per thread");
@@ -80,13 +92,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = smem_raw + ((kSmemAlign - (smem_addr(smem_raw) & (kSmemAlign - 1))) & (kSmemAlign - 1));
   uint8_t* q_s = smem + kSmemQ;
   uint8_t* k_s = smem + kSmemK;
+  uint8_t* p_s = smem + kSmemP;
+  float* red_alpha = reinterpret_cast<float*>(smem + kSmemAlpha);
+  float* red_max = reinterpret_cast<float*>(smem + kSmemMax);
+  volatile int* stamps = reinterpret_cast<int*>(smem + kSmemStamp);
   float* red_sum = reinterpret_cast<float*>(smem + kSmemSum);
   const uint32_t bar0 = smem_addr(smem + kSmemBar);  // stage s's barrier at bar0 + 8 s
 
   const int tid = threadIdx.x;
-  // Warpgroup: scores for tokens 32wg.. of each tile, output dims 256wg... Broadcast from lane 0
-  // so that the compiler knows them warp-uniform and keeps the descriptor math that depends on
-  // them in uniform registers (per-thread values cost a register move per wgmma operand).
+  // Warpgroup: scores of tiles 2i + wg, output dims 256wg... Broadcast from lane 0 so that the
+  // compiler knows them warp-uniform and keeps the descriptor math in uniform registers.
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
   const int warp_in_wg = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0), lane = tid & 31;
   const int g = lane >> 2, q4 = lane & 3;  // accumulator fragment coordinates
@@ -98,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const TileRange tiles(seq_len, kTile, p.num_splits, split);
   const int tile_begin = tiles.begin, n = tiles.end - tiles.begin;  // tiles of this CTA
 
-  // Q rows of this CTA (rows past the request are zero), in the first copy group.
+  // Q rows of this CTA (rows past the request are zero).
 #pragma unroll
   for (int i = 0; i < kCopies; ++i) {
     const int c = tid + kThreads * i;
@@ -108,43 +123,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (valid) src += b * p.q_sb + (row / p.heads) * p.q_ss + (row % p.heads) * p.q_sh + chunk_col(c) * 16;
     cp_async_16(smem_addr(q_s + chunk_dst(c)), src, valid ? 16 : 0);
   }
+  cp_async_commit();
 
   const int* bt_row = p.block_tables + b * p.bt_s;
-  // Thread 0 loads the tiles. The page of tile `it` is read from the block table an iteration
-  // before its TMA is issued (a dependent global load right before the issue would stall).
-  auto page_of = [&](int it) { return it < n ? bt_row[(tile_begin + it) * kTile / p.page_size] : 0; };
-  auto load_tile = [&](int it, int page) {  // tile `it` of this CTA, thread 0 only
-    const int stage = it % kStages;
+  auto page_of = [&](int t) { return t < n ? bt_row[(tile_begin + t) * kTile / p.page_size] : 0; };
+  auto load_tile = [&](int t, int page) {  // tile t of this CTA, one thread
+    const int stage = t % kStages;
     const uint32_t bar = bar0 + 8 * stage, dst = smem_addr(k_s + stage * kTileBytes);
-    const int row = (tile_begin + it) * kTile % p.page_size;
+    const int row = (tile_begin + t) * kTile % p.page_size;
     mbar_arm(bar, kTileBytes);
 #pragma unroll
     for (int i = 0; i < kBoxes; ++i) tma_load_box(dst + i * kBoxSize, &kv_map, i * kBoxBytes, row, page, bar);
   };
-  auto wait_tile = [&](int it) { mbar_wait(bar0 + 8 * (it % kStages), (it / kStages) & 1); };
-  auto valid_in = [&](int it) { return seq_len - (tile_begin + it) * kTile; };  // tokens of tile it
+  auto wait_tile = [&](int t) { mbar_wait(bar0 + 8 * (t % kStages), (t / kStages) & 1); };
+  auto tile_smem = [&](int t) { return k_s + (t % kStages) * kTileBytes; };
 
-  const uint32_t q_lo = desc_lo(smem_addr(q_s), 128);
-  // Q.K^T with N = 32 reads 2 KB of Q per 1 KB of K from shared memory: the first kQRegSteps
-  // k-steps take Q from registers instead (measured: 8 -> 2 % faster; 12 spill).
-  constexpr int kQRegSteps = 8;
-  uint32_t q_reg[kQRegSteps][4];
-  constexpr uint32_t kStepQ = 256 >> 4;            // one k-step of 32 bytes = two core matrices
-  uint8_t* p_s = smem + kSmemP;
-  // S = Q . K^T for this warpgroup's 32 tokens of tile `it`, issued asynchronously.
-  auto issue_qk = [&](float (&s)[16], int it) {
-    const uint32_t k_lo = desc_lo(smem_addr(k_s + (it % kStages) * kTileBytes + 32 * wg * kBoxBytes), 16);
-    wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kDim / 32; ++ks) {  // 32 bytes of K: box ks / 4, bytes 32 (ks % 4) of its rows
-      const uint64_t desc_k = make_desc(k_lo + (((ks >> 2) * kBoxSize + (ks & 3) * 32) >> 4), 1024, kSwizzle128);
-      if (ks < kQRegSteps) wgmma_m64n32k32_rs(s, q_reg[ks], desc_k, ks);
-      if (ks >= kQRegSteps) wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), desc_k, ks);
-    }
-    wgmma_commit();
-  };
-
-  // This thread's two accumulator rows and their causal limits (number of visible keys).
+  // This thread's two score rows and their causal limits (number of visible keys).
   int r_local[2], limit[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -153,6 +147,21 @@ __global__ void __launch_bounds__(kThreads, 1)
     limit[i] = seq_len - p.s_q + row / p.heads + 1;
   }
 
+  const uint32_t q_lo = desc_lo(smem_addr(q_s), 128);
+  constexpr uint32_t kStepQ = 256 >> 4;  // one k-step of 32 bytes = two core matrices
+  float s[32];  // S[rows 16 warp + g + 8i][tokens 8j + 2q4 + e] at s[4j + 2i + e]
+  // S = Q . K^T for tile t (64 rows x 64 tokens), issued asynchronously.
+  auto issue_qk = [&](int t) {
+    const uint32_t k_lo = desc_lo(smem_addr(tile_smem(t)), 16);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kDim / 32; ++ks) {  // 32 bytes of K: box ks / 4, bytes 32 (ks % 4) of its rows
+      const uint64_t desc_k = make_desc(k_lo + (((ks >> 2) * kBoxSize + (ks & 3) * 32) >> 4), 1024, kSwizzle128);
+      wgmma_m64n64k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), desc_k, ks);
+    }
+    wgmma_commit();
+  };
+
   // O^T accumulators: o[mb][4j + 2rb + c] = O[query row 8j + 2q4 + c][dim d0 + 2mb + rb].
   const int d0 = 256 * wg + 64 * warp_in_wg + 8 * g;
   float o[4][32];
@@ -160,189 +169,223 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int mb = 0; mb < 4; ++mb)
 #pragma unroll
     for (int i = 0; i < 32; ++i) o[mb][i] = 0.f;
-  uint32_t va[2][4][4];  // this tile's V^T fragments
-  float m_run[2] = {-INFINITY, -INFINITY};
-  float l_run[2] = {0.f, 0.f};  // this thread's share of the row sums (of the scaled P)
-  float s[16], s_next[16];
+  uint32_t va[2][4][4];  // V^T fragments of the tile in P.V
 
-  // Software pipeline: the softmax of tile `it` runs under Q.K^T of tile it+1; tiles it+2 to
-  // it+4 are in flight meanwhile (measured: the copies, not the MMAs, bound this kernel when
-  // only one tile was in flight). Both products are waited for at the end of each iteration:
-  // accumulators still in flight across the loop's back edge make ptxas serialize every wgmma
-  // (warning C7514).
-  cp_async_commit();  // Q
-  int next_page = 0;  // page of tile it+kStages (thread 0)
-  if (tid == 0) {
-    for (int t = 0; t < kStages; ++t) mbar_init(bar0 + 8 * t);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
-  }
-  __syncthreads();
-  if (tid == 0 && n > 0) {
-    for (int t = 0; t < kStages && t < n; ++t) load_tile(t, page_of(t));
-    next_page = page_of(kStages);
-  }
-  cp_async_wait<0>();
-  fence_async_shared();
-  __syncthreads();  // Q
-  // The first k-steps of Q as register fragments (fewer shared-memory bytes per Q.K^T).
+  // O's query rows are the accumulators' columns: a tile's rescale factors come from shared
+  // memory, read only when the tile stamped its slot.
+  auto rescale_o = [&](int t) {
+    if (stamps[t % kSlots] != t + 1) return;
+    const float* alpha = red_alpha + (t % kSlots) * kRows;
 #pragma unroll
-  for (int ks = 0; ks < kQRegSteps; ++ks)
+    for (int j = 0; j < 8; ++j) {
+      const float2 a = *reinterpret_cast<const float2*>(alpha + 8 * j + 2 * q4);
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = 16 * warp_in_wg + g + 8 * (r & 1), chunk = 2 * ks + (r >> 1);
-      q_reg[ks][r] = *reinterpret_cast<const uint32_t*>(q_s + (row >> 3) * kQGroupStride + chunk * 128 + (row & 7) * 16 + 4 * q4);
+      for (int mb = 0; mb < 4; ++mb) {
+        o[mb][4 * j + 0] *= a.x;
+        o[mb][4 * j + 1] *= a.y;
+        o[mb][4 * j + 2] *= a.x;
+        o[mb][4 * j + 3] *= a.y;
+      }
     }
-  if (n > 0) {
-    wait_tile(0);
-    issue_qk(s, 0);
+  };
+  // O^T[this warpgroup's 256 dims, 64 rows] += V^T[dims, tile t's tokens] . P(t)^T, issued.
+  auto load_va = [&](int t) { load_v_fragments(tile_smem(t), d0, q4, seq_len - (tile_begin + t) * kTile, va); };
+  auto issue_pv = [&](int t) {
+    const uint32_t p_lo = desc_lo(smem_addr(p_s + (t % kSlots) * kPBytes), 128);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+      for (int mb = 0; mb < 4; ++mb) wgmma_m64n64k32_rs(o[mb], va[kk][mb], make_desc(p_lo + kk * kStepQ, 512), 1);
+    wgmma_commit();
+  };
+  auto wait_pv = [&]() {
     wgmma_wait<0>();
-    fence_regs(s);
-  }
-
-  // Unrolled by two so that handing s_next over to s is a register renaming, not 16 moves.
-#pragma unroll 2
-  for (int it = 0; it < n; ++it) {
-    const bool has_next = it + 1 < n;
-    if (has_next) {
-      wait_tile(it + 1);
-      issue_qk(s_next, it + 1);
-    }
-    load_v_fragments(k_s + (it % kStages) * kTileBytes, d0, q4, valid_in(it), va);
-
-    // Mask (only a tile that reaches the causal limit needs it), row maxima across both
-    // warpgroups. Scores stay unscaled: the scale is positive, so it is applied to the maxima
-    // and folded into the exponent's FMA.
-    const int tile_tok0 = (tile_begin + it) * kTile;
-    if (tile_tok0 + kTile > seq_len - p.s_q + 1) {
-      const int tok_base = tile_tok0 + 32 * wg + 2 * q4;
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+    for (int mb = 0; mb < 4; ++mb) fence_regs(o[mb]);
+  };
+
+  // The softmax state of this warpgroup's rows: the reference maximum after its last tile and
+  // its share of the row sums of its own tiles' P, relative to that maximum.
+  float m_own[2] = {-INFINITY, -INFINITY};
+  float l_own[2] = {0.f, 0.f};
+  // Softmax of tile t (this warpgroup's) from the reference maxima m_in (after tile t - 1):
+  // P to slot t, rescale factors, new maxima and the stamp published.
+  auto softmax = [&](int t, const float (&m_in)[2]) {
+    const int tile_tok0 = (tile_begin + t) * kTile;
+    if (tile_tok0 + kTile > seq_len - p.s_q + 1) {  // only a tile that reaches the causal limit
+      const int tok_base = tile_tok0 + 2 * q4;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           if (tok_base + 8 * j + (e & 1) >= limit[e >> 1]) s[4 * j + e] = -INFINITY;
     }
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
-    float* red_max = reinterpret_cast<float*>(smem + kSmemMax) + (it & 1) * 2 * kRows;
+    const int slot = t % kSlots;
+    bool moved = false;
+    float bias[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-      if (q4 == 0) red_max[wg * kRows + r_local[i]] = mx[i];
-    }
-    __syncthreads();
-    // Lazy rescaling: the reference maximum m_run moves only when a row's maximum passes it by
-    // more than kRescaleSlack (log2 units), so O is rescaled on few tiles; P then stays below
-    // 2^kRescaleSlack, which the e4m3 scale 2^kLog2PScale leaves room for.
-    float alpha[2], bias[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float m_tile = fmaxf(red_max[r_local[i]], red_max[kRows + r_local[i]]) * p.scale_log2;
-      alpha[i] = 1.f;
-      if (m_tile > m_run[i] + kRescaleSlack) {
-        alpha[i] = exp2f(m_run[i] - m_tile);
-        m_run[i] = m_tile;
-      }
+      // Scores stay unscaled: the scale is positive, so it goes on the maximum and into the
+      // exponent's FMA. Lazy: the reference moves only past kRescaleSlack (log2 units), so P
+      // stays below 2^kRescaleSlack, which the e4m3 scale 2^kLog2PScale leaves room for.
+      const float m_tile = mx[i] * p.scale_log2;
+      const float m_out = m_tile > m_in[i] + kRescaleSlack ? m_tile : m_in[i];
+      const float alpha = m_out == m_in[i] ? 1.f : exp2f(m_in[i] - m_out);
+      l_own[i] *= m_out == m_own[i] ? 1.f : exp2f(m_own[i] - m_out);
+      m_own[i] = m_out;
+      moved |= alpha != 1.f;
       // P = exp2(s * scale - m) * 2^kLog2PScale; a row with nothing visible yet keeps m at 0
-      bias[i] = (m_run[i] == -INFINITY ? 0.f : m_run[i]) - kLog2PScale;
+      bias[i] = (m_out == -INFINITY ? 0.f : m_out) - kLog2PScale;
+      if (q4 == 0) {
+        red_max[slot * kRows + r_local[i]] = m_out;
+        red_alpha[slot * kRows + r_local[i]] = alpha;
+      }
     }
+    if (moved) stamps[slot] = t + 1;
 
-    // P -> e4m3 in shared memory (B operand of O^T += V^T . P^T); row sums. This thread's 8
-    // scores of a row (tokens 32wg + 8j + 2q4 + e) are P columns 32wg + 16(j >> 1) + 4q4 +
-    // 2(j & 1) + e (p_column): two 4-byte stores.
-    float sum[2] = {0.f, 0.f};
+    // P -> e4m3 (B operand of O^T += V^T . P^T); row sums. This thread's 16 scores of a row
+    // (tokens 8j + 2q4 + e) are P columns 16(j >> 1) + 4q4 + 2(j & 1) + e (p_column): four
+    // 4-byte stores.
+    uint8_t* p_tile = p_s + slot * kPBytes;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      float pv[4][2];  // [j][e]
+      float sum = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int h = 0; h < 4; ++h) {
+        float pv[4];  // tokens 16h + 2q4 + {0, 1, 8, 9}
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          pv[j][e] = exp2f(fmaf(s[4 * j + 2 * i + e], p.scale_log2, -bias[i]));
-          sum[i] += pv[j][e];
+        for (int k = 0; k < 4; ++k) {
+          pv[k] = exp2f(fmaf(s[4 * (2 * h + (k >> 1)) + 2 * i + (k & 1)], p.scale_log2, -bias[i]));
+          sum += pv[k];
         }
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(pv[2 * hh][0], pv[2 * hh][1]), __NV_SATFINITE, __NV_E4M3);
-        const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(pv[2 * hh + 1][0], pv[2 * hh + 1][1]), __NV_SATFINITE, __NV_E4M3);
-        const int r = r_local[i], col = p_column(32 * wg + 16 * hh + 2 * q4);
-        *reinterpret_cast<uint32_t*>(p_s + (r >> 3) * 512 + (col >> 4) * 128 + (r & 7) * 16 + (col & 15)) = lo | (hi << 16);
+        const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(pv[0], pv[1]), __NV_SATFINITE, __NV_E4M3);
+        const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(pv[2], pv[3]), __NV_SATFINITE, __NV_E4M3);
+        const int r = r_local[i];
+        *reinterpret_cast<uint32_t*>(p_tile + (r >> 3) * 512 + h * 128 + (r & 7) * 16 + 4 * q4) = lo | (hi << 16);
       }
+      l_own[i] += sum;
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) l_run[i] = l_run[i] * alpha[i] + sum[i];
+    fence_async_shared();  // P is read by wgmma (the async proxy)
+  };
 
-    // O's query rows are the accumulators' columns, spread over other threads: the rescale
-    // factors go through shared memory (both warpgroups computed the same ones).
-    float* red_alpha = reinterpret_cast<float*>(smem + kSmemAlpha);
-    if (wg == 0 && q4 == 0) {
-      red_alpha[r_local[0]] = alpha[0];
-      red_alpha[r_local[1]] = alpha[1];
-    }
-    fence_async_shared();
-    // P of tile `it` from both warpgroups; every thread is done with tile it's stage.
-    const bool rescale = __syncthreads_or(alpha[0] != 1.f || alpha[1] != 1.f);
-    if (tid == 0 && it + kStages < n) {
-      load_tile(it + kStages, next_page);
-      next_page = page_of(it + kStages + 1);
-    }
-    if (rescale) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float2 a = *reinterpret_cast<const float2*>(red_alpha + 8 * j + 2 * q4);
-#pragma unroll
-        for (int mb = 0; mb < 4; ++mb) {
-          o[mb][4 * j + 0] *= a.x;
-          o[mb][4 * j + 1] *= a.y;
-          o[mb][4 * j + 2] *= a.x;
-          o[mb][4 * j + 3] *= a.y;
-        }
-      }
-    }
-
-    // O^T[this warpgroup's 256 dims, 64 rows] += V^T[dims, 64 tokens] . P^T[64 tokens, 64 rows].
-    {
-      const uint32_t p_lo = desc_lo(smem_addr(p_s), 128);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 2; ++kk)
-#pragma unroll
-        for (int mb = 0; mb < 4; ++mb) wgmma_m64n64k32_rs(o[mb], va[kk][mb], make_desc(p_lo + kk * kStepQ, 512), 1);
-      wgmma_commit();
-    }
-    wgmma_wait<0>();
-#pragma unroll
-    for (int mb = 0; mb < 4; ++mb) fence_regs(o[mb]);
-    fence_regs(s_next);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) s[i] = s_next[i];
+  int next_page = 0;  // page of the next tile this thread refills (first thread of each warpgroup)
+  if (tid < kSlots) stamps[tid] = 0;  // no tile has stamped its slot yet
+  if (tid == 0) {
+    for (int t = 0; t < kStages; ++t) mbar_init(bar0 + 8 * t);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
   }
-  wgmma_wait<0>();
+  __syncthreads();
+  if (tid == 0)
+    for (int t = 0; t < kStages && t < n; ++t) load_tile(t, page_of(t));
+  const bool refiller = (tid & 127) == 0;
+  if (refiller) next_page = page_of(kStages + wg);
+  cp_async_wait<0>();
+  fence_async_shared();
+  __syncthreads();  // Q
 
-  // Row sums: the 4 lanes of a row, then both warpgroups.
+  // Tile t is warpgroup (t % 2)'s. Each warpgroup's P.V goes in tile order: the tile before its
+  // own (the other warpgroup's), then its own. The control flow per iteration is straight (the
+  // first and last tiles are peeled): ptxas tracks the wgmma groups in flight only then.
+  // The end of this warpgroup's tile: softmax from m_in, publish, P.V of it.
+  auto finish_own = [&](int own, const float (&m_in)[2]) {
+    softmax(own, m_in);
+    named_barrier_arrive(kBarPublished + wg, 2 * 128);
+    named_barrier_sync(kBarWarpgroup + wg, 128);  // this warpgroup's P and factors, for its P.V
+    wait_pv();                                    // the other tile's P.V
+    load_va(own);
+    rescale_o(own);
+    issue_pv(own);
+    wait_pv();
+  };
+  // The other warpgroup's tile before this one's: wait for it, read its maxima, rescale O.
+  auto take_other = [&](int other, float (&m_in)[2]) {
+    named_barrier_sync(kBarPublished + (1 - wg), 2 * 128);
+    wait_tile(other);  // landed long ago (the other warpgroup waited); this acquires its bytes here too
+#pragma unroll
+    for (int k = 0; k < 2; ++k) m_in[k] = red_max[(other % kSlots) * kRows + r_local[k]];
+    rescale_o(other);
+  };
+  int first = 0;
+  if (wg == 0 && n > 0) {  // tile 0: nothing before it
+    wait_tile(0);
+    issue_qk(0);
+    wgmma_wait<0>();
+    fence_regs(s);
+    const float m_none[2] = {-INFINITY, -INFINITY};
+    finish_own(0, m_none);
+    first = 1;
+  }
+  const int last = wg == 0 ? (n + 1) / 2 : n / 2;  // this warpgroup's tiles are 2i + wg, i < last
+  for (int i = first; i < last; ++i) {
+    const int own = 2 * i + wg, other = own - 1;
+    wait_tile(other);  // landed long ago (the other warpgroup computed its scores)
+    load_va(other);    // needs only the tile, not the other warpgroup's softmax
+    wait_tile(own);
+    issue_qk(own);
+    named_barrier_sync(kBarPublished + (1 - wg), 2 * 128);
+    float m_in[2];
+#pragma unroll
+    for (int k = 0; k < 2; ++k) m_in[k] = red_max[(other % kSlots) * kRows + r_local[k]];
+    // Both warpgroups are past this warpgroup's previous tile (own - 2): refill its stage.
+    if (refiller && i > 0 && own - 2 + kStages < n) {
+      load_tile(own - 2 + kStages, next_page);
+      next_page = page_of(own + kStages);
+    }
+    if (stamps[other % kSlots] == other + 1) {  // rare: O must be rescaled, so the scores must land first
+      wgmma_wait<0>();
+      fence_regs(s);
+      rescale_o(other);
+    }
+    issue_pv(other);
+    wgmma_wait<1>();  // the scores; the other tile's P.V may still run
+    fence_regs(s);
+    finish_own(own, m_in);
+  }
+  if (n > 0 && (n - 1) % 2 != wg) {  // the last tile is the other warpgroup's
+    float m_unused[2];
+    take_other(n - 1, m_unused);
+    load_va(n - 1);
+    issue_pv(n - 1);
+    wait_pv();
+  }
+
+  // Row sums of both warpgroups, each relative to its own last maximum; the reference maxima
+  // only grow along the chain, so the larger one is the final one (O's).
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
-    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
-    if (q4 == 0) red_sum[wg * kRows + r_local[i]] = l_run[i];
+    l_own[i] += __shfl_xor_sync(0xffffffffu, l_own[i], 1);
+    l_own[i] += __shfl_xor_sync(0xffffffffu, l_own[i], 2);
+    if (q4 == 0) {
+      red_sum[wg * kRows + r_local[i]] = l_own[i];
+      red_sum[(2 + wg) * kRows + r_local[i]] = m_own[i];
+    }
+  }
+  __syncthreads();
+  float* l_total = red_sum + 4 * kRows;
+  if (tid < kRows) {
+    const float m0 = red_sum[2 * kRows + tid], m1 = red_sum[3 * kRows + tid], m = fmaxf(m0, m1);
+    const float l0 = red_sum[tid], l1 = red_sum[kRows + tid];
+    const float l = (l0 > 0.f ? l0 * exp2f(m0 - m) : 0.f) + (l1 > 0.f ? l1 * exp2f(m1 - m) : 0.f);
+    l_total[tid] = l;
+    const int row = row0 + tid;
+    if (row < rows_total) {
+      const float lse = l > 0.f ? (m + log2f(l) - kLog2PScale) * kLn2 : -INFINITY;
+      if (p.num_splits > 1)
+        p.part_l[(static_cast<long long>(b) * rows_total + row) * p.num_splits + split] = lse;
+      else
+        p.lse[b * p.l_sb + (row / p.heads) * p.l_ss + (row % p.heads) * p.l_sh] = lse;
+    }
   }
   __syncthreads();
 
-  // LSE, by the threads that own the rows' statistics.
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int row = row0 + r_local[i];
-    if (wg != 0 || q4 != 0 || row >= rows_total) continue;
-    const float l = red_sum[r_local[i]] + red_sum[kRows + r_local[i]];
-    const float lse = l > 0.f ? (m_run[i] + log2f(l) - kLog2PScale) * kLn2 : -INFINITY;
-    if (p.num_splits > 1)
-      p.part_l[(static_cast<long long>(b) * rows_total + row) * p.num_splits + split] = lse;
-    else
-      p.lse[b * p.l_sb + (row / p.heads) * p.l_ss + (row % p.heads) * p.l_sh] = lse;
-  }
   // O: this thread's 8 dims d0..d0+7 of its 16 query rows 8j + 2q4 + c.
 #pragma unroll
   for (int j = 0; j < 8; ++j)
@@ -350,7 +393,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int c = 0; c < 2; ++c) {
       const int n_local = 8 * j + 2 * q4 + c, row = row0 + n_local;
       if (row >= rows_total) continue;
-      const float l = red_sum[n_local] + red_sum[kRows + n_local];
+      const float l = l_total[n_local];
       const float inv = l > 0.f ? 1.f / l : 0.f;  // l sums the scaled P, like O
       float v[8];
 #pragma unroll
