@@ -221,11 +221,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int e = 0; e < 4; ++e)
           if (tok_base + 8 * j + (e & 1) >= limit[e >> 1]) s[4 * j + e] = -INFINITY;
     }
-    float mx[2] = {-INFINITY, -INFINITY};
+    float mx[2];  // a tree, not a chain of 16 dependent maxima
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int i = 0; i < 2; ++i) {
+      float m8[8];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[4 * j + e]);
+      for (int j = 0; j < 8; ++j) m8[j] = fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]);
+#pragma unroll
+      for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+        for (int j = 0; j < w; ++j) m8[j] = fmaxf(m8[j], m8[j + w]);
+      mx[i] = m8[0];
+    }
     const int slot = t % kSlots;
     bool moved = false;
     float bias[2];
@@ -326,10 +333,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int last = wg == 0 ? (n + 1) / 2 : n / 2;  // this warpgroup's tiles are 2i + wg, i < last
   for (int i = first; i < last; ++i) {
     const int own = 2 * i + wg, other = own - 1;
-    wait_tile(other);  // landed long ago (the other warpgroup computed its scores)
-    load_va(other);    // needs only the tile, not the other warpgroup's softmax
     wait_tile(own);
     issue_qk(own);
+    wait_tile(other);  // landed long ago (the other warpgroup computed its scores)
+    load_va(other);    // needs only the tile, not the other warpgroup's softmax
     named_barrier_sync(kBarPublished + (1 - wg), 2 * 128);
     float m_in[2];
 #pragma unroll
