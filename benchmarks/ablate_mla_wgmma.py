@@ -1,5 +1,5 @@
-"""Where a wgmma MLA decode kernel's time goes: time it with one part deleted at a time (Q.K^T
-wgmma, P.V wgmma, the V^T fragment loads, the steady-state tile loads), on the same inputs in one
+"""Where a wgmma MLA decode kernel's time goes: time it with one part cut at a time (Q.K^T
+wgmma, P.V wgmma, the V^T fragment loads), on the same inputs in one
 process, as CUDA-graph replays. The variants compute garbage; only their times mean something.
 On the device:
 
@@ -22,23 +22,25 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import mla_decode_cuda as mdc  # noqa: E402
 
-# Lines deleted per variant (the kernels' own lines, verbatim), per kernel.
+# Edits per variant, per kernel: a kernel line (verbatim) and what replaces it ("" deletes it).
+# Only cuts that leave every register defined: a kernel whose scores are never written faulted
+# on the device (the compiler treats the undefined registers as undefined behaviour), so the
+# 64-row kernel's "noqk" zeroes the scores instead and its "nofrag" uses constant fragments.
+# No cut of the tile loads: a wait for a load never issued would hang.
+_QK = "      wgmma_m64n64k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), desc_k, ks);"
+_PV = "      for (int mb = 0; mb < 4; ++mb) wgmma_m64n64k32_rs(o[mb], va[kk][mb], make_desc(p_lo + kk * kStepQ, 512), 1);"
+_FRAG = "  auto load_va = [&](int t) { load_v_fragments(tile_smem(t), d0, q4, seq_len - (tile_begin + t) * kTile, va); };"
 CUTS = {
     "base": [],
-    "noqk": ["      if (ks < kQRegSteps) wgmma_m64n32k32_rs(s, q_reg[ks], desc_k, ks);",
-             "      if (ks >= kQRegSteps) wgmma_m64n32k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), desc_k, ks);"],
-    "nopv": ["        for (int mb = 0; mb < 4; ++mb) wgmma_m64n64k32_rs(o[mb], va[kk][mb], make_desc(p_lo + kk * kStepQ, 512), 1);"],
-    "nofrag": ["    load_v_fragments(k_s + (it % kStages) * kTileBytes, d0, q4, valid_in(it), va);"],
-    # the steady-state loads and the waits for them (a wait for a load never issued would hang)
-    "noload": ["      load_tile(it + kStages, next_page);", "      wait_tile(it + 1);"],
+    "noqk": [(_QK, "      s[(2 * ks) % 32] = 0.f, s[(2 * ks + 1) % 32] = 0.f;")],
+    "nopv": [(_PV, "")],
+    "nofrag": [(_FRAG, "  auto load_va = [&](int t) { for (auto& k : va) for (auto& m : k) for (auto& r : m) r = 0x38383838u ^ t; };")],
 }
 CUTS["nomma"] = CUTS["noqk"] + CUTS["nopv"]
-# The narrow kernel: only cuts that leave every register defined. Deleting its Q.K^T (scores
-# never written) made the variant fault on the device (unspecified launch failure), and a CTA
-# without its tile waits can exit while TMA still writes its shared memory.
+# The narrow kernel (its Q.K^T cannot be deleted either, for the same reason).
 NARROW_CUTS = {
     "base": [],
-    "nopv": ["        for (int mb = 0; mb < 4; ++mb) wgmma_k32_rs(o[h][mb], va[h][kk][mb], make_desc(p_lo + kk * kStep, 512), 1);"],
+    "nopv": [("        for (int mb = 0; mb < 4; ++mb) wgmma_k32_rs(o[h][mb], va[h][kk][mb], make_desc(p_lo + kk * kStep, 512), 1);", "")],
 }
 KERNEL_CUTS = {"wgmma": (mdc.SOURCES[1], CUTS), "narrow": (mdc.SOURCES[2], NARROW_CUTS)}
 
@@ -46,9 +48,9 @@ KERNEL_CUTS = {"wgmma": (mdc.SOURCES[1], CUTS), "narrow": (mdc.SOURCES[2], NARRO
 def build_variant(kernel: str, name: str, out: Path) -> Path:
     source, cuts = KERNEL_CUTS[kernel]
     src = source.read_text()
-    for line in cuts[name]:
+    for line, replacement in cuts[name]:
         assert line in src, f"{name}: the kernel no longer has {line.strip()!r}"
-        src = src.replace(line, "")
+        src = src.replace(line, replacement)
     d = out / kernel / name
     d.mkdir(parents=True, exist_ok=True)
     (d / source.name).write_text(src)
