@@ -29,10 +29,15 @@
 //   bounds, zero-filled) into wgmma's 128-byte-swizzled K-major layout, an mbarrier per stage
 //   says when they landed. Four stages; tiles of warpgroup w's parity use stages of that parity,
 //   and w's first thread refills them once both warpgroups are past the tile.
-// - Per warpgroup and pair of tiles: scores of its tile issued; wait for the other warpgroup's
-//   P of the tile before, and issue P.V of that one; softmax of its own tile (under those MMAs);
-//   publish; P.V of its own tile. Nothing is in flight across the loop's back edge (accumulators
-//   in flight there make ptxas serialize every wgmma, warning C7514).
+// - Per warpgroup and pair of tiles: the scores of its tile issued; the V^T fragments of the
+//   other warpgroup's tile before it loaded (they need only the tile); wait until that tile is
+//   published, issue its P.V; softmax of its own tile under those MMAs; publish; P.V of its own
+//   tile. Nothing is in flight across the loop's back edge: accumulators in flight there, or
+//   wgmma groups that differ between paths, or O read while the scores are in flight, make
+//   ptxas serialize every wgmma (warning C7514). Fragments built right before their wgmmas get
+//   interleaved with them by ptxas, one commit group each (C7519), and a wait for one group
+//   then waits for most of them: the other tile's, whose P.V runs under the softmax, are loaded
+//   early.
 // - Q and P use wgmma's no-swizzle layout (core matrices of 8 rows x 16 bytes, packed).
 // - Slots past the sequence in a tile's last page are loaded as they are (poisoned slots hold
 //   NaN): their scores are masked to -inf and the fragment loads replace them with zeros, so
@@ -346,7 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       load_tile(own - 2 + kStages, next_page);
       next_page = page_of(own + kStages);
     }
-    if (stamps[other % kSlots] == other + 1) {  // rare: O must be rescaled, so the scores must land first
+    if (stamps[other % kSlots] == other + 1) {  // rare: O is rescaled once the scores have landed
       wgmma_wait<0>();
       fence_regs(s);
       rescale_o(other);
