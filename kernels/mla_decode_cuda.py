@@ -11,8 +11,10 @@ Three kernels; the launch picks by query rows per request (heads per GPU x query
   mma.sync on 16-row groups with FP8 widened to f16 in registers (Hopper has no FP8 mma.sync).
 - ``wgmma`` (``mla_decode_wgmma_sm90a.cu``), 64+ rows (128 heads): compute-bound; FP8 wgmma
   for Q·Kᵀ and P·V (P·V as O^T = V^T·P^T with V^T built in registers: Hopper's FP8 MMAs need
-  both operands K-major), 64 rows and two warpgroups per CTA, cache tiles loaded by TMA (the
-  library encodes the cache's tensor map on each call: host work only, a CUDA graph keeps it).
+  both operands K-major), 64 rows and two warpgroups per CTA that take turns (each computes the
+  scores and softmax of every other tile and publishes P, each accumulates half of the output
+  dims over every tile), cache tiles loaded by TMA (the library encodes the cache's tensor map
+  on each call: host work only, a CUDA graph keeps it).
 
 Build: the sources are compiled with ``nvcc`` (sm_90a) on first use (about 10 s) into a
 per-user cache (``$MLASERVE_KERNEL_CACHE``, default ``~/.cache/mlaserve/kernels``), keyed by a
