@@ -310,6 +310,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto finish_own = [&](int own, const float (&m_in)[2]) {
     softmax(own, m_in);
     named_barrier_arrive(kBarPublished + wg, 2 * 128);
+    // Both warpgroups are past this warpgroup's previous tile (own - 2; the other one published
+    // own - 1): refill its stage, off the chain of softmaxes.
+    if (refiller && own >= 2 && own - 2 + kStages < n) {
+      load_tile(own - 2 + kStages, next_page);
+      next_page = page_of(own + kStages);
+    }
     named_barrier_sync(kBarWarpgroup + wg, 128);  // this warpgroup's P and factors, for its P.V
     wait_pv();                                    // the other tile's P.V
     load_va(own);
@@ -346,11 +352,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     float m_in[2];
 #pragma unroll
     for (int k = 0; k < 2; ++k) m_in[k] = red_max[(other % kSlots) * kRows + r_local[k]];
-    // Both warpgroups are past this warpgroup's previous tile (own - 2): refill its stage.
-    if (refiller && i > 0 && own - 2 + kStages < n) {
-      load_tile(own - 2 + kStages, next_page);
-      next_page = page_of(own + kStages);
-    }
     if (stamps[other % kSlots] == other + 1) {  // rare: O is rescaled once the scores have landed
       wgmma_wait<0>();
       fence_regs(s);
