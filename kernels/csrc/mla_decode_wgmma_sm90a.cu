@@ -323,14 +323,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     issue_pv(own);
     wait_pv();
   };
-  // The other warpgroup's tile before this one's: wait for it, read its maxima, rescale O.
-  auto take_other = [&](int other, float (&m_in)[2]) {
-    named_barrier_sync(kBarPublished + (1 - wg), 2 * 128);
-    wait_tile(other);  // landed long ago (the other warpgroup waited); this acquires its bytes here too
-#pragma unroll
-    for (int k = 0; k < 2; ++k) m_in[k] = red_max[(other % kSlots) * kRows + r_local[k]];
-    rescale_o(other);
-  };
   int first = 0;
   if (wg == 0 && n > 0) {  // tile 0: nothing before it
     wait_tile(0);
@@ -363,9 +355,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     finish_own(own, m_in);
   }
   if (n > 0 && (n - 1) % 2 != wg) {  // the last tile is the other warpgroup's
-    float m_unused[2];
-    take_other(n - 1, m_unused);
+    wait_tile(n - 1);
     load_va(n - 1);
+    named_barrier_sync(kBarPublished + (1 - wg), 2 * 128);
+    rescale_o(n - 1);
     issue_pv(n - 1);
     wait_pv();
   }
