@@ -118,10 +118,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto load_tile = [&](int it, int page) {
     const int stage = it % kStages;
     const uint32_t bar = bar0 + 8 * stage, dst = smem_addr(k_s + stage * kTileBytes);
-    const int row = (tile_begin + it) * kTile % p.page_size;
-    mbar_arm(bar, kTileBytes);
-#pragma unroll
-    for (int i = 0; i < kBoxes; ++i) tma_load_box(dst + i * kBoxSize, &kv_map, i * kBoxBytes, row, page, bar);
+    load_tile_boxes(dst, bar, &kv_map, (tile_begin + it) * kTile % p.page_size, page);
   };
 
   if (tid == 0) {

@@ -135,10 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto load_tile = [&](int t, int page) {  // tile t of this CTA, one thread
     const int stage = t % kStages;
     const uint32_t bar = bar0 + 8 * stage, dst = smem_addr(k_s + stage * kTileBytes);
-    const int row = (tile_begin + t) * kTile % p.page_size;
-    mbar_arm(bar, kTileBytes);
-#pragma unroll
-    for (int i = 0; i < kBoxes; ++i) tma_load_box(dst + i * kBoxSize, &kv_map, i * kBoxBytes, row, page, bar);
+    load_tile_boxes(dst, bar, &kv_map, (tile_begin + t) * kTile % p.page_size, page);
   };
   auto wait_tile = [&](int t) { mbar_wait(bar0 + 8 * (t % kStages), (t / kStages) & 1); };
   auto tile_smem = [&](int t) { return k_s + (t % kStages) * kTileBytes; };

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "mla_decode_common.cuh"
+#include "sm90_async.cuh"
 
 namespace {
 
@@ -37,6 +38,15 @@ constexpr int kQGroupStride = kChunks * 128;
 __device__ __forceinline__ int chunk_row(int i) { return (i / (8 * kChunks)) * 8 + (i & 7); }
 __device__ __forceinline__ int chunk_col(int i) { return (i % (8 * kChunks)) >> 3; }
 __device__ __forceinline__ int chunk_dst(int i) { return (i / (8 * kChunks)) * kQGroupStride + chunk_col(i) * 128 + (i & 7) * 16; }
+
+// One cache tile (token row `row` of page `page`, 64 tokens) into the stage at `dst` as five
+// boxes, completing mbarrier `bar` with the whole tile's bytes (the out-of-bounds half of the
+// fifth box counts too). One thread.
+__device__ __forceinline__ void load_tile_boxes(uint32_t dst, uint32_t bar, const CUtensorMap* map, int row, int page) {
+  mbar_arm(bar, kTileBytes);
+#pragma unroll
+  for (int i = 0; i < kBoxes; ++i) tma_load_box(dst + i * kBoxSize, map, i * kBoxBytes, row, page, bar);
+}
 
 // P.V runs as O^T += V^T . P^T (M = 64 dims per wgmma, N = the query rows, K = 32 tokens),
 // V^T from registers: no transposed copy of V in shared memory. The reduction runs over a
