@@ -131,11 +131,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   cp_async_commit();
 
   const int* bt_row = p.block_tables + b * p.bt_s;
-  auto page_of = [&](int t) { return t < n ? bt_row[(tile_begin + t) * kTile / p.page_size] : 0; };
+  const PagedTiles paged(p.page_size);
+  auto page_of = [&](int t) { return t < n ? bt_row[paged.entry(tile_begin + t)] : 0; };
   auto load_tile = [&](int t, int page) {  // tile t of this CTA, one thread
     const int stage = t % kStages;
     const uint32_t bar = bar0 + 8 * stage, dst = smem_addr(k_s + stage * kTileBytes);
-    load_tile_boxes(dst, bar, &kv_map, (tile_begin + t) * kTile % p.page_size, page);
+    load_tile_boxes(dst, bar, &kv_map, paged.row(tile_begin + t), page);
   };
   auto wait_tile = [&](int t) { mbar_wait(bar0 + 8 * (t % kStages), (t / kStages) & 1); };
   auto tile_smem = [&](int t) { return k_s + (t % kStages) * kTileBytes; };

@@ -29,6 +29,20 @@ constexpr int kBoxBytes = 128;
 constexpr int kBoxes = (kDim + kBoxBytes - 1) / kBoxBytes;  // 5
 constexpr int kBoxSize = kTile * kBoxBytes;                // 8192
 constexpr int kTileBytes = kBoxes * kBoxSize;              // 40960
+// Where a request's tile T lives: block-table entry T / tiles_per_page, token row
+// (T % tiles_per_page) * 64 of that page. Pages of 64 tokens (the usual) or of a power of two of
+// tiles take a shift and a mask: a division by a run-time value goes through the MUFU pipe, where
+// on the refill path it queued behind the softmax's exponentials (~300 cycles per refill).
+struct PagedTiles {
+  int tiles, shift;  // tiles per page; its log2, or -1 when it is not a power of two
+  __device__ explicit PagedTiles(int page_size) : tiles(page_size / kTile), shift(0) {
+    while ((1 << shift) < tiles) ++shift;
+    if ((1 << shift) != tiles) shift = -1;
+  }
+  __device__ int entry(int t) const { return shift >= 0 ? t >> shift : t / tiles; }
+  __device__ int row(int t) const { return (shift >= 0 ? t & (tiles - 1) : t % tiles) * kTile; }
+};
+
 // Q (never transposed, copied by the threads) is packed into wgmma's no-swizzle K-major layout:
 // core matrices of 8 rows x 16 bytes, 128 B apart along K, 4608 B between 8-row groups.
 constexpr int kQGroupStride = kChunks * 128;

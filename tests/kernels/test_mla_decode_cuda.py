@@ -245,6 +245,20 @@ def test_wgmma_kernels_fill_an_out_view_whose_rows_are_not_16_byte_aligned(kerne
 
 @gpu
 @needs_hopper
+@pytest.mark.parametrize("kernel,heads", [("wgmma", 128), ("narrow", 16)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_tma_kernels_page_of_three_tiles(kernel, heads, num_splits):
+    """192-token pages: a tile's page and row take the kernels' division path (page sizes of a
+    power of two of tiles take a shift and a mask)."""
+    q, kv, bt, sl, qs, ks = make_case(3, 1, heads, [700, 65, 1000], FP8, page=192, seed=16, device="cuda")
+    out, lse = mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, kernel=kernel,
+                                   num_splits=num_splits)
+    ref, ref_lse = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
+    assert rel_err(out, ref) < WGMMA_REL_TOL and (lse - ref_lse).abs().max().item() < LSE_TOL
+
+
+@gpu
+@needs_hopper
 def test_page_size_128_and_strided_query():
     bsz, s_q, h, lens = 2, 1, 16, [300, 129]
     q, kv, bt, sl, qs, ks = make_case(bsz, s_q, h, lens, FP8, page=128, seed=9, device="cuda")
