@@ -237,12 +237,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       mx[i] = m8[0];
     }
     const int slot = t % kSlots;
+    // A row's maximum needs its 4 lanes (shuffles, which queue behind the MMAs' shared-memory
+    // traffic) only when it may move the reference: while no score of the warp passes its row's
+    // m_in + kRescaleSlack, every row keeps m_in, whatever its maximum.
+    if (__any_sync(0xffffffffu, mx[0] * p.scale_log2 > m_in[0] + kRescaleSlack ||
+                                    mx[1] * p.scale_log2 > m_in[1] + kRescaleSlack)) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      }
+    }
     bool moved = false;
     float bias[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
       // Scores stay unscaled: the scale is positive, so it goes on the maximum and into the
       // exponent's FMA. Lazy: the reference moves only past kRescaleSlack (log2 units), so P
       // stays below 2^kRescaleSlack, which the e4m3 scale 2^kLog2PScale leaves room for.
