@@ -114,12 +114,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int* bt_row = p.block_tables + b * p.bt_s;
   // Thread 0 issues the first kStages tiles; then each warpgroup's leader refills the stage of the
   // tile it has just read (the page index is read at the top of that iteration).
-  const PagedTiles paged(p.page_size);
-  auto page_of = [&](int it) { return it < n ? bt_row[paged.entry(tile_begin + it)] : 0; };
+  auto page_of = [&](int it) { return it < n ? bt_row[(tile_begin + it) * kTile / p.page_size] : 0; };
   auto load_tile = [&](int it, int page) {
     const int stage = it % kStages;
     const uint32_t bar = bar0 + 8 * stage, dst = smem_addr(k_s + stage * kTileBytes);
-    load_tile_boxes(dst, bar, &kv_map, paged.row(tile_begin + it), page);
+    load_tile_boxes(dst, bar, &kv_map, (tile_begin + it) * kTile % p.page_size, page);
   };
 
   if (tid == 0) {

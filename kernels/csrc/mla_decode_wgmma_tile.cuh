@@ -32,7 +32,9 @@ constexpr int kTileBytes = kBoxes * kBoxSize;              // 40960
 // Where a request's tile T lives: block-table entry T / tiles_per_page, token row
 // (T % tiles_per_page) * 64 of that page. Pages of 64 tokens (the usual) or of a power of two of
 // tiles take a shift and a mask: a division by a run-time value goes through the MUFU pipe, where
-// on the refill path it queued behind the softmax's exponentials (~300 cycles per refill).
+// in the 64-row kernel's refill it queued behind the softmax's exponentials (~300 cycles per
+// refill). The narrow kernel refills before its exponentials and keeps the plain division
+// (measured: 86.2 vs 88.2 us with this at B=128, 16 heads).
 struct PagedTiles {
   int tiles, shift;  // tiles per page; its log2, or -1 when it is not a power of two
   __device__ explicit PagedTiles(int page_size) : tiles(page_size / kTile), shift(0) {
