@@ -102,13 +102,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tile_begin = tiles.begin, n = tiles.end - tiles.begin;  // tiles of this CTA
 
   // Q rows of this CTA (rows past the request are zero), packed for the B operand.
-  for (int c = tid; c < N * kChunks; c += kThreads) {
-    const int row = row0 + chunk_row(c);
-    const bool valid = row < rows_total;
-    const uint8_t* src = p.q;
-    if (valid) src += b * p.q_sb + (row / p.heads) * p.q_ss + (row % p.heads) * p.q_sh + chunk_col(c) * 16;
-    cp_async_16(smem_addr(q_s + chunk_dst(c)), src, valid ? 16 : 0);
-  }
+  for (int c = tid; c < N * kChunks; c += kThreads) copy_q_chunk(p, b, row0, rows_total, q_s, c);
   cp_async_commit();
 
   const int* bt_row = p.block_tables + b * p.bt_s;

@@ -120,14 +120,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // Q rows of this CTA (rows past the request are zero).
 #pragma unroll
-  for (int i = 0; i < kCopies; ++i) {
-    const int c = tid + kThreads * i;
-    const int row = row0 + chunk_row(c);
-    const bool valid = row < rows_total;
-    const uint8_t* src = p.q;
-    if (valid) src += b * p.q_sb + (row / p.heads) * p.q_ss + (row % p.heads) * p.q_sh + chunk_col(c) * 16;
-    cp_async_16(smem_addr(q_s + chunk_dst(c)), src, valid ? 16 : 0);
-  }
+  for (int i = 0; i < kCopies; ++i) copy_q_chunk(p, b, row0, rows_total, q_s, tid + kThreads * i);
   cp_async_commit();
 
   const int* bt_row = p.block_tables + b * p.bt_s;

@@ -54,6 +54,15 @@ constexpr int kQGroupStride = kChunks * 128;
 __device__ __forceinline__ int chunk_row(int i) { return (i / (8 * kChunks)) * 8 + (i & 7); }
 __device__ __forceinline__ int chunk_col(int i) { return (i % (8 * kChunks)) >> 3; }
 __device__ __forceinline__ int chunk_dst(int i) { return (i / (8 * kChunks)) * kQGroupStride + chunk_col(i) * 128 + (i & 7) * 16; }
+// Issues the cp.async of chunk i of the CTA's Q rows (rows from row0 of request b; rows past
+// the request's rows_total are zero-filled) into the packed Q at q_s.
+__device__ __forceinline__ void copy_q_chunk(const Params& p, int b, int row0, int rows_total, uint8_t* q_s, int i) {
+  const int row = row0 + chunk_row(i);
+  const bool valid = row < rows_total;
+  const uint8_t* src = p.q;
+  if (valid) src += b * p.q_sb + (row / p.heads) * p.q_ss + (row % p.heads) * p.q_sh + chunk_col(i) * 16;
+  cp_async_16(smem_addr(q_s + chunk_dst(i)), src, valid ? 16 : 0);
+}
 
 // One cache tile (token row `row` of page `page`, 64 tokens) into the stage at `dst` as five
 // boxes, completing mbarrier `bar` with the whole tile's bytes (the out-of-bounds half of the
