@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from server.admission import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit, check_text
 from server.errors import EngineDeadError, InvalidRequestError
 from server.openai_serving import APIError, OpenAIServer, error_body, error_response
 from server.protocol import (
@@ -91,7 +92,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_req: Request, exc: InvalidRequestError):
-        return error_response(400, str(exc))
+        return error_response(400, str(exc), getattr(exc, "param", None))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):
@@ -175,7 +176,7 @@ async def _log_stats_forever(engine, interval: float) -> None:
 
 
 def build_app(engine, *, api_key: str | None = None, log_requests: bool = False,
-              log_stats: bool = False) -> FastAPI:
+              log_stats: bool = False, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The FastAPI app for ``engine`` (anything with the AsyncEngine interface)."""
     srv = OpenAIServer(engine, log_requests=log_requests)
 
@@ -189,7 +190,8 @@ def build_app(engine, *, api_key: str | None = None, log_requests: bool = False,
     app = FastAPI(title="mlaserve", version=_version(), lifespan=lifespan)
     app.state.server = srv
     _install_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    if api_key:  # outside the body limit: an unauthenticated client's body is never read
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
     app.add_middleware(_InternalErrorMiddleware)  # added last: outermost
 
@@ -228,6 +230,7 @@ def build_app(engine, *, api_key: str | None = None, log_requests: bool = False,
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of `prompt` or `messages`.", "prompt")
         if body.prompt is not None:
+            check_text(body.prompt, "prompt")
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = srv.tokenizer.encode(body.prompt, add_special_tokens=add_special)
         else:
@@ -269,7 +272,8 @@ async def _stop_when_engine_dies(engine, server) -> None:
 
 
 async def run_server(config, host: str, port: int, api_key: str | None = None, *,
-                     uvicorn_log_level: str = "info", log_requests: bool = False, log_stats: bool = True) -> int:
+                     uvicorn_log_level: str = "info", log_requests: bool = False, log_stats: bool = True,
+                     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> int:
     """Start the engine, serve HTTP until interrupted or the engine dies; the exit code."""
     import uvicorn
 
@@ -277,7 +281,8 @@ async def run_server(config, host: str, port: int, api_key: str | None = None, *
 
     engine = await AsyncEngine.start(config)
     try:
-        app = build_app(engine, api_key=api_key, log_requests=log_requests, log_stats=log_stats)
+        app = build_app(engine, api_key=api_key, log_requests=log_requests, log_stats=log_stats,
+                        max_request_body_bytes=max_request_body_bytes)
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level))
         watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
         logger.info("serving %s on http://%s:%d", engine.served_model_name, host, port)

@@ -322,7 +322,8 @@ class AsyncEngine:
         return total
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len,
+                         self.engine_config.max_logprobs)
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None

@@ -174,6 +174,7 @@ class ServeArgs:
     uvicorn_log_level: str = "info"
     log_requests: bool = False
     log_stats: bool = True
+    max_request_body_bytes: int = 8 * 1024 * 1024
     notes: list[str] = field(default_factory=list)  # flags accepted that do not apply here
 
 
@@ -184,7 +185,7 @@ _ENGINE_FIELDS = (
     "async_scheduling", "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override",
     "swap_space", "enforce_eager", "max_cudagraph_capture_size", "attention_backend",
     "tensor_parallel_size", "data_parallel_size", "enable_expert_parallel", "nnodes", "node_rank",
-    "master_addr", "master_port", "trust_remote_code", "tp_reduction",
+    "master_addr", "master_port", "trust_remote_code", "tp_reduction", "max_logprobs",
 )
 
 
@@ -221,6 +222,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="(request logging is already off by default)")
     g.add_argument("--disable-log-stats", action="store_true", default=False,
                    help="no periodic throughput / queue / KV usage log line")
+    g.add_argument("--max-request-body-bytes", type=_human_int, default=8 * 1024 * 1024,
+                   help="a larger request body is refused (413) before it is parsed (default 8M)")
+    g.add_argument("--max-logprobs", type=int, default=None,
+                   help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for (default 20)")
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true", default=None,
                    help="(/tokenizer_info is always on)")
     g = p.add_argument_group("model")
@@ -344,7 +349,8 @@ def serve_args_from_namespace(ns: argparse.Namespace) -> ServeArgs:
     api_key = ns.api_key or next((os.environ[v] for v in API_KEY_ENV_VARS if os.environ.get(v)), None)
     return ServeArgs(engine_config=config, host=ns.host, port=ns.port, api_key=api_key,
                      uvicorn_log_level=ns.uvicorn_log_level, log_requests=ns.enable_log_requests,
-                     log_stats=not ns.disable_log_stats, notes=notes)
+                     log_stats=not ns.disable_log_stats, max_request_body_bytes=ns.max_request_body_bytes,
+                     notes=notes)
 
 
 def run_serve(args: ServeArgs) -> int:
@@ -369,7 +375,8 @@ def run_serve(args: ServeArgs) -> int:
     try:
         return asyncio.run(run_server(args.engine_config, args.host, args.port, args.api_key,
                                       uvicorn_log_level=args.uvicorn_log_level, log_requests=args.log_requests,
-                                      log_stats=args.log_stats))
+                                      log_stats=args.log_stats,
+                                      max_request_body_bytes=args.max_request_body_bytes))
     except (ConfigError, TokenizerLoadError, EngineStartupError) as exc:
         # A bad checkpoint or a failed start: one line naming the cause, no traceback wall.
         print(f"error: {exc}", file=sys.stderr)

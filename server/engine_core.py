@@ -22,7 +22,7 @@ from server.errors import InvalidRequestError
 from server.kv_cache import BlockManager
 from server.outputs import TokenLogprob
 from server.runner import ModelRunner, PendingStep, StepResult, determine_num_blocks
-from server.sampling_params import SamplingParams
+from server.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.scheduler import Scheduler, SchedulerOutput
 from server.sequence import Sequence
 from server.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -84,7 +84,7 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
-                     max_model_len: int) -> None:
+                     max_model_len: int, max_logprobs: int = MAX_LOGPROBS) -> None:
     """Raise InvalidRequestError for a request the engine can never serve (the API process
     checks this before sending; the engine checks again)."""
     if not prompt_token_ids:
@@ -92,7 +92,7 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     for t in prompt_token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab_size:
             raise InvalidRequestError(f"Token id {t} is out of vocabulary (vocab size {vocab_size}).")
-    params.validate()
+    params.validate(max_logprobs)
     for t in params.logit_bias or ():
         if t >= vocab_size:
             raise InvalidRequestError(f"logit_bias token id {t} is out of vocabulary (vocab size {vocab_size}).")
@@ -196,7 +196,7 @@ class EngineCore:
         return self.model_config.vocab_size
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.config.max_logprobs)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:

@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from server.admission import AdmissionLimits, check_chat, check_completion, check_messages
 from server.errors import EngineDeadError, InvalidRequestError
 from server.metrics import ServerMetrics
 from server.outputs import RequestOutput, TokenLogprob
@@ -26,7 +27,7 @@ from server.protocol import (
     ChatLogProb, ChatLogProbsContent, ChatMessage, ChatResponseMessage, CompletionLogProbs, CompletionRequest,
     CompletionResponse, CompletionResponseChoice, ErrorInfo, ErrorResponse, SamplingFields, UsageInfo, random_id,
 )
-from server.sampling_params import MAX_LOGPROBS, SamplingParams
+from server.sampling_params import SamplingParams
 from server.streaming import ChatStreamFormatter, CompletionStreamFormatter, StreamFormatter
 
 logger = logging.getLogger(__name__)
@@ -219,6 +220,7 @@ class OpenAIServer:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.metrics = ServerMetrics(engine.stats, first)
+        self.limits = AdmissionLimits.for_engine(engine)
 
     # -- validation helpers
 
@@ -302,6 +304,7 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, raw: Request):
         model = self.check_model(body.model)
+        check_completion(body, self.limits)
         self.check_stream_options(body)
         if body.suffix:
             raise APIError(400, "suffix is not supported by this server.", "suffix")
@@ -393,6 +396,7 @@ class OpenAIServer:
                     add_special_tokens: bool) -> tuple[str, list[int]]:
         if not messages:
             raise APIError(400, "messages must contain at least one message.", "messages")
+        check_messages(messages)
         if not self.tokenizer.chat_template:
             raise APIError(400, "This model's tokenizer has no chat template; use /v1/completions.", "messages")
         conv = []
@@ -419,14 +423,9 @@ class OpenAIServer:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         model = self.check_model(body.model)
+        check_chat(body, self.limits)
         self.check_stream_options(body)
         top = None
-        if body.top_logprobs is not None:
-            if not body.logprobs:
-                raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
-            if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-                raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got "
-                                    f"{body.top_logprobs}.", "top_logprobs")
         if body.logprobs:
             top = body.top_logprobs or 0
         text, ids = self.chat_prompt(body.messages, body.add_generation_prompt, body.add_special_tokens)

@@ -69,6 +69,7 @@ class SamplingFields(OpenAIBaseModel):
 
     model: str | None = None
     n: int = 1
+    best_of: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
