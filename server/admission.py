@@ -36,7 +36,7 @@ class AdmissionLimits:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
 
     @classmethod
-    def for_engine(cls, engine) -> "AdmissionLimits":
+    def for_engine(cls, engine) -> AdmissionLimits:
         cfg = engine.engine_config
         return cls(max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
                    max_num_seqs=cfg.max_num_seqs, max_logprobs=getattr(cfg, "max_logprobs", DEFAULT_MAX_LOGPROBS))
@@ -151,6 +151,8 @@ def check_completion(req, limits: AdmissionLimits) -> None:
         _bad("prompt", "The prompt is empty.")
     for p in items:
         if isinstance(p, str):
+            if not p:
+                _bad("prompt", "The prompt is empty: give at least one character or token.")
             check_text(p, "prompt")
         elif len(p) > limits.max_model_len:
             _bad("prompt", f"This model's maximum context length is {limits.max_model_len} tokens. However, "

@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 STATS_LOG_INTERVAL_S = 10.0
 ENGINE_WATCH_INTERVAL_S = 1.0
+GRACEFUL_SHUTDOWN_S = 3
 
 
 def _version() -> str:
@@ -211,8 +212,9 @@ def build_app(engine, *, api_key: str | None = None, log_requests: bool = False,
 
     @app.get("/health")
     async def health():
-        if not engine.is_healthy:
-            return error_response(503, "The engine is not running.")
+        problem = engine.health_problem()
+        if problem is not None:
+            return error_response(503, problem)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -283,7 +285,9 @@ async def run_server(config, host: str, port: int, api_key: str | None = None, *
     try:
         app = build_app(engine, api_key=api_key, log_requests=log_requests, log_stats=log_stats,
                         max_request_body_bytes=max_request_body_bytes)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level))
+        # A bounded graceful shutdown: SIGTERM / SIGINT end the whole server within seconds, busy or not.
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
+                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
         logger.info("serving %s on http://%s:%d", engine.served_model_name, host, port)
         await server.serve()

@@ -9,6 +9,16 @@ msgpack messages (no pickle on the per-request path, so nothing received is ever
 
 If the engine process dies, every in-flight request fails with EngineDeadError and
 ``is_healthy`` turns False (the HTTP layer answers /health with 503 and exits).
+
+Liveness, both ways:
+
+* the engine loop stamps a shared-memory heartbeat every iteration; while there is work and
+  the stamp is older than ``MLASERVE_ENGINE_ITERATION_TIMEOUT_S`` (default 60 s, vLLM's
+  VLLM_ENGINE_ITERATION_TIMEOUT_S), ``health_problem()`` names the stall (/health: 503);
+* the engine process kills itself within ~1 s once the API process is gone (a watchdog
+  thread on its parent pid; its TP workers watch it the same way), so nothing outlives a
+  front end that was SIGKILLed; a clean shutdown that takes longer than
+  ``SHUTDOWN_GRACE_S`` ends it with SIGKILL.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -35,6 +46,11 @@ from server.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = float(os.environ.get("MLASERVE_ENGINE_STARTUP_TIMEOUT", "600"))
+ITERATION_TIMEOUT_S = float(os.environ.get("MLASERVE_ENGINE_ITERATION_TIMEOUT_S", "60"))
+SHUTDOWN_GRACE_S = 4.0
+PARENT_WATCH_INTERVAL_S = 0.5
+# Test hook: the engine loop sleeps this long once, in its first iteration with work.
+TEST_STALL_S = float(os.environ.get("MLASERVE_TEST_ENGINE_STALL_S", "0"))
 
 
 # ---- message encoding (plain lists/dicts only) ------------------------------------------------
@@ -79,9 +95,25 @@ def _unpack(data: bytes):
 
 
 # ---- the engine process -----------------------------------------------------------------------
-def _engine_main(config: EngineConfig, model_dir: str, conn, dp_rank: int = 0) -> None:
+def _exit_with_parent(parent_pid: int) -> None:
+    """Kill this process (and so, through their own watchdogs, its TP workers) as soon as the
+    API process that started it is gone, whatever the main thread is doing."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_WATCH_INTERVAL_S)
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _engine_main(config: EngineConfig, model_dir: str, conn, dp_rank: int = 0, heartbeat=None,
+                 parent_pid: int | None = None) -> None:
     """Entry point of an engine process: build the core, then serve the pipe until shutdown."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine{dp_rank} %(levelname)s %(message)s")
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
     _limit_cpu_threads(config)
     try:
         from server.engine_core import EngineCore
@@ -93,8 +125,15 @@ def _engine_main(config: EngineConfig, model_dir: str, conn, dp_rank: int = 0) -
     conn.send_bytes(_pack(["ready", {"max_model_len": core.max_model_len, **core.stats()}]))
     last_stats = 0.0
     stop = False
+    stall_s = TEST_STALL_S
     while True:
+        if heartbeat is not None:
+            heartbeat.value = time.monotonic()
         busy = core.has_unfinished()
+        if busy and stall_s > 0:
+            logger.warning("test hook: stalling the engine loop for %.1f s", stall_s)
+            time.sleep(stall_s)
+            stall_s = 0.0
         if conn.poll(0 if busy else (0.005 if core.dp_sync else 1.0)):
             stop = _drain_messages(core, conn) or stop
         if core.dp_sync is not None:
@@ -181,8 +220,9 @@ def served_name_for(model_arg: str | None, model_dir: str) -> str:
 class _EngineProcess:
     """One engine process (one per DP rank) and the pipe to it."""
 
-    def __init__(self, dp_rank: int, proc, conn) -> None:
+    def __init__(self, dp_rank: int, proc, conn, heartbeat) -> None:
         self.dp_rank, self.proc, self.conn = dp_rank, proc, conn
+        self.heartbeat = heartbeat  # time.monotonic() of the loop's latest iteration (shared memory)
         self.stats: dict = {}
         self.inflight: set[str] = set()
         self.lock = threading.Lock()
@@ -227,14 +267,22 @@ class AsyncEngine:
                 from distributed.launcher import find_free_port
 
                 config = dataclasses.replace(config, master_port=find_free_port(config.master_addr))
+        from server.engine_core import resolve_max_model_len
+
+        try:  # here, before any process starts: a TP worker would print a traceback of its own
+            resolve_max_model_len(config, self.model_config)
+        except ValueError as exc:
+            raise EngineStartupError(str(exc)) from None
         ctx = mp.get_context("spawn")
         for dp_rank in range(config.data_parallel_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_engine_main, args=(config, self.model_dir, child, dp_rank),
+            heartbeat = ctx.RawValue("d", time.monotonic())
+            proc = ctx.Process(target=_engine_main,
+                               args=(config, self.model_dir, child, dp_rank, heartbeat, os.getpid()),
                                name=f"mlaserve-engine-{dp_rank}", daemon=False)  # it spawns TP workers
             proc.start()
             child.close()
-            self._engines.append(_EngineProcess(dp_rank, proc, parent))
+            self._engines.append(_EngineProcess(dp_rank, proc, parent, heartbeat))
         try:
             infos = [self._await_ready(e) for e in self._engines]
         except BaseException:
@@ -309,6 +357,20 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self._dead is None and bool(self._engines) and all(e.proc.is_alive() for e in self._engines)
 
+    def health_problem(self) -> str | None:
+        """None while the engine serves; else why not: it died, or it has work and its loop has
+        not completed an iteration within ITERATION_TIMEOUT_S."""
+        if not self.is_healthy:
+            return self._dead or "the engine process is not running"
+        now = time.monotonic()
+        for e in self._engines:
+            busy = bool(e.inflight) or e.stats.get("num_running", 0) or e.stats.get("num_waiting", 0)
+            age = now - e.heartbeat.value
+            if busy and age > ITERATION_TIMEOUT_S:
+                return (f"engine {e.dp_rank} has work but its loop has not completed an iteration for {age:.0f} s "
+                        f"(limit {ITERATION_TIMEOUT_S:g} s, MLASERVE_ENGINE_ITERATION_TIMEOUT_S)")
+        return None
+
     def stats(self) -> dict:
         keys = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prompt_tokens_total",
                 "generation_tokens_total", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
@@ -381,7 +443,11 @@ class AsyncEngine:
             except (OSError, ValueError):
                 pass
         loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for e in self._engines:
-            await loop.run_in_executor(None, e.proc.join, 15)
+            await loop.run_in_executor(None, e.proc.join, max(0.0, deadline - time.monotonic()))
             if e.proc.is_alive():
-                e.proc.kill()
+                logger.warning("engine process %d did not stop within %.0f s; killing it", e.dp_rank,
+                               SHUTDOWN_GRACE_S)
+                e.proc.kill()  # its TP workers follow it (they watch their parent)
+                await loop.run_in_executor(None, e.proc.join, 2.0)
