@@ -70,11 +70,11 @@ def delta_to_wire(d: RequestDelta) -> list:
     seqs = [[s.index, s.text, s.token_ids, None if s.logprobs is None else [_lp_to_wire(x) for x in s.logprobs],
              s.finish_reason, s.stop_reason] for s in d.seqs]
     plp = None if d.prompt_logprobs is None else [_lp_to_wire(x) for x in d.prompt_logprobs]
-    return [d.request_id, seqs, d.finished, plp, d.num_cached_tokens, d.error]
+    return [d.request_id, seqs, d.finished, plp, d.num_cached_tokens, d.error, d.queue_time]
 
 
 def delta_from_wire(w) -> RequestDelta:
-    rid, seqs, finished, plp, cached, error = w
+    rid, seqs, finished, plp, cached, error, queue_time = w
     return RequestDelta(
         rid,
         [SeqDelta(i, t, list(ids), None if lps is None else [_lp_from_wire(x) for x in lps], fr, sr)
@@ -83,6 +83,7 @@ def delta_from_wire(w) -> RequestDelta:
         None if plp is None else [_lp_from_wire(x) for x in plp],
         cached,
         error,
+        queue_time,
     )
 
 
@@ -114,6 +115,8 @@ def _engine_main(config: EngineConfig, model_dir: str, conn, dp_rank: int = 0, h
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine{dp_rank} %(levelname)s %(message)s")
     if parent_pid is not None:
         _exit_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group: the API process handles it and stops this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _limit_cpu_threads(config)
     try:
         from server.engine_core import EngineCore

@@ -50,6 +50,7 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, complete
     num_cached_tokens: int = 0
     error: str | None = None
+    queue_time: float | None = None  # seconds from add_request to first scheduling; sent once
 
 
 @dataclass
@@ -62,6 +63,9 @@ class _RequestState:
     prompt_logprobs: list[TokenLogprob | None] | None
     prompt_logprobs_sent: bool = False
     num_unfinished: int = 0
+    arrival: float = 0.0
+    queue_time: float | None = None
+    queue_time_sent: bool = False
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
@@ -223,7 +227,8 @@ class EngineCore:
         ]
         plp = [None] + [None] * (len(prompt_token_ids) - 1) if params.prompt_logprobs is not None else None
         self._requests[request_id] = _RequestState(
-            request_id, list(prompt_token_ids), params, seqs, detoks, plp, num_unfinished=len(seqs)
+            request_id, list(prompt_token_ids), params, seqs, detoks, plp, num_unfinished=len(seqs),
+            arrival=time.monotonic(),
         )
         self.prompt_tokens_total += len(prompt_token_ids)
 
@@ -252,10 +257,19 @@ class EngineCore:
         self.runner.step_profiler.end_engine_step(time.perf_counter() - t0)
         return deltas
 
+    def _note_first_scheduling(self, out: SchedulerOutput) -> None:
+        now = None
+        for entry in out.scheduled:
+            state = self._requests.get(entry.seq.request_id)
+            if state is not None and state.queue_time is None:
+                now = now or time.monotonic()
+                state.queue_time = now - state.arrival
+
     def _step(self) -> list[RequestDelta]:
         deltas, self._aborted = self._aborted, []
         if not self.config.async_scheduling:
             out = self.scheduler.schedule()
+            self._note_first_scheduling(out)
             self.ran_model = not out.is_empty
             result = self.runner.execute(out)  # an empty output just drops finished seqs' state
             return deltas + self._process(out, result) if not out.is_empty else deltas
@@ -264,6 +278,7 @@ class EngineCore:
         # with N+1) and apply them while N+1 runs. Steps that need host-side token history run
         # synchronously instead (ModelRunner.can_overlap).
         out = self.scheduler.schedule()
+        self._note_first_scheduling(out)
         self.ran_model = not out.is_empty
         prev = self._pending
         step = self.runner.launch(out, prev[1] if prev is not None else None)
@@ -281,6 +296,8 @@ class EngineCore:
                 d = touched[state.request_id] = RequestDelta(
                     state.request_id, [], num_cached_tokens=state.seqs[0].num_cached_tokens
                 )
+                if state.queue_time is not None and not state.queue_time_sent:
+                    d.queue_time, state.queue_time_sent = state.queue_time, True
             return d
 
         for seq_id, (first, entries) in result.prompt_logprobs.items():

@@ -83,6 +83,7 @@ class EngineRequest:
         except StopAsyncIteration:
             self.finished = True
             return None
+        self._timer.on_queue_time(out.queue_time)
         total = sum(len(o.token_ids) for o in out.outputs)
         self._timer.on_tokens(total - self._num_tokens)
         self._num_tokens = total

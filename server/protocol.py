@@ -95,6 +95,11 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"prompt": "1+2=", "max_tokens": 4, "temperature": 0},
+        {"prompt": [[1, 2, 3]], "max_tokens": 2, "n": 2, "logprobs": 1, "echo": True},
+    ]})
+
     prompt: Prompt
     max_tokens: int | None = 16
     echo: bool | None = False
@@ -152,6 +157,11 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "1+2="}], "max_completion_tokens": 4, "logprobs": True,
+         "top_logprobs": 2},
+    ]})
+
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -259,6 +269,8 @@ class TokenizeResponse(OpenAIBaseModel):
 
 
 class DetokenizeRequest(OpenAIBaseModel):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [{"tokens": [1, 2, 3]}]})
+
     model: str | None = None
     tokens: list[int]
 
