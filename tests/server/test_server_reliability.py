@@ -41,13 +41,15 @@ def server():
         yield url, proc
 
 
-def metric(url: str, name: str, **labels) -> float:
-    """The sum of a /metrics series' samples that carry ``labels``."""
+def metric(url: str, name: str, default: float | None = None, **labels) -> float:
+    """The sum of a /metrics series' samples that carry ``labels`` (``default`` when none does)."""
     total, found = 0.0, False
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
         m = re.match(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", line)
         if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
             total, found = total + float(m.group(2)), True
+    if not found and default is not None:
+        return default
     assert found, f"{name} {labels} not in /metrics"
     return total
 
@@ -156,8 +158,8 @@ def test_schemathesis_finds_no_server_error(server, tmp_path):
 
 def test_hung_up_clients_are_aborted_and_free_their_blocks(server):
     url, _ = server
-    aborted_before = metric(url, "vllm:request_success", finished_reason="abort")
-    tokens_before = metric(url, "vllm:generation_tokens")
+    aborted_before = metric(url, "vllm:request_success_total", 0.0, finished_reason="abort")
+    tokens_before = metric(url, "vllm:generation_tokens_total")
     body = {"prompt": "1+2=", "max_tokens": 120, "n": 4, "ignore_eos": True}
     num_clients, per_request = 48, 4 * 120
 
@@ -181,8 +183,8 @@ def test_hung_up_clients_are_aborted_and_free_their_blocks(server):
         time.sleep(0.2)
     # Aborted, not finished: each of the 4 sequences of every request counted as "abort", and
     # far fewer tokens generated than the requests asked for.
-    assert metric(url, "vllm:request_success", finished_reason="abort") - aborted_before == 4 * num_clients
-    assert metric(url, "vllm:generation_tokens") - tokens_before < 0.8 * num_clients * per_request
+    assert metric(url, "vllm:request_success_total", 0.0, finished_reason="abort") - aborted_before == 4 * num_clients
+    assert metric(url, "vllm:generation_tokens_total") - tokens_before < 0.8 * num_clients * per_request
     assert_serves(url)
 
 
@@ -192,9 +194,9 @@ def test_hung_up_clients_are_aborted_and_free_their_blocks(server):
 def test_2000_concurrent_requests_all_complete_once(server):
     url, _ = server
     num = 2000
-    success_before = metric(url, "vllm:request_success")
+    success_before = metric(url, "vllm:request_success_total")
     queued_before = metric(url, "vllm:request_queue_time_seconds_count")
-    prompt_tokens_before = metric(url, "vllm:prompt_tokens")
+    prompt_tokens_before = metric(url, "vllm:prompt_tokens_total")
 
     async def one(c: httpx.AsyncClient, i: int) -> tuple[int, str, int]:
         body = {"prompt": f"{i}+{i % 7}=", "max_tokens": 1 + i % 2, "temperature": 0, "ignore_eos": True}
@@ -229,12 +231,12 @@ def test_2000_concurrent_requests_all_complete_once(server):
     assert len({rid for _, rid, _ in results}) == num  # one response per request, none shared
     assert all(tokens == 1 + i % 2 for i, _, tokens in results if i % 2)
     # The engine saw each request exactly once.
-    assert metric(url, "vllm:request_success") - success_before == num
+    assert metric(url, "vllm:request_success_total") - success_before == num
     assert metric(url, "vllm:request_queue_time_seconds_count") - queued_before == num
     assert metric(url, "vllm:request_queue_time_seconds_sum") > 0
     tok = Tokenizer.from_pretrained(bundled_model_dir())
     expected_prompt_tokens = sum(len(tok.encode(f"{i}+{i % 7}=")) for i in range(num))
-    assert metric(url, "vllm:prompt_tokens") - prompt_tokens_before == expected_prompt_tokens
+    assert metric(url, "vllm:prompt_tokens_total") - prompt_tokens_before == expected_prompt_tokens
     print(f"2,000 requests in {elapsed:.1f} s")
     assert_serves(url)
 
