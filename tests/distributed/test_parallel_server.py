@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from model.checkpoint import write_random_checkpoint
-from tests.server.live_server import live_server_process
+from tests.server.live_server import descendants, listening_sockets, live_server_process
 
 pytestmark = pytest.mark.slow
 
@@ -77,10 +77,22 @@ def ckpt_and_ref(request, tmp_path_factory):
     return path, ref
 
 
+def _assert_internal_sockets_on_loopback(url: str, server_pid: int) -> None:
+    """The HTTP port is the only socket bound to --host (here loopback too); every other
+    listener (the TCP store, gloo's pairs) is on --master-addr (127.0.0.1), never a wildcard."""
+    pids = [server_pid] + descendants(server_pid)
+    found = listening_sockets(pids)
+    http_port = int(url.rsplit(":", 1)[1])
+    assert [(pid, port) for pid, _, port in found if port == http_port] == [(server_pid, http_port)]
+    assert len(found) > 1, "a TP2 server with no internal listener?"
+    assert all(addr == "127.0.0.1" for _, addr, _ in found), found
+
+
 def test_tp2_reduce_scatter_and_all_reduce_match_tp1(ckpt_and_ref):
     path, ref = ckpt_and_ref
-    with serve(path, "--tensor-parallel-size", "2") as (url, _):
+    with serve(path, "--tensor-parallel-size", "2") as (url, proc):
         rs = _query(url)
+        _assert_internal_sockets_on_loopback(url, proc.pid)
     with serve(path, "-tp", "2", "--tp-reduction", "all_reduce") as (url, _):
         ar = _query(url)
     _assert_same(rs, ref)

@@ -68,3 +68,14 @@ def test_wrong_shape(good, tmp_path):
     tensors[name] = tensors[name][:, :-1].contiguous()
     save_file(tensors, str(shard))
     _assert_one_line_error(_serve(str(bad)), name)
+
+
+def test_r1_launch_line_on_the_bundled_model_is_one_line():
+    """vLLM's R1 launch line (-tp 8, --max-model-len 10240) on the bundled model (limit 512):
+    refused before any engine or TP worker starts, one line, no traceback per worker."""
+    from tests.distributed.test_parallel_server import SEED_LAUNCH_LINE
+
+    proc = subprocess.run([sys.executable, "-m", "server", "serve", *SEED_LAUNCH_LINE, "--device", "cpu",
+                           "--port", "0"], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    _assert_one_line_error(proc, "--max-model-len: 10240 exceeds the model's max_position_embeddings (512)")
+    assert "worker" not in proc.stderr.lower()

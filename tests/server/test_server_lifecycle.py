@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests.server.live_server import live_server_process
+from tests.server.live_server import descendants, live_server_process
 
 pytestmark = pytest.mark.slow
 
@@ -24,23 +25,9 @@ SERVE = ("--device", "cpu", "--max-model-len", "128", "--max-num-seqs", "8", "--
 EXIT_BOUND_S = 10.0
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children, their children, ...), from /proc."""
-    parent_of: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    found, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        kids = [c for c, pp in parent_of.items() if pp == p]
-        found += kids
-        frontier += kids
-    return found
+def cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline") as f:
+        return f.read()
 
 
 def running(pid: int) -> bool:
@@ -128,13 +115,12 @@ def test_no_process_outlives_the_server(sig, engine_state):
 
 
 def test_killed_engine_makes_the_server_exit_nonzero():
-    with live_server_process(*SERVE, may_exit=True) as (url, proc):
-        engine = [p for p in descendants(proc.pid)
-                  if "resource_tracker" not in open(f"/proc/{p}/cmdline").read()][0]
+    with live_server_process(*SERVE, may_exit=True) as (_, proc):
+        engine = next(p for p in descendants(proc.pid) if "resource_tracker" not in cmdline(p))
         os.kill(engine, signal.SIGKILL)
         try:
             proc.wait(EXIT_BOUND_S)
-        except Exception:
+        except subprocess.TimeoutExpired:
             pytest.fail("the server did not exit within 10 s of its engine's death")
         assert proc.returncode != 0
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import subprocess
 import sys
@@ -24,8 +23,7 @@ import pytest
 
 from server.llm import bundled_model_dir
 from server.tokenizer import Tokenizer
-from tests.server.live_server import live_server_process
-from tests.server.test_server_lifecycle import descendants
+from tests.server.live_server import descendants, listening_sockets, live_server_process
 
 pytestmark = pytest.mark.slow
 
@@ -136,8 +134,8 @@ def test_hostile_request_is_a_quick_4xx(server, name, path, body, status, param)
 
 # ----------------------------------------------------------------------------- schemathesis
 
-SCHEMATHESIS = [sys.executable, "-c", "import sys; from schemathesis.cli import schemathesis; "
-                "sys.argv[0] = 'schemathesis'; schemathesis()"]
+SCHEMATHESIS = [sys.executable, "-c", ("import sys; from schemathesis.cli import schemathesis; "
+                                        "sys.argv[0] = 'schemathesis'; schemathesis()")]
 
 
 def test_schemathesis_finds_no_server_error(server, tmp_path):
@@ -146,7 +144,7 @@ def test_schemathesis_finds_no_server_error(server, tmp_path):
            "--phases", "examples,coverage,fuzzing", "--seed", "18", "--max-examples", "20",
            "--request-timeout", "5", "--no-shrink", "--suppress-health-check", "all",
            "--report", "junit", "--report-dir", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert re.search(r"\d+ generated, \d+ passed", r.stdout), r.stdout[-3000:]
     assert "Fuzzing" in r.stdout and "Coverage" in r.stdout
@@ -244,52 +242,10 @@ def test_2000_concurrent_requests_all_complete_once(server):
 # ----------------------------------------------------------------------------- sockets
 
 
-def _listening_inodes() -> dict[int, tuple[str, int]]:
-    """{socket inode: (address, port)} of every listening TCP socket on this host."""
-    out = {}
-    for path, family in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 6)):
-        try:
-            lines = open(path).read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if f[3] != "0A":  # TCP_LISTEN
-                continue
-            addr_hex, port_hex = f[1].split(":")
-            raw = bytes.fromhex(addr_hex)
-            if family == 4:
-                addr = ".".join(str(b) for b in raw[::-1])
-            else:
-                import ipaddress
-
-                words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
-                addr = str(ipaddress.IPv6Address(words))
-            out[int(f[9])] = (addr, int(port_hex, 16))
-    return out
-
-
-def _socket_inodes(pid: int) -> set[int]:
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(int(target[8:-1]))
-    return inodes
-
-
 def test_only_the_http_port_listens_and_only_on_host(server):
     url, proc = server
     port = int(url.rsplit(":", 1)[1])
-    listening = _listening_inodes()
-    found = []
-    for pid in [proc.pid] + descendants(proc.pid):
-        for inode in _socket_inodes(pid):
-            if inode in listening:
-                found.append((pid, *listening[inode]))
+    found = listening_sockets([proc.pid] + descendants(proc.pid))
     assert found, "the server has no listening socket?"
     assert all(addr == "127.0.0.1" and p == port for _, addr, p in found), found
     assert {pid for pid, _, _ in found} == {proc.pid}, "a process other than the front end listens"
