@@ -116,9 +116,21 @@ def _socket_inodes(pid: int) -> set[int]:
     return inodes
 
 
+def _listening_unix_inodes() -> dict[int, tuple[str, int]]:
+    """{socket inode: ("unix:" + path, 0)} of every listening Unix-domain socket on this host."""
+    out = {}
+    with open("/proc/net/unix") as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[3], 16) & 0x10000:  # __SO_ACCEPTCON: listening
+                out[int(fields[6])] = ("unix:" + (fields[7] if len(fields) > 7 else ""), 0)
+    return out
+
+
 def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
-    """(pid, address, port) of every listening TCP socket that one of ``pids`` holds."""
-    listening = _listening_inodes()
+    """(pid, address, port) of every listening TCP or Unix socket that one of ``pids`` holds
+    (Unix sockets as ("unix:PATH", 0))."""
+    listening = {**_listening_inodes(), **_listening_unix_inodes()}
     return [(pid, *listening[inode]) for pid in pids for inode in _socket_inodes(pid) if inode in listening]
 
 

@@ -137,3 +137,12 @@ def test_fan_out_children_queue_fcfs_within_max_num_seqs():
     # after the last child, i.e. in the 4th wave.
     assert [admitted_at[s.seq_id] for s in fan] == [0] * 4 + [3] * 4 + [6] * 4
     assert admitted_at[other.seq_id] == 9
+
+
+def test_new_flags_parse():
+    from server.cli import parse_serve_args
+
+    args = parse_serve_args(["--max-logprobs", "30", "--max-request-body-bytes", "2M"])
+    assert args.engine_config.max_logprobs == 30 and args.max_request_body_bytes == 2 * 1024 * 1024
+    default = parse_serve_args([])
+    assert default.engine_config.max_logprobs == 20 and default.max_request_body_bytes == 8 * 1024 * 1024
