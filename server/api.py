@@ -14,6 +14,7 @@ and only real internal failures a 500. Every error body has the same shape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import logging
 import re
@@ -27,7 +28,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from server.admission import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit, check_text
-from server.errors import EngineDeadError, InvalidRequestError
+from server.errors import EngineDeadError, InvalidRequestError, ServerStoppingError
 from server.openai_serving import APIError, OpenAIServer, error_body, error_response
 from server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
@@ -37,7 +38,7 @@ from server.protocol import (
 logger = logging.getLogger(__name__)
 
 STATS_LOG_INTERVAL_S = 10.0
-ENGINE_WATCH_INTERVAL_S = 1.0
+ENGINE_WATCH_INTERVAL_S = 0.2
 GRACEFUL_SHUTDOWN_S = 3
 
 
@@ -101,6 +102,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_req: Request, exc: EngineDeadError):
+        if isinstance(exc, ServerStoppingError):
+            return error_response(503, str(exc))
         return error_response(500, f"The engine is not running: {exc}")
 
 
@@ -266,11 +269,34 @@ def build_app(engine, *, api_key: str | None = None, log_requests: bool = False,
 # ----------------------------------------------------------------------------- server
 
 
-async def _stop_when_engine_dies(engine, server) -> None:
+async def _watch_engine(engine, server) -> None:
+    """Shut the HTTP server down when the engine dies; when the server is asked to stop
+    (SIGTERM / SIGINT), fail the requests in flight at once (503), so that the shutdown
+    never waits on an engine that may be stuck."""
     while engine.is_healthy:
+        if server.should_exit:
+            engine.stop_accepting("The server is shutting down.")
+            return
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
     logger.error("the engine died; shutting the HTTP server down")
     server.should_exit = True
+
+
+def _uvicorn_server(config):
+    """A uvicorn server that, after a SIGTERM / SIGINT shutdown, leaves the process running so
+    that the engine is stopped cleanly: uvicorn itself re-raises the captured signal as soon
+    as serve() returns, which would end this process with its engine still running."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                self.received_signals = list(self._captured_signals)
+                self._captured_signals.clear()
+
+    return Server(config)
 
 
 async def run_server(config, host: str, port: int, api_key: str | None = None, *,
@@ -286,9 +312,9 @@ async def run_server(config, host: str, port: int, api_key: str | None = None, *
         app = build_app(engine, api_key=api_key, log_requests=log_requests, log_stats=log_stats,
                         max_request_body_bytes=max_request_body_bytes)
         # A bounded graceful shutdown: SIGTERM / SIGINT end the whole server within seconds, busy or not.
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
-                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-        watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
+        server = _uvicorn_server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
+                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        watchdog = asyncio.create_task(_watch_engine(engine, server))
         logger.info("serving %s on http://%s:%d", engine.served_model_name, host, port)
         await server.serve()
         watchdog.cancel()

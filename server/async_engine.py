@@ -38,7 +38,7 @@ import msgpack
 from model.config import ModelConfig, load_model_config
 from server.config import EngineConfig
 from server.engine_core import RequestDelta, SeqDelta, validate_request
-from server.errors import EngineDeadError, EngineStartupError, InvalidRequestError
+from server.errors import EngineDeadError, EngineStartupError, InvalidRequestError, ServerStoppingError
 from server.outputs import OutputAccumulator, RequestOutput, TokenLogprob
 from server.sampling_params import SamplingParams
 from server.tokenizer import Tokenizer
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = float(os.environ.get("MLASERVE_ENGINE_STARTUP_TIMEOUT", "600"))
 ITERATION_TIMEOUT_S = float(os.environ.get("MLASERVE_ENGINE_ITERATION_TIMEOUT_S", "60"))
-SHUTDOWN_GRACE_S = 4.0
+SHUTDOWN_GRACE_S = 3.0
 PARENT_WATCH_INTERVAL_S = 0.5
 # Test hook: the engine loop sleeps this long once, in its first iteration with work.
 TEST_STALL_S = float(os.environ.get("MLASERVE_TEST_ENGINE_STALL_S", "0"))
@@ -249,6 +249,7 @@ class AsyncEngine:
         self._owner: dict[str, _EngineProcess] = {}
         self._engines: list[_EngineProcess] = []
         self._dead: str | None = None
+        self._stopping: str | None = None
         self._closing = False
 
     @classmethod
@@ -343,6 +344,15 @@ class AsyncEngine:
             except RuntimeError:
                 pass
 
+    def stop_accepting(self, reason: str) -> None:
+        """Refuse new requests and fail those in flight with ServerStoppingError(reason)."""
+        self._stopping = reason
+        for queue, loop in list(self._streams.values()):
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, ServerStoppingError(reason))
+            except RuntimeError:
+                pass
+
     def _send(self, e: _EngineProcess, msg) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -397,6 +407,8 @@ class AsyncEngine:
         self.validate(prompt_token_ids, params)
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        if self._stopping is not None:
+            raise ServerStoppingError(self._stopping)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()

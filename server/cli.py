@@ -381,6 +381,9 @@ def run_serve(args: ServeArgs) -> int:
         # A bad checkpoint or a failed start: one line naming the cause, no traceback wall.
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C during start-up, or a second one during shutdown
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 def _serve_main(ns: argparse.Namespace) -> int:

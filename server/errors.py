@@ -17,5 +17,9 @@ class EngineDeadError(RuntimeError):
     """The engine loop (or one of its workers) died; in-flight requests fail with this."""
 
 
+class ServerStoppingError(EngineDeadError):
+    """The server is shutting down: requests still in flight fail with this (HTTP 503)."""
+
+
 class EngineStartupError(RuntimeError):
     """The engine could not start (bad checkpoint, out of memory, ...); the message is one line."""

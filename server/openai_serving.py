@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.admission import AdmissionLimits, check_chat, check_completion, check_messages
-from server.errors import EngineDeadError, InvalidRequestError
+from server.errors import EngineDeadError, InvalidRequestError, ServerStoppingError
 from server.metrics import ServerMetrics
 from server.outputs import RequestOutput, TokenLogprob
 from server.protocol import (
@@ -505,7 +505,8 @@ class OpenAIServer:
                 if errors:
                     i, err = errors[0]
                     logger.error("request %s failed mid-stream: %r", reqs[i].request_id, err)
-                    status = 400 if isinstance(err, InvalidRequestError) else 500
+                    status = 400 if isinstance(err, InvalidRequestError) else (
+                        503 if isinstance(err, ServerStoppingError) else 500)
                     yield _sse(error_body(status, str(err)))
                     break
                 if len(done) == len(tasks) and not latest:

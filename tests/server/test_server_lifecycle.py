@@ -88,11 +88,12 @@ CASES = [(signal.SIGTERM, "busy"), (signal.SIGINT, "busy"), (signal.SIGTERM, "st
 
 
 @pytest.mark.parametrize("sig,engine_state", CASES, ids=[f"{s.name}-{e}" for s, e in CASES])
-def test_no_process_outlives_the_server(sig, engine_state):
+def test_no_process_outlives_the_server(sig, engine_state, tmp_path):
     """SIGTERM / SIGINT to the server, or SIGKILL to its front end alone (its engine is never
     told): within 10 s no process of it runs."""
     env = STALLED_ENV if engine_state == "stalled" else None
-    with live_server_process(*SERVE, env=env, may_exit=True) as (url, proc):
+    log_path = str(tmp_path / "server.log")
+    with live_server_process(*SERVE, env=env, may_exit=True, log_path=log_path) as (url, proc):
         stop = threading.Event()
         threads = keep_busy(url, stop)
         try:
@@ -108,6 +109,10 @@ def test_no_process_outlives_the_server(sig, engine_state):
             assert not left, f"still running {time.monotonic() - t0:.1f} s after {sig.name}: {left}"
             print(f"{sig.name} ({engine_state}): every process gone after {time.monotonic() - t0:.1f} s")
             proc.wait(5)
+            if sig != signal.SIGKILL:  # a clean stop: exit code 0, no traceback
+                with open(log_path, encoding="utf-8", errors="replace") as f:
+                    log = f.read()
+                assert proc.returncode == 0 and "Traceback" not in log, log[-3000:]
         finally:
             stop.set()
             for t in threads:
