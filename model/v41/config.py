@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
-
 _RELEASED_RATIOS = [0, 0] + [2] * 18 + [1] * 20
 _RELEASED_KV_SOURCES = [2, 8, 14, 20]
 _RELEASED_INDEX_SOURCES = [2, 8, 14, 20, 24, 28, 32, 36]
