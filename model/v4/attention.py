@@ -21,7 +21,12 @@ import torch
 from torch import nn
 
 from model.layers.norm import RMSNorm
-from model.v4.attention_core import causal_entry_bias, selected_entry_bias, sink_attention, window_bias
+from model.v4.attention_core import (
+    causal_entry_bias,
+    selected_entry_bias,
+    sink_attention,
+    window_bias,
+)
 from model.v4.compressor import CSACompressor, LightningIndexer, WindowCompressor
 from model.v4.config import V4Config
 from model.v4.norm import unweighted_rms_norm
