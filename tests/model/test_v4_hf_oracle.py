@@ -1,0 +1,132 @@
+"""Our DeepSeek-V4 equals HF transformers 5.24's DeepseekV4ForCausalLM on tiny random models.
+
+The oracle has every layer kind (sliding, CSA with indexer top-k, HCA) and both MoE kinds
+(hash-routed, top-k with correction bias), with randomised sinks, position biases, tid2eid and
+mHC parameters; the prompts are longer than the window and give CSA more entries than its
+top-k. One-shot prefill, chunked prefill and token-by-token decode must agree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.models.deepseek_v4")
+
+from model.v4.config import parse_v4_config
+from model.v4.model import DeepseekV4ForCausalLM
+from tests.model.v4_oracle import build_hf_v4
+
+torch.set_num_threads(1)  # tiny ops are much slower with two OpenMP threads on a 2-core machine
+
+SEQ = 37
+
+
+@pytest.fixture(scope="module")
+def pair():
+    hf = build_hf_v4(seed=0)
+    ours = DeepseekV4ForCausalLM(parse_v4_config(hf.config.to_dict()))
+    ours.load_weights(hf.state_dict().items())
+    return hf, ours
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(0, 256, (SEQ,), generator=torch.Generator().manual_seed(7))
+
+
+def run_chunks(model, ids, sizes):
+    state, rows, start = model.new_state(), [], 0
+    for n in sizes:
+        rows.append(model.compute_logits(model(ids[start:start + n], state)))
+        start += n
+    assert start == ids.shape[0]
+    return torch.cat(rows)
+
+
+def test_state_dict_matches_hf_names_and_shapes(pair):
+    hf, ours = pair
+    ref = {k: tuple(v.shape) for k, v in hf.state_dict().items()}
+    assert {k: tuple(v.shape) for k, v in ours.state_dict().items()} == ref
+
+
+def test_oracle_exercises_every_layer_kind(pair, prompt):
+    _, ours = pair
+    c = ours.config
+    assert set(c.layer_kinds) == {"sliding", "csa", "hca"} and any(c.hash_layers) and not all(c.hash_layers)
+    assert SEQ > c.sliding_window and SEQ // 4 > c.index_topk and SEQ // 8 >= 2
+    assert ours.model.layers[1].self_attn.sinks.abs().min() > 0
+    assert ours.model.layers[0].mlp.gate.tid2eid.unique().numel() == c.n_routed_experts
+
+
+@pytest.mark.parametrize("seq_len", [1, 13, SEQ])
+def test_prefill_log_softmax_matches_hf(pair, prompt, seq_len):
+    hf, ours = pair
+    ids = prompt[:seq_len]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(ids[None]).logits[0].float(), dim=-1)
+        out = torch.log_softmax(run_chunks(ours, ids, [seq_len]), dim=-1)
+    assert (out - ref).abs().max().item() < 1e-4
+
+
+def test_chunked_prefill_and_decode_equal_one_shot(pair, prompt):
+    _, ours = pair
+    with torch.no_grad():
+        one_shot = run_chunks(ours, prompt, [SEQ])
+        chunked = run_chunks(ours, prompt, [5, 7, 9, SEQ - 21])
+        odd = run_chunks(ours, prompt, [1, 3, 8, 4, 21])
+        decode = run_chunks(ours, prompt, [1] * SEQ)
+    for other in (chunked, odd, decode):
+        assert (other - one_shot).abs().max().item() <= 1e-4
+
+
+def greedy(model, ids, n):
+    state = model.new_state()
+    logits = model.compute_logits(model(ids, state)[-1:])
+    out = []
+    for _ in range(n):
+        nxt = logits.argmax(-1)
+        out.append(int(nxt))
+        logits = model.compute_logits(model(nxt, state))
+    return out
+
+
+def test_greedy_continuation_matches_hf_generate(pair, prompt):
+    hf, ours = pair
+    n = 12
+    with torch.no_grad():
+        ref = hf.generate(prompt[None, :20], max_new_tokens=n, min_new_tokens=n, do_sample=False)[0, 20:].tolist()
+        out = greedy(ours, prompt[:20], n)
+    assert out == ref
+
+
+def test_features_move_the_logits(pair, prompt):
+    """Sinks, position bias and the indexer's top-k each change the output (none is a no-op)."""
+    _, ours = pair
+    with torch.no_grad():
+        base = run_chunks(ours, prompt, [SEQ])
+        attn = ours.model.layers[1].self_attn
+        for tensor in (attn.sinks, attn.compressor.position_bias):
+            saved = tensor.clone()
+            tensor.zero_()
+            moved = (run_chunks(ours, prompt, [SEQ]) - base).abs().max().item()
+            tensor.copy_(saved)
+            assert moved > 1e-3
+        topk = attn.compressor.indexer.topk
+        attn.compressor.indexer.topk = 1000
+        moved = (run_chunks(ours, prompt, [SEQ]) - base).abs().max().item()
+        attn.compressor.indexer.topk = topk
+        assert moved > 1e-3
+
+
+def test_load_weights_errors_name_the_tensor(pair):
+    hf, ours = pair
+    sd = hf.state_dict()
+    fresh = DeepseekV4ForCausalLM(ours.config)
+    with pytest.raises(ValueError, match="unexpected tensor 'model.bogus'"):
+        fresh.load_weights([("model.bogus", torch.zeros(1))])
+    with pytest.raises(ValueError, match="shape mismatch for lm_head.weight"):
+        fresh.load_weights([("lm_head.weight", torch.zeros(1, 1))])
+    with pytest.raises(ValueError, match="missing tensor"):
+        fresh.load_weights([(k, v) for k, v in sd.items() if k != "model.norm.weight"])
+    fresh.load_weights([*sd.items(), ("mtp.0.e_proj.weight", torch.zeros(2, 2))])  # MTP is skipped
