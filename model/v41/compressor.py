@@ -13,8 +13,8 @@ attention rotates it (at the group's first position) into the shared compressed 
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from model.v41.config import V41Config
 from model.v41.norm import RMSNorm

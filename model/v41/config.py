@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from model.v4.rope import RopeSpec, YarnParams
+
 _RELEASED_RATIOS = [0, 0] + [2] * 18 + [1] * 20
 _RELEASED_KV_SOURCES = [2, 8, 14, 20]
 _RELEASED_INDEX_SOURCES = [2, 8, 14, 20, 24, 28, 32, 36]
@@ -23,19 +25,6 @@ def _config_error(msg: str) -> Exception:
     from model.config import ConfigError
 
     return ConfigError(msg)
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """One RoPE flavour: base, and YaRN parameters when ``yarn`` (never an mscale)."""
-
-    theta: float
-    yarn: bool = False
-    factor: float = 1.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -134,12 +123,10 @@ def _rope_specs(t: dict) -> tuple[RopeSpec, RopeSpec]:
     rp = t.get("rope_parameters") or {}
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         main_raw, comp_raw = rp["main"], rp["compress"]
-        truncate = bool(rp.get("truncate", True))
     else:
         yarn = {k: v for k, v in (t.get("rope_scaling") or {}).items() if k not in ("main", "compress")}
         main_raw = {"rope_type": "default", "rope_theta": _get(t, "rope_theta", 10000.0)}
         comp_raw = {**yarn, "rope_theta": _get(t, "compress_rope_theta", 160000.0)}
-        truncate = bool(yarn.get("truncate", True))
     specs = []
     for name, raw in (("main", main_raw), ("compress", comp_raw)):
         kind = raw.get("rope_type", raw.get("type", "default"))
@@ -148,17 +135,15 @@ def _rope_specs(t: dict) -> tuple[RopeSpec, RopeSpec]:
         elif kind == "yarn":
             if float(_get(raw, "attention_factor", 1.0)) != 1.0:
                 raise _config_error(f"rope_parameters.{name}.attention_factor must be 1.0 (V4.1 applies no mscale)")
-            specs.append(
-                RopeSpec(
-                    theta=float(raw["rope_theta"]),
-                    yarn=True,
-                    factor=float(raw["factor"]),
-                    original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
-                    beta_fast=float(_get(raw, "beta_fast", 32.0)),
-                    beta_slow=float(_get(raw, "beta_slow", 1.0)),
-                    truncate=truncate,
-                )
+            if raw.get("truncate", True) is False:
+                raise _config_error(f"rope_parameters.{name}.truncate=false is not supported (DeepSeek truncates)")
+            yarn = YarnParams(
+                factor=float(raw["factor"]),
+                original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
+                beta_fast=float(_get(raw, "beta_fast", 32.0)),
+                beta_slow=float(_get(raw, "beta_slow", 1.0)),
             )
+            specs.append(RopeSpec(theta=float(raw["rope_theta"]), yarn=yarn))
         else:
             raise _config_error(f"unsupported rope type {kind!r} for the {name} rope (default or yarn)")
     return specs[0], specs[1]

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from model.v41.config import V41Config
 from model.v41.state import DEAD

@@ -20,13 +20,13 @@ The top-k becomes an additive bias over the compressed entries: 0 on picks, -inf
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from kernels.microscaling import fake_quant_fp4
+from model.v4.rope import apply_trailing_rope
 from model.v41.config import V41Config
 from model.v41.norm import RMSNorm
-from model.v41.rope import apply_rope
 
 
 def select_candidate_blocks(
@@ -68,7 +68,7 @@ class Indexer(nn.Module):
 
     def keys_from_latents(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Index keys [G, index_head_dim] of new latents; cos/sin at the groups' positions."""
-        k = apply_rope(self.k_norm(self.wk(latent)), cos, sin)
+        k = apply_trailing_rope(self.k_norm(self.wk(latent)), cos, sin)
         return fake_quant_fp4(k, 32, "ue8m0")
 
     def topk_bias(
@@ -81,7 +81,7 @@ class Indexer(nn.Module):
         """
         t, n = x.shape[0], keys.shape[0]
         q = self.wq_b(q_res).view(1, t, self.num_heads, self.head_dim)
-        q = fake_quant_fp4(apply_rope(q[0], cos, sin), 32, "ue8m0")[None]
+        q = fake_quant_fp4(apply_trailing_rope(q[0], cos, sin), 32, "ue8m0")[None]
         scores = torch.einsum("bshd,btd->bsht", q.float(), keys[None].float())
         scores = scores.relu_() * self.head_dim**-0.5
         weights = self.weights_proj(x[None]).float() * self.num_heads**-0.5

@@ -1,50 +1,26 @@
-"""Manifold-constrained hyper-connections (mHC) with V4.1's single-pass schedule.
+"""V4.1's single-pass mHC schedule on top of V4's site math (``model.v4.mhc``).
 
-The residual is ``hc_mult`` parallel streams ``X [T, hc, D]``. Each site (attention, FFN)
-projects the flattened, RMS-normalized streams once to ``(pre, post, comb)``:
-``pre = sigmoid(.)+eps`` [hc], ``post = 2·sigmoid(.)`` [hc], and ``comb`` [hc, hc], a
-softmax made (approximately) doubly stochastic by Sinkhorn iterations that start and end
-on a column pass. V4.1 consumes each site's ``pre`` at the *next* site: layer 0's
-attention collapses with a one-hot ``pre`` (stream 0), every FFN with its own layer's
-attention-site ``pre``, the next attention with the previous FFN-site ``pre``, and the final
-norm with the last FFN-site ``pre`` (there is no separate head mix). After the sublayer F:
-``X'_k = post_k · F + Σ_j comb[j, k] · X_j``. All of it runs in fp32.
+Each site (attention, FFN) computes ``(pre, post, comb)`` from the streams it reads exactly
+as V4 does (:func:`model.v4.mhc.mhc_site_weights`), but V4.1 consumes a site's ``pre`` at the
+*next* site: layer 0's attention collapses with a one-hot ``pre`` (stream 0), every FFN with
+its own layer's attention-site ``pre``, the next attention with the previous FFN-site ``pre``,
+and the final norm with the last FFN-site ``pre`` (there is no HyperHead). The expansion
+``X'_k = post_k · F + Σ_j comb[j, k] · X_j`` runs in fp32 and is cast to the streams' dtype
+once (V4 computes it in the streams' dtype).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from model.v41.norm import unweighted_rms_norm
+from model.v4.mhc import collapse_streams, mhc_site_weights
 
-
-def hc_site_mixes(
-    streams: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
-    norm_eps: float, hc_eps: float, sinkhorn_iters: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """streams [T, hc, D] -> pre [T, hc], post [T, hc], comb [T, hc, hc] (all fp32)."""
-    hc = streams.shape[-2]
-    flat = unweighted_rms_norm(streams.flatten(-2).float(), norm_eps)
-    mix = F.linear(flat, fn.float())
-    pre = torch.sigmoid(mix[..., :hc] * scale[0].float() + base[:hc].float()) + hc_eps
-    post = 2 * torch.sigmoid(mix[..., hc : 2 * hc] * scale[1].float() + base[hc : 2 * hc].float())
-    logits = (mix[..., 2 * hc :] * scale[2].float() + base[2 * hc :].float()).view(*mix.shape[:-1], hc, hc)
-    comb = torch.softmax(logits, dim=-1) + hc_eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    for _ in range(sinkhorn_iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
-    return pre, post, comb
+__all__ = ["collapse_streams", "expand_streams_fp32", "mhc_site_weights", "one_hot_pre"]
 
 
-def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """Σ_k pre_k · X_k in fp32, cast to the streams' dtype: [T, hc, D] -> [T, D]."""
-    return (pre.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
-
-
-def hc_expand(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """post_k · out + Σ_j comb[j, k] · residual_j: out [T, D], residual [T, hc, D]."""
+def expand_streams_fp32(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+                        comb: torch.Tensor) -> torch.Tensor:
+    """post_k · out + Σ_j comb[j, k] · residual_j in fp32: out [T, D], residual [T, hc, D]."""
     mixed = torch.einsum("tjk,tjd->tkd", comb.float(), residual.float())
     return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(residual.dtype)
 

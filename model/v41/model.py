@@ -26,15 +26,20 @@ import logging
 import re
 
 import torch
-import torch.nn as nn
+from torch import nn
 
+from model.v4.rope import RotaryTable
 from model.v41.attention import Attention
 from model.v41.config import V41Config
 from model.v41.engram import Engram, EngramHasher, build_compressed_token_map
-from model.v41.mhc import hc_collapse, hc_expand, hc_site_mixes, one_hot_pre
+from model.v41.mhc import (
+    collapse_streams,
+    expand_streams_fp32,
+    mhc_site_weights,
+    one_hot_pre,
+)
 from model.v41.moe import MoE
 from model.v41.norm import RMSNorm
-from model.v41.rope import Rope
 from model.v41.state import RequestState
 
 logger = logging.getLogger(__name__)
@@ -73,19 +78,20 @@ class DecoderLayer(nn.Module):
             setattr(self, f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
 
     def _mixes(self, streams: torch.Tensor, site: str):
-        return hc_site_mixes(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_scale"),
-                             getattr(self, f"hc_{site}_base"), self.norm_eps, self.hc_eps, self.sinkhorn_iters)
+        return mhc_site_weights(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                                getattr(self, f"hc_{site}_scale"), hc_eps=self.hc_eps,
+                                sinkhorn_iters=self.sinkhorn_iters, norm_eps=self.norm_eps)
 
     def forward(self, streams, pre, hash_ids, positions, rope, state, step):
         """streams [T, hc, D], pre [T, hc] from the previous site -> (streams, this FFN site's pre)."""
         if self.engram is not None:
             streams = self.engram(streams, hash_ids[:, self.engram.table_index])
         attn_pre, post, comb = self._mixes(streams, "attn")
-        out = self.attn(self.attn_norm(hc_collapse(streams, pre)), positions, rope, state, step)
-        streams = hc_expand(out, streams, post, comb)
+        out = self.attn(self.attn_norm(collapse_streams(streams, pre)), positions, rope, state, step)
+        streams = expand_streams_fp32(out, streams, post, comb)
         ffn_pre, post, comb = self._mixes(streams, "ffn")
-        out = self.ffn(self.ffn_norm(hc_collapse(streams, attn_pre)))
-        return hc_expand(out, streams, post, comb), ffn_pre
+        out = self.ffn(self.ffn_norm(collapse_streams(streams, attn_pre)))
+        return expand_streams_fp32(out, streams, post, comb), ffn_pre
 
 
 class TextModel(nn.Module):
@@ -95,8 +101,8 @@ class TextModel(nn.Module):
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.main_rope = Rope(c.main_rope, c.qk_rope_head_dim)
-        self.compress_rope = Rope(c.compress_rope, c.qk_rope_head_dim)
+        self.main_rope = RotaryTable(c.qk_rope_head_dim, c.main_rope)
+        self.compress_rope = RotaryTable(c.qk_rope_head_dim, c.compress_rope)
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -107,7 +113,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.hasher: EngramHasher | None = None
 
-    def bind_tokenizer(self, tokenizer_json_path: str) -> "DeepseekV41ForCausalLM":
+    def bind_tokenizer(self, tokenizer_json_path: str) -> DeepseekV41ForCausalLM:
         """Build the engram hasher from the checkpoint's ``tokenizer.json``."""
         token_map, _ = build_compressed_token_map(tokenizer_json_path)
         self.hasher = EngramHasher(self.config, token_map)
@@ -136,6 +142,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         for layer in self.model.layers:
             rope = self.model.compress_rope if layer.attn.ratio else self.model.main_rope
             streams, pre = layer(streams, pre, hash_ids, positions, rope, state, step)
-        hidden = self.model.norm(hc_collapse(streams, pre))
+        hidden = self.model.norm(collapse_streams(streams, pre))
         state.num_tokens += t
         return self.lm_head(hidden).float()

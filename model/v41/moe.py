@@ -11,9 +11,10 @@ expert (same clamp, weight 1) runs on every token; outputs accumulate in fp32.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
+from model.v4.moe import clamped_swiglu, sqrt_softplus
 from model.v41.config import V41Config
 
 
@@ -31,8 +32,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None):
         """x [T, hidden] -> (weights [T, k] fp32, expert ids [T, k])."""
-        scores = F.linear(x.float(), self.weight.float()) / self.gate_temp
-        scores = F.softplus(scores).sqrt()
+        scores = sqrt_softplus(F.linear(x.float(), self.weight.float()) / self.gate_temp)
         bias = self.bias
         if image_mask is not None and bool(image_mask.any()):
             bias = torch.where(image_mask.reshape(-1, 1), self.bias_vl, self.bias)
@@ -53,10 +53,7 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = self.w1(x).float(), self.w3(x).float()
-        if self.limit > 0:
-            gate = gate.clamp(max=self.limit)
-            up = up.clamp(-self.limit, self.limit)
-        h = F.silu(gate) * up
+        h = clamped_swiglu(gate, up, self.limit) if self.limit > 0 else F.silu(gate) * up
         if weight is not None:
             h = weight * h
         return self.w2(h.to(x.dtype))

@@ -2,13 +2,15 @@
 to the input dtype *before* the weight multiplies it (``w * (x·rsqrt(mean x² + eps)).to(dtype)``).
 
 V4.1 uses ``rms_norm_eps = 1e-20`` everywhere, so an all-zero row would divide by ~1e-10;
-the trained model never produces one. The weight stays in the model dtype.
+the trained model never produces one. The weight stays in the model dtype. (V4 keeps its
+norms in fp32 and multiplies before casting; the unweighted norm is V4's
+``model.v4.norm.unweighted_rms_norm``.)
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 
 class RMSNorm(nn.Module):
@@ -22,7 +24,3 @@ class RMSNorm(nn.Module):
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * normed.to(x.dtype)
 
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x · rsqrt(mean x² + eps)`` with the statistic in fp32 (no learned weight)."""
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)

@@ -52,7 +52,7 @@ class SourceState:
     def append_index_keys(self, rows: torch.Tensor) -> None:
         self.index_keys = rows if self.index_keys is None else torch.cat([self.index_keys, rows], dim=0)
 
-    def clone(self) -> "SourceState":
+    def clone(self) -> SourceState:
         return SourceState(self.ratio, self.pending_kv, self.pending_gate, self.entries, self.index_keys)
 
 
@@ -64,7 +64,7 @@ class RequestState:
     engram_history: list[int] = field(default_factory=list)
 
     @classmethod
-    def empty(cls, num_layers: int, kv_source_ratios: dict[int, int]) -> "RequestState":
+    def empty(cls, num_layers: int, kv_source_ratios: dict[int, int]) -> RequestState:
         return cls(
             num_tokens=0,
             windows=[None] * num_layers,
@@ -72,7 +72,7 @@ class RequestState:
             engram_history=[],
         )
 
-    def clone(self) -> "RequestState":
+    def clone(self) -> RequestState:
         return RequestState(
             self.num_tokens,
             list(self.windows),

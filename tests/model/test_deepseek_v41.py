@@ -18,7 +18,12 @@ from safetensors.torch import load_file
 
 from model.config import parse_model_config
 from model.v41.config import V41Config
-from model.v41.engram import EngramHasher, build_compressed_token_map, engram_primes, hash_multipliers
+from model.v41.engram import (
+    EngramHasher,
+    build_compressed_token_map,
+    engram_primes,
+    hash_multipliers,
+)
 from model.v41.model import DeepseekV41ForCausalLM, split_unused_weights
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures")
