@@ -14,17 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from model.config import ConfigError, _get
 from model.v4.rope import RopeSpec, YarnParams
 
 _RELEASED_RATIOS = [0, 0] + [2] * 18 + [1] * 20
 _RELEASED_KV_SOURCES = [2, 8, 14, 20]
 _RELEASED_INDEX_SOURCES = [2, 8, 14, 20, 24, 28, 32, 36]
-
-
-def _config_error(msg: str) -> Exception:
-    from model.config import ConfigError
-
-    return ConfigError(msg)
 
 
 @dataclass(frozen=True)
@@ -114,11 +109,6 @@ class V41Config:
         return self.quantization is not None
 
 
-def _get(d: dict, key: str, default: Any) -> Any:
-    value = d.get(key, default)
-    return default if value is None else value
-
-
 def _rope_specs(t: dict) -> tuple[RopeSpec, RopeSpec]:
     rp = t.get("rope_parameters") or {}
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
@@ -134,9 +124,9 @@ def _rope_specs(t: dict) -> tuple[RopeSpec, RopeSpec]:
             specs.append(RopeSpec(theta=float(raw["rope_theta"])))
         elif kind == "yarn":
             if float(_get(raw, "attention_factor", 1.0)) != 1.0:
-                raise _config_error(f"rope_parameters.{name}.attention_factor must be 1.0 (V4.1 applies no mscale)")
+                raise ConfigError(f"rope_parameters.{name}.attention_factor must be 1.0 (V4.1 applies no mscale)")
             if raw.get("truncate", True) is False:
-                raise _config_error(f"rope_parameters.{name}.truncate=false is not supported (DeepSeek truncates)")
+                raise ConfigError(f"rope_parameters.{name}.truncate=false is not supported (DeepSeek truncates)")
             yarn = YarnParams(
                 factor=float(raw["factor"]),
                 original_max_position_embeddings=int(raw["original_max_position_embeddings"]),
@@ -145,7 +135,7 @@ def _rope_specs(t: dict) -> tuple[RopeSpec, RopeSpec]:
             )
             specs.append(RopeSpec(theta=float(raw["rope_theta"]), yarn=yarn))
         else:
-            raise _config_error(f"unsupported rope type {kind!r} for the {name} rope (default or yarn)")
+            raise ConfigError(f"unsupported rope type {kind!r} for the {name} rope (default or yarn)")
     return specs[0], specs[1]
 
 
@@ -160,13 +150,13 @@ def _schedule(t: dict, n: int, n_nextn: int) -> tuple[list[int], list[int], list
             ratios = [0] * n_slide + [2] * n_enc + [1] * max(0, n - n_slide - n_enc)
     ratios = [int(r) for r in ratios]
     if len(ratios) < n or len(ratios) > n + n_nextn:
-        raise _config_error(
+        raise ConfigError(
             f"compress_ratios has {len(ratios)} entries; expected num_hidden_layers ({n}) "
             f"up to num_hidden_layers + num_nextn_predict_layers ({n + n_nextn})"
         )
     backbone = ratios[:n]
     if any(r < 0 for r in backbone):
-        raise _config_error(f"compress_ratios entries must be >= 0, got {backbone}")
+        raise ConfigError(f"compress_ratios entries must be >= 0, got {backbone}")
     kv = t.get("kv_source_layer_ids")
     if kv is None:
         if backbone == _RELEASED_RATIOS[:n]:
@@ -179,20 +169,20 @@ def _schedule(t: dict, n: int, n_nextn: int) -> tuple[list[int], list[int], list
         idx = list(_RELEASED_INDEX_SOURCES) if kv == _RELEASED_KV_SOURCES else list(kv)
     idx = [int(i) for i in idx]
     if any(i < 0 or i >= n for i in kv + idx):
-        raise _config_error(f"kv_source_layer_ids/index_source_layer_ids out of range [0, {n}): {kv} / {idx}")
+        raise ConfigError(f"kv_source_layer_ids/index_source_layer_ids out of range [0, {n}): {kv} / {idx}")
     if any(backbone[i] == 0 for i in kv + idx):
-        raise _config_error("kv_source_layer_ids and index_source_layer_ids must have compress_ratios[i] > 0")
+        raise ConfigError("kv_source_layer_ids and index_source_layer_ids must have compress_ratios[i] > 0")
     for i in range(n):
         if backbone[i] > 0 and not any(s <= i for s in kv):
-            raise _config_error(f"layer {i} has compress_ratios > 0 but no kv_source_layer_ids entry at or before it")
+            raise ConfigError(f"layer {i} has compress_ratios > 0 but no kv_source_layer_ids entry at or before it")
     for i in idx:
         src = max(s for s in kv if s <= i)
         if backbone[src] != backbone[i]:
-            raise _config_error(f"index source {i} has ratio {backbone[i]} but its KV source {src} has {backbone[src]}")
+            raise ConfigError(f"index source {i} has ratio {backbone[i]} but its KV source {src} has {backbone[src]}")
     cand = t.get("candidate_source_layer_id")
     cand = (kv[-1] if kv else -1) if cand is None else int(cand)
     if cand >= 0 and cand not in idx:
-        raise _config_error(f"candidate_source_layer_id ({cand}) must be one of index_source_layer_ids {idx}")
+        raise ConfigError(f"candidate_source_layer_id ({cand}) must be one of index_source_layer_ids {idx}")
     return backbone, kv, idx, cand
 
 
@@ -202,12 +192,12 @@ def parse_v41_config(d: dict[str, Any]) -> V41Config:
     if d.get("model_type") == "deepseek_v41":
         t = d.get("text_config")
         if not isinstance(t, dict):
-            raise _config_error("config.json (model_type deepseek_v41) is missing its 'text_config' object")
+            raise ConfigError("config.json (model_type deepseek_v41) is missing its 'text_config' object")
     else:
         t = d
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         if t.get(key) is None:
-            raise _config_error(f"config.json is missing required field text_config.{key!r}")
+            raise ConfigError(f"config.json is missing required field text_config.{key!r}")
     n = int(t["num_hidden_layers"])
     n_nextn = int(_get(t, "num_nextn_predict_layers", 3))
     ratios, kv, idx, cand = _schedule(t, n, n_nextn)
@@ -217,7 +207,7 @@ def parse_v41_config(d: dict[str, Any]) -> V41Config:
     q = top.get("quantization_config") or t.get("quantization_config")
     if q:
         if q.get("quant_method") != "fp8":
-            raise _config_error(f"unsupported quantization_config.quant_method {q.get('quant_method')!r} (only 'fp8')")
+            raise ConfigError(f"unsupported quantization_config.quant_method {q.get('quant_method')!r} (only 'fp8')")
         block = q.get("weight_block_size") or [128, 128]
         quant = V41QuantizationConfig(
             quant_method="fp8",
@@ -227,13 +217,15 @@ def parse_v41_config(d: dict[str, Any]) -> V41Config:
         )
     scoring = _get(t, "scoring_func", "sqrtsoftplus")
     if scoring != "sqrtsoftplus":
-        raise _config_error(f"unsupported scoring_func {scoring!r} (DeepSeek-V4.1 uses 'sqrtsoftplus')")
+        raise ConfigError(f"unsupported scoring_func {scoring!r} (DeepSeek-V4.1 uses 'sqrtsoftplus')")
+    if int(_get(t, "num_key_value_heads", 1)) != 1:
+        raise ConfigError("DeepSeek-V4.1 has one shared K=V head: num_key_value_heads must be 1")
     if _get(t, "hidden_act", "silu") != "silu":
-        raise _config_error(f"unsupported hidden_act {t.get('hidden_act')!r} (DeepSeek uses 'silu')")
+        raise ConfigError(f"unsupported hidden_act {t.get('hidden_act')!r} (DeepSeek uses 'silu')")
     engram_layers = [int(i) for i in _get(t, "engram_layer_ids", [])]
     engram_rows = [int(i) for i in _get(t, "engram_num_embeddings", [0] * len(engram_layers))]
     if len(engram_rows) != len(engram_layers):
-        raise _config_error("engram_num_embeddings must have one entry per engram_layer_ids entry")
+        raise ConfigError("engram_num_embeddings must have one entry per engram_layer_ids entry")
 
     cfg = V41Config(
         model_type="deepseek_v41",
@@ -295,14 +287,14 @@ def parse_v41_config(d: dict[str, Any]) -> V41Config:
 
 def _validate(c: V41Config) -> None:
     if c.qk_rope_head_dim % 2 or c.qk_rope_head_dim > c.head_dim:
-        raise _config_error("qk_rope_head_dim must be even and at most head_dim")
+        raise ConfigError("qk_rope_head_dim must be even and at most head_dim")
     if c.qk_rope_head_dim > c.index_head_dim:
-        raise _config_error("qk_rope_head_dim must be at most index_head_dim (the indexer rotates its tail)")
+        raise ConfigError("qk_rope_head_dim must be at most index_head_dim (the indexer rotates its tail)")
     if (c.num_attention_heads * c.head_dim) % c.o_groups:
-        raise _config_error("num_attention_heads * head_dim must be divisible by o_groups")
+        raise ConfigError("num_attention_heads * head_dim must be divisible by o_groups")
     if c.num_experts_per_tok > c.n_routed_experts:
-        raise _config_error("num_experts_per_tok must not exceed n_routed_experts")
+        raise ConfigError("num_experts_per_tok must not exceed n_routed_experts")
     if c.n_shared_experts != 1:
-        raise _config_error("n_shared_experts must be 1 (DeepSeek-V4.1 has one shared expert per MoE layer)")
+        raise ConfigError("n_shared_experts must be 1 (DeepSeek-V4.1 has one shared expert per MoE layer)")
     if any(i < 0 or i >= c.num_hidden_layers for i in c.engram_layer_ids):
-        raise _config_error(f"engram_layer_ids out of range [0, {c.num_hidden_layers}): {list(c.engram_layer_ids)}")
+        raise ConfigError(f"engram_layer_ids out of range [0, {c.num_hidden_layers}): {list(c.engram_layer_ids)}")
