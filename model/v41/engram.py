@@ -158,20 +158,23 @@ class EngramHasher:
 
 
 class EngramEmbedding(nn.Module):
-    """The hash table; FP8 rows are scaled per 32 channels on lookup, float rows used as is."""
+    """The hash table: rows of stored values with one scale per ``block`` channels.
+
+    The checkpoint stores FP8 rows plus E8M0 scales; the row is ``value · scale`` per block.
+    ``weight`` may hold the FP8 values themselves or the same values in a float dtype (the
+    loader delivers values and scales unmultiplied); a float checkpoint has unit scales.
+    """
 
     def __init__(self, rows: int, dim: int, dtype: torch.dtype, block: int = 32) -> None:
         super().__init__()
-        self.block = block
+        self.block = min(block, dim)
         self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype))
-        self.scale = nn.Parameter(torch.ones(rows, max(1, dim // block), dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(rows, dim // self.block, dtype=torch.float32))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        values = F.embedding(ids, self.weight)
-        if self.weight.dtype == torch.float8_e4m3fn:
-            scales = F.embedding(ids, self.scale).float()
-            values = (values.float().unflatten(-1, (-1, self.block)) * scales.unsqueeze(-1)).flatten(-2)
-        return values
+        values = F.embedding(ids, self.weight).float().unflatten(-1, (-1, self.block))
+        scales = F.embedding(ids, self.scale).float()
+        return (values * scales.unsqueeze(-1)).flatten(-2)
 
 
 class Engram(nn.Module):

@@ -3,7 +3,7 @@
 Usage::
 
     model = DeepseekV41ForCausalLM(config, dtype=torch.float32)
-    model.load_state_dict(...)                  # HF-V4.1 names (see below)
+    model.load_weights(tensors)                 # HF-V4.1 names (see below)
     model.bind_tokenizer("path/tokenizer.json") # needed when the config has engram layers
     state = model.new_state()
     logits = model(prompt_ids, state)           # [T, vocab] fp32; any chunking of the prompt
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -118,6 +119,26 @@ class DeepseekV41ForCausalLM(nn.Module):
         token_map, _ = build_compressed_token_map(tokenizer_json_path)
         self.hasher = EngramHasher(self.config, token_map)
         return self
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-V4.1-named tensors in (cast to each parameter's dtype); DSpark/vision tensors
+        are skipped. A missing, unexpected or mis-shaped tensor is one ValueError line naming it."""
+        names, _ = split_unused_weights(tensors)
+        params = self.state_dict()
+        missing = sorted(set(params) - set(names))
+        unexpected = sorted(set(names) - set(params))
+        if missing or unexpected:
+            raise ValueError(
+                f"DeepSeek-V4.1 checkpoint does not match the config: {len(missing)} missing "
+                f"(first: {missing[:1]}), {len(unexpected)} unexpected (first: {unexpected[:1]})"
+            )
+        for name in names:
+            src, dst = tensors[name], params[name]
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"tensor {name}: checkpoint shape {tuple(src.shape)}, model expects {tuple(dst.shape)}")
+        for name in names:
+            params[name].copy_(tensors[name].to(params[name].dtype))
 
     def new_state(self) -> RequestState:
         c = self.config

@@ -64,7 +64,7 @@ def _load(name: str) -> DeepseekV41ForCausalLM:
     if name.endswith("-rel"):
         tensors = _released_to_hf(os.path.join(d, "release_names.json"), tensors)
     model = DeepseekV41ForCausalLM(cfg, torch.float32)
-    model.load_state_dict(tensors, strict=True)
+    model.load_weights(tensors)
     return model.bind_tokenizer(os.path.join(d, "tokenizer.json"))
 
 
@@ -173,6 +173,18 @@ def test_wrong_tokenizer_vocab_is_a_clear_error():
     cfg = _model("dev-v41-s0").config
     with pytest.raises(ValueError, match="engram_compressed_vocab_size"):
         EngramHasher(cfg, list(range(10)))
+
+
+def test_load_weights_skips_dspark_and_names_bad_tensors():
+    model = _model("dev-v41-s0")
+    tensors = load_file(os.path.join(_dir("dev-v41-s0"), "model.safetensors"))
+    model.load_weights({**tensors, "mtp.0.ffn.gate.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"1 missing \(first: \['lm_head.weight'\]\)"):
+        model.load_weights({k: v for k, v in tensors.items() if k != "lm_head.weight"})
+    bad = dict(tensors)
+    bad["model.norm.weight"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="tensor model.norm.weight: checkpoint shape"):
+        model.load_weights(bad)
 
 
 def test_dspark_and_vision_tensors_are_skipped(caplog):

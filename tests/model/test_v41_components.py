@@ -178,16 +178,33 @@ def test_router_bias_selects_and_bias_vl_is_for_image_tokens_only():
     assert torch.equal(ids_img[1], ids_text[1])
 
 
+def test_engram_table_applies_block_scales_to_fp8_or_float_values():
+    from model.v41.engram import EngramEmbedding
+
+    emb = EngramEmbedding(5, 64, torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(6)
+    values = (torch.randn(5, 64, generator=g) * 4).to(torch.float8_e4m3fn)
+    scale = torch.exp2(torch.randint(-4, 4, (5, 2), generator=g).float())
+    emb.weight.data, emb.scale.data = values, scale
+    ids = torch.tensor([[4, 0], [2, 2]])
+    want = (values.float().view(5, 2, 32) * scale[..., None]).view(5, 64)[ids]
+    assert torch.equal(emb(ids), want)
+    f32 = EngramEmbedding(5, 64, torch.float32)
+    f32.weight.data, f32.scale.data = values.float(), scale
+    assert torch.equal(f32(ids), want)
+
+
 def test_bf16_model_runs_and_tracks_fp32():
     from safetensors.torch import load_file
 
     cfg = parse_v41_config(_fixture_config())
     tensors = load_file(os.path.join(FIXTURE, "model.safetensors"))
-    ids = torch.tensor(json.load(open(os.path.join(FIXTURE, "golden.json")))["prompt_ids"][:16])
+    with open(os.path.join(FIXTURE, "golden.json")) as f:
+        ids = torch.tensor(json.load(f)["prompt_ids"][:16])
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         m = DeepseekV41ForCausalLM(cfg, dtype)
-        m.load_state_dict({k: v.to(m.state_dict()[k].dtype) for k, v in tensors.items()})
+        m.load_weights(tensors)
         m.bind_tokenizer(os.path.join(FIXTURE, "tokenizer.json"))
         out[dtype] = torch.log_softmax(m(ids, m.new_state()), -1)
     assert torch.isfinite(out[torch.bfloat16]).all()
