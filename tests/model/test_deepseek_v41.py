@@ -110,6 +110,19 @@ def test_prompt_logprobs_and_greedy_match_hf(name):
     torch.testing.assert_close(torch.tensor(greedy_lp), torch.tensor(g["greedy_logprobs"]), atol=5e-5, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["dev-v41-s0", "dev-v41-s1-rel"])
+def test_checkpoint_loader_feeds_the_model(name):
+    """With the V4/V4.1 checkpoint loader present, both name vocabularies load through it."""
+    v4_loader = pytest.importorskip("model.v4_loader")
+    d, g = _dir(name), _golden(name)
+    model = DeepseekV41ForCausalLM(_model(name).config, torch.float32)
+    model.load_weights(v4_loader.load_v4_weights(d, model.state_dict()))
+    model.bind_tokenizer(os.path.join(d, "tokenizer.json"))
+    ids = torch.tensor(g["prompt_ids"])
+    lp = torch.log_softmax(model(ids, model.new_state()), -1)[:-1].gather(1, ids[1:, None])[:, 0]
+    assert (lp - torch.tensor(g["prompt_logprobs"])).abs().max().item() < 5e-5
+
+
 def test_one_shot_equals_chunked_equals_token_by_token():
     model, g = _model("dev-v41-s0"), _golden("dev-v41-s0")
     ids = torch.tensor(g["prompt_ids"])
