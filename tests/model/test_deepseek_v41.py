@@ -123,24 +123,25 @@ def test_checkpoint_loader_feeds_the_model(name):
     assert (lp - torch.tensor(g["prompt_logprobs"])).abs().max().item() < 5e-5
 
 
+def _chunked(model, ids, sizes):
+    state, parts, start = model.new_state(), [], 0
+    for size in sizes:
+        parts.append(model(ids[start : start + size], state))
+        start += size
+    if start < len(ids):
+        parts.append(model(ids[start:], state))
+    assert state.num_tokens == len(ids)
+    return torch.cat(parts)
+
+
 def test_one_shot_equals_chunked_equals_token_by_token():
     model, g = _model("dev-v41-s0"), _golden("dev-v41-s0")
     ids = torch.tensor(g["prompt_ids"])
     one_shot = model(ids, model.new_state())
-
-    state, parts, start = model.new_state(), [], 0
-    for size in (5, 7, 9, len(ids)):
-        parts.append(model(ids[start : start + size], state))
-        start += size
-        if start >= len(ids):
-            break
-    chunked = torch.cat(parts)
-
-    state = model.new_state()
-    stepwise = torch.cat([model(ids[i : i + 1], state) for i in range(len(ids))])
-    assert state.num_tokens == len(ids)
-    assert (chunked - one_shot).abs().max().item() <= 1e-4
-    assert (stepwise - one_shot).abs().max().item() <= 1e-4
+    # 5/7/9/rest, odd boundaries that split ratio-2 groups and candidate blocks, then one token at a time.
+    for sizes in ((5, 7, 9), (1, 2, 3, 11), (13,), (1,) * len(ids)):
+        diff = (_chunked(model, ids, sizes) - one_shot).abs().max().item()
+        assert diff <= 1e-4, (sizes, diff)
 
 
 def test_state_holds_windows_open_groups_and_shared_entries():
