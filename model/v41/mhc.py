@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from model.v4.mhc import collapse_streams, mhc_site_weights
+from model.v4.mhc import collapse_streams, expand_streams, mhc_site_weights
 
 __all__ = ["collapse_streams", "expand_streams_fp32", "mhc_site_weights", "one_hot_pre"]
 
 
-def expand_streams_fp32(out: torch.Tensor, residual: torch.Tensor, post: torch.Tensor,
+def expand_streams_fp32(out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
                         comb: torch.Tensor) -> torch.Tensor:
-    """post_k · out + Σ_j comb[j, k] · residual_j in fp32: out [T, D], residual [T, hc, D]."""
-    mixed = torch.einsum("tjk,tjd->tkd", comb.float(), residual.float())
-    return (post.unsqueeze(-1) * out.float().unsqueeze(-2) + mixed).to(residual.dtype)
+    """V4.1's expansion: :func:`model.v4.mhc.expand_streams` computed in float32."""
+    return expand_streams(streams, out, post, comb, compute_dtype=torch.float32)
 
 
 def one_hot_pre(num_tokens: int, hc: int, device) -> torch.Tensor:
