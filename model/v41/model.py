@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 # Checkpoint tensors of parts this model does not build: DSpark draft blocks, vision tower,
 # aligner and image delimiter embeddings.
-UNUSED_WEIGHT_PATTERN = re.compile(r"((^|\.)mtp\.|^(model\.)?vision\.|^(model\.)?aligner\.|^(model\.)?image_(start|end|newline)$)")
+UNUSED_WEIGHT_PATTERN = re.compile(r"((^|\.)(mtp|dspark)\.|^(model\.)?vision\.|^(model\.)?aligner\.|^(model\.)?image_(start|end|newline)$)")
 
 
 def split_unused_weights(names) -> tuple[list[str], list[str]]:

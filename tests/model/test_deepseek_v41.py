@@ -203,9 +203,10 @@ def test_load_weights_skips_dspark_and_names_bad_tensors():
 
 def test_dspark_and_vision_tensors_are_skipped(caplog):
     names = ["model.layers.0.attn.wq_a.weight", "mtp.0.ffn.gate.weight", "model.mtp.1.norm.weight",
-             "vision.blocks.0.attn.qkv.weight", "aligner.proj.weight", "image_newline", "lm_head.weight"]
+             "vision.blocks.0.attn.qkv.weight", "aligner.proj.weight", "image_newline", "dspark.0.markov.weight",
+             "lm_head.weight"]
     with caplog.at_level(logging.INFO, logger="model.v41.model"):
         keep, skip = split_unused_weights(names)
     assert keep == ["model.layers.0.attn.wq_a.weight", "lm_head.weight"]
-    assert len(skip) == 5
-    assert sum("skipping 5" in r.message for r in caplog.records) == 1
+    assert len(skip) == 6
+    assert sum("skipping 6" in r.message for r in caplog.records) == 1
