@@ -56,7 +56,8 @@ class Attention(nn.Module):
         """x [T, hidden] normed; ``rope`` is this layer's flavour (compress iff ratio > 0).
 
         ``step`` is shared by the layers of one forward: index sources leave their top-k
-        bias there for the reuse layers after them.
+        bias there (``step["topk_bias"][layer]``) for the reuse layers after them, and the
+        candidate source its block mask.
         """
         t = x.shape[0]
         cos, sin = rope.cos_sin(positions, x.dtype)
@@ -82,13 +83,13 @@ class Attention(nn.Module):
                         source.append_index_keys(self.indexer.keys_from_latents(latent, cos_g, sin_g))
                     entry = fake_quant_fp4(apply_trailing_rope(latent, cos_g, sin_g), 16, "e4m3")
                     source.append_entries(entry)
-            if self.indexer is not None:
-                step["topk_bias"] = None
-                if source.index_keys is not None:
-                    step["topk_bias"] = self.indexer.topk_bias(x, q_res, source.index_keys, positions, cos, sin, step)
+            topk_biases = step.setdefault("topk_bias", {})
+            if self.indexer is not None and source.index_keys is not None:
+                topk_biases[self.layer_idx] = self.indexer.topk_bias(
+                    x, q_res, source.index_keys, positions, cos, sin, step)
             if source.entries is not None:
                 keys = torch.cat([keys, source.entries], dim=0)
-                topk = step.get("topk_bias")
+                topk = topk_biases.get(self.index_source)
                 if topk is None:
                     topk = bias.new_full((t, source.num_entries), float("-inf"))
                 bias = torch.cat([bias, topk.to(bias.dtype)], dim=-1)

@@ -92,10 +92,12 @@ class V41Config:
         return max(s for s in self.kv_source_layer_ids if s <= layer)
 
     def index_source_of(self, layer: int) -> int | None:
-        """The index source whose top-k ``layer`` uses (itself when it is one)."""
+        """The index source whose top-k ``layer`` uses (itself when it is one): the nearest one
+        at or before it that reads the same KV source. None: its compressed entries stay masked."""
         if self.compress_ratios[layer] == 0:
             return None
-        earlier = [s for s in self.index_source_layer_ids if s <= layer]
+        source = self.kv_source_of(layer)
+        earlier = [s for s in self.index_source_layer_ids if source <= s <= layer]
         return max(earlier) if earlier else None
 
     @property

@@ -29,13 +29,7 @@ from model.v41.model import DeepseekV41ForCausalLM, split_unused_weights
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # These tiny ops are far slower with two OpenMP threads on a shared 2-core machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _dir(name):

@@ -19,6 +19,8 @@ from model.v41.model import DeepseekV41ForCausalLM
 from model.v41.moe import Router
 from model.v41.state import SourceState
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 FIXTURE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "dev-v41-s0")
 
 
@@ -68,10 +70,29 @@ def test_released_config_defaults_and_schedule():
     assert cfg.candidate_source_layer_id == 20
     assert len(cfg.compress_ratios) == 40  # DSpark entries are not backbone layers
     assert cfg.kv_source_of(13) == 8 and cfg.index_source_of(27) == 24 and cfg.kv_source_of(39) == 20
+    assert cfg.index_source_of(1) is None and cfg.index_source_of(19) == 14
     assert cfg.engram_pad_id == 2 and cfg.image_token_id == 129264
     assert cfg.quantization.weight_block_size == (32, 32) and cfg.quantization.expert_dtype == "fp4"
     assert cfg.compress_rope.theta == 160000.0 and cfg.compress_rope.yarn.original_max_position_embeddings == 65536
     assert cfg.compress_rope.attention_factor == 1.0
+
+
+def test_a_kv_source_without_an_index_source_masks_its_entries():
+    d = copy.deepcopy(_fixture_config())
+    d["text_config"].update(index_source_layer_ids=[1, 3], candidate_source_layer_id=-1)
+    cfg = parse_model_config(d)
+    assert [cfg.index_source_of(i) for i in range(8)] == [None, 1, 1, 3, None, None, None, None]
+    from safetensors.torch import load_file
+
+    model = DeepseekV41ForCausalLM(cfg, torch.float32)
+    tensors = load_file(os.path.join(FIXTURE, "model.safetensors"))
+    model.load_weights({k: v for k, v in tensors.items() if k in model.state_dict()})
+    model.bind_tokenizer(os.path.join(FIXTURE, "tokenizer.json"))
+    ids = torch.arange(3, 23)
+    one_shot = model(ids, model.new_state())
+    state = model.new_state()
+    chunked = torch.cat([model(ids[:7], state), model(ids[7:], state)])
+    assert torch.isfinite(one_shot).all() and (chunked - one_shot).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize("edit,match", [
