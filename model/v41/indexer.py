@@ -54,7 +54,9 @@ class Indexer(nn.Module):
         self.ratio = config.compress_ratios[layer_idx]
         self.owns_keys = layer_idx in config.kv_source_layer_ids
         self.is_candidate_source = layer_idx == config.candidate_source_layer_id
-        self.uses_candidates = 0 <= config.candidate_source_layer_id < layer_idx
+        cand = config.candidate_source_layer_id
+        # The mask is over the candidate source's entries: only layers reading the same KV source use it.
+        self.uses_candidates = 0 <= cand < layer_idx and config.kv_source_of(cand) == config.kv_source_of(layer_idx)
         self.topk_blocks = config.candidate_topk_blocks
         self.block_size = config.candidate_block_size
         self.num_heads = config.index_n_heads
