@@ -96,6 +96,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Final-normed hidden states [T, D] of one request's next T tokens ``input_ids`` [T]."""
         if input_ids.dim() != 1 or input_ids.shape[0] == 0:
             raise ValueError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.config.vocab_size})")
         if len(state.layers) != len(self.model.layers):
             raise ValueError("state was not made by this model's new_state()")
         t = input_ids.shape[0]
