@@ -85,6 +85,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.model = V4Backbone(config, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.lm_head.requires_grad_(False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.main_rope = RotaryTable(config.qk_rope_head_dim, config.main_rope)
         self.compress_rope = RotaryTable(config.qk_rope_head_dim, config.compress_rope)
 
@@ -135,6 +137,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             seen.add(name)
         if skipped_mtp:
             logger.info("skipped %d MTP tensors (mtp.*): multi-token prediction is not loaded", skipped_mtp)
+        if self.config.tie_word_embeddings:
+            seen.add("lm_head.weight")  # shares the embedding's tensor
         missing = sorted(set(own) - seen)
         if missing:
             raise ValueError(f"missing tensor {missing[0]!r} (and {len(missing) - 1} more)" if len(missing) > 1
