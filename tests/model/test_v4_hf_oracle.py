@@ -95,6 +95,21 @@ def test_chunked_prefill_matches_hf_cached_chunks(pair, prompt):
     assert diff.abs().max().item() <= 1e-5
 
 
+def test_query_blocks_equal_whole_chunk(pair, prompt):
+    _, ours = pair
+    attns = [layer.self_attn for layer in ours.model.layers]
+    with torch.no_grad():
+        whole = run_chunks(ours, prompt, [SEQ])
+        for attn in attns:
+            attn.query_block = 3
+        try:
+            blocked = run_chunks(ours, prompt, [30, SEQ - 30])
+        finally:
+            for attn in attns:
+                attn.query_block = 256
+    assert (blocked - whole).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_chunk_boundaries_equal_one_shot(pair, prompt, seed):
     _, ours = pair
