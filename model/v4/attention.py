@@ -34,7 +34,6 @@ from model.v4.output_proj import GroupedLinear, grouped_output_projection
 from model.v4.rope import RotaryTable, apply_trailing_rope
 from model.v4.state import V4LayerState, WindowState
 
-
 QUERY_BLOCK = 256  # queries per attention block in a long chunk (bounds the transient logits)
 
 
