@@ -50,6 +50,9 @@ def test_v4_flash_schedule():
     c = parse_model_config(d)
     assert c.layer_kinds.count("csa") == 21 and c.layer_kinds.count("hca") == 20 and c.layer_kinds[:2] == ("sliding",) * 2
     assert c.compress_ratios[2:4] == (4, 128) and c.hash_layers.count(True) == 3
+    assert c.quantization is None
+    d.update(expert_dtype="fp4", quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert parse_model_config(d).quantization["expert_dtype"] == "fp4"
 
 
 @pytest.mark.parametrize("change, message", [
