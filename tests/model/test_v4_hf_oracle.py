@@ -177,7 +177,7 @@ def test_features_move_the_logits(pair, prompt):
         assert moved > 1e-3
 
 
-def test_load_weights_errors_name_the_tensor(pair):
+def test_load_weights_errors_name_the_tensor(pair, caplog):
     hf, ours = pair
     sd = hf.state_dict()
     fresh = DeepseekV4ForCausalLM(ours.config)
@@ -187,6 +187,10 @@ def test_load_weights_errors_name_the_tensor(pair):
         fresh.load_weights([("lm_head.weight", torch.zeros(1, 1))])
     with pytest.raises(ValueError, match="missing tensor"):
         fresh.load_weights([(k, v) for k, v in sd.items() if k != "model.norm.weight"])
-    fresh.load_weights([*sd.items(), ("mtp.0.e_proj.weight", torch.zeros(2, 2))])  # MTP is skipped
+    mtp = [("mtp.0.e_proj.weight", torch.zeros(2, 2)), ("mtp.0.norm.weight", torch.zeros(2))]
+    with caplog.at_level("INFO", logger="model.v4.model"):
+        fresh.load_weights([*sd.items(), *mtp])  # MTP is skipped, with one log line
+    assert [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()] == [
+        "skipped 2 MTP tensors (mtp.*): multi-token prediction is not loaded"]
     with pytest.raises(ValueError, match="token id 256 is outside the vocabulary"):
         fresh(torch.tensor([3, 256]), fresh.new_state())
