@@ -34,6 +34,8 @@ from model.v4.output_proj import GroupedLinear, grouped_output_projection
 from model.v4.rope import RotaryTable, apply_trailing_rope
 from model.v4.state import V4LayerState, WindowState
 
+QUERY_BLOCK = 256  # queries per attention block in a long chunk (bounds the transient logits)
+
 
 class V4Attention(nn.Module):
     def __init__(self, config: V4Config, layer_idx: int, dtype: torch.dtype) -> None:
@@ -44,6 +46,7 @@ class V4Attention(nn.Module):
         self.num_heads, self.head_dim = c.num_attention_heads, c.head_dim
         self.sliding_window, self.eps = c.sliding_window, c.rms_norm_eps
         self.scale = c.head_dim**-0.5
+        self.query_block = QUERY_BLOCK
         h, d = c.hidden_size, c.head_dim
         self.q_a_proj = nn.Linear(h, c.q_lora_rank, bias=False, dtype=dtype)
         self.q_a_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, torch.float32)
@@ -80,17 +83,29 @@ class V4Attention(nn.Module):
         kv = apply_trailing_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
 
         keys, key_pos = state.window.attend_and_append(kv)
-        bias = window_bias(positions, key_pos, self.sliding_window)
+        first_key, start = state.window.end - keys.shape[0], state.window.end - t
+        entries = picks = None
         if self.compressor is not None:
-            entries = self.compressor.compress(x, state.compressor, rope)
+            entries = self.compressor.compress(x, state.compressor, rope).to(keys.dtype)
             if isinstance(self.compressor, CSACompressor):
-                picks = self.compressor.indexer.select(x, q_residual, positions, state.indexer, rope)
-                entry_bias = selected_entry_bias(picks, entries.shape[0])
-            else:
-                entry_bias = causal_entry_bias(positions, entries.shape[0], self.ratio)
-            keys = torch.cat([keys, entries.to(keys.dtype)], dim=0)
-            bias = torch.cat([bias, entry_bias], dim=1)
+                picks = self.compressor.indexer.select(x, q_residual, positions, state.indexer, rope,
+                                                       self.query_block)
 
-        o = sink_attention(q, keys, bias, self.sinks, self.scale)
+        # Query blocks bound the logits to [H, block, window + block + entries] for long chunks.
+        o = torch.empty_like(q)
+        for a in range(0, t, self.query_block):
+            b = min(a + self.query_block, t)
+            lo = max(0, start + a - self.sliding_window + 1 - first_key)
+            hi = start + b - first_key
+            block_keys, bias = keys[lo:hi], window_bias(positions[a:b], key_pos[lo:hi], self.sliding_window)
+            if entries is not None:
+                n = entries.shape[0]
+                if picks is not None:
+                    entry_bias = selected_entry_bias(picks[a:b], n)
+                else:
+                    entry_bias = causal_entry_bias(positions[a:b], n, self.ratio)
+                block_keys = torch.cat([block_keys, entries], dim=0)
+                bias = torch.cat([bias, entry_bias], dim=1)
+            o[a:b] = sink_attention(q[a:b], block_keys, bias, self.sinks, self.scale)
         o = apply_trailing_rope(o, cos, sin, inverse=True)
         return grouped_output_projection(o, self.o_a_proj, self.o_b_proj)

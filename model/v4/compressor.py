@@ -114,22 +114,27 @@ class LightningIndexer(WindowCompressor):
         self.scorer = IndexerScorer(hidden, n_heads, head_dim, dtype)
 
     def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, state: CompressorState,
-               rope: RotaryTable) -> torch.Tensor:
-        """Update the index keys with the chunk and return each query's picks [T, k] (−1 = none)."""
+               rope: RotaryTable, query_block: int = 256) -> torch.Tensor:
+        """Update the index keys with the chunk and return each query's picks [T, k] (−1 = none).
+
+        Queries are scored ``query_block`` at a time, so the scores stay [block, n] for long chunks.
+        """
         keys = self.compress(x, state, rope)
-        t = x.shape[0]
+        t, n = x.shape[0], keys.shape[0]
+        if n == 0:
+            return torch.empty(t, 0, dtype=torch.long, device=x.device)
         q = self.q_b_proj(q_residual).view(t, self.n_heads, self.head_dim)
         cos, sin = rope.cos_sin(positions, x.dtype)
         q = apply_trailing_rope(q, cos, sin)
-        scores = self.scorer(q, keys, x)
-        n = keys.shape[0]
-        k = min(self.topk, n)
-        if n == 0:
-            return torch.empty(t, 0, dtype=torch.long, device=x.device)
-        threshold = ((positions + 1) // self.ratio).unsqueeze(-1)  # entries visible to each query
-        future = torch.arange(n, device=x.device).unsqueeze(0) >= threshold
-        picks = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
-        return torch.where(picks >= threshold, torch.full_like(picks, -1), picks)
+        entry = torch.arange(n, device=x.device).unsqueeze(0)
+        picks = []
+        for a in range(0, t, query_block):
+            b = min(a + query_block, t)
+            scores = self.scorer(q[a:b], keys, x[a:b])
+            threshold = ((positions[a:b] + 1) // self.ratio).unsqueeze(-1)  # entries visible to each query
+            top = scores.masked_fill(entry >= threshold, float("-inf")).topk(min(self.topk, n), dim=-1).indices
+            picks.append(torch.where(top >= threshold, torch.full_like(top, -1), top))
+        return torch.cat(picks)
 
 
 class CSACompressor(WindowCompressor):

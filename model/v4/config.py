@@ -151,6 +151,17 @@ def _rope_specs(d: dict) -> tuple[RopeSpec, RopeSpec]:
     return RopeSpec(theta), _rope_spec(flat, compress_theta, "compress")
 
 
+def _quantization(d: dict) -> dict | None:
+    """``quantization_config`` as given, with a top-level ``expert_dtype`` (V4's place) moved inside."""
+    q = d.get("quantization_config")
+    if not q:
+        return None
+    q = dict(q)
+    if d.get("expert_dtype") is not None:
+        q.setdefault("expert_dtype", d["expert_dtype"])
+    return q
+
+
 def parse_v4_config(d: dict[str, Any]) -> V4Config:
     """Build a :class:`V4Config` from a ``deepseek_v4`` config.json (either vocabulary)."""
     if d.get("model_type") != "deepseek_v4":
@@ -209,7 +220,7 @@ def parse_v4_config(d: dict[str, Any]) -> V4Config:
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),
         num_nextn_predict_layers=int(_get(d, "num_nextn_predict_layers", 0)),
-        quantization=d.get("quantization_config"),
+        quantization=_quantization(d),
         torch_dtype=str(_get(d, "torch_dtype", _get(d, "dtype", "bfloat16"))),
         raw=dict(d),
     )

@@ -85,6 +85,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.model = V4Backbone(config, dtype)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.lm_head.requires_grad_(False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
         self.main_rope = RotaryTable(config.qk_rope_head_dim, config.main_rope)
         self.compress_rope = RotaryTable(config.qk_rope_head_dim, config.compress_rope)
 
@@ -96,6 +98,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Final-normed hidden states [T, D] of one request's next T tokens ``input_ids`` [T]."""
         if input_ids.dim() != 1 or input_ids.shape[0] == 0:
             raise ValueError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.config.vocab_size})")
         if len(state.layers) != len(self.model.layers):
             raise ValueError("state was not made by this model's new_state()")
         t = input_ids.shape[0]
@@ -132,6 +137,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             seen.add(name)
         if skipped_mtp:
             logger.info("skipped %d MTP tensors (mtp.*): multi-token prediction is not loaded", skipped_mtp)
+        if self.config.tie_word_embeddings:
+            seen.add("lm_head.weight")  # shares the embedding's tensor
         missing = sorted(set(own) - seen)
         if missing:
             raise ValueError(f"missing tensor {missing[0]!r} (and {len(missing) - 1} more)" if len(missing) > 1

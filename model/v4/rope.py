@@ -44,16 +44,19 @@ class RotaryTable:
         self.rot_dim = rot_dim
         self.spec = spec
         y = spec.yarn
-        if y is None or y.factor <= 1.0:
-            self.inv_freq = 1.0 / (spec.theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
-        else:
-            self.inv_freq = yarn_inv_freq(
-                rot_dim, spec.theta, y.factor, y.original_max_position_embeddings, y.beta_fast, y.beta_slow
-            )
+        with torch.device("cpu"):  # real values even when the model is built on the meta device
+            if y is None or y.factor <= 1.0:
+                self.inv_freq = 1.0 / (spec.theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+            else:
+                self.inv_freq = yarn_inv_freq(
+                    rot_dim, spec.theta, y.factor, y.original_max_position_embeddings, y.beta_fast, y.beta_slow
+                )
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)``, each [N, rot_dim/2], rounded to ``dtype`` (the activations' dtype)."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
         f = self.spec.attention_factor
         return (freqs.cos() * f).to(dtype), (freqs.sin() * f).to(dtype)
 

@@ -54,7 +54,8 @@ class WindowState:
         keys = kv if self.rows is None else torch.cat([self.rows, kv], dim=0)
         first = self.end - (0 if self.rows is None else self.rows.shape[0])
         positions = torch.arange(first, first + keys.shape[0], device=kv.device)
-        self.rows = keys[max(keys.shape[0] - (self.window - 1), 0):]
+        keep = max(keys.shape[0] - (self.window - 1), 0)
+        self.rows = keys[keep:].clone() if keep else keys  # a copy, so a long chunk's rows are freed
         self.end += kv.shape[0]
         return keys, positions
 
@@ -85,7 +86,7 @@ class CompressorState:
             kv = torch.cat([self.pending_kv, kv], dim=0)
             gate = torch.cat([self.pending_gate, gate], dim=0)
         usable = (kv.shape[0] // self.ratio) * self.ratio
-        self.pending_kv, self.pending_gate = kv[usable:], gate[usable:]
+        self.pending_kv, self.pending_gate = kv[usable:].clone(), gate[usable:].clone()
         n_w = usable // self.ratio
         shape = (n_w, self.ratio, kv.shape[-1])
         return kv[:usable].reshape(shape), gate[:usable].reshape(shape), self.num_entries

@@ -80,6 +80,64 @@ def test_chunked_prefill_and_decode_equal_one_shot(pair, prompt):
         assert (other - one_shot).abs().max().item() <= 1e-4
 
 
+def test_chunked_prefill_matches_hf_cached_chunks(pair, prompt):
+    """Our per-request state evolves as HF's DynamicCache does, chunk for chunk."""
+    from transformers import DynamicCache
+
+    hf, ours = pair
+    sizes = [5, 7, 9, SEQ - 21]
+    cache, rows, start = DynamicCache(config=hf.config), [], 0
+    with torch.no_grad():
+        for n in sizes:
+            rows.append(hf(prompt[None, start:start + n], cache=cache).logits[0])
+            start += n
+        diff = run_chunks(ours, prompt, sizes) - torch.cat(rows)
+    assert diff.abs().max().item() <= 1e-5
+
+
+def test_query_blocks_equal_whole_chunk(pair, prompt):
+    _, ours = pair
+    attns = [layer.self_attn for layer in ours.model.layers]
+    with torch.no_grad():
+        whole = run_chunks(ours, prompt, [SEQ])
+        for attn in attns:
+            attn.query_block = 3
+        try:
+            blocked = run_chunks(ours, prompt, [30, SEQ - 30])
+        finally:
+            for attn in attns:
+                attn.query_block = 256
+    assert (blocked - whole).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_chunk_boundaries_equal_one_shot(pair, prompt, seed):
+    _, ours = pair
+    gen = torch.Generator().manual_seed(seed)
+    cuts = sorted(torch.randperm(SEQ - 1, generator=gen)[:6].add(1).tolist())
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, SEQ])]
+    with torch.no_grad():
+        diff = run_chunks(ours, prompt, sizes) - run_chunks(ours, prompt, [SEQ])
+    assert diff.abs().max().item() <= 1e-4, sizes
+
+
+def test_bfloat16_matches_hf_bfloat16(pair, prompt, tmp_path):
+    """In bf16 the same tensors stay float32 as in HF (norms, mHC, sinks, position biases)."""
+    from transformers import DeepseekV4ForCausalLM as HFModel
+
+    hf, ours = pair
+    hf.save_pretrained(tmp_path)
+    hf_bf16 = HFModel.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    ours_bf16 = DeepseekV4ForCausalLM(ours.config, dtype=torch.bfloat16)
+    ours_bf16.load_weights(hf.state_dict().items())
+    fp32_names = {k for k, v in hf_bf16.state_dict().items() if v.dtype == torch.float32}
+    assert fp32_names == {k for k, v in ours_bf16.state_dict().items() if v.dtype == torch.float32}
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_bf16(prompt[None]).logits[0].float(), dim=-1)
+        out = torch.log_softmax(run_chunks(ours_bf16, prompt, [SEQ]), dim=-1)
+    assert (out - ref).abs().max().item() < 1e-2
+
+
 def greedy(model, ids, n):
     state = model.new_state()
     logits = model.compute_logits(model(ids, state)[-1:])
@@ -119,7 +177,7 @@ def test_features_move_the_logits(pair, prompt):
         assert moved > 1e-3
 
 
-def test_load_weights_errors_name_the_tensor(pair):
+def test_load_weights_errors_name_the_tensor(pair, caplog):
     hf, ours = pair
     sd = hf.state_dict()
     fresh = DeepseekV4ForCausalLM(ours.config)
@@ -129,4 +187,10 @@ def test_load_weights_errors_name_the_tensor(pair):
         fresh.load_weights([("lm_head.weight", torch.zeros(1, 1))])
     with pytest.raises(ValueError, match="missing tensor"):
         fresh.load_weights([(k, v) for k, v in sd.items() if k != "model.norm.weight"])
-    fresh.load_weights([*sd.items(), ("mtp.0.e_proj.weight", torch.zeros(2, 2))])  # MTP is skipped
+    mtp = [("mtp.0.e_proj.weight", torch.zeros(2, 2)), ("mtp.0.norm.weight", torch.zeros(2))]
+    with caplog.at_level("INFO", logger="model.v4.model"):
+        fresh.load_weights([*sd.items(), *mtp])  # MTP is skipped, with one log line
+    assert [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()] == [
+        "skipped 2 MTP tensors (mtp.*): multi-token prediction is not loaded"]
+    with pytest.raises(ValueError, match="token id 256 is outside the vocabulary"):
+        fresh(torch.tensor([3, 256]), fresh.new_state())
