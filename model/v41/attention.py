@@ -18,14 +18,14 @@ import torch
 from torch import nn
 
 from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
-from model.v4.attention_core import sink_attention, window_bias
+from model.v4.attention_core import selected_entry_bias, sink_attention, window_bias
 from model.v4.output_proj import GroupedLinear
 from model.v4.rope import RotaryTable, apply_trailing_rope
 from model.v41.compressor import Compressor
 from model.v41.config import V41Config
-from model.v41.indexer import Indexer
+from model.v41.indexer import QUERY_BLOCK, Indexer
 from model.v41.norm import RMSNorm
-from model.v41.state import RequestState
+from model.v41.state import RequestState, SourceState
 
 
 class Attention(nn.Module):
@@ -51,13 +51,25 @@ class Attention(nn.Module):
         self.compressor = Compressor(c, layer_idx, dtype) if self.kv_source == layer_idx else None
         self.indexer = Indexer(c, layer_idx, dtype) if self.index_source == layer_idx else None
 
+    def _compress(self, x: torch.Tensor, source: SourceState, rope: RotaryTable) -> None:
+        """KV source: pool the groups these tokens complete, store their indexer keys and
+        their rotated, FP4-fake-quantized entries in the shared cache."""
+        latent, first = self.compressor(x, source)
+        if latent is None:
+            return
+        group_pos = first + self.ratio * torch.arange(latent.shape[0], device=x.device)
+        cos, sin = rope.cos_sin(group_pos, latent.dtype)
+        if self.indexer is not None:
+            source.append_index_keys(self.indexer.keys_from_latents(latent, cos, sin))
+        source.append_entries(fake_quant_fp4(apply_trailing_rope(latent, cos, sin), 16, "e4m3"))
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, state: RequestState,
                 step: dict) -> torch.Tensor:
         """x [T, hidden] normed; ``rope`` is this layer's flavour (compress iff ratio > 0).
 
         ``step`` is shared by the layers of one forward: index sources leave their top-k
-        bias there (``step["topk_bias"][layer]``) for the reuse layers after them, and the
-        candidate source its block mask.
+        picks there (``step["topk_picks"][layer]``) for the reuse layers after them, and the
+        candidate source its block mask. Queries attend ``QUERY_BLOCK`` at a time.
         """
         t = x.shape[0]
         cos, sin = rope.cos_sin(positions, x.dtype)
@@ -67,34 +79,35 @@ class Attention(nn.Module):
 
         cached = state.windows[self.layer_idx]
         n_cached = 0 if cached is None else cached.shape[0]
-        keys = kv if cached is None else torch.cat([cached, kv], dim=0)
-        state.windows[self.layer_idx] = keys[max(0, keys.shape[0] - (self.window - 1)):]
-        key_pos = torch.arange(int(positions[0]) - n_cached, int(positions[-1]) + 1, device=x.device)
-        bias = window_bias(positions, key_pos, self.window)
+        window_rows = kv if cached is None else torch.cat([cached, kv], dim=0)
+        state.windows[self.layer_idx] = window_rows[max(0, window_rows.shape[0] - (self.window - 1)):]
+        row_pos = torch.arange(int(positions[0]) - n_cached, int(positions[-1]) + 1, device=x.device)
 
+        entries, picks = None, None
         if self.ratio:
             source = state.sources[self.kv_source]
             if self.compressor is not None:
-                latent, first = self.compressor(x, source)
-                if latent is not None:
-                    group_pos = first + self.ratio * torch.arange(latent.shape[0], device=x.device)
-                    cos_g, sin_g = rope.cos_sin(group_pos, latent.dtype)
-                    if self.indexer is not None:
-                        source.append_index_keys(self.indexer.keys_from_latents(latent, cos_g, sin_g))
-                    entry = fake_quant_fp4(apply_trailing_rope(latent, cos_g, sin_g), 16, "e4m3")
-                    source.append_entries(entry)
-            topk_biases = step.setdefault("topk_bias", {})
+                self._compress(x, source, rope)
+            all_picks = step.setdefault("topk_picks", {})
             if self.indexer is not None and source.index_keys is not None:
-                topk_biases[self.layer_idx] = self.indexer.topk_bias(
+                all_picks[self.layer_idx] = self.indexer.topk_picks(
                     x, q_res, source.index_keys, positions, cos, sin, step)
-            if source.entries is not None:
-                keys = torch.cat([keys, source.entries], dim=0)
-                topk = topk_biases.get(self.index_source)
-                if topk is None:
-                    topk = bias.new_full((t, source.num_entries), float("-inf"))
-                bias = torch.cat([bias, topk.to(bias.dtype)], dim=-1)
+            entries, picks = source.entries, all_picks.get(self.index_source)
 
-        out = sink_attention(q, keys, bias, self.attn_sink, self.scale)
+        out = torch.empty_like(q)
+        for s in range(0, t, QUERY_BLOCK):
+            e = min(t, s + QUERY_BLOCK)
+            lo = max(0, n_cached + s - (self.window - 1))  # first window row a query of the block sees
+            keys = window_rows[lo : n_cached + e]
+            bias = window_bias(positions[s:e], row_pos[lo : n_cached + e], self.window)
+            if entries is not None:
+                keys = torch.cat([keys, entries], dim=0)
+                if picks is None:  # no index source for this KV source: entries stay masked
+                    entry_bias = bias.new_full((e - s, entries.shape[0]), float("-inf"))
+                else:
+                    entry_bias = selected_entry_bias(picks[s:e], entries.shape[0])
+                bias = torch.cat([bias, entry_bias], dim=-1)
+            out[s:e] = sink_attention(q[s:e], keys, bias, self.attn_sink, self.scale)
         out = apply_trailing_rope(out, cos, sin, inverse=True)
         grouped = out.reshape(t, self.o_groups, -1)
         return self.wo_b(self.wo_a(grouped).flatten(1))

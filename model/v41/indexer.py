@@ -13,8 +13,8 @@ Roles, per layer with a compressed branch:
   that later index sources apply before their own top-k (its own top-k is unrestricted);
 * reuse layers (no indexer) attend with the top-k of the nearest index source before them.
 
-The top-k becomes an additive bias over the compressed entries: 0 on picks, -inf elsewhere
-(picks of invisible entries are dropped).
+The top-k picks (-1 where fewer entries than ``index_topk`` are visible) become the attention's
+additive bias over the compressed entries: 0 on picks, -inf elsewhere.
 """
 
 from __future__ import annotations
@@ -28,14 +28,17 @@ from model.v4.rope import apply_trailing_rope
 from model.v41.config import V41Config
 from model.v41.norm import RMSNorm
 
+# Queries scored per block: bounds the transient [block, heads, entries] score tensor.
+QUERY_BLOCK = 256
+
 
 def select_candidate_blocks(
     scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int
 ) -> torch.Tensor:
-    """Boolean mask over entries [T, n]: the ``topk_blocks`` blocks of ``block_size``
-    consecutive entries with the highest max score, always including the block that holds a
-    query's newest visible entry. ``scores`` has invisible entries at -inf; ``visible`` [T, 1]
-    is the number of visible entries per query."""
+    """Boolean mask over candidate blocks [T, ceil(n / block_size)]: the ``topk_blocks`` blocks of
+    ``block_size`` consecutive entries with the highest max score, always including the block
+    that holds a query's newest visible entry. ``scores`` [T, n] has invisible entries at -inf;
+    ``visible`` [T, 1] is the number of visible entries per query."""
     n = scores.shape[-1]
     padded = F.pad(scores, (0, (-n) % block_size), value=float("-inf"))
     block_max = padded.view(*scores.shape[:-1], -1, block_size).amax(dim=-1)
@@ -44,8 +47,12 @@ def select_candidate_blocks(
     block_ids = torch.arange(num_blocks, device=scores.device)
     block_max = block_max.masked_fill(block_ids == newest, float("inf"))
     top = block_max.topk(min(topk_blocks, num_blocks), dim=-1)
-    keep = torch.zeros_like(block_max, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
-    return keep.repeat_interleave(block_size, dim=-1)[..., :n]
+    return torch.zeros_like(block_max, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+
+
+def blocks_to_entries(blocks: torch.Tensor, block_size: int, num_entries: int) -> torch.Tensor:
+    """[T, blocks] block mask -> [T, num_entries] entry mask."""
+    return blocks.repeat_interleave(block_size, dim=-1)[..., :num_entries]
 
 
 class Indexer(nn.Module):
@@ -73,33 +80,36 @@ class Indexer(nn.Module):
         k = apply_trailing_rope(self.k_norm(self.wk(latent)), cos, sin)
         return fake_quant_fp4(k, 32, "ue8m0")
 
-    def topk_bias(
+    def topk_picks(
         self, x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
         cos: torch.Tensor, sin: torch.Tensor, step: dict,
     ) -> torch.Tensor:
-        """Additive bias [T, n] over the n shared entries (0 = attend, -inf = skip).
-
-        ``step`` carries the candidate mask from the candidate source to later layers.
+        """The entries each query attends [T, min(index_topk, n)] (-1 = no pick) among the n
+        shared entries, scored ``QUERY_BLOCK`` queries at a time so the transient scores stay
+        [block, heads, n]. The candidate source leaves its block mask in ``step["candidates"]``.
         """
         t, n = x.shape[0], keys.shape[0]
-        q = self.wq_b(q_res).view(1, t, self.num_heads, self.head_dim)
-        q = fake_quant_fp4(apply_trailing_rope(q[0], cos, sin), 32, "ue8m0")[None]
-        scores = torch.einsum("bshd,btd->bsht", q.float(), keys[None].float())
-        scores = scores.relu_() * self.head_dim**-0.5
-        weights = self.weights_proj(x[None]).float() * self.num_heads**-0.5
-        index_scores = (scores * weights.unsqueeze(-1)).sum(dim=2)[0]  # [T, n]
-
+        q = self.wq_b(q_res).view(t, self.num_heads, self.head_dim)
+        q = fake_quant_fp4(apply_trailing_rope(q, cos, sin), 32, "ue8m0")
+        weights = self.weights_proj(x).float() * self.num_heads**-0.5
         visible = (positions.long().unsqueeze(-1) + 1) // self.ratio  # [T, 1]
         entry_ids = torch.arange(n, device=x.device).view(1, -1)
-        index_scores = index_scores.masked_fill(entry_ids >= visible, float("-inf"))
-        if self.is_candidate_source:
-            step["candidates"] = select_candidate_blocks(index_scores, visible, self.topk_blocks, self.block_size)
-        elif self.uses_candidates and step.get("candidates") is not None:
-            index_scores = index_scores.masked_fill(~step["candidates"], float("-inf"))
-
         k = min(self.index_topk, n)
-        bias = index_scores.new_full((t, n + 1), float("-inf"))
-        top = index_scores.topk(k, dim=-1, sorted=False)
-        picks = torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, n))
-        bias.scatter_(-1, picks, 0.0)
-        return bias[:, :n]
+        picks, candidates = [], []
+        for s in range(0, t, QUERY_BLOCK):
+            e = min(t, s + QUERY_BLOCK)
+            scores = torch.einsum("bshd,btd->bsht", q[None, s:e].float(), keys[None].float())
+            scores = scores.relu_() * self.head_dim**-0.5
+            index_scores = (scores * weights[None, s:e].unsqueeze(-1)).sum(dim=2)[0]  # [B, n]
+            index_scores = index_scores.masked_fill(entry_ids >= visible[s:e], float("-inf"))
+            if self.is_candidate_source:
+                candidates.append(
+                    select_candidate_blocks(index_scores, visible[s:e], self.topk_blocks, self.block_size))
+            elif self.uses_candidates and step.get("candidates") is not None:
+                allowed = blocks_to_entries(step["candidates"][s:e], self.block_size, n)
+                index_scores = index_scores.masked_fill(~allowed, float("-inf"))
+            top = index_scores.topk(k, dim=-1, sorted=False)
+            picks.append(torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1)))
+        if self.is_candidate_source:
+            step["candidates"] = torch.cat(candidates)
+        return torch.cat(picks)

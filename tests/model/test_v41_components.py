@@ -14,7 +14,7 @@ import torch
 from model.config import ConfigError, parse_model_config
 from model.v41.compressor import Compressor
 from model.v41.config import parse_v41_config
-from model.v41.indexer import Indexer, select_candidate_blocks
+from model.v41.indexer import Indexer, blocks_to_entries, select_candidate_blocks
 from model.v41.model import DeepseekV41ForCausalLM
 from model.v41.moe import Router
 from model.v41.state import SourceState
@@ -155,11 +155,15 @@ def test_candidate_blocks_pin_the_newest_block_and_keep_the_best():
     scores = torch.tensor([[5.0, 0.1, 0.2, 0.3, 4.0, 0.0, -1.0, float("-inf")]])
     # blocks of 2: maxima [5, 0.3, 4, -1]; newest visible entry 6 -> block 3 pinned.
     keep = select_candidate_blocks(scores, torch.tensor([[7]]), topk_blocks=2, block_size=2)
-    assert keep.tolist() == [[True, True, False, False, False, False, True, True]]
+    assert keep.tolist() == [[True, False, False, True]]
+    assert blocks_to_entries(keep, 2, 7).tolist() == [[True, True, False, False, False, False, True]]
     # Fewer reachable blocks than topk_blocks: unreachable ones stay out.
     few = torch.tensor([[1.0, 2.0, float("-inf"), float("-inf")]])
     keep = select_candidate_blocks(few, torch.tensor([[2]]), topk_blocks=4, block_size=1)
     assert keep.tolist() == [[True, True, False, False]]
+    # The newest block is kept even when every older block outscores it.
+    keep = select_candidate_blocks(torch.tensor([[9.0, 8.0, 7.0, 0.0]]), torch.tensor([[4]]), 1, 1)
+    assert keep.tolist() == [[False, False, False, True]]
 
 
 def test_indexer_never_picks_invisible_entries():
@@ -173,12 +177,31 @@ def test_indexer_never_picks_invisible_entries():
     positions = torch.arange(t)
     cos = torch.ones(t, cfg.qk_rope_head_dim // 2)
     sin = torch.zeros_like(cos)
-    bias = idx.topk_bias(x, q_res, keys, positions, cos, sin, {})
+    picks = idx.topk_picks(x, q_res, keys, positions, cos, sin, {})
+    assert picks.shape == (t, min(cfg.index_topk, n))
     visible = (positions + 1) // 2
     for row in range(t):
-        picked = (bias[row] == 0).nonzero().flatten().tolist()
-        assert all(e < visible[row] for e in picked)
+        picked = [p for p in picks[row].tolist() if p >= 0]
+        assert all(e < visible[row] for e in picked) and len(set(picked)) == len(picked)
         assert len(picked) == min(int(visible[row]), cfg.index_topk, n)
+
+
+def test_query_blocks_do_not_change_the_result(monkeypatch):
+    from safetensors.torch import load_file
+
+    from model.v41 import attention, indexer
+
+    cfg = parse_v41_config(_fixture_config())
+    model = DeepseekV41ForCausalLM(cfg, torch.float32)
+    model.load_weights(load_file(os.path.join(FIXTURE, "model.safetensors")))
+    model.bind_tokenizer(os.path.join(FIXTURE, "tokenizer.json"))
+    ids = torch.arange(3, 33)
+    whole = model(ids, model.new_state())
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 3)
+    monkeypatch.setattr(indexer, "QUERY_BLOCK", 3)
+    state = model.new_state()
+    blocked = torch.cat([model(ids[:11], state), model(ids[11:], state)])
+    assert (blocked - whole).abs().max() < 1e-4
 
 
 def test_router_bias_selects_and_bias_vl_is_for_image_tokens_only():
