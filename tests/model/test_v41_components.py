@@ -253,3 +253,39 @@ def test_bf16_model_runs_and_tracks_fp32():
         out[dtype] = torch.log_softmax(m(ids, m.new_state()), -1)
     assert torch.isfinite(out[torch.bfloat16]).all()
     assert (out[torch.bfloat16] - out[torch.float32]).abs().max() < 1.0
+
+
+def test_flash_sized_model_has_the_released_tensor_shapes():
+    """V4.1-Flash dimensions (with 8 instead of 384 experts, to build quickly) on the meta device:
+    HF-V4.1 names and the released checkpoint's (dequantized) shapes."""
+    d = _released_like()
+    d["text_config"]["n_routed_experts"] = 8
+    cfg = parse_v41_config(d)
+    with torch.device("meta"):
+        sd = DeepseekV41ForCausalLM(cfg, torch.bfloat16).state_dict()
+    want = {
+        "model.embed.weight": (129280, 5120), "lm_head.weight": (129280, 5120), "model.norm.weight": (5120,),
+        "model.layers.5.attn.wq_a.weight": (1280, 5120), "model.layers.5.attn.wq_b.weight": (32768, 1280),
+        "model.layers.5.attn.wkv.weight": (512, 5120), "model.layers.5.attn.wo_a.weight": (8192, 4096),
+        "model.layers.5.attn.wo_b.weight": (5120, 8192), "model.layers.5.attn.attn_sink": (64,),
+        "model.layers.5.ffn.gate.weight": (8, 5120), "model.layers.5.ffn.gate.bias_vl": (8,),
+        "model.layers.5.ffn.experts.7.w1.weight": (2304, 5120), "model.layers.5.ffn.experts.7.w2.weight": (5120, 2304),
+        "model.layers.5.ffn.shared_experts.w3.weight": (2304, 5120), "model.layers.5.hc_attn_fn": (24, 20480),
+        "model.layers.2.attn.compressor.wkv.weight": (512, 5120),
+        "model.layers.2.attn.compressor.wgate.weight": (512, 5120),
+        "model.layers.2.attn.compressor.norm.weight": (512,), "model.layers.2.attn.indexer.wk.weight": (128, 512),
+        "model.layers.2.attn.indexer.k_norm.weight": (128,), "model.layers.2.attn.indexer.wq_b.weight": (4096, 1280),
+        "model.layers.2.attn.indexer.weights_proj.weight": (32, 5120),
+        "model.layers.20.attn.compressor.wkv.weight": (512, 5120),
+        "model.layers.24.attn.indexer.wq_b.weight": (4096, 1280),
+        "model.layers.1.engram.embed.weight": (384006168, 256), "model.layers.1.engram.embed.scale": (384006168, 8),
+        "model.layers.14.engram.wkv.weight": (25600, 6144), "model.layers.14.engram.q_weight": (4, 5120),
+    }
+    for name, shape in want.items():
+        assert tuple(sd[name].shape) == shape, name
+    absent = ["model.layers.0.attn.compressor.wkv.weight", "model.layers.20.attn.compressor.wgate.weight",
+              "model.layers.24.attn.indexer.wk.weight", "model.layers.5.attn.indexer.wq_b.weight",
+              "model.layers.2.engram.wkv.weight", "model.layers.3.attn.compressor.wkv.weight"]
+    assert not [n for n in absent if n in sd]
+    assert sum(n.endswith("compressor.wkv.weight") for n in sd) == 4
+    assert sum(n.endswith("indexer.wq_b.weight") for n in sd) == 8
