@@ -80,7 +80,8 @@ class Attention(nn.Module):
         cached = state.windows[self.layer_idx]
         n_cached = 0 if cached is None else cached.shape[0]
         window_rows = kv if cached is None else torch.cat([cached, kv], dim=0)
-        state.windows[self.layer_idx] = window_rows[max(0, window_rows.shape[0] - (self.window - 1)):]
+        # A copy, so the state does not pin the whole chunk's rows.
+        state.windows[self.layer_idx] = window_rows[max(0, window_rows.shape[0] - (self.window - 1)):].clone()
         row_pos = torch.arange(int(positions[0]) - n_cached, int(positions[-1]) + 1, device=x.device)
 
         entries, picks = None, None

@@ -45,7 +45,7 @@ class Compressor(nn.Module):
             kv = torch.cat([source.pending_kv, kv], dim=0)
             gate = torch.cat([source.pending_gate, gate], dim=0)
         usable = (kv.shape[0] // self.ratio) * self.ratio
-        source.pending_kv, source.pending_gate = kv[usable:], gate[usable:]
+        source.pending_kv, source.pending_gate = kv[usable:].clone(), gate[usable:].clone()
         if usable == 0:
             return None, first_position
         groups = usable // self.ratio

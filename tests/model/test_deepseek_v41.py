@@ -204,3 +204,11 @@ def test_dspark_and_vision_tensors_are_skipped(caplog):
     assert keep == ["model.layers.0.attn.wq_a.weight", "lm_head.weight"]
     assert len(skip) == 6
     assert sum("skipping 6" in r.message for r in caplog.records) == 1
+
+
+def test_state_does_not_pin_the_chunk():
+    model, g = _model("dev-v41-s0"), _golden("dev-v41-s0")
+    state = model.new_state()
+    model(torch.tensor(g["prompt_ids"][:21]), state)
+    for t in state.windows + [state.sources[1].pending_kv, state.sources[1].pending_gate]:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
