@@ -42,7 +42,7 @@ import logging
 import torch
 
 from kernels.attention.base import (FP8_E4M3, AttentionSpec, BackendSupport, BackendUnavailable, DecodeBackend,
-                                    DecodeMetadata, PrefillBackend)
+                                    DecodeMetadata, PrefillBackend, dtype_name)
 from kernels.attention.cuda_decode import CudaDecode
 from kernels.attention.flashinfer_decode import FlashInferDecode
 from kernels.attention.prefill import SdpaPrefill, TorchPrefill
@@ -68,16 +68,16 @@ def auto_decode_backend(spec: AttentionSpec) -> tuple[type[DecodeBackend], str]:
     """The ``auto`` policy of the module docstring: (backend class, why)."""
     if spec.device.type != "cuda":
         return TorchDecode, f"{spec.device.type} device, the torch reference"
-    cache = str(spec.cache_dtype).removeprefix("torch.")
+    cache = dtype_name(spec.cache_dtype)
     triton_reason = TritonDecode.unsupported_reason(spec)
     if spec.cache_dtype == FP8_E4M3:
         cuda_reason = CudaDecode.unsupported_reason(spec)
         if cuda_reason is None:
             return CudaDecode, f"{_describe_gpu(spec)} with an fp8 latent cache"
         if triton_reason is None:
-            return TritonDecode, f"fp8 latent cache; the cuda backend {cuda_reason}"
+            return TritonDecode, f"fp8 latent cache, cuda backend unavailable ({cuda_reason})"
     elif triton_reason is None:
-        return TritonDecode, f"{_describe_gpu(spec)} with a {cache} latent cache, CUDA-graph safe"
+        return TritonDecode, f"{_describe_gpu(spec)} with a {cache} latent cache"
     return TorchDecode, f"no GPU kernel covers this model and cache: triton {triton_reason}"
 
 
@@ -129,5 +129,6 @@ def default_prefill_backend(device_type: str) -> PrefillBackend:
 REFERENCE_DECODE = TorchDecode()  # what a forward context without a chosen backend decodes with
 
 __all__ = ["DECODE_BACKENDS", "PREFILL_BACKENDS", "REFERENCE_DECODE", "AttentionSpec", "BackendSupport",
-           "BackendUnavailable", "DecodeBackend", "DecodeMetadata", "PrefillBackend", "auto_decode_backend",
+           "BackendUnavailable", "CudaDecode", "DecodeBackend", "DecodeMetadata", "FlashInferDecode", "PrefillBackend",
+           "SdpaPrefill", "TorchDecode", "TorchPrefill", "TritonDecode", "TrtllmDecode", "auto_decode_backend",
            "auto_prefill_backend", "default_prefill_backend", "select_decode_backend", "select_prefill_backend"]

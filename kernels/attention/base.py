@@ -42,8 +42,8 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def dtype_name(dtype: torch.dtype) -> str:
+    return "fp8 e4m3" if dtype == FP8_E4M3 else str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -73,9 +73,9 @@ class BackendSupport:
                 want = " or ".join(f"SM{m}x" for m in self.capability_majors)
                 return f"needs a {want} GPU; this one is SM{major}{minor}"
         if spec.cache_dtype not in self.cache_dtypes:
-            names = ", ".join(_dtype_name(d) for d in self.cache_dtypes)
+            names = ", ".join(dtype_name(d) for d in self.cache_dtypes)
             hint = " (--kv-cache-dtype fp8)" if self.cache_dtypes == (FP8_E4M3,) else ""
-            return f"needs a {names} KV cache{hint}; got {_dtype_name(spec.cache_dtype)}"
+            return f"needs a KV cache in {names}{hint}; got {dtype_name(spec.cache_dtype)}"
         if self.kv_lora_ranks is not None and spec.kv_lora_rank not in self.kv_lora_ranks:
             return f"needs kv_lora_rank in {self.kv_lora_ranks}; the model has {spec.kv_lora_rank}"
         if self.rope_dims is not None and spec.rope_dim not in self.rope_dims:
@@ -93,7 +93,7 @@ class BackendSupport:
         parts = ["/".join(self.devices)]
         if self.capability_majors:
             parts.append("SM" + "/".join(f"{m}x" for m in self.capability_majors))
-        parts.append("cache " + "/".join(_dtype_name(d) for d in self.cache_dtypes))
+        parts.append("cache " + "/".join(dtype_name(d) for d in self.cache_dtypes))
         if self.kv_lora_ranks:
             parts.append(f"latent {'/'.join(map(str, self.kv_lora_ranks))}")
         if self.page_size_multiple > 1:
