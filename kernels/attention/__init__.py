@@ -81,6 +81,18 @@ def auto_decode_backend(spec: AttentionSpec) -> tuple[type[DecodeBackend], str]:
     return TorchDecode, f"no GPU kernel covers this model and cache: triton {triton_reason}"
 
 
+def requested_backend(registry: dict, requested: str, spec: AttentionSpec, what: str):
+    """The class of an explicitly requested backend, or ``BackendUnavailable`` saying why not
+    (``what`` names the setting: the flag, or the prefill backend)."""
+    cls = registry.get(requested)
+    if cls is None:
+        raise BackendUnavailable(f"{what}: unknown backend {requested!r}; one of auto, {', '.join(registry)}")
+    reason = cls.unsupported_reason(spec)
+    if reason is not None:
+        raise BackendUnavailable(f"{what} {requested}: {reason}")
+    return cls
+
+
 def select_decode_backend(requested: str, spec: AttentionSpec) -> DecodeBackend:
     """The decode backend a runner holds for its lifetime; logs one line naming it and why.
     An explicit request that cannot run here raises ``BackendUnavailable`` naming the flag."""
@@ -88,14 +100,7 @@ def select_decode_backend(requested: str, spec: AttentionSpec) -> DecodeBackend:
         cls, why = auto_decode_backend(spec)
         why = f"auto: {why}"
     else:
-        cls = DECODE_BACKENDS.get(requested)
-        if cls is None:
-            raise BackendUnavailable(f"--attention-backend: unknown backend {requested!r}; one of auto, "
-                                     f"{', '.join(DECODE_BACKENDS)}")
-        reason = cls.unsupported_reason(spec)
-        if reason is not None:
-            raise BackendUnavailable(f"--attention-backend {requested}: {reason}")
-        why = "requested"
+        cls, why = requested_backend(DECODE_BACKENDS, requested, spec, "--attention-backend"), "requested"
     backend = cls(spec)
     graphs = "CUDA-graph safe" if cls.support.cuda_graph_safe else "eager only"
     logger.info("attention backend: %s (%s; %s)", cls.name, why, graphs)
@@ -108,13 +113,10 @@ def auto_prefill_backend(device_type: str) -> type[PrefillBackend]:
 
 def select_prefill_backend(requested: str, spec: AttentionSpec) -> PrefillBackend:
     """The prefill backend a runner holds: ``auto`` is sdpa on CUDA, torch elsewhere."""
-    cls = auto_prefill_backend(spec.device.type) if requested == "auto" else PREFILL_BACKENDS.get(requested)
-    if cls is None:
-        raise BackendUnavailable(f"prefill backend {requested!r} does not exist; one of auto, "
-                                 f"{', '.join(PREFILL_BACKENDS)}")
-    reason = cls.unsupported_reason(spec)
-    if reason is not None:
-        raise BackendUnavailable(f"prefill backend {requested}: {reason}")
+    if requested == "auto":
+        cls = auto_prefill_backend(spec.device.type)
+    else:
+        cls = requested_backend(PREFILL_BACKENDS, requested, spec, "prefill backend")
     logger.info("prefill attention backend: %s (%s)", cls.name, "auto" if requested == "auto" else "requested")
     return cls()
 

@@ -104,8 +104,8 @@ class FlashInferDecode(DecodeBackend):
             raise ValueError(f"planned for B={metadata.batch} s_q={metadata.query_len} H={self.spec.num_heads}, "
                              f"got q {tuple(q.shape)}")
         if kv_cache.dtype != self.spec.cache_dtype or softmax_scale != self.spec.softmax_scale:
-            raise ValueError(f"planned for a {self.spec.cache_dtype} cache and softmax scale {self.spec.softmax_scale}, "
-                             f"got {kv_cache.dtype} and {softmax_scale}")
+            raise ValueError(f"planned for a {self.spec.cache_dtype} cache and softmax scale "
+                             f"{self.spec.softmax_scale}, got {kv_cache.dtype} and {softmax_scale}")
         if q.dtype != FP8_E4M3 and q.dtype != torch.bfloat16:
             raise TypeError(f"fa3 MLA takes a bf16 or e4m3 query, got {q.dtype}")
         if q.dtype == FP8_E4M3 or q_scale != 1.0:
