@@ -20,13 +20,13 @@ is not installed, a library that does not build).
 
 1. not on CUDA → torch;
 2. an e4m3 cache on a GPU the cuda backend runs on (Hopper, library builds) → cuda
-   (16 heads: 110 vs 297 µs for Triton at B=128, S=4096; 128 heads: 247 vs 443 µs);
+   (B=128, S=4096: 16 heads 84 vs 296 µs for Triton, 128 heads 195 vs 438 µs);
 3. otherwise, a cache Triton covers → triton (CUDA-graph safe; FlashInfer, faster at bf16,
    plans on the host every step, which rules decode graphs out, so it is only used when asked);
 4. otherwise → torch.
 
-The cuda backend's 64-row kernel runs P.V in FP8 (P as e4m3): 1.5e-2 relative error against
-float64 on the same FP8 inputs, vs 2e-3 for Triton, which keeps P in fp16.
+The cuda backend's kernels run P.V in FP8 (P as e4m3): 1.5e-2 relative error against float64
+on the same FP8 inputs, vs 2e-3 for Triton, which keeps P in fp16 (``--attention-backend triton``).
 
 Prefill (the non-absorbed causal attention of prompt chunks) is chosen separately
 (``select_prefill_backend``): ``sdpa`` (torch's fused kernels) on CUDA, ``torch`` (float32
