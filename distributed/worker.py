@@ -6,9 +6,11 @@ Layout (world = DP × TP, rank = dp·TP + tp):
   KV-block manager, and per step sends its TP workers a compact plan (``StepPlan``: token
   ids, positions, block tables — plain lists as msgpack over the gloo CPU group, no
   pickle). Every TP rank runs the same forward on its shard; only the engine samples.
-* DP ranks (DEP) run attention on their own requests; they agree every loop iteration
-  (one all-reduce on the DP CPU group) whether anyone has work or wants to stop, and a rank
-  with nothing to do runs a dummy step so the MoE collectives always match.
+* DP ranks (DEP) run attention on their own requests (heads sharded over their TP group);
+  the engines agree every loop iteration (one all-reduce on the DP CPU group) whether anyone
+  has work or wants to stop, and a DP rank with nothing to do runs a dummy step (its TP
+  workers too, told by a "dummy" message) so the MoE collectives over the EP group (all
+  DP × TP ranks) always match.
 """
 
 from __future__ import annotations
@@ -29,15 +31,15 @@ logger = logging.getLogger(__name__)
 
 def check_supported(config) -> None:
     """Layouts this build can run; anything else is a clear error naming the flag."""
-    if config.data_parallel_size > 1 and config.tensor_parallel_size > 1:
-        raise ValueError(
-            "--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet "
-            "(DEP runs attention with all heads per DP rank; use -tp 1)"
-        )
     if config.data_parallel_size > 1 and not config.enable_expert_parallel:
         raise ValueError(
             "--data-parallel-size > 1 needs --enable-expert-parallel (DEP: data-parallel attention, "
             "expert-parallel MoE); plain DP replicas are not supported yet"
+        )
+    if config.data_parallel_size > 1 and config.nnodes > 1:
+        raise ValueError(
+            "--data-parallel-size > 1 with --nnodes > 1 is not supported yet (every DP engine "
+            "runs on node 0); use one node, or --tensor-parallel-size across nodes"
         )
 
 
@@ -51,11 +53,13 @@ def engine_device(config, local_rank: int) -> torch.device:
 def parallel_context(config) -> ParallelContext:
     """The model's view of the groups this rank belongs to."""
     tp, ep = get_tp_group(), get_ep_group()
-    dispatch = config.data_parallel_size > 1
     use_ep = config.enable_expert_parallel and ep.world_size > 1
+    # Tokens must travel to the experts when the EP group reaches beyond this rank's TP group
+    # (DP > 1); with DP = 1 every TP rank already holds all rows and the TP reduction sums
+    # the experts' partial outputs.
     return ParallelContext.from_groups(
         tp, ep if use_ep else None, tp_reduction=config.tp_reduction,
-        dispatch_moe=dispatch,
+        dispatch_moe=use_ep and config.data_parallel_size > 1,
     )
 
 
@@ -110,6 +114,10 @@ class PlanBroadcaster:
     def __call__(self, plan) -> None:
         comm.broadcast_object(["plan", plan.to_wire()], self.group, src=0)
 
+    def dummy(self) -> None:
+        """An idle DP rank's step: its TP workers join the dummy forward's collectives."""
+        comm.broadcast_object(["dummy"], self.group, src=0)
+
     def stop(self) -> None:
         comm.broadcast_object(["stop"], self.group, src=0)
 
@@ -138,7 +146,10 @@ def tp_worker_main(rank: int, world_size: int, local_rank: int, pcfg: ParallelCo
         msg = comm.broadcast_object(None, group, src=0)
         if msg[0] == "stop":
             break
-        runner.run_plan(StepPlan.from_wire(msg[1]))
+        if msg[0] == "dummy":
+            runner.dummy_step()
+        else:
+            runner.run_plan(StepPlan.from_wire(msg[1]))
     from distributed.parallel_state import destroy_distributed
 
     destroy_distributed()  # a clean exit (a process group left to the interpreter can abort)

@@ -2,8 +2,10 @@
 
 Tensor parallel: the dense MLP and the experts are split on their intermediate dim (gate/up
 column-parallel, down row-parallel); every rank routes all tokens. Expert parallel: rank r
-holds experts [r·E/ep, (r+1)·E/ep) whole. Either way the block returns this rank's partial
-sum — routed and shared experts already added — so the caller reduces exactly once.
+holds experts [r·E/ep, (r+1)·E/ep) whole; when tokens are dispatched over the EP group (DEP),
+each TP rank routes only its slice of the rows (``StepRows.routed``). Either way the block
+returns this rank's partial sum — routed and shared experts already added — so the caller
+reduces exactly once.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from kernels.fp8 import FP8_DTYPE, dequantize_weight_blocks
 from kernels.moe import RoutingConfig, fp8_experts_backend, moe_experts, moe_experts_fp8, route, silu_and_mul
 from model.config import ModelConfig
 from model.layers.linear import MergedColumnParallelLinear, RowParallelLinear, divide
-from model.parallel import ParallelContext
+from model.parallel import ParallelContext, StepRows
 
 
 class DenseMLP(nn.Module):
@@ -165,18 +167,25 @@ class MoE(nn.Module):
         logits = F.linear(x.float(), self.gate_weight.float())
         return route(logits, self.routing, self.e_score_correction_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial MoE output; rows past ``par.num_valid_rows`` (TP padding) stay 0."""
-        n = x.shape[0] if self.par.num_valid_rows is None else min(self.par.num_valid_rows, x.shape[0])
+    def forward(self, x: torch.Tensor, rows: StepRows | None = None) -> torch.Tensor:
+        """This rank's partial MoE output; rows past ``rows.num_valid`` (TP padding) stay 0.
+
+        ``rows`` (None: every row is valid and routed here) says which rows this rank routes;
+        the others' routed part comes from their TP peers through the caller's reduction.
+        """
+        n = x.shape[0] if rows is None else min(rows.num_valid, x.shape[0])
+        start, stop = (0, n) if rows is None else rows.routed
         out = torch.zeros_like(x)
-        xv = x[:n]
-        weights, ids = self.select_experts(xv)
-        if self.par.dispatch_moe:
-            x_all, w_all, ids_all = self.par.dispatch(xv, weights, ids)
-            routed = self.par.combine(self.experts(x_all, w_all, ids_all))
-        else:
-            routed = self.experts(xv, weights, ids)
         if self.shared_experts is not None:
-            routed = routed + self.shared_experts(xv)
-        out[:n] = routed
+            out[:n] = self.shared_experts(x[:n])
+        xr = x[start:stop]
+        weights, ids = self.select_experts(xr)
+        if self.par.dispatch_moe:
+            if rows is None:
+                raise ValueError("an expert-parallel MoE that dispatches tokens needs the step's rows")
+            x_all, w_all, ids_all = self.par.dispatch(rows, xr, weights, ids)
+            routed = self.par.combine(rows, self.experts(x_all, w_all, ids_all))
+        else:
+            routed = self.experts(xr, weights, ids)
+        out[start:stop] += routed
         return out

@@ -1,5 +1,6 @@
 """The model under real process groups (gloo, fp32): TP2 in reduce-scatter and all-reduce
-modes, and DEP2 (data-parallel attention + expert-parallel MoE), equal single-process TP1."""
+modes, DEP2 (data-parallel attention + expert-parallel MoE) and DP2 × TP2 with experts over
+all four ranks, equal single-process TP1."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def _tp_worker(rank, world_size, local_rank, cfg, out_dir, ckpt, mode):
     torch.save({"logprobs": out, "counts": comm.collective_counts()}, Path(out_dir) / f"rank{rank}.pt")
 
 
-def _dep_worker(rank, world_size, local_rank, cfg, out_dir, ckpt):
+def _dep_worker(rank, world_size, local_rank, cfg, out_dir, ckpt, mode="reduce_scatter"):
+    """DEP on DP × TP ranks: the TP ranks of one DP group run that group's tokens."""
     from distributed import comm
     from distributed.parallel_state import get_ep_group, get_tp_group, init_distributed
     from model.loader import load_model
@@ -61,14 +63,15 @@ def _dep_worker(rank, world_size, local_rank, cfg, out_dir, ckpt):
 
     torch.set_num_threads(1)
     init_distributed(rank, world_size, local_rank, cfg, timeout_s=60)
-    par = ParallelContext.from_groups(get_tp_group(), get_ep_group(), dispatch_moe=True)
+    par = ParallelContext.from_groups(get_tp_group(), get_ep_group(), tp_reduction=mode, dispatch_moe=True)
     model = load_model(ckpt, dtype="float32", par=par, progress=False)
     comm.reset_collective_counts()
-    # Unbalanced: rank 0 runs 11 tokens, rank 1 runs 5, then rank 1 is idle (a dummy 1-token
-    # step with no attention work) while rank 0 decodes.
-    ids = _inputs(rank + 1, 11 if rank == 0 else 5)
+    # Unbalanced: DP rank 0 runs 11 tokens, DP rank 1 runs 5, then DP rank 1 is idle (a dummy
+    # 1-token step with no attention work) while DP rank 0 decodes.
+    dp = cfg.dp_rank(rank)
+    ids = _inputs(dp + 1, 11 if dp == 0 else 5)
     out = _run_model(model, ids, decode_steps=3)
-    if rank == 1:
+    if dp == 1:
         c = model.config
         for _ in range(2):
             caches = [torch.zeros(1, BLOCK, c.kv_cache_entry_dim) for _ in range(c.num_hidden_layers)]
@@ -128,11 +131,27 @@ def test_tp2_matches_tp1(ckpt, tp1, tmp_path, mode):
         assert counts["all_reduce"] > 0 and counts["reduce_scatter_tensor"] == 0
 
 
-def test_dep2_matches_single_process(ckpt, tp1, tmp_path):
-    results = _spawn(_dep_worker, 2, tmp_path, ckpt, dp_size=2, ep=True)
-    for rank, n in ((0, 11), (1, 5)):
-        ref = _run_model(tp1, _inputs(rank + 1, n), decode_steps=3)
-        assert (results[rank]["logprobs"] - ref).abs().max().item() < 1e-5
+def _check_dep(results, tp1, tp_size):
+    for rank, r in enumerate(results):
+        dp = rank // tp_size
+        ref = _run_model(tp1, _inputs(dp + 1, 11 if dp == 0 else 5), decode_steps=3)
+        assert (r["logprobs"] - ref).abs().max().item() < 1e-5, f"rank {rank}"
     counts = results[0]["counts"]
     assert counts["all_gather_v"] > 0 and counts["reduce_scatter_v"] > 0  # unbalanced rows
     assert counts["all_gather_tensor"] > 0  # the per-step row-count exchange (and equal steps)
+
+
+def test_dep2_matches_single_process(ckpt, tp1, tmp_path):
+    _check_dep(_spawn(_dep_worker, 2, tmp_path, ckpt, dp_size=2, ep=True), tp1, tp_size=1)
+
+
+@pytest.mark.parametrize("mode", ["reduce_scatter", "all_reduce"])
+def test_dp2_tp2_matches_single_process(ckpt, tp1, tmp_path, mode):
+    """DP2 × TP2 with experts over all 4 ranks: heads split in each DP group, each TP rank
+    dispatches its own slice of its group's rows."""
+    results = _spawn(_dep_worker, 4, tmp_path, ckpt, mode, dp_size=2, ep=True)
+    _check_dep(results, tp1, tp_size=2)
+    if mode == "reduce_scatter":
+        assert results[0]["counts"]["reduce_scatter_tensor"] > 0  # the TP layers' equal shards
+    else:
+        assert results[0]["counts"]["all_reduce"] > 0
