@@ -1,4 +1,4 @@
-"""Real multi-process servers on CPU (gloo, fp32): TP2 and DEP2 answer like TP1; the
+"""Real multi-process servers on CPU (gloo, fp32): TP2, DEP2 and DP2 × TP2 answer like TP1; the
 reduce-scatter and all-reduce modes agree and the counters show which ran; a killed worker
 turns /health to 503 and ends the server with a non-zero exit within 10 s."""
 
@@ -97,6 +97,16 @@ def test_dep2_matches_tp1(ckpt_and_ref):
         dep = _query(url)
     _assert_same(dep, ref)
     assert dep["collectives"].get("reduce_scatter_v", 0) + dep["collectives"].get("reduce_scatter_tensor", 0) > 0
+
+
+def test_dp2_tp2_matches_tp1(ckpt_and_ref):
+    """DP2 × TP2 with experts over all four ranks: two engines, each with one TP worker."""
+    path, ref = ckpt_and_ref
+    with serve(path, "-dp", "2", "-tp", "2", "--enable-expert-parallel", timeout_s=180) as (url, _):
+        dptp = _query(url)
+    _assert_same(dptp, ref)
+    assert dptp["collectives"].get("reduce_scatter_tensor", 0) > 0  # the TP layers
+    assert dptp["collectives"].get("reduce_scatter_v", 0) > 0  # the MoE combine of unequal DP steps
 
 
 def _children(pid: int) -> list[int]:
