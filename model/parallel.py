@@ -8,12 +8,15 @@ Tensor parallel (TP > 1), two modes that must give the same results:
   one ReduceScatter when the shards are equal, which is why we pad.
 * ``all_reduce``: every rank keeps all rows; each row-parallel output is all-reduced.
 
-DEP (data-parallel attention + expert-parallel MoE, ``dispatch_moe``): every DP rank runs
-attention on its own tokens (heads sharded over its TP group); each MoE layer all-gathers
-hidden states and top-k choices over the EP group (every DP × TP rank), runs its local
-experts on all rows, and reduce-scatters the sums back to their owners. Within a TP group
-each rank sends a different contiguous slice of the rows (its sequence-parallel shard), so
-no token reaches the experts twice; the TP reduction that follows fills in the other slices.
+Data parallel (DP > 1, ``dispatch_moe``): every DP rank runs attention on its own tokens
+(heads sharded over its TP group); each MoE layer all-gathers hidden states and top-k
+choices over the MoE group (``ep_*``: every DP × TP rank), runs its share of the experts on
+all rows, and reduce-scatters the sums back to their owners. The share is whole experts
+(DEP, ``--enable-expert-parallel``) or, by default, a 1/(DP × TP) slice of every expert's
+intermediate dim (``moe_tensor_parallel``, vLLM's default for DP without expert
+parallelism). Within a TP group each rank sends a different contiguous slice of the rows
+(its sequence-parallel shard), so no token reaches the experts twice; the TP reduction that
+follows fills in the other slices.
 
 :class:`ParallelContext` is fixed configuration, shared by every layer. What changes per
 step (valid rows, every EP rank's row count) is a :class:`StepRows`, built once per forward
@@ -55,24 +58,38 @@ class ParallelContext:
     tp_group: object | None = None
     ep_group: object | None = None
     tp_reduction: str = "reduce_scatter"
-    dispatch_moe: bool = False  # MoE tokens are all-gathered over the EP group (DEP)
+    dispatch_moe: bool = False  # MoE tokens are all-gathered over the MoE group (DP > 1)
+    moe_tensor_parallel: bool = False  # the MoE group splits every expert, not the expert set
 
     def __post_init__(self) -> None:
         if self.tp_reduction not in REDUCTION_MODES:
             raise ValueError(f"tp_reduction must be one of {REDUCTION_MODES}, got {self.tp_reduction!r}")
         if self.dispatch_moe and self.ep_size == 1:
-            raise ValueError("dispatch_moe needs an expert-parallel group of more than one rank")
+            raise ValueError("dispatch_moe needs a MoE group of more than one rank")
+        if self.moe_tensor_parallel and not self.dispatch_moe:
+            raise ValueError("moe_tensor_parallel splits experts over the dispatch group; set dispatch_moe")
 
     @classmethod
-    def from_groups(cls, tp_group, ep_group=None, tp_reduction: str = "reduce_scatter", dispatch_moe: bool = False):
+    def from_groups(cls, tp_group, ep_group=None, tp_reduction: str = "reduce_scatter",
+                    dispatch_moe: bool = False, moe_tensor_parallel: bool = False):
         ep_rank = ep_group.rank_in_group if ep_group is not None else 0
         ep_size = ep_group.world_size if ep_group is not None else 1
+        dispatch = dispatch_moe and ep_size > 1
         return cls(tp_group.rank_in_group, tp_group.world_size, ep_rank, ep_size, tp_group, ep_group,
-                   tp_reduction, dispatch_moe and ep_size > 1)
+                   tp_reduction, dispatch, moe_tensor_parallel and dispatch)
 
     @property
     def sequence_parallel(self) -> bool:
         return self.tp_size > 1 and self.tp_reduction == "reduce_scatter"
+
+    def expert_shard(self) -> tuple[int, int, int, int]:
+        """(tp_rank, tp_size, ep_rank, ep_size) of this rank's routed experts: the intermediate
+        split and the expert-set split."""
+        if self.ep_size == 1:
+            return self.tp_rank, self.tp_size, 0, 1
+        if self.moe_tensor_parallel:
+            return self.ep_rank, self.ep_size, 0, 1
+        return 0, 1, self.ep_rank, self.ep_size
 
     def _comm(self, group, what: str):
         if group is None:

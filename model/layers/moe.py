@@ -2,8 +2,9 @@
 
 Tensor parallel: the dense MLP and the experts are split on their intermediate dim (gate/up
 column-parallel, down row-parallel); every rank routes all tokens. Expert parallel: rank r
-holds experts [r·E/ep, (r+1)·E/ep) whole; when tokens are dispatched over the EP group (DEP),
-each TP rank routes only its slice of the rows (``StepRows.routed``). Either way the block
+holds experts [r·E/ep, (r+1)·E/ep) whole. When tokens are dispatched over the MoE group (DP >
+1), each TP rank routes only its slice of the rows (``StepRows.routed``), and the group holds
+whole experts (expert parallel) or a slice of every expert (``moe_tensor_parallel``). Either way the block
 returns this rank's partial sum — routed and shared experts already added — so the caller
 reduces exactly once.
 """
@@ -134,7 +135,7 @@ class MoE(nn.Module):
         super().__init__()
         c = config
         self.par = par = par or ParallelContext()
-        tp_rank, tp_size, ep_rank, ep_size = par.tp_rank, par.tp_size, par.ep_rank, par.ep_size
+        tp_rank, tp_size = par.tp_rank, par.tp_size
         self.routing = RoutingConfig(
             top_k=c.num_experts_per_tok,
             scoring_func=c.scoring_func,
@@ -150,11 +151,12 @@ class MoE(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts), requires_grad=False)
         else:
             self.e_score_correction_bias = None
-        # Under expert parallelism the experts are whole (no TP split inside the MoE).
-        moe_tp_rank, moe_tp_size = (0, 1) if ep_size > 1 else (tp_rank, tp_size)
+        # Under expert parallelism the experts are whole (no TP split inside the MoE); under
+        # DP without it every expert is split over all DP × TP ranks.
+        moe_tp_rank, moe_tp_size, moe_ep_rank, moe_ep_size = par.expert_shard()
         self.experts = RoutedExperts(
             c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, moe_tp_rank, moe_tp_size,
-            ep_rank, ep_size, dtype, fp8_block,
+            moe_ep_rank, moe_ep_size, dtype, fp8_block,
         )
         self.shared_experts = None
         if c.n_shared_experts:
