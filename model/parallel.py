@@ -51,6 +51,11 @@ class StepRows:
 
 @dataclass(frozen=True)
 class ParallelContext:
+    """The parallel layout every layer shares; fixed at start-up (per-step values live in
+    :class:`StepRows`). ``ep_*`` is the MoE group: the ranks one MoE layer's experts are
+    spread over (the TP group under TP + --enable-expert-parallel, every DP × TP rank under
+    DP > 1)."""
+
     tp_rank: int = 0
     tp_size: int = 1
     ep_rank: int = 0

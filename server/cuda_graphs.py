@@ -108,9 +108,9 @@ def maybe_capture(runner, config, max_model_len: int) -> DecodeGraphs | None:
     from kernels.mla_decode import GRAPH_SAFE_BACKENDS
 
     if runner.model.par.dispatch_moe:
-        # DEP ranks exchange their (different) row counts every step on the host; graphs would
+        # DP ranks exchange their (different) row counts every step on the host; graphs would
         # need every rank padded to one captured size first (not implemented yet).
-        logger.info("decode CUDA graphs off under DEP (per-step row counts differ across ranks)")
+        logger.info("decode CUDA graphs off under DP > 1 (per-step row counts differ across ranks)")
         return None
     if runner.attention_backend not in GRAPH_SAFE_BACKENDS:
         logger.info("decode CUDA graphs off: attention backend %r is not graph-safe (running eagerly)",
