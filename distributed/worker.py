@@ -6,7 +6,7 @@ Layout (world = DP × TP, rank = dp·TP + tp):
   KV-block manager, and per step sends its TP workers a compact plan (``StepPlan``: token
   ids, positions, block tables — plain lists as msgpack over the gloo CPU group, no
   pickle). Every TP rank runs the same forward on its shard; only the engine samples.
-* DP ranks (DEP) run attention on their own requests (heads sharded over their TP group);
+* DP ranks run attention on their own requests (heads sharded over their TP group);
   the engines agree every loop iteration (one all-reduce on the DP CPU group) whether anyone
   has work or wants to stop, and a DP rank with nothing to do runs a dummy step (its TP
   workers too, told by a "dummy" message) so the MoE collectives over all DP × TP ranks

@@ -112,7 +112,7 @@ class ParallelContext:
         chunk = -(-n // self.tp_size)  # = padded_rows(n) / TP: this rank's sequence-parallel shard
         start = min(self.tp_rank * chunk, n)
         stop = min(start + chunk, n)
-        counts = self._comm(self.ep_group, "expert-parallel").all_gather(
+        counts = self._comm(self.ep_group, "MoE dispatch").all_gather(
             torch.tensor([stop - start], dtype=torch.int64, device=device), self.ep_group)
         return StepRows(n, (start, stop), tuple(int(c) for c in counts.tolist()))
 
@@ -143,10 +143,10 @@ class ParallelContext:
     # ---- DEP hooks -----------------------------------------------------------------------------
     def dispatch(self, rows: StepRows, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """Every EP rank's routed rows, concatenated in EP rank order (the same on all ranks)."""
-        comm = self._comm(self.ep_group, "expert-parallel")
+        comm = self._comm(self.ep_group, "MoE dispatch")
         return [comm.all_gather(t, self.ep_group, dim=0, sizes=rows.ep_rows) for t in tensors]
 
     def combine(self, rows: StepRows, x: torch.Tensor) -> torch.Tensor:
         """Sum the experts' partial outputs over EP ranks; keep this rank's routed rows."""
-        return self._comm(self.ep_group, "expert-parallel").reduce_scatter(
+        return self._comm(self.ep_group, "MoE dispatch").reduce_scatter(
             x, self.ep_group, dim=0, sizes=rows.ep_rows)

@@ -2,11 +2,11 @@
 
 Tensor parallel: the dense MLP and the experts are split on their intermediate dim (gate/up
 column-parallel, down row-parallel); every rank routes all tokens. Expert parallel: rank r
-holds experts [r·E/ep, (r+1)·E/ep) whole. When tokens are dispatched over the MoE group (DP >
-1), each TP rank routes only its slice of the rows (``StepRows.routed``), and the group holds
-whole experts (expert parallel) or a slice of every expert (``moe_tensor_parallel``). Either way the block
-returns this rank's partial sum — routed and shared experts already added — so the caller
-reduces exactly once.
+holds experts [r·E/ep, (r+1)·E/ep) whole. When tokens are dispatched over the MoE group
+(DP > 1), each TP rank routes only its slice of the rows (``StepRows.routed``), and the group
+holds whole experts (expert parallel) or a slice of every expert (``moe_tensor_parallel``).
+Either way the block returns this rank's partial sum — routed and shared experts already
+added — so the caller reduces exactly once.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class MoE(nn.Module):
         weights, ids = self.select_experts(xr)
         if self.par.dispatch_moe:
             if rows is None:
-                raise ValueError("an expert-parallel MoE that dispatches tokens needs the step's rows")
+                raise ValueError("a MoE that dispatches tokens across DP ranks needs the step's rows (StepRows)")
             x_all, w_all, ids_all = self.par.dispatch(rows, xr, weights, ids)
             routed = self.par.combine(rows, self.experts(x_all, w_all, ids_all))
         else:
