@@ -106,9 +106,9 @@ def maybe_capture(runner, config, max_model_len: int) -> DecodeGraphs | None:
     if runner.device.type != "cuda" or config.enforce_eager or config.cudagraph_mode == "NONE":
         return None
     if runner.model.par.dispatch_moe:
-        # DEP ranks exchange their (different) row counts every step on the host; graphs would
+        # DP ranks exchange their (different) row counts every step on the host; graphs would
         # need every rank padded to one captured size first (not implemented yet).
-        logger.info("decode CUDA graphs off under DEP (per-step row counts differ across ranks)")
+        logger.info("decode CUDA graphs off under DP > 1 (per-step row counts differ across ranks)")
         return None
     if not runner.decode_backend.support.cuda_graph_safe:
         logger.info("decode CUDA graphs off: attention backend %r is not graph-safe (running eagerly)",

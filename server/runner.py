@@ -338,7 +338,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def dummy_step(self) -> None:
-        """One pad token, no attention work: keeps an idle DP rank's MoE collectives in step."""
+        """One pad token, no attention work: keeps an idle DP rank's MoE collectives in step
+        (its TP workers run the same dummy forward)."""
+        if self.plan_broadcaster is not None:
+            self.plan_broadcaster.dummy()
         md = build_attention_metadata([], [], [], self.block_size, num_pad_tokens=1, device=self.device)
         ids = torch.zeros(1, dtype=torch.long, device=self.device)
         with forward_context(self.forward_context(md)):
