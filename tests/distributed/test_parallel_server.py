@@ -184,3 +184,19 @@ def test_seed_launch_line_starts_on_cpu(tmp_path):
             assert all(ch["finish_reason"] == "length" for ch in r.json()["choices"])
             coll = _query(url)["collectives"]
     assert coll.get("reduce_scatter_tensor", 0) > 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL-front-end"])
+def test_no_tp_process_outlives_the_server(tmp_path, sig):
+    """SIGTERM to a TP2 server, or SIGKILL to its front end alone: within 10 s neither its
+    engine nor its TP worker runs (the engine watches its parent, the worker its engine)."""
+    from tests.server.test_server_lifecycle import wait_gone
+
+    path = write_random_checkpoint("tiny-v2", str(tmp_path / "m"), seed=5)
+    with serve(path, "-tp", "2", may_exit=True) as (url, proc):
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        pids = [proc.pid] + descendants(proc.pid)
+        assert len(pids) >= 4, pids  # front end, resource tracker, engine, TP worker (+ its tracker)
+        os.kill(proc.pid, sig)
+        left = wait_gone(pids, 10.0)
+        assert not left, f"still running 10 s after {sig.name}: {left}"
