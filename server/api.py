@@ -94,7 +94,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_req: Request, exc: InvalidRequestError):
-        return error_response(400, str(exc), getattr(exc, "param", None))
+        return error_response(400, str(exc), exc.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):
@@ -293,8 +293,7 @@ def _uvicorn_server(config):
         def capture_signals(self):
             with super().capture_signals():
                 yield
-                self.received_signals = list(self._captured_signals)
-                self._captured_signals.clear()
+                self._captured_signals.clear()  # (uvicorn's own list of signals to re-raise)
 
     return Server(config)
 

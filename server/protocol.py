@@ -1,9 +1,9 @@
 """OpenAI-compatible request/response bodies (pydantic v2), with vLLM's field names.
 
 Requests accept unknown fields (OpenAI clients send fields we do not use, such as ``user``);
-the API logs and ignores them, as vLLM does. Semantic checks (ranges, lengths) happen in
-``server.sampling_params`` and ``server.api`` so each rule lives in one place; these models
-only fix the JSON shapes and types.
+the API logs and ignores them, as vLLM does. Semantic checks (ranges, lengths, admission
+limits) happen in ``server.admission`` and ``server.sampling_params``; these models only fix
+the JSON shapes and types.
 
 Error body: vLLM's current nested shape ``{"error": {"message", "type", "param", "code"}}``
 where ``code`` is the HTTP status as an int (older vLLM used a flat ``{"object": "error",
