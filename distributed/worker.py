@@ -124,25 +124,36 @@ class PlanBroadcaster:
         comm.broadcast_object(["stop"], self.group, src=0)
 
 
-def tp_worker_main(rank: int, world_size: int, local_rank: int, pcfg: ParallelConfig, config, model_dir: str) -> None:
-    """A TP rank > 0: load this rank's shard, then run every plan rank 0 sends until "stop"."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
+def _start_tp_worker(rank: int, local_rank: int, config, model_dir: str):
+    """Join the groups, load this rank's shard, size the cache as rank 0 does; the runner."""
     from model.loader import load_model
-    from server.runner import ModelRunner, StepPlan, determine_num_blocks
+    from server.cuda_graphs import maybe_capture
+    from server.engine_core import resolve_max_model_len
+    from server.runner import ModelRunner, determine_num_blocks
 
     init_engine_rank(config, rank, local_rank)
     device = engine_device(config, local_rank)
     model = load_model(model_dir, dtype=config.dtype, device=device, par=parallel_context(config), progress=False,
                        load_format=config.load_format, seed=config.seed)
-    from server.cuda_graphs import maybe_capture
-    from server.engine_core import resolve_max_model_len
-
     max_len = resolve_max_model_len(config, model.config)
     num_blocks = agree_num_blocks(determine_num_blocks(config, model.config, model.dtype, device,
                                                        model=model, max_model_len=max_len))
     runner = ModelRunner(model, config, num_blocks, device)
     capacity = num_blocks * config.block_size
     runner.decode_graphs = maybe_capture(runner, config, min(max_len, capacity))
+    return runner
+
+
+def tp_worker_main(rank: int, world_size: int, local_rank: int, pcfg: ParallelConfig, config, model_dir: str) -> None:
+    """A TP rank > 0: load this rank's shard, then run every plan rank 0 sends until "stop"."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
+    try:
+        runner = _start_tp_worker(rank, local_rank, config, model_dir)
+    except Exception as exc:  # a bad checkpoint, too little memory...: the engine reports the same
+        logger.error("start-up failed: %s: %s", type(exc).__name__, exc)  # one line, no traceback
+        raise SystemExit(1) from None
+    from server.runner import StepPlan
+
     group = get_tp_group()
     while True:
         msg = comm.broadcast_object(None, group, src=0)
