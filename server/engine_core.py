@@ -154,7 +154,8 @@ class EngineCore:
         self._aborted: list[RequestDelta] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, config.block_size, config.kv_cache_dtype)
+        logger.info("KV cache: %d blocks of %d tokens (%s): %s", num_blocks, config.block_size, config.kv_cache_dtype,
+                    self.block_manager.describe())
 
     def _join_parallel_group(self, model_dir: str, dp_rank: int):
         """Start this DP group's TP workers, join the process groups, return the model's view."""

@@ -220,6 +220,12 @@ class BlockManager:
         caps = [c for c in (s.max_tokens(p.num_blocks) for s, p in zip(self._specs, self._pools)) if c is not None]
         return min(caps) if caps else None
 
+    def describe(self) -> str:
+        """One line per group for the start-up log: kind, layers, pages, bytes per token."""
+        return "; ".join(f"{type(g.spec).__name__} ({g.spec.num_layers} layers, {g.spec.dtype}): {g.num_blocks} "
+                         f"pages of {self.block_size} tokens, {g.spec.bytes_per_token:g} bytes/token"
+                         for g in self.groups)
+
     # ------------------------------------------------------------------ prefix lookup
     def _hash_upto(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Extend seq.block_hashes to its first ``num_blocks`` full blocks (all known tokens)."""
@@ -313,7 +319,8 @@ class BlockManager:
         """How many new tokens of this (running) sequence fit now in every group."""
         fit = None
         for g, (spec, pool) in enumerate(zip(self._specs, self._pools)):
-            cap = spec.max_tokens(len(seq.block_tables[g]) + pool.num_free)
+            held = len(seq.block_tables[g]) if seq.block_tables else 0
+            cap = spec.max_tokens(held + pool.num_free)
             if cap is not None:
                 fit = cap - seq.num_computed_tokens if fit is None else min(fit, cap - seq.num_computed_tokens)
         return max(0, fit) if fit is not None else 1 << 62

@@ -369,3 +369,26 @@ def test_scheduler_runs_a_hybrid_cache_unchanged():
     assert saw_released and bm.num_free_blocks == bm.num_total_blocks == 24
     assert bm.prefix_cache_hits > 0 and sched.num_preemptions > 0
     bm.check_invariants([])
+
+
+def test_runner_cache_tensors_and_capacity_follow_the_spec():
+    """One full-attention group over every layer: [num_blocks + 1, block_size, entry] per layer
+    (the last page is the runner's scratch page), and --kv-cache-memory-bytes buys exactly
+    budget // (layers * block_size * entry * element size) blocks."""
+    import torch
+
+    from model.loader import load_model
+    from server.cli import bundled_model_dir
+    from server.runner import ModelRunner, determine_num_blocks, model_kv_cache_specs
+
+    model = load_model(bundled_model_dir(), dtype="float32", progress=False)
+    mc = model.config
+    config = EngineConfig(block_size=16, device="cpu", kv_cache_memory_bytes=10**6)
+    (spec,) = model_kv_cache_specs(mc, config, model.dtype)
+    assert isinstance(spec, FullAttentionSpec) and spec.layer_ids == tuple(range(mc.num_hidden_layers))
+    per_block = mc.num_hidden_layers * 16 * mc.kv_cache_entry_dim * 4
+    assert spec.bytes_per_block == per_block
+    assert determine_num_blocks(config, mc, model.dtype, torch.device("cpu")) == 10**6 // per_block
+    runner = ModelRunner(model, config, 7, torch.device("cpu"))
+    assert len(runner.kv_caches) == mc.num_hidden_layers
+    assert all(c.shape == (8, 16, mc.kv_cache_entry_dim) and c.dtype == torch.float32 for c in runner.kv_caches)
