@@ -1,11 +1,18 @@
-"""BlockManager: paged allocation, ref counts, prefix caching and LRU eviction (ids only, no tensors)."""
+"""BlockManager: paged allocation, ref counts, prefix caching and LRU eviction (ids only, no
+tensors); a test-only sliding-window spec through the same manager API and the scheduler; the
+runner's tensors and capacity from the specs."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
+from server.config import EngineConfig
 from server.kv_cache import BlockManager, hash_block_tokens
+from server.kv_cache_spec import NULL_BLOCK, FullAttentionSpec, KVCacheSpec, max_num_blocks
 from server.sampling_params import SamplingParams
+from server.scheduler import Scheduler
 from server.sequence import Sequence
 
 BS = 64
@@ -229,13 +236,6 @@ def test_bad_arguments():
 
 
 # ----------------------------------------------------------------------------- a second kind of spec
-
-from dataclasses import dataclass  # noqa: E402
-
-from server.config import EngineConfig  # noqa: E402
-from server.kv_cache_spec import NULL_BLOCK, FullAttentionSpec, KVCacheSpec, max_num_blocks  # noqa: E402
-from server.scheduler import Scheduler  # noqa: E402
-
 
 @dataclass(frozen=True)
 class ToySlidingWindowSpec(KVCacheSpec):
