@@ -170,6 +170,8 @@ class BlockManager:
         self.groups: list[KVCacheGroup] = plan_groups(specs, num_blocks, max_num_seqs)
         self._specs = [g.spec for g in self.groups]
         self._pools = [BlockPool(g.num_blocks) for g in self.groups]
+        # Every group's table covers block_size positions per entry (the base num_blocks_for).
+        self._token_paged = all(type(s).num_blocks_for is KVCacheSpec.num_blocks_for for s in self._specs)
         # Prefix-cache counters (tokens), for metrics: queried at admission, and hit.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -305,6 +307,21 @@ class BlockManager:
                 released += pool.ref_counts[b] == 1
             out.append((take, released))
         return out
+
+    def holds_pages_for(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the pages the sequence holds already cover ``num_new_tokens`` more positions
+        in every group (then ``allocate`` would take nothing: most decode steps)."""
+        tables = seq.block_tables
+        if not tables:
+            return False
+        end = seq.num_computed_tokens + num_new_tokens
+        if self._token_paged:  # the scheduler's hot path: no spec calls
+            limit = -(-end // self.block_size)
+            for table in tables:
+                if len(table) < limit:
+                    return False
+            return True
+        return all(spec.num_blocks_for(end) <= len(table) for spec, table in zip(self._specs, tables))
 
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int,
                           cached: PrefixHit | SequenceABC[int] = ()) -> int:

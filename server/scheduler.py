@@ -296,7 +296,7 @@ class Scheduler:
         """Allocate blocks for ``num_new`` tokens of a running sequence, preempting newer ones
         as needed. Returns the tokens reserved (fewer if ``shrink``), 0 if ``seq`` was preempted."""
         bm = self.block_manager
-        if bm.num_blocks_needed(seq, num_new) == 0:
+        if bm.holds_pages_for(seq, num_new):
             return num_new  # fits in the pages it holds (most decode steps)
         while True:
             if bm.can_allocate(seq, num_new):
