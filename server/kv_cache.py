@@ -9,8 +9,10 @@ the last one as the scratch page of padding rows (CUDA graphs).
 The scheduler talks to the manager through spec-independent calls only:
 ``find_prefix(seq)`` (a :class:`PrefixHit`: how many tokens are cached, and the pages that
 restore them in every group), ``can_allocate`` / ``allocate(seq, num_new_tokens, hit)``,
-``capacity_tokens``, ``free`` (finish or preemption by recompute), ``commit_full_blocks``
-after each step, and ``whole_cache_shortfall`` at admission. What differs between kinds of
+``holds_pages_for`` (the per-decode fast check), ``capacity_tokens``, ``free`` (finish or
+preemption by recompute), ``commit_full_blocks`` after each step, and
+``whole_cache_shortfall`` at admission. A page released while a step that reads it is in
+flight is safe: steps run in order on the device, so its next owner writes it later. What differs between kinds of
 cache (page shapes, pages that die as a sequence grows, which hits can be restored) is
 asked of the spec; see server/kv_cache_spec.py for what a new spec implements.
 
