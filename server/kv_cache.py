@@ -261,7 +261,7 @@ class BlockManager:
             start = n
             for spec, pool in zip(self._specs, self._pools):
                 registry = pool.hash_to_block
-                n = spec.cached_prefix_blocks(lambda i, r=registry: hashes[i] in r, n)
+                n = min(n, spec.cached_prefix_blocks(lambda i, r=registry: hashes[i] in r, n))
             if n == start or len(self._pools) == 1:
                 break
         if n == 0:
