@@ -22,7 +22,8 @@ Sizing (memory planning in ``server.runner.determine_num_blocks``; the runner's 
   tokens of full-attention context). Memory planning finds the largest ``num_blocks`` whose
   groups fit the byte budget.
 - ``max_blocks_per_seq(num_tokens)``: most pages one sequence of that length holds at once
-  (admission refuses a request that could never fit).
+  (admission refuses a request that could never fit); ``max_tokens(pages)``: the longest
+  sequence that many pages hold (None: any; it caps max_model_len and chunk sizes).
 
 Life of a sequence's pages (allocation, growth, preemption):
 
@@ -53,8 +54,9 @@ How future specs plug in (nothing in the scheduler changes):
 - *Compressed* (one entry per ``m`` tokens, ``m`` dividing ``block_size``): full attention's
   behaviour with ``page_shape = (block_size // m, width)``; a block boundary is an entry
   boundary, so hits restore exactly.
-- *Fixed per-request state* (recurrent / SSM-like): ``num_blocks_for(n) = 1``,
-  ``pool_blocks = max_num_seqs``, ``max_blocks_per_seq = 1``, ``caches_blocks = False`` and
+- *Fixed per-request state* (recurrent / SSM-like, or a compressor's open window):
+  ``num_blocks_for(n) = 1 if n else 0``, ``pool_blocks = max_num_seqs``,
+  ``max_blocks_per_seq = 1``, ``max_tokens = None``, ``caches_blocks = False`` and
   ``cached_prefix_blocks`` returns 0: the state after ``n`` blocks was overwritten, so a
   prefix hit cannot restore it and is refused (unless the spec snapshots state at block
   boundaries and caches those snapshots as pages).
