@@ -334,6 +334,49 @@ def test_hybrid_hit_is_what_every_group_can_restore():
     bm.check_invariants([filler, more])
 
 
+@dataclass(frozen=True)
+class ToyStateSpec(KVCacheSpec):
+    """Test-only: one fixed page of per-request state, overwritten as the request runs."""
+
+    state_width: int = 32
+    caches_blocks = False
+
+    @property
+    def page_shape(self):
+        return (self.state_width,)
+
+    def pool_blocks(self, num_blocks, max_num_seqs):
+        return max_num_seqs
+
+    def num_blocks_for(self, num_tokens):
+        return 1 if num_tokens else 0
+
+    def max_tokens(self, pool_blocks):
+        return None
+
+    def cached_prefix_blocks(self, is_cached, max_blocks):
+        return 0  # the state after n blocks is gone: refuse every hit
+
+
+def test_a_group_that_cannot_restore_its_state_refuses_prefix_hits():
+    specs = [FullAttentionSpec(4, layer_ids=(0,)), ToyStateSpec(4, layer_ids=(1,))]
+    bm = BlockManager(8, 4, specs=specs, max_num_seqs=2)
+    assert [g.num_blocks for g in bm.groups] == [8, 2] and bm.max_tokens_per_seq == 32
+    a = make_seq(0, list(range(12)))
+    prefill_in_chunks(bm, a, 4)
+    assert [len(t) for t in a.block_tables] == [3, 1]
+    b = make_seq(1, list(range(12)) + [5])
+    assert bm.is_cached(a.block_tables[0][0]) and not bm.find_prefix(b)  # full attention alone would hit 12
+    admit(bm, b)
+    c = make_seq(2, [9])
+    assert not bm.can_allocate(c, 1)  # both state pages are taken
+    bm.check_invariants([a, b])
+    bm.free(a)
+    assert bm.can_allocate(c, 1)
+    bm.free(b)
+    bm.check_invariants([])
+
+
 def test_capacity_from_the_specs():
     specs = [FullAttentionSpec(64, layer_ids=tuple(range(3)), entry_width=576)]  # bf16
     per_block = 3 * 64 * 576 * 2
