@@ -87,8 +87,9 @@ class ScheduledSeq:
     Input ids: ``seq.all_token_ids[start_pos : start_pos + num_new_tokens - num_placeholder_tokens]``
     followed by the ``num_placeholder_tokens`` (0 or 1) token(s) the previous, still
     pending output samples for this sequence. KV goes to ``seq.block_tables`` (one per
-    KV-cache layer group, long enough for every position). ``sample``: the chunk reaches the end of the sequence's tokens, so
-    the runner samples a token from its last position and returns it under ``seq.seq_id``.
+    KV-cache layer group, long enough for every position). ``sample``: the chunk reaches the
+    end of the sequence's tokens, so the runner samples a token from its last position and
+    returns it under ``seq.seq_id``.
     """
 
     seq: Sequence
