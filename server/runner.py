@@ -83,7 +83,8 @@ def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtyp
     return FP8_DTYPE if config.use_fp8_kv_cache else model_dtype
 
 
-def model_kv_cache_specs(model_config: ModelConfig, config: EngineConfig, model_dtype: torch.dtype) -> list[KVCacheSpec]:
+def model_kv_cache_specs(model_config: ModelConfig, config: EngineConfig,
+                         model_dtype: torch.dtype) -> list[KVCacheSpec]:
     """The model's KV-cache layer groups: every DeepSeek V2/V3/R1 layer caches MLA's latent
     (kv_lora_rank + qk_rope_head_dim values per token), so one full-attention group."""
     return [FullAttentionSpec(config.block_size, kv_cache_dtype(config, model_dtype),
