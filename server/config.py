@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from kernels.attention import DECODE_BACKENDS
 from server.errors import InvalidRequestError
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = ("auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half")
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
 OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # vLLM's -O0..-O3; here they only set the CUDA-graph default
-ATTENTION_BACKENDS = ("auto", "cuda", "triton", "flashinfer", "trtllm", "torch")
+ATTENTION_BACKENDS = ("auto", *DECODE_BACKENDS)  # kernels/attention/ documents each and the auto policy
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 
