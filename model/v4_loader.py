@@ -212,7 +212,7 @@ def plan_v4_checkpoint(model_dir: str, expected: Mapping, shard_spec: ShardSpec 
         if ref is None:
             unknown.append(key)
             continue
-        if ref.is_scale and ref.name not in exp:
+        if ref.is_scale and (ref.expert is not None or ref.name not in exp):
             scales[_weight_key_of_scale(key)] = key
             continue
         if ref.name not in targets:
