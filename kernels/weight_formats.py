@@ -19,7 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_weight_blocks, quantize_weight_blocks
+from kernels.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_weight_blocks,
+    quantize_weight_blocks,
+)
 
 E8M0_DTYPE = torch.float8_e8m0fnu
 E8M0_BIAS = 127
@@ -171,7 +176,23 @@ def quantize(w: torch.Tensor, format: str, block: tuple[int, int], scale_fmt: st
 
 
 __all__ = [
-    "E8M0_DTYPE", "FP8_DTYPE", "FP8_MAX", "FP4_MAX", "MXFP4_GROUP", "FP8_BLOCK", "MXFP4", "QuantizedWeight",
-    "e8m0_to_float", "float_to_e8m0", "quantize_fp8_blocks", "dequantize_fp8_blocks", "unpack_fp4", "pack_fp4",
-    "fp4_codes_to_float", "float_to_fp4_codes", "quantize_mxfp4", "dequantize_mxfp4", "quantize",
+    "E8M0_DTYPE",
+    "FP4_MAX",
+    "FP8_BLOCK",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "MXFP4",
+    "MXFP4_GROUP",
+    "QuantizedWeight",
+    "dequantize_fp8_blocks",
+    "dequantize_mxfp4",
+    "e8m0_to_float",
+    "float_to_e8m0",
+    "float_to_fp4_codes",
+    "fp4_codes_to_float",
+    "pack_fp4",
+    "quantize",
+    "quantize_fp8_blocks",
+    "quantize_mxfp4",
+    "unpack_fp4",
 ]

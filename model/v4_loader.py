@@ -38,7 +38,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.weight_formats import E8M0_DTYPE, FP8_BLOCK, FP8_DTYPE, MXFP4, QuantizedWeight, e8m0_to_float
+from kernels.weight_formats import (
+    E8M0_DTYPE,
+    FP8_BLOCK,
+    FP8_DTYPE,
+    MXFP4,
+    QuantizedWeight,
+    e8m0_to_float,
+)
 from model.loader import CheckpointError, CheckpointFiles
 from model.v4_layout import LayoutError, architecture, quantization_block
 from model.v4_names import (
@@ -52,7 +59,14 @@ from model.v4_names import (
     v4_hf_to_released,
     v4_released_to_hf,
 )
-from model.v4_sharding import VOCAB_ROWS, ShardingError, shard, sharding_rule, vocab_rows_range
+from model.v4_sharding import (
+    VOCAB_ROWS,
+    ShardingError,
+    pad_rows,
+    shard,
+    sharding_rule,
+    vocab_rows_range,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +116,7 @@ class V4CheckpointPlan:
     arch: str
     block: tuple[int, int]
     targets: list[_Target]
-    scale_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    headers: dict[str, tuple[tuple[int, ...], str]]  # checkpoint key -> (stored shape, safetensors dtype)
     shard: ShardSpec
     skipped: dict[str, tuple[int, int]]  # category -> (count, bytes)
 
@@ -240,10 +254,9 @@ def plan_v4_checkpoint(model_dir: str, expected: Mapping, shard_spec: ShardSpec 
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise CheckpointError(f"checkpoint has unexpected tensor {unknown[0]!r}{more}: the model has no such weight")
-    scale_shapes = {k: (headers[k][0], _DTYPES[headers[k][1]]) for k in scales.values()}
     for t in targets.values():
         _check_target(t, spec)
-    return V4CheckpointPlan(model_dir, arch, block, list(targets.values()), scale_shapes, spec,
+    return V4CheckpointPlan(model_dir, arch, block, list(targets.values()), headers, spec,
                             {k: (v[0], v[1]) for k, v in skipped.items()})
 
 
@@ -251,11 +264,7 @@ def _check_complete(targets: dict[str, _Target], arch: str, exp: Mapping) -> Non
     missing: list[str] = []
     for t in targets.values():
         if not t.sources:
-            try:
-                released = v4_hf_to_released(t.name, t.shape[0] if len(t.shape) == 3 else None)[0] if arch == V4 \
-                    else to_released(t.name, arch) if t.name.startswith("model.") or t.name == "lm_head.weight" else t.name
-            except (UnknownTensorName, ValueError):
-                released = t.name
+            released = _released_name(t, arch)
             missing.append(f"{released!r}" + (f" (model tensor {t.name!r})" if released != t.name else ""))
             continue
         if t.sources[0].expert is None:
@@ -281,6 +290,16 @@ def _check_complete(targets: dict[str, _Target], arch: str, exp: Mapping) -> Non
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(f"checkpoint is missing tensor {missing[0]}{more}")
+
+
+def _released_name(t: _Target, arch: str) -> str:
+    """The released name of (the first piece of) a model tensor, for error messages."""
+    if arch != V4:
+        return to_released(t.name, arch)
+    try:
+        return v4_hf_to_released(t.name, t.shape[0] if len(t.shape) == 3 else None)[0]
+    except (UnknownTensorName, ValueError):
+        return t.name
 
 
 def _check_target(t: _Target, spec: ShardSpec) -> None:
@@ -321,41 +340,39 @@ def _read_source(plan: V4CheckpointPlan, files: CheckpointFiles, src: _Source, r
     """One stored tensor, as a plain tensor or (quantized) a QuantizedWeight."""
     if not src.quantized:
         return _read(files, src.key, rows)
-    scale_shape, _ = plan.scale_shapes.get(src.scale_key) or (tuple(files.slice(src.scale_key).get_shape()), None)
+    scale_shape = plan.headers[src.scale_key][0]
     if src.dtype == torch.int8:
         group = 2 * src.shape[-1] // scale_shape[-1]
         fmt, block = MXFP4, (1, group)
     else:
         fmt, block = FP8_BLOCK, _fp8_block(src.shape, scale_shape, plan.block, src.key)
-    scale_rows = None if rows is None or block[0] != 1 else rows
-    if rows is not None and block[0] != 1:
-        rows = None  # row blocks: read whole, cut after
+    scale_rows = rows if block[0] == 1 else None  # _rows_for only cuts per-row scales
     return QuantizedWeight(_read(files, src.key, rows), _read(files, src.scale_key, scale_rows), fmt, block)
 
 
 def _rows_for(plan: V4CheckpointPlan, t: _Target) -> tuple[int, int] | None:
-    """The rows of a vocab-parallel tensor this rank reads from disk (None: all)."""
-    spec = plan.shard
-    if spec.world_size == 1 or sharding_rule(t.name) != VOCAB_ROWS or t.sources[0].expert is not None:
+    """The rows of a vocab-parallel tensor this rank reads from disk (None: all of them)."""
+    spec, src = plan.shard, t.sources[0]
+    if spec.world_size == 1 or sharding_rule(t.name) != VOCAB_ROWS or src.expert is not None:
         return None
     full = _target_full_shape(t)
     if tuple(full) == tuple(t.shape):
         return None
+    if src.quantized and plan.headers[src.scale_key][0][0] != src.shape[0]:
+        return None  # scales cover row blocks: read all, cut after
     start, stop, _ = vocab_rows_range(full[0], spec.rank, spec.world_size)
     return start, stop
 
 
-def _materialize(plan, files, t: _Target, keep_quantized: bool):
+def _materialize(plan: V4CheckpointPlan, files: CheckpointFiles, t: _Target, keep_quantized: bool):
+    """Read the target's stored tensor(s); returns (value, whether it still needs cutting)."""
     spec = plan.shard
     if t.sources[0].expert is None:
         rows = _rows_for(plan, t)
         value = _read_source(plan, files, t.sources[0], rows)
-        if rows is not None:  # already this rank's rows: pad, then the shape check below
-            full = list(_target_full_shape(t))
-            full[0] = rows[1] - rows[0]
-            value = _pad_to(value, t.shape[0]) if rows[1] - rows[0] < t.shape[0] else value
-            return _finish(t, value, keep_quantized, cut=False)
-        return _finish(t, value, keep_quantized)
+        if rows is None:
+            return _finish(t, value, keep_quantized), True
+        return _finish(t, pad_rows(value, t.shape[0]), keep_quantized), False  # already this rank's rows
     full = _target_full_shape(t)
     experts = range(full[0])
     if spec.world_size > 1 and t.shape[0] != full[0]:  # EP: read only this rank's experts
@@ -369,10 +386,7 @@ def _materialize(plan, files, t: _Target, keep_quantized: bool):
         if not keep_quantized:
             parts = [p.dequantize(t.dtype) if isinstance(p, QuantizedWeight) else p.to(t.dtype) for p in parts]
         stacked.append(_cat_parts(parts, 0))
-    value = _stack(stacked)
-    if len(experts) != full[0]:  # EP slice already taken: only the shape check remains
-        return _finish(t, value, keep_quantized, cut=False)
-    return _finish(t, value, keep_quantized)
+    return _finish(t, _stack(stacked), keep_quantized), len(experts) == full[0]
 
 
 def _cat_parts(parts, dim):
@@ -390,30 +404,20 @@ def _stack(items):
     return torch.stack(items)
 
 
-def _pad_to(value, rows: int):
-    def pad(x):
-        raw = x.view(torch.uint8) if x.dtype in (FP8_DTYPE, E8M0_DTYPE) else x
-        out = torch.cat([raw, raw.new_zeros(rows - raw.shape[0], *raw.shape[1:])])
-        return out.view(x.dtype) if raw is not x else out
-    if isinstance(value, QuantizedWeight):
-        return QuantizedWeight(pad(value.data), pad(value.scale), value.format, value.block)
-    return pad(value)
-
-
-def _finish(t: _Target, value, keep_quantized: bool, cut: bool = True):
-    """Decode (unless kept quantized), cut to this rank, and check the final shape."""
+def _finish(t: _Target, value, keep_quantized: bool):
+    """Dequantize (unless kept quantized) and cast to the model's dtype."""
     if isinstance(value, QuantizedWeight):
         if t.raw:  # values and scale go to separate model tensors
             value = value.data
         elif not keep_quantized:
             value = value.dequantize(t.dtype)
-    if isinstance(value, torch.Tensor) and not keep_quantized:
-        if value.dtype in (E8M0_DTYPE, torch.uint8) and t.dtype.is_floating_point and t.name.endswith(".scale"):
-            value = e8m0_to_float(value)
-        value = value.to(t.dtype)
-    elif isinstance(value, torch.Tensor) and value.dtype != t.dtype and value.dtype not in (FP8_DTYPE, E8M0_DTYPE, torch.int8):
-        value = value.to(t.dtype)
-    return value, cut
+    if isinstance(value, QuantizedWeight):
+        return value
+    if keep_quantized and value.dtype in (FP8_DTYPE, E8M0_DTYPE, torch.int8):
+        return value  # stored form (a raw engram table or its scales)
+    if value.dtype == E8M0_DTYPE:
+        value = e8m0_to_float(value)
+    return value.to(t.dtype)
 
 
 def iter_v4_weights(

@@ -103,6 +103,27 @@ def vocab_rows_range(rows: int, rank: int, world: int) -> tuple[int, int, int]:
     return start, min(rows, start + chunk), chunk
 
 
+def local_shape(hf_name: str, full: tuple[int, ...], world: int, expert_parallel: bool = False) -> tuple[int, ...]:
+    """This rank's shape of a tensor under the table (what a sharded model should ask for).
+    ``expert_parallel``: stacked V4 experts are split by expert instead of intermediate dim."""
+    rule, shape = sharding_rule(hf_name), list(full)
+    if world == 1 or rule is None:
+        return tuple(shape)
+    if rule in (HEAD_ROWS, GROUP_ROWS, EXPERT_ROWS):
+        shape[0] = _chunk(shape[0], world, hf_name, 0)
+    elif rule in (INPUT_COLS, EXPERT_COLS):
+        shape[-1] = _chunk(shape[-1], world, hf_name, len(shape) - 1)
+    elif rule == EXPERT_STACK:
+        dim = 0 if expert_parallel else 1 if hf_name.endswith("gate_up_proj") else 2
+        if dim == 1:
+            shape[1] = 2 * _chunk(shape[1] // 2, world, hf_name, 1)
+        else:
+            shape[dim] = _chunk(shape[dim], world, hf_name, dim)
+    elif rule == VOCAB_ROWS:
+        shape[0] = -(-shape[0] // world)
+    return tuple(shape)
+
+
 def shard(t, hf_name: str, expected: tuple[int, ...], rank: int, world: int):
     """Cut the full tensor ``t`` (plain or QuantizedWeight) to this rank's ``expected`` shape."""
     full = _shape(t)
@@ -131,16 +152,22 @@ def shard(t, hf_name: str, expected: tuple[int, ...], rank: int, world: int):
         start, stop, chunk = vocab_rows_range(full[0], rank, world)
         out = _narrow(t, 0, start, stop - start, hf_name)
         if stop - start < chunk:
-            out = _pad_rows(out, chunk)
+            out = pad_rows(out, chunk)
     if out is None or _shape(out) != tuple(expected):
         found = list(full) if out is None else f"{list(full)}, cut to {list(_shape(out))} on rank {rank}/{world}"
         raise ShardingError(f"tensor {hf_name!r}: expected shape {list(expected)}, found {found}")
     return out
 
 
-def _pad_rows(t, rows: int):
+def pad_rows(t, rows: int):
+    """Zero rows appended up to ``rows`` (vocab-parallel ranks past the end of the table)."""
+    def pad(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] >= rows:
+            return x
+        raw = x.view(torch.uint8) if x.element_size() == 1 and x.is_floating_point() else x
+        out = torch.cat([raw, raw.new_zeros(rows - raw.shape[0], *raw.shape[1:])])
+        return out.view(x.dtype)
+
     if isinstance(t, QuantizedWeight):
-        pad = rows - t.data.shape[0]
-        return QuantizedWeight(torch.cat([t.data, t.data.new_zeros(pad, *t.data.shape[1:])]),
-                               torch.cat([t.scale, t.scale.new_zeros(pad, *t.scale.shape[1:])]), t.format, t.block)
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+        return QuantizedWeight(pad(t.data), pad(t.scale), t.format, t.block)
+    return pad(t)

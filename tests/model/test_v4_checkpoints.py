@@ -21,18 +21,23 @@ from model.v4_names import v41_released_to_hf
 FP8 = torch.float8_e4m3fn
 
 
+def _json(path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def _headers(path: str) -> dict[str, tuple[list[int], str]]:
-    wm = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
+    wm = _json(os.path.join(path, "model.safetensors.index.json"))["weight_map"]
     out = {}
     for fn in set(wm.values()):
         with safe_open(os.path.join(path, fn), "pt") as f:
-            out.update({k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()})
+            out.update({k: (f.get_slice(k).get_shape(), f.get_slice(k).get_dtype()) for k in f.keys()})  # noqa: SIM118
     return out
 
 
 def _v41_expected(path: str) -> dict:
     """HF-V4.1 names and shapes of the model a V4.1 checkpoint describes."""
-    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg = _json(os.path.join(path, "config.json"))
     return {v41_released_to_hf(n).name: (shape, torch.float32)
             for spec in released_tensor_specs(cfg) for n, shape, _ in stored_tensors(spec, False, (32, 32))}
 
@@ -79,7 +84,7 @@ def tiny_v4(tmp_path_factory):
 
 def test_tiny_v41_fp8_is_in_released_format(tiny_v41):
     q, _ = tiny_v41
-    cfg = json.load(open(os.path.join(q, "config.json")))
+    cfg = _json(os.path.join(q, "config.json"))
     assert cfg["quantization_config"]["weight_block_size"] == [32, 32]
     assert cfg["quantization_config"]["scale_fmt"] == "ue8m0" and cfg["quantization_config"]["expert_dtype"] == "fp4"
     assert cfg["text_config"]["num_nextn_predict_layers"] == 0  # DSpark blocks are not written
@@ -114,7 +119,7 @@ def test_tiny_v41_fp8_loads_back_close_to_prequantization_copy(tiny_v41):
 
 def test_tiny_v4_fp8_loads_into_hf_model_with_finite_logits(tiny_v4):
     q, f = tiny_v4
-    assert len({v for v in json.load(open(os.path.join(q, "model.safetensors.index.json")))["weight_map"].values()}) > 1
+    assert len({v for v in _json(os.path.join(q, "model.safetensors.index.json"))["weight_map"].values()}) > 1
     h = _headers(q)
     assert h["layers.1.attn.wq_a.scale"] == ([1, 1], "F8_E8M0")  # 128x128 blocks
     assert h["layers.1.ffn.experts.3.w2.weight"] == ([64, 16], "I8") and "mtp.0.e_proj.scale" in h
@@ -212,7 +217,7 @@ def test_cli_flags_and_one_line_errors(tmp_path, capsys):
     out = tmp_path / "slice"
     assert run(p.parse_args(["--config", "tiny-v41", "--num-layers", "4", "--fp8", "--num-experts", "2",
                              "--engram-rows", "300", "--out", str(out)])) == 0
-    c = json.load(open(out / "config.json"))["text_config"]
+    c = _json(out / "config.json")["text_config"]
     assert c["num_hidden_layers"] == 4 and c["n_routed_experts"] == 2 and c["kv_source_layer_ids"] == [1]
     assert c["engram_layer_ids"] == [1] and c["engram_num_embeddings"][0] <= 300
     assert _headers(str(out))["layers.1.engram.embed.weight"][0] == [c["engram_num_embeddings"][0], 32]
@@ -222,3 +227,26 @@ def test_cli_flags_and_one_line_errors(tmp_path, capsys):
     assert err == "error: --num-layers must be between 1 and 8, got 99"
     assert run(p.parse_args(["--config", "tiny-v3", "--engram-rows", "5", "--out", str(tmp_path / "y")])) == 1
     assert "apply to DeepSeek-V4 / V4.1 configs only" in capsys.readouterr().err
+
+
+def test_tensor_parallel_load_of_fp8_checkpoint(tiny_v41):
+    from model.v4_loader import ShardSpec
+    from model.v4_sharding import local_shape
+
+    q, _ = tiny_v41
+    expected = _v41_expected(q)
+    full = load_v4_weights(q, expected)
+    local = [{k: (local_shape(k, s, 2), d) for k, (s, d) in expected.items()}
+             for r in range(2)]
+    ranks = [load_v4_weights(q, local[r], shard_spec=ShardSpec(r, 2)) for r in range(2)]
+    for name in ("model.layers.1.engram.embed.weight", "model.layers.1.engram.embed.scale", "model.embed.weight",
+                 "model.layers.2.attn.wq_b.weight", "model.layers.2.attn.wo_b.weight", "model.layers.2.ffn.experts.1.w2.weight"):
+        a, b = ranks[0][name], ranks[1][name]
+        assert a.shape != full[name].shape, (name, a.shape)
+        dim = next(i for i in range(a.dim()) if a.shape[i] != full[name].shape[i])
+        assert torch.equal(torch.cat([a, b], dim), full[name]), name
+    # kept quantized, a cut must fall on the 32x32 scale blocks: wo_a's 32 rows cannot be halved
+    from model.loader import CheckpointError
+
+    with pytest.raises(CheckpointError, match="does not fall on its 32-wide scale blocks"):
+        load_v4_weights(q, local[1], shard_spec=ShardSpec(1, 2), keep_quantized=True)

@@ -17,7 +17,7 @@ from model.loader import CheckpointError
 from model.v4_layout import released_tensor_specs, stored_tensors
 from model.v4_loader import ShardSpec, load_v4_weights, plan_v4_checkpoint
 from model.v4_names import v4_released_to_saved, v41_hf_to_released, v41_released_to_hf
-from model.v4_sharding import VOCAB_ROWS, shard, sharding_rule
+from model.v4_sharding import VOCAB_ROWS, local_shape, shard, sharding_rule
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures")
 V4_DIR = os.path.join(FIXTURES, "dev-v4-s0")
@@ -25,9 +25,14 @@ V41_HF_DIR = os.path.join(FIXTURES, "dev-v41-s0")
 V41_REL_DIR = os.path.join(FIXTURES, "dev-v41-s1-rel")
 
 
+def _json(path) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def _read_all(path: str) -> dict[str, torch.Tensor]:
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
 
 
 def _expected_like(tensors: dict[str, torch.Tensor]) -> dict:
@@ -60,7 +65,7 @@ def test_v4_released_names_load_the_same(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.DeepseekV4Config.from_pretrained(V4_DIR)
     expected = transformers.DeepseekV4ForCausalLM(cfg).state_dict()
-    names = json.load(open(os.path.join(V4_DIR, "release_names.json")))
+    names = _json(os.path.join(V4_DIR, "release_names.json"))
     saved = _read_all(V4_DIR)
     released = _rewrite(V4_DIR, tmp_path / "rel", {names[k]: v for k, v in saved.items()})
     a, b = load_v4_weights(V4_DIR, expected), load_v4_weights(released, expected)
@@ -86,8 +91,8 @@ def test_v41_released_and_hf_names_give_identical_tensors(v41_expected, tmp_path
 
 def test_layout_from_config_matches_golden_checkpoints():
     for name in ("dev-v4-s0", "dev-v41-s1-rel"):  # saved names (V4 hybrid) / released names (V4.1)
-        cfg = json.load(open(os.path.join(FIXTURES, name, "config.json")))
-        names = json.load(open(os.path.join(FIXTURES, name, "release_names.json")))
+        cfg = _json(os.path.join(FIXTURES, name, "config.json"))
+        names = _json(os.path.join(FIXTURES, name, "release_names.json"))
         released = set(names.values())
         want = {k if k in released else names[k]: tuple(v.shape) for k, v in _read_all(os.path.join(FIXTURES, name)).items()}
         got = {n: tuple(s) for spec in released_tensor_specs(cfg) for n, s, _ in stored_tensors(spec, False, (32, 32))}
@@ -148,7 +153,7 @@ def test_tensor_parallel_cuts_reassemble_the_full_tensors(v41_expected):
     full = load_v4_weights(V41_HF_DIR, v41_expected)
     ranks = []
     for r in range(2):
-        local = {k: (tuple(shard(torch.empty(s, device="meta"), k, s, r, 2).shape), d) for k, (s, d) in v41_expected.items()}
+        local = {k: (local_shape(k, s, 2), d) for k, (s, d) in v41_expected.items()}
         ranks.append(load_v4_weights(V41_HF_DIR, local, shard_spec=ShardSpec(r, 2)))
     cut = {k for k in v41_expected if sharding_rule(k)}
     assert {"model.layers.0.attn.wq_b.weight", "model.layers.0.attn.attn_sink", "model.layers.0.attn.wo_a.weight",
@@ -157,6 +162,7 @@ def test_tensor_parallel_cuts_reassemble_the_full_tensors(v41_expected):
     assert sharding_rule("model.layers.1.attn.indexer.wq_b.weight") is None  # the indexer is replicated
     for name, value in full.items():
         a, b = ranks[0][name], ranks[1][name]
+        assert (a.shape != value.shape) == (name in cut), name
         if a.shape == value.shape:
             assert torch.equal(a, value) and torch.equal(b, value), name
             continue
@@ -185,6 +191,6 @@ def test_sharded_index_and_hf_v41_names_from_layout(tmp_path, v41_expected):
         fn = f"model-0000{i + 1}-of-00002.safetensors"
         save_file({k: raw[k] for k in part}, str(out / fn))
         weight_map.update({k: fn for k in part})
-    json.dump({"weight_map": weight_map}, open(out / "model.safetensors.index.json", "w"))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     got = load_v4_weights(str(out), v41_expected)
     assert all(torch.equal(got[v41_released_to_hf(k).name], v) for k, v in raw.items())
