@@ -194,3 +194,20 @@ def test_sharded_index_and_hf_v41_names_from_layout(tmp_path, v41_expected):
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     got = load_v4_weights(str(out), v41_expected)
     assert all(torch.equal(got[v41_released_to_hf(k).name], v) for k, v in raw.items())
+
+
+@pytest.mark.parametrize("expert_parallel", [True, False])
+def test_v4_stacked_experts_cut_by_expert_or_intermediate(expert_parallel):
+    transformers = pytest.importorskip("transformers")
+    expected = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config.from_pretrained(V4_DIR)).state_dict()
+    full = load_v4_weights(V4_DIR, expected)
+    ranks = [load_v4_weights(V4_DIR, {k: (local_shape(k, tuple(v.shape), 2, expert_parallel), v.dtype)
+                                      for k, v in expected.items()}, shard_spec=ShardSpec(r, 2)) for r in range(2)]
+    gate_up, down = "model.layers.2.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"
+    if expert_parallel:  # whole experts: 0-1 on rank 0, 2-3 on rank 1
+        assert torch.equal(ranks[1][gate_up], full[gate_up][2:]) and torch.equal(ranks[0][down], full[down][:2])
+    else:  # rank r holds its rows of w1 and of w3, and its columns of w2
+        i = full[gate_up].shape[1] // 2
+        w1, w3 = full[gate_up][:, :i], full[gate_up][:, i:]
+        assert torch.equal(ranks[1][gate_up], torch.cat([w1[:, i // 2:], w3[:, i // 2:]], 1))
+        assert torch.equal(torch.cat([ranks[0][down], ranks[1][down]], 2), full[down])
