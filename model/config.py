@@ -147,8 +147,15 @@ def _get(d: dict, key: str, default: Any) -> Any:
 
 
 def parse_model_config(d: dict[str, Any]) -> ModelConfig:
-    """Build a :class:`ModelConfig` from the parsed JSON of a HF ``config.json``."""
+    """Build a :class:`ModelConfig` from the parsed JSON of a HF ``config.json``.
+
+    ``deepseek_v4`` configs are parsed into a :class:`model.v4.config.V4Config` instead.
+    """
     model_type = d.get("model_type")
+    if model_type == "deepseek_v4":
+        from model.v4.config import parse_v4_config
+
+        return parse_v4_config(d)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"unsupported model_type {model_type!r} in config.json "
