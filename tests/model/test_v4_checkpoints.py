@@ -138,6 +138,24 @@ def test_tiny_v4_fp8_loads_into_hf_model_with_finite_logits(tiny_v4):
     assert torch.isfinite(logits).all() and 0.1 < logits.std() < 100
 
 
+def test_tiny_v4_fp8_loads_into_mlaserve_v4_model_like_hf(tiny_v4):
+    from model.v4.config import parse_v4_config
+    from model.v4.model import DeepseekV4ForCausalLM
+    from model.v4_loader import iter_v4_weights
+
+    q, _ = tiny_v4
+    ours = DeepseekV4ForCausalLM(parse_v4_config(_json(os.path.join(q, "config.json"))), torch.float32)
+    ours.load_weights(iter_v4_weights(q, ours.state_dict()))
+    hf = _v4_model(q)
+    hf.load_state_dict(load_v4_weights(q, hf.state_dict()))
+    ids = torch.randint(0, 320, (24,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = ours.compute_logits(ours(ids, ours.new_state()))
+        want = hf(ids[None]).logits[0]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4)
+
+
 def test_v4_flash_preset_matches_transformers_reading():
     transformers = pytest.importorskip("transformers")
     cfg = load_config_dict("deepseek-v4-flash")
