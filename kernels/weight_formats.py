@@ -32,7 +32,6 @@ FP4_MAX = 6.0
 MXFP4_GROUP = 32
 # e2m1 magnitudes by code 0..7; code | 8 is the negative.
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 FP8_BLOCK = "fp8_block"
 MXFP4 = "mxfp4"
@@ -98,15 +97,13 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
 
 def float_to_fp4_codes(x: torch.Tensor) -> torch.Tensor:
-    """Round float values (already divided by their scale, |x| <= 6 after saturation) to the
-    nearest e2m1 code, ties to the even code (as the hardware cvt does)."""
+    """Round float values (already divided by their scale; saturated at 6) to the nearest e2m1
+    code, ties to the even code as the hardware cvt does. The grid steps by 0.5 below 2, by 1
+    up to 4 and by 2 up to 6, so each range is one half-to-even ``round`` of a scaled value."""
     a = x.float().abs().clamp_max(FP4_MAX)
-    mids = torch.tensor(_E2M1_MIDPOINTS, device=x.device)
-    idx = torch.bucketize(a, mids)  # a midpoint lands on the lower code
-    tie = (idx < len(_E2M1_MIDPOINTS)) & (a == mids[idx.clamp_max(len(_E2M1_MIDPOINTS) - 1)])
-    idx = idx + (tie & (idx % 2 == 1)).long()  # ...unless that code is odd
-    sign = (x < 0) & (idx > 0)
-    return (idx + 8 * sign.long()).to(torch.uint8)
+    code = torch.where(a < 2, torch.round(a * 2), torch.where(a < 4, 4 + torch.round(a - 2), 6 + torch.round((a - 4) / 2)))
+    sign = (x < 0) & (code > 0)
+    return (code + 8 * sign).to(torch.uint8)
 
 
 def quantize_mxfp4(w: torch.Tensor, group: int = MXFP4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:

@@ -118,14 +118,16 @@ def _cap_engram(c: dict, cap: int) -> None:
     raise ValueError(f"--engram-rows {cap} is too small for {heads} heads x {n - 1} n-gram orders")
 
 
-def random_value(spec: TensorSpec, cfg: dict, gen: torch.Generator) -> torch.Tensor:
-    """Small, well-conditioned values (float32; int64 for tid2eid) so logits stay finite."""
-    name, shape = spec.name, spec.shape
+def random_value(spec: TensorSpec, cfg: dict, gen: torch.Generator, rows: int | None = None) -> torch.Tensor:
+    """Small, well-conditioned values (float32; int64 for tid2eid) so logits stay finite.
+    ``rows``: only that many leading rows (a chunk of a large tensor)."""
+    name = spec.name
+    shape = spec.shape if rows is None else (rows, *spec.shape[1:])
     if spec.kind == I64:
         return torch.randint(0, int(text_config(cfg)["n_routed_experts"]), shape, generator=gen)
-    randn = torch.randn(shape, generator=gen)
     if name.endswith(("gate.bias", "gate.bias_vl")):
         return torch.rand(shape, generator=gen) * 0.1
+    randn = torch.randn(shape, generator=gen)
     if name.endswith("attn_sink"):
         return randn * 0.5
     if name.endswith("_fn"):  # mHC mixing weights
@@ -136,11 +138,39 @@ def random_value(spec: TensorSpec, cfg: dict, gen: torch.Generator) -> torch.Ten
         return 0.5 + 0.1 * randn
     if name.endswith(".ape"):
         return randn * 0.1
-    if name in ("embed.weight",) or spec.kind == ENGRAM:
+    if name == "embed.weight" or spec.kind == ENGRAM:
         return randn
     if len(shape) == 1 or name.endswith(("q_weight", "k_weight")):
         return 1.0 + 0.1 * randn
     return randn / shape[-1] ** 0.5
+
+
+_CHUNK_ELEMENTS = 1 << 24
+_CHUNK_ROW_ALIGN = 128  # a multiple of every block height (128, 32, 1)
+
+
+def random_pieces(spec: TensorSpec, cfg: dict, gen: torch.Generator, fp8: bool, block: tuple[int, int],
+                  dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The stored tensors of a random ``spec``; large tensors are made and quantized in row
+    chunks, so memory stays near their stored size (the chunks depend only on the shape)."""
+    numel = 1
+    for d in spec.shape:
+        numel *= d
+    if len(spec.shape) < 2 or numel <= _CHUNK_ELEMENTS:
+        return stored_pieces(spec, random_value(spec, cfg, gen), fp8, block, dtype)
+    per_row = numel // spec.shape[0]
+    step = max(_CHUNK_ROW_ALIGN, _CHUNK_ELEMENTS // per_row // _CHUNK_ROW_ALIGN * _CHUNK_ROW_ALIGN)
+    chunks = []
+    for start in range(0, spec.shape[0], step):
+        part = TensorSpec(spec.name, (min(step, spec.shape[0] - start), *spec.shape[1:]), spec.kind)
+        chunks.append(stored_pieces(part, random_value(part, cfg, gen), fp8, block, dtype))
+    return {k: _cat_rows([c[k] for c in chunks]) for k in chunks[0]}
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    if parts[0].element_size() == 1 and parts[0].is_floating_point():  # fp8 / e8m0: cat the bytes
+        return torch.cat([p.view(torch.uint8) for p in parts]).view(parts[0].dtype)
+    return torch.cat(parts)
 
 
 def stored_pieces(spec: TensorSpec, value: torch.Tensor, fp8: bool, block: tuple[int, int],
@@ -211,7 +241,7 @@ def write_random_v4_checkpoint(
     size, names_per_shard = 0, []
     tmp_names = []
     for spec in specs:
-        pieces = stored_pieces(spec, random_value(spec, out_cfg, gen), fp8, block, dtype)
+        pieces = random_pieces(spec, out_cfg, gen, fp8, block, dtype)
         nbytes = sum(p.numel() * p.element_size() for p in pieces.values())
         if shard and size + nbytes > shard_bytes:
             tmp_names.append(_flush(shard, out_dir, len(tmp_names)))

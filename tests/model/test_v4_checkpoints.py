@@ -268,3 +268,20 @@ def test_tensor_parallel_load_of_fp8_checkpoint(tiny_v41):
 
     with pytest.raises(CheckpointError, match="does not fall on its 32-wide scale blocks"):
         load_v4_weights(q, local[1], shard_spec=ShardSpec(1, 2), keep_quantized=True)
+
+
+def test_large_tensors_are_made_in_row_chunks(monkeypatch):
+    import model.v4_checkpoint as v4c
+    from kernels.weight_formats import dequantize_fp8_blocks, dequantize_mxfp4
+    from model.v4_layout import FP4, FP8, TensorSpec
+
+    monkeypatch.setattr(v4c, "_CHUNK_ELEMENTS", 1000)  # 300 rows -> chunks of 128, 128, 44
+    for kind, block in ((FP8, (128, 128)), (FP8, (32, 32)), (FP4, (1, 32))):
+        spec = TensorSpec("layers.0.attn.wq_b.weight", (300, 64), kind)
+        q = v4c.random_pieces(spec, {}, torch.Generator().manual_seed(0), True, block, torch.bfloat16)
+        ref = v4c.random_pieces(spec, {}, torch.Generator().manual_seed(0), False, block, torch.float32)[spec.name]
+        assert [(tuple(v.shape), v.dtype) for v in q.values()] == [
+            (tuple(s), d) for _, s, d in stored_tensors(spec, True, block)]
+        w, s = q.values()
+        back = dequantize_mxfp4(w, s) if kind == FP4 else dequantize_fp8_blocks(w, s, block)
+        assert (back - ref).abs().max() <= ref.abs().max() / (3 if kind == FP4 else 16)
