@@ -250,7 +250,7 @@ def plan_v4_checkpoint(model_dir: str, expected: Mapping, shard_spec: ShardSpec 
             scale_target = targets[scale_name]
             if scale_target.sources:
                 t.sources[0].scale_key = scale_target.sources[0].key
-    _check_complete(targets, arch, exp)
+    _check_complete(targets, arch, spec)
     if unknown:
         more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise CheckpointError(f"checkpoint has unexpected tensor {unknown[0]!r}{more}: the model has no such weight")
@@ -260,7 +260,7 @@ def plan_v4_checkpoint(model_dir: str, expected: Mapping, shard_spec: ShardSpec 
                             {k: (v[0], v[1]) for k, v in skipped.items()})
 
 
-def _check_complete(targets: dict[str, _Target], arch: str, exp: Mapping) -> None:
+def _check_complete(targets: dict[str, _Target], arch: str, spec: ShardSpec) -> None:
     missing: list[str] = []
     for t in targets.values():
         if not t.sources:
@@ -278,6 +278,8 @@ def _check_complete(targets: dict[str, _Target], arch: str, exp: Mapping) -> Non
         halves = 2 if t.name.endswith("gate_up_proj") else 1
         have = {(s.expert, s.half) for s in t.sources}
         experts = 1 + max(s.expert for s in t.sources)
+        if spec.world_size == 1 and len(t.shape) == 3:
+            experts = max(experts, t.shape[0])  # a missing last expert is missing, not a shape error
         for e in range(experts):
             for h in range(halves):
                 if (e, h) not in have:

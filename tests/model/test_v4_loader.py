@@ -134,6 +134,10 @@ def test_missing_v4_expert_names_its_released_tensor(tmp_path):
     del saved["model.layers.1.ffn.experts.2.w3.weight"]
     msg = _one_line_error(_rewrite(V4_DIR, tmp_path / "x", saved), expected, "missing tensor")
     assert "'layers.1.ffn.experts.2.w3.weight'" in msg and "mlp.experts.gate_up_proj" in msg
+    for part in ("w1", "w2", "w3"):  # the last expert gone entirely
+        del saved[f"model.layers.4.ffn.experts.3.{part}.weight"]
+    msg = _one_line_error(_rewrite(V4_DIR, tmp_path / "y", saved), expected, "missing tensor")
+    assert "'layers.1.ffn.experts.2.w3.weight' (model tensor 'model.layers.1.mlp.experts.gate_up_proj') (and 3 more)" in msg
 
 
 def test_mtp_dspark_and_vision_tensors_are_skipped_with_one_line(v41_expected, tmp_path, caplog):
