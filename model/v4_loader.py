@@ -18,8 +18,9 @@ yields ``(hf_name, value)`` one tensor at a time from memory-mapped files:
   records (``data``, ``scale``, ``format`` in ``fp8_block``/``mxfp4``, ``block``) in stored
   form, already cut to this rank (V4 experts stacked to [E, 2I, K/2] / [E, D, I/2]).
 * A weight whose scale the model lists as a tensor of its own (V4.1 engram tables:
-  ``engram.embed.weight`` + ``engram.embed.scale``) gets its values and its decoded scale
-  separately, unmultiplied.
+  ``engram.embed.weight`` + ``engram.embed.scale``) gets its values and its scale separately,
+  unmultiplied: cast to the model dtype (the scale decoded from E8M0), or with
+  ``keep_quantized`` in stored form (e4m3 values, E8M0 scale bytes).
 
 ``shard=ShardSpec(rank, world_size)`` cuts tensors by :mod:`model.v4_sharding`'s table;
 vocab-parallel rows (embed, head, engram tables) are read from disk only for this rank.
