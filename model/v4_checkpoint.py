@@ -72,6 +72,8 @@ def slice_config(cfg: dict, num_layers: int | None = None, num_experts: int | No
     layers = full_layers if num_layers is None else int(num_layers)
     if not 1 <= layers <= full_layers:
         raise ValueError(f"--num-layers must be between 1 and {full_layers}, got {layers}")
+    if engram_rows is not None and arch != V41:
+        raise ValueError("--engram-rows applies to DeepSeek-V4.1 (engram tables) only")
     mtp = int(c.get("num_nextn_predict_layers") or 0) if (with_mtp and arch == V4) else 0
     c["num_hidden_layers"] = layers
     c["num_nextn_predict_layers"] = mtp
