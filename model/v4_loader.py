@@ -245,10 +245,10 @@ def plan_v4_checkpoint(model_dir: str, expected: Mapping, shard_spec: ShardSpec 
         elif wkey not in foreign_experts:
             unknown.append(skey)
     for t in targets.values():  # the model takes this weight's scale as a tensor of its own
-        scale_name = t.name[: -len(".weight")] + ".scale" if t.name.endswith(".weight") else None
-        if scale_name in exp and t.sources:
+        scale_names = (t.name[: -len(".weight")] + ".scale", t.name + "_scale_inv") if t.name.endswith(".weight") else ()
+        scale_target = next((targets[n] for n in scale_names if n in exp), None)
+        if scale_target is not None and t.sources:
             t.raw = True
-            scale_target = targets[scale_name]
             if scale_target.sources:
                 t.sources[0].scale_key = scale_target.sources[0].key
     _check_complete(targets, arch, spec)
@@ -414,7 +414,7 @@ def _finish(t: _Target, value, keep_quantized: bool):
             value = value.data
         elif not keep_quantized:
             value = value.dequantize(t.dtype)
-    if isinstance(value, QuantizedWeight):
+    if isinstance(value, QuantizedWeight) or value.dtype == t.dtype:
         return value
     if keep_quantized and value.dtype in (FP8_DTYPE, E8M0_DTYPE, torch.int8):
         return value  # stored form (a raw engram table or its scales)

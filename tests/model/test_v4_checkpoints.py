@@ -285,3 +285,25 @@ def test_large_tensors_are_made_in_row_chunks(monkeypatch):
         w, s = q.values()
         back = dequantize_mxfp4(w, s) if kind == FP4 else dequantize_fp8_blocks(w, s, block)
         assert (back - ref).abs().max() <= ref.abs().max() / (3 if kind == FP4 else 16)
+
+
+def test_model_that_keeps_fp8_params_gets_weights_and_scales_in_stored_form(tiny_v4, tiny_v41):
+    """A GPU model may list FP8 weights and their scales as its own tensors (either spelling)."""
+    q4, _ = tiny_v4
+    expected = {k: (tuple(v.shape), v.dtype) for k, v in _v4_model(q4).state_dict().items()}
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+    expected[name] = (expected[name][0], FP8)
+    expected[name + "_scale_inv"] = ((2, 1), E8M0_DTYPE)
+    got = load_v4_weights(q4, expected)
+    assert got[name].dtype == FP8 and got[name + "_scale_inv"].dtype == E8M0_DTYPE
+    full = load_v4_weights(q4, {k: v for k, v in expected.items() if not k.endswith("_scale_inv")} | {name: (expected[name][0], torch.float32)})
+    from kernels.weight_formats import dequantize_fp8_blocks
+
+    assert torch.equal(dequantize_fp8_blocks(got[name], got[name + "_scale_inv"], (128, 128)), full[name])
+    q41, _ = tiny_v41
+    exp41 = _v41_expected(q41)
+    w = "model.layers.2.attn.wq_b.weight"
+    exp41[w] = (exp41[w][0], FP8)
+    exp41["model.layers.2.attn.wq_b.scale"] = ((8, 1), torch.float32)  # decoded to float on request
+    got = load_v4_weights(q41, exp41)
+    assert got[w].dtype == FP8 and got["model.layers.2.attn.wq_b.scale"].dtype == torch.float32
