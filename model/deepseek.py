@@ -21,7 +21,7 @@ from model.layers.mla import MLAAttention
 from model.layers.moe import MoE, DenseMLP
 from model.layers.norm import RMSNorm
 from model.layers.rotary import RotaryEmbedding
-from model.parallel import ParallelContext
+from model.parallel import ParallelContext, StepRows
 
 # A loader callback: takes the checkpoint tensor (already dequantized if asked) and copies it in.
 WeightLoader = Callable[[torch.Tensor], None]
@@ -43,15 +43,17 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(c.hidden_size, c.intermediate_size, par.tp_rank, par.tp_size, dtype, fp8_block)
         self.par = par
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None):
-        """``hidden``/``residual`` hold this rank's rows (all rows unless sequence parallel)."""
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                rows: StepRows | None = None):
+        """``hidden``/``residual`` hold this rank's rows (all rows unless sequence parallel);
+        ``rows``: the step's layout (see ``ParallelContext.step_rows``), used by the MoE."""
         par = self.par
         residual = hidden if residual is None else hidden + residual
         h = par.gather_rows(self.input_layernorm(residual))
         h = par.scatter_partial_rows(self.self_attn(positions, h))
         residual = h + residual
         h = par.gather_rows(self.post_attention_layernorm(residual))
-        h = par.scatter_partial_rows(self.mlp(h))
+        h = par.scatter_partial_rows(self.mlp(h, rows) if self.is_moe else self.mlp(h))
         return h, residual
 
     def weight_map(self, prefix: str, fp8: bool) -> dict[str, WeightLoader]:
@@ -177,12 +179,11 @@ class DeepseekForCausalLM(nn.Module):
         if padded != n:  # sequence parallel: pad rows write no KV and never reach routing
             input_ids = torch.cat([input_ids, input_ids.new_zeros(padded - n)])
             positions = torch.cat([positions, positions.new_zeros(padded - n)])
-        par.num_valid_rows = n
-        par.exchange_rows(n, input_ids.device)
+        rows = par.step_rows(n, input_ids.device)
         hidden = par.scatter_partial_rows(self.embed_tokens(input_ids))
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(positions, hidden, residual, rows)
         out = par.gather_rows(self.norm(hidden + residual))
         return out[:n]
 

@@ -71,11 +71,17 @@ def collapse_streams(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 
 
 def expand_streams(
-    streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """New streams ``post_k · out + Σ_j comb[j, k] X_j`` [T, hc, D], in the streams' dtype."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    """New streams ``post_k · out + Σ_j comb[j, k] X_j`` [T, hc, D], in the streams' dtype.
+
+    The arithmetic runs in ``compute_dtype`` (default: the streams' dtype, as V4 does; V4.1
+    passes float32 and casts once at the end).
+    """
+    dtype = compute_dtype or streams.dtype
+    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams.to(dtype))
+    return (post.to(dtype).unsqueeze(-1) * out.to(dtype).unsqueeze(-2) + mixed).to(streams.dtype)
 
 
 class HyperConnection(nn.Module):
