@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import save_file
@@ -34,30 +35,14 @@ from model.v4_layout import (
 from model.v4_names import V4, V41
 
 
-def _is_prime(n: int) -> bool:
-    if n < 2 or n % 2 == 0:
-        return n == 2
-    f = 3
-    while f * f <= n:
-        if n % f == 0:
-            return False
-        f += 2
-    return True
-
-
 def engram_table_rows(vocab_size: int, n_layers: int, n_heads: int, max_ngram: int) -> list[int]:
-    """Rows of each engram layer's table: one prime-sized bucket per (n-gram order, head),
-    primes taken in order above ``engram_vocab_size`` and distinct across layers."""
-    p, out = vocab_size, []
-    for _ in range(n_layers):
-        total = 0
-        for _ in range(n_heads * (max_ngram - 1)):
-            p += 1
-            while not _is_prime(p):
-                p += 1
-            total += p
-        out.append(total)
-    return out
+    """Rows of each engram layer's table: one prime-sized bucket per (n-gram order, head), the
+    primes as the V4.1 model's hasher draws them (distinct, from ``engram_vocab_size`` up)."""
+    from model.v41.engram import engram_primes
+
+    sizes = SimpleNamespace(engram_layer_ids=list(range(n_layers)), engram_max_ngram_size=max_ngram,
+                            engram_vocab_size=vocab_size, engram_n_heads=n_heads)
+    return [sum(sum(row) for row in layer) for layer in engram_primes(sizes)]
 
 
 def slice_config(cfg: dict, num_layers: int | None = None, num_experts: int | None = None,
@@ -273,12 +258,18 @@ def _flush(shard: dict[str, torch.Tensor], out_dir: str, index: int) -> str:
 
 
 def _write_metadata(cfg: dict, out_dir: str) -> None:
+    """config.json, generation_config.json and a test tokenizer. V4.1's engram compressed
+    vocabulary is counted from that tokenizer, so the config matches the files written."""
     from model.tokenizer_builder import build_test_tokenizer
 
     c = text_config(cfg)
+    build_test_tokenizer(min(int(c["vocab_size"]), 1024), out_dir)
+    if c.get("engram_layer_ids"):
+        from model.v41.engram import build_compressed_token_map
+
+        c["engram_compressed_vocab_size"] = build_compressed_token_map(os.path.join(out_dir, "tokenizer.json"))[1]
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
         json.dump({"bos_token_id": c.get("bos_token_id", 0), "eos_token_id": c.get("eos_token_id", 1),
                    "do_sample": False}, f, indent=2)
-    build_test_tokenizer(min(int(c["vocab_size"]), 1024), out_dir)

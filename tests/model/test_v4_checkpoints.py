@@ -156,6 +156,21 @@ def test_tiny_v4_fp8_loads_into_mlaserve_v4_model_like_hf(tiny_v4):
     torch.testing.assert_close(got, want.float(), atol=1e-4, rtol=1e-4)
 
 
+def test_tiny_v41_fp8_loads_into_mlaserve_v41_model(tiny_v41):
+    from model.v41.config import parse_v41_config
+    from model.v41.model import DeepseekV41ForCausalLM
+
+    q, _ = tiny_v41
+    model = DeepseekV41ForCausalLM(parse_v41_config(_json(os.path.join(q, "config.json"))), torch.float32)
+    model.bind_tokenizer(os.path.join(q, "tokenizer.json"))  # the config's engram vocabulary fits it
+    own = {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    assert {k: s for k, (s, _) in own.items()} == {k: tuple(s) for k, (s, _) in _v41_expected(q).items()}
+    model.load_weights(load_v4_weights(q, own))
+    ids = torch.randint(0, 320, (20,), generator=torch.Generator().manual_seed(2))
+    logits = model(ids, model.new_state())
+    assert torch.isfinite(logits).all() and 0.1 < logits.std() < 100
+
+
 def test_v4_flash_preset_matches_transformers_reading():
     transformers = pytest.importorskip("transformers")
     cfg = load_config_dict("deepseek-v4-flash")
