@@ -215,3 +215,19 @@ def test_v4_stacked_experts_cut_by_expert_or_intermediate(expert_parallel):
         w1, w3 = full[gate_up][:, :i], full[gate_up][:, i:]
         assert torch.equal(ranks[1][gate_up], torch.cat([w1[:, i // 2:], w3[:, i // 2:]], 1))
         assert torch.equal(torch.cat([ranks[0][down], ranks[1][down]], 2), full[down])
+
+
+def test_v4_golden_through_the_loader_matches_golden_logprobs():
+    """The bundled dev-v4-s0 checkpoint (5.24's saved names) into mlaserve's V4 model."""
+    from model.config import load_model_config
+    from model.v4.model import DeepseekV4ForCausalLM
+    from model.v4_loader import iter_v4_weights
+
+    model = DeepseekV4ForCausalLM(load_model_config(V4_DIR))
+    model.load_weights(iter_v4_weights(V4_DIR, model.state_dict()))
+    golden = _json(os.path.join(V4_DIR, "golden.json"))
+    ids = torch.tensor(golden["prompt_ids"])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model.compute_logits(model(ids, model.new_state())), dim=-1)
+    got = logprobs[:-1].gather(1, ids[1:, None])[:, 0]
+    assert (got - torch.tensor(golden["prompt_logprobs"])).abs().max().item() < 2e-3
