@@ -39,7 +39,7 @@ class AdmissionLimits:
     def for_engine(cls, engine) -> AdmissionLimits:
         cfg = engine.engine_config
         return cls(max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
-                   max_num_seqs=cfg.max_num_seqs, max_logprobs=getattr(cfg, "max_logprobs", DEFAULT_MAX_LOGPROBS))
+                   max_num_seqs=cfg.max_num_seqs, max_logprobs=cfg.max_logprobs)
 
     @property
     def max_n(self) -> int:
