@@ -397,6 +397,9 @@ class AsyncEngine:
                 total["collectives"][k] = total["collectives"].get(k, 0) + v
         blocks = total["num_total_blocks"]
         total["kv_cache_usage"] = (1.0 - total["num_free_blocks"] / blocks) if blocks else 0.0
+        # The other numbers are the engine's latest report: this says how old it may be.
+        total["engine_heartbeat_age_s"] = max((time.monotonic() - e.heartbeat.value for e in self._engines),
+                                              default=0.0)
         return total
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -74,6 +74,9 @@ class _EngineStatsCollector:
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", s["prompt_tokens_total"])
         yield counter("vllm:generation_tokens", "Generation tokens produced.", s["generation_tokens_total"])
         yield counter("vllm:num_preemptions", "Cumulative preemptions.", s["num_preemptions"])
+        if "engine_heartbeat_age_s" in s:
+            yield gauge("mlaserve:engine_heartbeat_age_seconds", "Seconds since the engine loop last completed "
+                        "an iteration (the slowest engine).", s["engine_heartbeat_age_s"])
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.get("prefix_cache_queries", 0))
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",

@@ -151,6 +151,9 @@ def test_stalled_engine_loop_turns_health_503():
         assert health is not None and health.status_code == 503, "a stalled engine still reported healthy"
         err = health.json()["error"]
         assert err["code"] == 503 and "has not completed an iteration" in err["message"]
+        age = [line for line in httpx.get(url + "/metrics").text.splitlines()
+               if line.startswith("mlaserve:engine_heartbeat_age_seconds{")]
+        assert age and float(age[0].rsplit(" ", 1)[1]) > 1.0, age
         t.join(30)
         assert result["r"].status_code == 200  # the stall ends; the request completes
         assert httpx.get(url + "/health").status_code == 200
