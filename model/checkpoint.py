@@ -153,14 +153,13 @@ def write_random_checkpoint(
     write_checkpoint_metadata(cfg_dict, out_dir)
     gen = torch.Generator().manual_seed(seed)
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
     names = list(checkpoint_tensor_shapes(c, with_mtp))
     iterator = names
     if progress:
         from tqdm import tqdm
 
         iterator = tqdm(names, desc="Writing tensors", unit="tensor")
+    writer = ShardWriter(out_dir, shard_bytes)
     for name, shape in iterator:
         t = random_tensor(name, shape, gen)
         if fp8 and is_quantized_tensor(name, shape):
@@ -170,24 +169,53 @@ def write_random_checkpoint(
             pieces = {name: t.float()}
         else:
             pieces = {name: t.to(dtype)}
-        for n, p in pieces.items():
-            nbytes = p.numel() * p.element_size()
-            if size and size + nbytes > shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][n] = p.contiguous()
-            size += nbytes
-    weight_map = {}
-    total = 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        for n, p in shard.items():
-            weight_map[n] = fname
-            total += p.numel() * p.element_size()
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        writer.add(pieces)
+    writer.close()
     return out_dir
+
+
+class ShardWriter:
+    """Safetensors shards of at most ``shard_bytes`` (a tensor group never split) plus
+    ``model.safetensors.index.json``. Each full shard goes to disk at once under a temporary
+    name and is renamed ``model-0000i-of-0000n`` by :meth:`close`, so memory holds one shard."""
+
+    def __init__(self, out_dir: str, shard_bytes: int) -> None:
+        self.out_dir, self.shard_bytes = out_dir, shard_bytes
+        self._shard: dict[str, torch.Tensor] = {}
+        self._size = 0
+        self._written: list[tuple[str, list[str]]] = []  # (temporary file, its tensor names)
+        self._total = 0  # tensor bytes, as HF's index counts them
+
+    def add(self, pieces: dict[str, torch.Tensor]) -> None:
+        """Add tensors that belong together (a weight and its scale) to the current shard."""
+        nbytes = sum(p.numel() * p.element_size() for p in pieces.values())
+        if self._shard and self._size + nbytes > self.shard_bytes:
+            self._flush()
+        self._shard.update({k: v.contiguous() for k, v in pieces.items()})
+        self._size += nbytes
+        self._total += nbytes
+
+    def _flush(self) -> None:
+        name = f".shard-{len(self._written):05d}.safetensors"
+        save_file(self._shard, os.path.join(self.out_dir, name), metadata={"format": "pt"})
+        self._written.append((name, list(self._shard)))
+        self._shard, self._size = {}, 0
+
+    def close(self) -> None:
+        if self._shard or not self._written:
+            self._flush()
+        weight_map, n = {}, len(self._written)
+        for i, (tmp, names) in enumerate(self._written):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.out_dir, tmp), os.path.join(self.out_dir, final))
+            weight_map.update({name: final for name in names})
+        with open(os.path.join(self.out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": self._total}, "weight_map": weight_map}, f, indent=2)
+
+
+def write_generation_config(out_dir: str, bos_token_id: int, eos_token_id: int) -> None:
+    with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "do_sample": False}, f, indent=2)
 
 
 def write_checkpoint_metadata(cfg_dict: dict, out_dir: str) -> None:
@@ -198,9 +226,7 @@ def write_checkpoint_metadata(cfg_dict: dict, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg_dict, f, indent=2)
-    eos = c.eos_token_ids[0] if c.eos_token_ids else 1
-    with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
-        json.dump({"bos_token_id": c.bos_token_id, "eos_token_id": eos, "do_sample": False}, f, indent=2)
+    write_generation_config(out_dir, c.bos_token_id, c.eos_token_ids[0] if c.eos_token_ids else 1)
     from model.tokenizer_builder import build_test_tokenizer
 
     build_test_tokenizer(min(c.vocab_size, 1024), out_dir)
