@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.layers.norm import RMSNorm
 from model.v41.config import V41Config
-from model.v41.norm import RMSNorm
 from model.v41.state import SourceState
 
 
@@ -28,7 +28,7 @@ class Compressor(nn.Module):
         d, h = config.head_dim, config.hidden_size
         self.wkv = nn.Linear(h, d, bias=False, dtype=dtype)
         self.wgate = nn.Linear(h, d, bias=False, dtype=dtype) if self.ratio > 1 else None
-        self.norm = RMSNorm(d, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(d, config.rms_norm_eps, dtype, weight_after_cast=True)
 
     def forward(self, x: torch.Tensor, source: SourceState) -> tuple[torch.Tensor | None, int]:
         """x [T, hidden] (the layer's normed input) -> (latents of the groups completed by

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from model.layers.norm import RMSNorm
 from model.v4.rope import RotaryTable
 from model.v4_loader import CheckpointError, load_v4_into_module, read_v4_config
 from model.v41.attention import Attention
@@ -44,7 +45,6 @@ from model.v41.mhc import (
     one_hot_pre,
 )
 from model.v41.moe import MoE
-from model.v41.norm import RMSNorm
 from model.v41.state import RequestState
 
 logger = logging.getLogger(__name__)
@@ -73,8 +73,8 @@ class DecoderLayer(nn.Module):
         self.norm_eps, self.hc_eps, self.sinkhorn_iters = c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters
         self.attn = Attention(c, layer_idx, dtype)
         self.ffn = MoE(c, dtype)
-        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.engram = Engram(c, layer_idx, dtype) if layer_idx in c.engram_layer_ids else None
         mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size
         for site in ("attn", "ffn"):
@@ -105,7 +105,7 @@ class TextModel(nn.Module):
         c = config
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.main_rope = RotaryTable(c.qk_rope_head_dim, c.main_rope)
         self.compress_rope = RotaryTable(c.qk_rope_head_dim, c.compress_rope)
 
