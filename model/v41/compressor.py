@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.layers.norm import RMSNorm
+from model.v4.compressor import pool_windows
 from model.v41.config import V41Config
 from model.v41.state import SourceState
 
@@ -51,5 +52,5 @@ class Compressor(nn.Module):
         groups = usable // self.ratio
         kv = kv[:usable].view(groups, self.ratio, -1)
         gate = gate[:usable].view(groups, self.ratio, -1)
-        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32)).sum(dim=1)
-        return self.norm(pooled.to(x.dtype)), first_position
+        pooled = pool_windows(kv, gate)  # kv is float32 here, so the whole pooling is
+        return self.norm(pooled.to(x.dtype)), first_position  # float32, unlike V4's
