@@ -20,6 +20,7 @@ interface), because whoever can reach the store can join the job.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import ipaddress
 import os
@@ -188,6 +189,13 @@ class GroupCoordinator:
     @property
     def is_first_rank(self) -> bool:
         return self.rank_in_group == 0
+
+    def cpu_view(self) -> "GroupCoordinator":
+        """The same ranks, seen through the gloo CPU group (for small control tensors)."""
+        view = copy.copy(self)
+        view.device_group = self.cpu_group
+        view.backend = "gloo"
+        return view
 
     def __repr__(self) -> str:
         return (f"GroupCoordinator({self.name}, rank {self.rank_in_group}/{self.world_size}, "

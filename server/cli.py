@@ -30,11 +30,11 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from server import envs
 from server.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig, EngineConfigError
 
 logger = logging.getLogger("mlaserve")
 
-API_KEY_ENV_VARS = ("MLASERVE_API_KEY", "VLLM_API_KEY")
 # Flags whose value is a JSON object and that therefore take dotted sub-keys.
 DICT_FLAGS = ("--compilation-config",)
 # vLLM CompilationConfig keys we accept but do not use (no torch.compile / piecewise graphs here).
@@ -341,7 +341,7 @@ def serve_args_from_namespace(ns: argparse.Namespace) -> ServeArgs:
         notes.append(f"{', '.join(gpu_only)}: do not apply on CPU (no CUDA device); ignored")
     kw["extra"] = extra
     config = EngineConfig(**kw)
-    api_key = ns.api_key or next((os.environ[v] for v in API_KEY_ENV_VARS if os.environ.get(v)), None)
+    api_key = ns.api_key or envs.MLASERVE_API_KEY or envs.VLLM_API_KEY
     return ServeArgs(engine_config=config, host=ns.host, port=ns.port, api_key=api_key,
                      uvicorn_log_level=ns.uvicorn_log_level, log_requests=ns.enable_log_requests,
                      log_stats=not ns.disable_log_stats, notes=notes)
@@ -356,7 +356,7 @@ def run_serve(args: ServeArgs) -> int:
                      "download one first, e.g. with `huggingface-cli download`)", model)
         return 1
     if args.engine_config.node_rank > 0:
-        from distributed.worker import run_headless_node
+        from server.tp_worker import run_headless_node
 
         logger.info("node rank %d: running this node's workers headless (the API runs on node 0)",
                     args.engine_config.node_rank)
