@@ -3,8 +3,8 @@ wgmma, P.V wgmma, the V^T fragment loads), on the same inputs in one
 process, as CUDA-graph replays. The variants compute garbage; only their times mean something.
 On the device:
 
-    source .device-wheels/install.sh && python3 benchmarks/ablate_mla_wgmma.py             # 64-row kernel
-    source .device-wheels/install.sh && python3 benchmarks/ablate_mla_wgmma.py --kernel narrow --heads 16
+    source .device-wheels/install.sh && python3 -m benchmarks.ablate_mla_wgmma             # 64-row kernel
+    source .device-wheels/install.sh && python3 -m benchmarks.ablate_mla_wgmma --kernel narrow --heads 16
 
 Each variant is a text edit of a copy of the kernel's .cu file (the asserts say when an edited
 line no longer exists; a CPU test checks that too), built with the library's nvcc flags under
@@ -12,15 +12,12 @@ line no longer exists; a CPU test checks that too), built with the library's nvc
 """
 import argparse
 import ctypes
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels import mla_decode_cuda as mdc  # noqa: E402
+from kernels import mla_decode_cuda as mdc
 
 # Edits per variant, per kernel: a kernel line (verbatim) and what replaces it ("" deletes it).
 # Only cuts that leave every register defined: a kernel whose scores are never written faulted

@@ -2,21 +2,18 @@
 prompt (a prefill step) and, separately, a batch of decodes, on a preset's shape with random
 weights. Prints the top kernels by CUDA time for each.
 
-    python3 benchmarks/profile_engine_step.py --model deepseek-v2-lite --input-len 8192
+    python3 -m benchmarks.profile_engine_step --model deepseek-v2-lite --input-len 8192
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.throughput import materialize_model  # noqa: E402
-from server import LLM, SamplingParams  # noqa: E402
+from server.bench.throughput import materialize_model
+from server import LLM, SamplingParams
 
 
 def profile(llm, prompts, max_tokens: int, title: str, top: int) -> None:

@@ -5,7 +5,7 @@ checkpoint directory or a preset from ``configs/``; engine flags as for ``serve`
 ``bench serve`` drives a running OpenAI-compatible server with streaming completions.
 Both print vLLM's result lines, can write vLLM's JSON result and, with matplotlib
 installed, a PNG of latency percentiles (``--plot F.png``). The work lives in
-``benchmarks/``; this module only reads flags and wires the pieces together.
+``server/bench/``; this module only reads flags and wires the pieces together.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ THROUGHPUT_ENGINE_FIELDS = (
 
 
 def _add_dataset_arguments(p: argparse.ArgumentParser, prefix_flags: tuple[str, ...]) -> None:
-    from benchmarks.datasets import DATASETS
+    from server.bench.datasets import DATASETS
 
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS, default="random",
@@ -178,7 +178,7 @@ def _write_json(path: str, payload: dict) -> None:
 def _maybe_plot(path: str | None, series_s: dict[str, list[float]], title: str) -> None:
     if not path:
         return
-    from benchmarks.plot import PlotUnavailable, plot_latency_percentiles
+    from server.bench.plot import PlotUnavailable, plot_latency_percentiles
 
     try:
         print(f"Latency plot written to {plot_latency_percentiles(series_s, path, title)}")
@@ -192,8 +192,8 @@ def _maybe_plot(path: str | None, series_s: dict[str, list[float]], title: str) 
 
 
 def run_throughput_command(ns: argparse.Namespace) -> int:
-    from benchmarks.datasets import DatasetError, sample_random_requests
-    from benchmarks.throughput import ModelSpecError, load_engine, materialize_model, prompt_vocabulary, run_throughput
+    from server.bench.datasets import DatasetError, sample_random_requests
+    from server.bench.throughput import ModelSpecError, load_engine, materialize_model, prompt_vocabulary, run_throughput
 
     engine_args = {f: getattr(ns, f) for f in THROUGHPUT_ENGINE_FIELDS if getattr(ns, f) is not None}
     engine_args["seed"] = ns.seed
@@ -239,8 +239,8 @@ async def _serve_benchmark(ns: argparse.Namespace):
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
 
-    from benchmarks.datasets import DatasetError, sample_random_requests
-    from benchmarks.serve_client import fetch_model, fetch_vocabulary, run_requests, wait_until_healthy
+    from server.bench.datasets import DatasetError, sample_random_requests
+    from server.bench.serve_client import fetch_model, fetch_vocabulary, run_requests, wait_until_healthy
 
     base_url = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
     headers = {}
@@ -290,7 +290,7 @@ async def _serve_benchmark(ns: argparse.Namespace):
 
 
 def run_serve_command(ns: argparse.Namespace) -> int:
-    from benchmarks.serve_client import (DETAILED_KEYS, PERCENTILE_METRICS, ServerError, compute_metrics,
+    from server.bench.serve_client import (DETAILED_KEYS, PERCENTILE_METRICS, ServerError, compute_metrics,
                                          format_report, latency_series)
 
     percentiles = _percentiles(ns.metric_percentiles)

@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 import uvicorn
 
-from benchmarks.datasets import DatasetError, sample_random_requests
-from benchmarks.plot import PlotUnavailable, plot_latency_percentiles
-from benchmarks.serve_client import (RequestResult, arrival_offsets, compute_metrics, format_report,
+from server.bench.datasets import DatasetError, sample_random_requests
+from server.bench.plot import PlotUnavailable, plot_latency_percentiles
+from server.bench.serve_client import (RequestResult, arrival_offsets, compute_metrics, format_report,
                                      latency_series)
-from benchmarks.throughput import ModelSpecError, materialize_model
+from server.bench.throughput import ModelSpecError, materialize_model
 from server.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
