@@ -479,8 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     ns = parse_args(argv)
     try:
+        envs.check_all()
         return ns._run(ns)
-    except (CLIError, EngineConfigError) as e:
+    except (CLIError, EngineConfigError, envs.EnvVarError) as e:
         ns._parser.error(str(e))
         return 2
 

@@ -19,6 +19,7 @@ import os
 import sys
 from datetime import datetime
 
+from server import envs
 from server.cli import CLIError, Subcommand, _human_int, add_scheduling_arguments, bundled_model_dir
 from server.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig, EngineConfigError
 
@@ -244,8 +245,8 @@ async def _serve_benchmark(ns: argparse.Namespace):
 
     base_url = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
     headers = {}
-    if os.environ.get("OPENAI_API_KEY"):  # as vLLM's client does
-        headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
+    if envs.OPENAI_API_KEY:  # as vLLM's client does
+        headers["Authorization"] = f"Bearer {envs.OPENAI_API_KEY}"
     headers.update(_key_values(ns.header, "--header"))
     limits = httpx.Limits(max_connections=ns.max_concurrency, max_keepalive_connections=ns.max_concurrency)
     timeout = httpx.Timeout(6 * 3600.0, connect=30.0)

@@ -45,9 +45,15 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "seconds a rank waits at the torch.distributed rendezvous for its peers"),
     EnvVar("MLASERVE_STEP_PROFILE", False, _flag,
            "1: time every engine step in phases (plan, forward, sample, sched); reported in stats"),
+    EnvVar("OPENAI_API_KEY", None, str,
+           "mlaserve bench serve: sent as 'Authorization: Bearer KEY' (as vLLM's benchmark client)"),
     EnvVar("MLASERVE_KERNEL_CACHE", Path.home() / ".cache" / "mlaserve" / "kernels", Path,
            "directory for the compiled CUDA MLA decode library (built with nvcc on first use)"),
 )}
+
+
+class EnvVarError(ValueError):
+    """A variable is set to a value that does not parse."""
 
 
 def read(name: str) -> Any:
@@ -59,7 +65,13 @@ def read(name: str) -> Any:
     try:
         return var.parse(raw)
     except ValueError as e:
-        raise ValueError(f"environment variable {name}={raw!r}: {e}") from None
+        raise EnvVarError(f"environment variable {name}={raw!r}: {e}") from None
+
+
+def check_all() -> None:
+    """Read every variable once, so a bad value fails at start-up, not deep inside a run."""
+    for name in ENV_VARS:
+        read(name)
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,6 @@ import torch
 
 from server import envs
 
-ENV_VAR = "MLASERVE_STEP_PROFILE"  # read through server.envs
 PHASES = ("plan", "forward", "sample", "sched")
 KINDS = ("decode-graph", "decode-eager", "prefill", "mixed")
 
