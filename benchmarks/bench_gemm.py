@@ -3,7 +3,8 @@
 
     python3 -m benchmarks.bench_gemm [--m 16 256 4096] [--json OUT] [--markdown OUT]
 
-Shapes are DeepSeek-V3's (N, K): the design.md §3 measurement shape, q_b_proj, kv_a_proj
+Shapes are DeepSeek-V3's (N, K): 7168 x 2048 (the first blockwise ``_scaled_mm`` measurement,
+benchmarks/KERNEL_NOTES.md), q_b_proj, kv_a_proj
 (N = 576, the Triton path), o_proj. Relative error is against float64 on the same
 quantized operands (first 64 rows), so it is the GEMM's own error.
 """

@@ -1,7 +1,7 @@
 """Paged MLA decode on one GPU: our Triton kernel (FP8, bf16), FlashInfer fa3 (bf16, FP8
 cache) and the torch reference, over batch x heads x query tokens at one context length.
 
-    python3 -m benchmarks.bench_mla_decode                      # the issue's matrix
+    python3 -m benchmarks.bench_mla_decode                      # B 64/128 x H 16/128 x s_q 1/2
     python3 -m benchmarks.bench_mla_decode --sweep --sq 1       # also time candidate configs
 
 Prints µs, achieved TB/s and TFLOP/s, their share of ceilings measured in the same run, and

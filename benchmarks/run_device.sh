@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device call for the issue-6 kernels: every GPU test (kernels, model, decode graphs and
+# One device call for the kernels: every GPU test (kernels, model, decode graphs and
 # async scheduling), MLA decode (CUDA C++, Triton, FlashInfer), GEMM and MoE benchmarks, decode
 # step times with and without CUDA graphs; summary tables printed last.
-# From the repo root on the lent H200 (the `run` tool, carry [".device-wheels"]):
+# On an H200 with the device wheels installed (`.device-wheels`):
 #   source .device-wheels/install.sh && bash benchmarks/run_device.sh [sweep|final|ours]
 # sweep: also time candidate configs; ours: only our decode kernels (no FlashInfer, torch
 # reference or GEMM benchmark), for a quick re-measure after changing defaults.

@@ -35,8 +35,8 @@ DEFAULT_MASTER_PORT = 29555
 DEFAULT_INIT_TIMEOUT_S = 300.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0  # first collectives may wait for a slow weight load
 
-# NVLink multicast (NVLS) can wedge the shared lent GPUs; keep it off everywhere we start
-# or initialise NCCL (see the device notes and design.md §5).
+# NVLink multicast (NVLS) can wedge shared multi-GPU hosts; it stays off everywhere NCCL is
+# started or initialised (docs/architecture.md, "Tensor and expert parallelism").
 NVLS_OFF_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",

@@ -1,7 +1,7 @@
 """Block-FP8 linear layers (DeepSeek R1/V3 checkpoints): y = x · dequant(w8)ᵀ (+ bias).
 
 Weights are e4m3 [N, K] with fp32 ``weight_scale_inv`` [ceil(N/128), ceil(K/128)]
-(design.md §3). Paths, chosen by ``fp8_block_linear``:
+(docs/architecture.md, "FP8 block weights"). Paths, chosen by ``fp8_block_linear``:
 
 - ``torch`` (CPU, or asked for): dequantize the weight and matmul in fp32 — the reference.
 - ``scaled_mm`` (CUDA, N and K multiples of 128): per-token 1x128 activation quantization

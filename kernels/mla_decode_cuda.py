@@ -7,7 +7,7 @@ Three kernels; the launch picks by query rows per request (heads per GPU x query
   V2-Lite): decode is memory-bound there. Tokens-major FP8 wgmma (the tile's 64 tokens on the
   M side, 16 or 32 query rows on N, so no MMA row is padding), two warpgroups per CTA on
   alternate tiles, a five-stage TMA ring, one CTA per SM.
-- ``mma`` (``mla_decode_sm90.cu``), the previous few-row kernel, kept selectable: warp-level
+- ``mma`` (``mla_decode_sm90.cu``), a few-row kernel kept selectable: warp-level
   mma.sync on 16-row groups with FP8 widened to f16 in registers (Hopper has no FP8 mma.sync).
 - ``wgmma`` (``mla_decode_wgmma_sm90a.cu``), 64+ rows (128 heads): compute-bound; FP8 wgmma
   for Q·Kᵀ and P·V (P·V as O^T = V^T·P^T with V^T built in registers: Hopper's FP8 MMAs need

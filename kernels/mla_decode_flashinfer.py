@@ -8,7 +8,7 @@ the reference's signature, for tests and the dispatch.
 
 fa3 constraints (FlashInfer 0.7.2): the query must be bf16 (an e4m3 query is dequantized
 with ``q_scale`` first), the cache bf16 or e4m3 with one per-tensor scale (passed as both
-``ckv_scale`` and ``kpe_scale``). Measured on the H200 (design.md §6) its e4m3 mode is
+``ckv_scale`` and ``kpe_scale``). Measured on an H200 (benchmarks/KERNEL_NOTES.md) its e4m3 mode is
 slower than bf16, because it widens the cache to bf16 inside the kernel.
 """
 
@@ -154,8 +154,8 @@ def mla_decode_trtllm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TRTLLM-gen MLA decode through FlashInfer, Blackwell (SM100) only; (out, lse).
 
-    UNTESTED HERE: the lent GPUs are H200s (SM90), where this kernel does not exist; it
-    also downloads cubins at run time.
+    Untested: it exists only on SM100 (the project's GPUs are SM90 H200s), and it downloads
+    cubins at run time.
     """
     if not q.is_cuda:
         raise RuntimeError("the trtllm MLA backend needs a CUDA device")

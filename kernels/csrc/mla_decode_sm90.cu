@@ -14,7 +14,7 @@
 //   tile as stored: rows = tokens, 16 bytes = one k-step of 16 dims, in a k order that Q's
 //   shared-memory layout mirrors); Q.K^T then runs on f16 mma.sync (m16n8k16).
 // - P.V runs in fp16 (m16n8k16): an FP8 B operand must be K-major, i.e. V transposed, which
-//   is what sank Triton's FP8 P.V. Instead `ldmatrix.trans` reads the FP8 V tile as 16-bit
+//   is what makes Triton's FP8 P.V slow (byte-wise transposes). Instead `ldmatrix.trans` reads the FP8 V tile as 16-bit
 //   pairs, one byte permute regroups the pairs per dimension, and the hardware converts
 //   e4m3x2 -> f16x2 (exact). Output dimensions then come out interleaved (even/odd), which
 //   the epilogue undoes for free: each thread ends up owning 4 consecutive dims.
