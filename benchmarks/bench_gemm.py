@@ -86,7 +86,8 @@ def main() -> None:
     lines = ["| M | N | K | variant | µs | TFLOP/s | rel. err |", "|---|---|---|---|---|---|---|"]
     for r_ in rows:
         err = f"{r_['relerr']:.1e}" if "relerr" in r_ else ""
-        lines.append(f"| {r_['M']} | {r_['N']} | {r_['K']} | {r_['variant']} | {r_['us']:.1f} | {r_['tflops']:.0f} | {err} |")
+        lines.append(f"| {r_['M']} | {r_['N']} | {r_['K']} | {r_['variant']} | {r_['us']:.1f} "
+                     f"| {r_['tflops']:.0f} | {err} |")
     table = "\n".join(lines) + "\n"
     if args.json:
         with open(args.json, "w") as f:

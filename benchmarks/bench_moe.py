@@ -171,8 +171,8 @@ def run_shape(name: str, ts: list[int], sweep: bool) -> list[dict]:
 def summary(rows: list[dict]) -> str:
     """One line per (shape, T): µs of each variant, TB/s of triton-fp8, speed-up vs today, and
     the time of the expert sort alone (included in the Triton variants' µs)."""
-    lines = ["| shape | T | " + " | ".join(f"{v} µs" for v in VARIANTS) + " | triton-fp8 TB/s | fp8 speed-up vs today | "
-             "rel.err bf16 / fp8 | expert sort µs |",
+    lines = ["| shape | T | " + " | ".join(f"{v} µs" for v in VARIANTS)
+             + " | triton-fp8 TB/s | fp8 speed-up vs today | rel.err bf16 / fp8 | expert sort µs |",
              "|---" * (len(VARIANTS) + 6) + "|"]
     keys = dict.fromkeys((r["shape"], r["T"]) for r in rows)
     for shape, t in keys:

@@ -24,12 +24,14 @@ def profile(llm, prompts, max_tokens: int, title: str, top: int) -> None:
     llm.generate(prompt_token_ids=warm, sampling_params=params)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=activities) as prof:
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     print(f"==== {title}")
-    print(prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=top, max_name_column_width=70))
+    sort_by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=top, max_name_column_width=70))
 
 
 def main() -> None:

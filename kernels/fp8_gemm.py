@@ -63,7 +63,8 @@ def choose_backend(on_cuda: bool, n: int, k: int, block: tuple[int, int], backen
         return "torch"
     square = tuple(block) == (SCALE_BLOCK, SCALE_BLOCK)
     if backend == "scaled_mm" and not scaled_mm_supports(n, k, block):
-        raise ValueError(f"_scaled_mm blockwise needs N, K multiples of 128 and block (128, 128); got N={n} K={k} {block}")
+        raise ValueError(
+            f"_scaled_mm blockwise needs N, K multiples of 128 and block (128, 128); got N={n} K={k} {block}")
     if backend == "triton" and not square:
         raise ValueError(f"the Triton block GEMM needs 128x128 weight blocks, got {block}")
     if backend != "auto":

@@ -143,7 +143,8 @@ def mla_decode(
     backend: str = "torch",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch to a decode backend: ``torch`` everywhere (and for any CPU tensor);
-    ``cuda`` (our C++ FP8 kernel, Hopper), ``triton``, ``flashinfer`` (SM90 fa3), ``trtllm`` (SM100) or ``auto`` on CUDA.
+    ``cuda`` (our C++ FP8 kernel, Hopper), ``triton``, ``flashinfer`` (SM90 fa3), ``trtllm`` (SM100) or
+    ``auto`` on CUDA.
     GPU backends are imported lazily so CPU installs need neither Triton nor FlashInfer."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown MLA decode backend {backend!r}; one of {BACKENDS}")

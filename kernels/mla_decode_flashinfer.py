@@ -49,7 +49,8 @@ def paged_csr(block_tables: torch.Tensor, seq_lens: torch.Tensor, page_size: int
 class FlashInferMLADecode:
     """Plan once per step, run once per layer, on FlashInfer's SM90 fa3 MLA kernel."""
 
-    def __init__(self, device: torch.device | str = "cuda", backend: str = "fa3", workspace_bytes: int = WORKSPACE_BYTES):
+    def __init__(self, device: torch.device | str = "cuda", backend: str = "fa3",
+                 workspace_bytes: int = WORKSPACE_BYTES):
         fi = _import_flashinfer()
         self.device = torch.device(device)
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)

@@ -327,7 +327,8 @@ def _combine_kernel(
 
 def _check_inputs(q, kv_cache, block_tables, seq_lens, kv_lora_rank):
     if q.dim() != 4 or kv_cache.dim() != 3:
-        raise ValueError(f"q must be [B, s_q, H, D] and kv_cache [blocks, page, D]; got {tuple(q.shape)}, {tuple(kv_cache.shape)}")
+        raise ValueError(f"q must be [B, s_q, H, D] and kv_cache [blocks, page, D]; "
+                         f"got {tuple(q.shape)}, {tuple(kv_cache.shape)}")
     d = q.shape[-1]
     if kv_cache.shape[-1] != d or d != kv_lora_rank + D_ROPE:
         raise ValueError(f"head dim {d} / cache dim {kv_cache.shape[-1]} must both be kv_lora_rank + {D_ROPE}")

@@ -179,7 +179,8 @@ class ServeArgs:
 
 # argparse dest -> EngineConfig field, for flags that map one-to-one.
 _ENGINE_FIELDS = (
-    "tokenizer", "chat_template", "dtype", "load_format", "kv_cache_dtype", "device", "seed", "max_model_len", "max_num_seqs",
+    "tokenizer", "chat_template", "dtype", "load_format", "kv_cache_dtype", "device", "seed", "max_model_len",
+    "max_num_seqs",
     "max_num_batched_tokens", "enable_chunked_prefill", "block_size", "enable_prefix_caching",
     "async_scheduling", "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override",
     "swap_space", "enforce_eager", "max_cudagraph_capture_size", "attention_backend",

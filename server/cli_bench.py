@@ -194,7 +194,8 @@ def _maybe_plot(path: str | None, series_s: dict[str, list[float]], title: str) 
 
 def run_throughput_command(ns: argparse.Namespace) -> int:
     from server.bench.datasets import DatasetError, sample_random_requests
-    from server.bench.throughput import ModelSpecError, load_engine, materialize_model, prompt_vocabulary, run_throughput
+    from server.bench.throughput import (ModelSpecError, load_engine, materialize_model, prompt_vocabulary,
+                                         run_throughput)
 
     engine_args = {f: getattr(ns, f) for f in THROUGHPUT_ENGINE_FIELDS if getattr(ns, f) is not None}
     engine_args["seed"] = ns.seed

@@ -194,7 +194,8 @@ class EngineCore:
         if state is None:
             return
         self.scheduler.abort(request_id)
-        deltas = [SeqDelta(i, finish_reason="abort") for i, s in enumerate(state.seqs) if s.finish_reason in (None, "abort")]
+        deltas = [SeqDelta(i, finish_reason="abort") for i, s in enumerate(state.seqs)
+                  if s.finish_reason in (None, "abort")]
         self._aborted.append(RequestDelta(request_id, deltas, finished=True))
 
     def has_unfinished(self) -> bool:

@@ -423,7 +423,9 @@ class OpenAIServer:
                        out: RequestOutput) -> JSONResponse:
         choices = []
         for o in sorted(out.outputs, key=lambda o: o.index):
-            lp = chat_logprobs(self.tokenizer, o.token_ids, o.logprobs, body.top_logprobs or 0) if body.logprobs else None
+            lp = None
+            if body.logprobs:
+                lp = chat_logprobs(self.tokenizer, o.token_ids, o.logprobs, body.top_logprobs or 0)
             choices.append(ChatCompletionResponseChoice(
                 index=o.index, message=ChatResponseMessage(content=o.text), logprobs=lp,
                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))

@@ -203,7 +203,8 @@ def test_bench_throughput_rejects_bad_flags(argv, message, capsys):
 def test_bench_throughput_tiny_preset(tmp_path, capsys):
     out_json = tmp_path / "tp.json"
     rc = main(["bench", "throughput", "--model", "tiny-v3", "--num-layers", "1", "--num-prompts", "8",
-               "--input-len", "16", "--output-len", "4", "--device", "cpu", "--num-gpu-blocks-override", "64", "--block-size", "16",
+               "--input-len", "16", "--output-len", "4", "--device", "cpu", "--num-gpu-blocks-override", "64",
+               "--block-size", "16",
                "--output-json", str(out_json), "--disable-tqdm"])
     assert rc == 0
     out = capsys.readouterr().out
