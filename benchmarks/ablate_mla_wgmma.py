@@ -39,7 +39,7 @@ NARROW_CUTS = {
     "base": [],
     "nopv": [("        for (int mb = 0; mb < 4; ++mb) wgmma_k32_rs(o[h][mb], va[h][kk][mb], make_desc(p_lo + kk * kStep, 512), 1);", "")],  # noqa: E501 (verbatim kernel line)
 }
-KERNEL_CUTS = {"wgmma": (mdc.SOURCES[1], CUTS), "narrow": (mdc.SOURCES[2], NARROW_CUTS)}
+KERNEL_CUTS = {"wgmma": (mdc.SOURCES[0], CUTS), "narrow": (mdc.SOURCES[1], NARROW_CUTS)}
 
 
 def build_variant(kernel: str, name: str, out: Path) -> Path:

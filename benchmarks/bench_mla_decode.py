@@ -67,14 +67,6 @@ SWEEP = {
     ],
 }
 
-def cuda_sweep_shapes(rows: int) -> list[tuple[int, int, int, int]]:
-    """Every launch shape the CUDA C++ library carries that suits ``rows`` query rows per
-    request: one or two row groups for up to 32 rows; none above (the wgmma kernel's regime)."""
-    from kernels.mla_decode_cuda import BUILT_CONFIGS
-
-    return [s for s in sorted(BUILT_CONFIGS) if s[0] <= 2] if rows <= 32 else []
-
-
 def measure_ceilings() -> dict:
     """HBM copy bandwidth (read + write bytes) and dense bf16 / fp8 matmul rates."""
     from triton.testing import do_bench
@@ -279,22 +271,16 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
         record("ours-bf16", lambda: mla_decode_triton(*args16), ref16, 2,
                dict(config={k: v for k, v in cfg.items() if v is not None and k != "pv"}))
     if "cuda-fp8" in variants:
-        from kernels.mla_decode_cuda import choose_kernel, launch_shape, mla_decode_cuda
+        from kernels.mla_decode_cuda import choose_kernel, mla_decode_cuda
 
-        kernel = choose_kernel(rows_per_req)
         record("cuda-fp8", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE), ref8, 1,
-               dict(config=launch_shape(rows_per_req) if kernel == "mma" else kernel))
+               dict(config=choose_kernel(rows_per_req)))
         if sweep and sweep_cuda:
-            for name in ("narrow", "wgmma"):  # the two single-shape kernels
+            for name in ("narrow", "wgmma"):
                 for splits in (None, 1, 2, 3, 4, 8):
                     record("sweep-cuda", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE,
                                                                  kernel=name, num_splits=splits),
                            ref8, 1, dict(config=name, splits=splits))
-            for shape in cuda_sweep_shapes(rows_per_req):
-                for splits in (None, 1, 2, 3, 4, 8):
-                    record("sweep-cuda", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE,
-                                                                 config=shape, num_splits=splits),
-                           ref8, 1, dict(config=shape, splits=splits))
     if sweep and sweep_triton:
         regime = "many" if case.heads * case.s_q >= 64 else "few"
         for kw in SWEEP[("fp8", regime)]:
@@ -307,17 +293,17 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
     for name, kv_key, ref, elt in (("fi-fa3-bf16", "kv16", ref16, 2), ("fi-fa3-fp8", "kv8", ref8, 1)):
         if name not in variants:
             continue
-        from kernels.mla_decode_flashinfer import FlashInferMLADecode
+        from kernels.attention import AttentionSpec, FlashInferDecode
 
-        runner = FlashInferMLADecode("cuda")
         kv = x[kv_key]
-        runner.plan(x["tables"], x["lens"], s_q=case.s_q, num_heads=case.heads, page_size=PAGE,
-                    softmax_scale=SM_SCALE, kv_dtype=kv.dtype)
+        backend = FlashInferDecode(AttentionSpec(torch.device("cuda"), kv.dtype, case.heads, DV, D - DV, PAGE,
+                                                 SM_SCALE, torch.bfloat16, query_len=case.s_q))
+        metadata = backend.build_metadata(x["tables"], x["lens"], case.s_q)  # the plan, once, as per step
         if kv_key == "kv8":  # FlashInfer takes a bf16 query: the FP8 one, dequantized outside the timing
             q, qs, ks = (x["q8"].float() * Q_SCALE).to(torch.bfloat16), 1.0, K_SCALE
         else:
             q, qs, ks = x["q16"], 1.0, 1.0
-        record(name, lambda: runner.run(q, kv, qs, ks), ref, elt)
+        record(name, lambda: backend.decode(q, kv, metadata, SM_SCALE, DV, k_scale=ks, q_scale=qs), ref, elt)
     if "torch" in variants:
         record("torch-ref", lambda: mla_decode_reference(*args8, q_scale=Q_SCALE, k_scale=K_SCALE),
                ref8, 1, reps=None)

@@ -1,14 +1,12 @@
 """Our CUDA C++ paged MLA decode for Hopper (``kernels/csrc/``): FP8 query and FP8 latent
 cache, split-KV, CUDA-graph safe. Same contract as ``kernels.mla_decode.mla_decode_reference``.
 
-Three kernels; the launch picks by query rows per request (heads per GPU x query tokens):
+Two kernels; the launch picks by query rows per request (heads per GPU x query tokens):
 
 - ``narrow`` (``mla_decode_wgmma_narrow_sm90a.cu``), up to 32 rows (16 heads per GPU under TP8,
   V2-Lite): decode is memory-bound there. Tokens-major FP8 wgmma (the tile's 64 tokens on the
   M side, 16 or 32 query rows on N, so no MMA row is padding), two warpgroups per CTA on
   alternate tiles, a five-stage TMA ring, one CTA per SM.
-- ``mma`` (``mla_decode_sm90.cu``), a few-row kernel kept selectable: warp-level
-  mma.sync on 16-row groups with FP8 widened to f16 in registers (Hopper has no FP8 mma.sync).
 - ``wgmma`` (``mla_decode_wgmma_sm90a.cu``), 64+ rows (128 heads): compute-bound; FP8 wgmma
   for Q·Kᵀ and P·V (P·V as O^T = V^T·P^T with V^T built in registers: Hopper's FP8 MMAs need
   both operands K-major), 64 rows and two warpgroups per CTA that take turns (each computes the
@@ -38,26 +36,19 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-# All kernels go into one library.
-SOURCES = (CSRC / "mla_decode_sm90.cu", CSRC / "mla_decode_wgmma_sm90a.cu", CSRC / "mla_decode_wgmma_narrow_sm90a.cu")
+# Both kernels go into one library.
+SOURCES = (CSRC / "mla_decode_wgmma_sm90a.cu", CSRC / "mla_decode_wgmma_narrow_sm90a.cu")
 HEADERS = (CSRC / "mla_decode_common.cuh", CSRC / "sm90_async.cuh", CSRC / "mla_decode_wgmma_tile.cuh")
 NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-gencode", "arch=compute_90a,code=sm_90a",
               "-shared", "-Xcompiler", "-fPIC")
 TILE = 64  # tokens per tile; the page size must be a multiple
 D_LATENT = 512
 D_ROPE = 64
-ROWS_PER_GROUP = 16
-ROW_BYTES = 576 + 16  # shared-memory row of a cache tile (padded)
-Q_ROW_BYTES = 2 * 576 + 16  # shared-memory row of the fp16 query (padded)
 SMEM_PER_SM = 228 * 1024  # Hopper: 228 KB per SM, of which each resident CTA also takes 1 KB
 SMEM_RESERVED_PER_CTA = 1024
-# Launch shapes the library carries (MLA_DECODE_SHAPES in the .cu file):
-# (row groups of 16 query rows, column groups of warps, pipeline stages, tokens per tile).
-BUILT_CONFIGS = {(1, 4, 2, 64), (1, 8, 2, 64), (1, 8, 3, 64), (2, 4, 2, 64), (2, 8, 2, 64), (4, 4, 2, 64),
-                 (1, 4, 2, 32), (1, 4, 3, 32)}
 # The wgmma kernel (mla_decode_wgmma_sm90a.cu): 64 query rows per CTA, two warpgroups, one CTA
 # per SM. Query rows per request above NARROW_MAX_ROWS go to it; fewer go to the narrow kernel.
-KERNELS = ("narrow", "mma", "wgmma")
+KERNELS = ("narrow", "wgmma")
 NARROW_MAX_ROWS = 32
 WGMMA_ROWS = 64
 # A cache tile in a wgmma kernel's shared memory, as TMA writes it: five 64-token x 128-byte
@@ -174,8 +165,6 @@ def default_library_path() -> Path:
 
 # The C entry points' argument types (every one returns an int error code).
 _ENTRY_POINTS = {
-    "mla_decode_fp8_sm90": [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                            ctypes.c_void_p],
     "mla_decode_fp8_wgmma_sm90": [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_void_p],
     "mla_decode_fp8_wgmma_narrow_sm90": [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p],
     "mla_decode_fp8_sm90_params_bytes": [],
@@ -200,49 +189,6 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def supports(device: torch.device, q_dtype: torch.dtype, kv_dtype: torch.dtype, kv_lora_rank: int,
-             rope_dim: int, page_size: int) -> bool:
-    """Shapes and dtypes the kernel covers (FP8 query and cache, 512 + 64, page multiple of 64,
-    a compute capability 9.x GPU)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    major, _ = torch.cuda.get_device_capability(device)
-    return (major == 9 and q_dtype == kv_dtype == torch.float8_e4m3fn and kv_lora_rank == D_LATENT
-            and rope_dim == D_ROPE and page_size % TILE == 0)
-
-
-def smem_bytes(row_groups: int, col_groups: int, stages: int, tile: int = TILE) -> int:
-    """Dynamic shared memory of one CTA (mirror of ``smem_bytes`` in the .cu file)."""
-    rows = ROWS_PER_GROUP * row_groups
-    return (rows * Q_ROW_BYTES + stages * tile * ROW_BYTES + rows * (tile + 8) * 2
-            + 2 * row_groups * col_groups * 16 * 4)
-
-
-def ctas_per_sm(shape: tuple[int, int, int, int]) -> int:
-    """Resident CTAs per SM: shared memory, and the register cap of the launch bounds (4-warp
-    CTAs on 32-token tiles are built for three per SM, other CTAs of at most 256 threads for two)."""
-    row_groups, col_groups, stages, tile = shape
-    if tile == 32 and row_groups * col_groups == 4:
-        by_registers = 3
-    else:
-        by_registers = 2 if 32 * row_groups * col_groups <= 256 else 1
-    per_cta = smem_bytes(row_groups, col_groups, stages, tile) + SMEM_RESERVED_PER_CTA
-    return max(1, min(by_registers, SMEM_PER_SM // per_cta))
-
-
-def launch_shape(rows: int) -> tuple[int, int, int, int]:
-    """(row groups, column groups, stages, tile tokens) for ``rows`` = s_q x heads of one
-    request; measured on the H200 (benchmarks/KERNEL_NOTES.md). 16 rows: four warps per CTA
-    (each reads all of Q from shared memory per tile, so fewer warps move fewer bytes), two CTAs
-    per SM; more rows: more row groups (several CTAs per request past 64). The 32-token shapes
-    (three CTAs per SM) are built for the next measurement and not chosen yet."""
-    if rows <= 16:
-        return 1, 4, 2, 64
-    if rows <= 32:
-        return 2, 4, 2, 64
-    return 4, 4, 2, 64
-
-
 def choose_kernel(rows: int) -> str:
     """``narrow`` (tokens-major wgmma, 16 or 32 rows per CTA) up to NARROW_MAX_ROWS query rows
     per request, where decode is memory-bound and a 64-row CTA would be mostly padding;
@@ -250,18 +196,14 @@ def choose_kernel(rows: int) -> str:
     return "narrow" if rows <= NARROW_MAX_ROWS else "wgmma"
 
 
-def choose_num_splits(bsz: int, rows: int, max_tiles: int, num_sms: int,
-                      shape: tuple[int, int, int, int] | None, kernel: str = "mma") -> int:
-    """Split each request's tiles so that the CTAs make about one full wave (``shape``: the mma
-    kernel's launch shape; the wgmma and narrow kernels have one CTA per SM);
-    depends only on shapes (never on sequence lengths), so the launch can be captured in a
-    CUDA graph."""
+def choose_num_splits(bsz: int, rows: int, max_tiles: int, num_sms: int, kernel: str) -> int:
+    """Split each request's tiles so that the CTAs make about one full wave (both kernels have
+    one CTA per SM); depends only on shapes (never on sequence lengths), so the launch can be
+    captured in a CUDA graph."""
     if kernel == "narrow":
         ctas, per_sm = bsz * -(-rows // narrow_rows_per_cta(rows)), NARROW_CTAS_PER_SM
-    elif kernel == "wgmma":
-        ctas, per_sm = bsz * -(-rows // WGMMA_ROWS), 1
     else:
-        ctas, per_sm = bsz * -(-rows // (ROWS_PER_GROUP * shape[0])), ctas_per_sm(shape)
+        ctas, per_sm = bsz * -(-rows // WGMMA_ROWS), 1
     want = num_sms * per_sm // ctas
     return max(1, min(want, max_tiles, 64))
 
@@ -277,15 +219,13 @@ def mla_decode_cuda(
     k_scale: float = 1.0,
     out_dtype: torch.dtype | None = None,
     num_splits: int | None = None,
-    config: tuple[int, int, int, int] | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     kernel: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode; returns (out [B, s_q, H, 512] in ``out_dtype``, default bf16; lse
     [B, s_q, H] float32). The kernel writes bf16; another ``out_dtype`` costs one cast.
-    ``kernel`` (``narrow``, ``mma`` or ``wgmma``) defaults to ``choose_kernel(s_q * H)``;
-    ``config`` is a launch shape of the ``mma`` kernel.
+    ``kernel`` (``narrow`` or ``wgmma``) defaults to ``choose_kernel(s_q * H)``.
 
     Every request needs ``seq_lens[b] >= s_q``. No host synchronization, launch shape from
     tensor shapes only: capturable in a CUDA graph (pass ``out``/``lse`` to reuse buffers).
@@ -304,7 +244,7 @@ def mla_decode_cuda(
         if out is not None:
             raise ValueError(f"out must be bf16 for the cuda backend, not {out.dtype}")
         out16, lse = mla_decode_cuda(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, q_scale,
-                                     k_scale, torch.bfloat16, num_splits, config, None, lse, kernel)
+                                     k_scale, torch.bfloat16, num_splits, None, lse, kernel)
         return out16.to(out_dtype), lse
     page = kv_cache.shape[1]
     if page % TILE:
@@ -316,29 +256,21 @@ def mla_decode_cuda(
         raise ValueError("the cuda backend needs the cache's token rows contiguous within a page")
     bsz, s_q, h, _ = q.shape
     rows = s_q * h
-    kernel = kernel or ("mma" if config else choose_kernel(rows))
+    kernel = kernel or choose_kernel(rows)
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
-    if kernel != "mma" and config is not None:
-        raise ValueError(f"config is a launch shape of the mma kernel; the {kernel} kernel has one shape")
-    shape = tuple(config or launch_shape(rows)) if kernel == "mma" else None
-    if shape is not None and shape not in BUILT_CONFIGS:
-        raise ValueError(f"launch shape {shape} is not built; one of {sorted(BUILT_CONFIGS)}")
-    tile = shape[3] if shape else TILE
-    if page % tile:
-        raise ValueError(f"page size {page} is not a multiple of the launch shape's {tile}-token tile")
-    max_tiles = max(1, block_tables.shape[1] * page // tile)
-    splits = num_splits or choose_num_splits(bsz, rows, max_tiles, _num_sms(q.device), shape, kernel)
+    max_tiles = max(1, block_tables.shape[1] * page // TILE)
+    splits = num_splits or choose_num_splits(bsz, rows, max_tiles, _num_sms(q.device), kernel)
     if out is None:
         out = torch.empty(bsz, s_q, h, D_LATENT, dtype=out_dtype, device=q.device)
     if lse is None:
         lse = torch.empty(bsz, s_q, h, dtype=torch.float32, device=q.device)
     if out.shape != (bsz, s_q, h, D_LATENT) or out.stride(-1) != 1 or out.dtype != torch.bfloat16:
         raise ValueError(f"out must be bf16 [B, s_q, H, {D_LATENT}] with unit last stride")
-    if kernel != "mma" and (out.data_ptr() % 16 or any(st % 8 for st in out.stride()[:3])):
-        # the wgmma kernels write 16-byte runs of a row: other layouts go through a copy
+    if out.data_ptr() % 16 or any(st % 8 for st in out.stride()[:3]):
+        # the kernels write 16-byte runs of a row: other layouts go through a copy
         tmp, lse = mla_decode_cuda(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, q_scale,
-                                   k_scale, out_dtype, num_splits, config, None, lse, kernel)
+                                   k_scale, out_dtype, num_splits, None, lse, kernel)
         return out.copy_(tmp), lse
     if lse.shape != (bsz, s_q, h) or lse.dtype != torch.float32:
         raise ValueError("lse must be float32 [B, s_q, H]")
@@ -364,12 +296,10 @@ def mla_decode_cuda(
         if kernel == "narrow":
             err = _library().mla_decode_fp8_wgmma_narrow_sm90(ctypes.byref(p), kv_cache.shape[0],
                                                                narrow_rows_per_cta(rows), ctypes.c_void_p(stream))
-        elif kernel == "wgmma":
-            err = _library().mla_decode_fp8_wgmma_sm90(ctypes.byref(p), kv_cache.shape[0], ctypes.c_void_p(stream))
         else:
-            err = _library().mla_decode_fp8_sm90(ctypes.byref(p), *shape, ctypes.c_void_p(stream))
+            err = _library().mla_decode_fp8_wgmma_sm90(ctypes.byref(p), kv_cache.shape[0], ctypes.c_void_p(stream))
     if err != 0:
-        reasons = {-1: "launch shape not built", -2: "the driver refused the cache's TMA tensor map"}
+        reasons = {-1: "rows per CTA not built", -2: "the driver refused the cache's TMA tensor map"}
         reason = reasons.get(err, f"cudaError_t {err}")
         raise RuntimeError(f"mla_decode_fp8_sm90 ({kernel}): {reason}")
     if splits > 1:
@@ -380,5 +310,5 @@ def mla_decode_cuda(
     return out, lse
 
 
-__all__ = ["CudaKernelUnavailable", "build_library", "default_library_path", "choose_kernel", "choose_num_splits",
-           "launch_shape", "mla_decode_cuda", "supports"]
+__all__ = ["CudaKernelUnavailable", "build_library", "default_library_path", "set_cache_dir", "choose_kernel",
+           "choose_num_splits", "mla_decode_cuda"]

@@ -1,4 +1,5 @@
-"""MLA prefill attention (non-absorbed form) for one sequence: torch reference + dispatch.
+"""MLA prefill attention (non-absorbed form) for one sequence: the torch reference and the GPU
+SDPA path (the prefill backends of ``kernels/attention/prefill.py`` wrap them).
 
 Keys/values are the up-projected latents: k = [k_nope ‖ k_pe] (k_pe shared by all heads),
 v per head. The query block holds the *last* ``Tq`` positions of a ``Tk``-long context
@@ -53,9 +54,3 @@ def mla_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(tq, tk), scale=softmax_scale)
     return out[0].transpose(0, 1)[..., :dv]
-
-
-def mla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
-    if q.is_cuda:
-        return mla_prefill_sdpa(q, k, v, softmax_scale)
-    return mla_prefill_reference(q, k, v, softmax_scale)

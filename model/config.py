@@ -12,11 +12,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from model.config_json import ConfigError
+from model.config_json import get_or_default as _get
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
-
-
-class ConfigError(ValueError):
-    """A checkpoint's config.json cannot describe a model we implement."""
+V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 
 
 @dataclass(frozen=True)
@@ -141,18 +141,25 @@ _REQUIRED = (
 )
 
 
-def _get(d: dict, key: str, default: Any) -> Any:
-    value = d.get(key, default)
-    return default if value is None else value
-
-
 def parse_model_config(d: dict[str, Any]) -> ModelConfig:
-    """Build a :class:`ModelConfig` from the parsed JSON of a HF ``config.json``."""
+    """Build a :class:`ModelConfig` from the parsed JSON of a HF ``config.json``.
+
+    ``deepseek_v4`` configs are parsed into a :class:`model.v4.config.V4Config` and DeepSeek-V4.1
+    (``deepseek_v41``/``deepseek_v41_text``) into a :class:`model.v41.config.V41Config` instead.
+    """
     model_type = d.get("model_type")
+    if model_type == "deepseek_v4":
+        from model.v4.config import parse_v4_config
+
+        return parse_v4_config(d)
+    if model_type in V41_MODEL_TYPES:
+        from model.v41.config import parse_v41_config
+
+        return parse_v41_config(d)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"unsupported model_type {model_type!r} in config.json "
-            f"(mlaserve implements {', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"(mlaserve implements {', '.join(SUPPORTED_MODEL_TYPES + ('deepseek_v4',) + V41_MODEL_TYPES)})"
         )
     for key in _REQUIRED:
         if d.get(key) is None:

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kernels.attention import REFERENCE_DECODE, DecodeBackend, DecodeMetadata, PrefillBackend
 from model.upload import numpy_to_device, to_device
+
 
 @dataclass
 class AttentionMetadata:
@@ -45,13 +47,25 @@ class AttentionMetadata:
 
 @dataclass
 class ForwardContext:
+    """One step's attention inputs. The decode metadata is built here, once per step for every
+    layer, by the step's decode backend (FlashInfer plans then); without a backend the torch
+    reference decodes and prefill takes the device's default (tests, tools)."""
+
     attn: AttentionMetadata | None = None
     kv_caches: list[torch.Tensor] | None = None  # per layer [num_blocks, block_size, 576]
     kv_scales: list[float] | None = None  # per layer k_scale (FP8 cache only)
-    attention_backend: str = "torch"  # MLA decode kernel: torch | triton | flashinfer | trtllm | auto
-    q_scale: float = 1.0  # static per-tensor scale of the FP8 query (FP8 cache, GPU kernels)
-    # Filled by the model when asked: per-layer debug/telemetry (unused by the hot path).
-    extras: dict = field(default_factory=dict)
+    decode_backend: DecodeBackend | None = None  # the runner's, chosen at start-up
+    prefill_backend: PrefillBackend | None = None
+    decode_metadata: DecodeMetadata | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.decode_backend is None:
+            self.decode_backend = REFERENCE_DECODE
+        md = self.attn
+        if md is not None and md.num_decode_seqs:
+            b = md.num_decode_seqs
+            self.decode_metadata = self.decode_backend.build_metadata(md.block_tables[:b], md.seq_lens[:b],
+                                                                      md.decode_query_len)
 
 
 _CONTEXT: ForwardContext | None = None

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from kernels.attention import DECODE_BACKENDS
 from server.errors import InvalidRequestError
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "bf16", "fp32", "float")
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
-ATTENTION_BACKENDS = ("auto", "cuda", "triton", "flashinfer", "trtllm", "torch")
+ATTENTION_BACKENDS = ("auto", *DECODE_BACKENDS)  # kernels/attention/ documents each and the auto policy
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 

@@ -105,16 +105,14 @@ def maybe_capture(runner, config, max_model_len: int) -> DecodeGraphs | None:
     """Capture decode graphs when on CUDA, not --enforce-eager, and cudagraph_mode allows."""
     if runner.device.type != "cuda" or config.enforce_eager or config.cudagraph_mode == "NONE":
         return None
-    from kernels.mla_decode import GRAPH_SAFE_BACKENDS
-
     if runner.model.par.dispatch_moe:
         # DEP ranks exchange their (different) row counts every step on the host; graphs would
         # need every rank padded to one captured size first (not implemented yet).
         logger.info("decode CUDA graphs off under DEP (per-step row counts differ across ranks)")
         return None
-    if runner.attention_backend not in GRAPH_SAFE_BACKENDS:
+    if not runner.decode_backend.support.cuda_graph_safe:
         logger.info("decode CUDA graphs off: attention backend %r is not graph-safe (running eagerly)",
-                    runner.attention_backend)
+                    runner.decode_backend.name)
         return None
     max_batch = min(config.max_cudagraph_capture_size or 512, config.max_num_seqs)
     max_blocks = -(-max_model_len // config.block_size)

@@ -379,6 +379,9 @@ class OpenAIServer:
             if isinstance(m.content, list):
                 texts = []
                 for part in m.content:
+                    if part.type in ("image_url", "input_image", "image"):
+                        raise APIError(400, f"Content part type {part.type!r}: vision input is not supported "
+                                            "(this server serves text models only).", "messages")
                     if part.type != "text" or part.text is None:
                         raise APIError(400, f"Unsupported content part type {part.type!r}: only text is "
                                             "supported.", "messages")

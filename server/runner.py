@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.fp8 import FP8_DTYPE
-from kernels.mla_decode import resolve_backend
+from kernels.attention import AttentionSpec, select_decode_backend, select_prefill_backend
 from model.config import ModelConfig
 from model.deepseek import DeepseekForCausalLM
 from model.forward_context import ForwardContext, build_attention_metadata, forward_context
@@ -79,6 +79,15 @@ class PendingStep:
 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
     return FP8_DTYPE if config.use_fp8_kv_cache else model_dtype
+
+
+def attention_spec(model: DeepseekForCausalLM, config: EngineConfig, cache_dtype: torch.dtype,
+                   device: torch.device) -> AttentionSpec:
+    """What the attention backends are chosen for: this rank's heads, the cache, the block size."""
+    attn = model.layers[0].self_attn
+    return AttentionSpec(device=device, cache_dtype=cache_dtype, num_heads=attn.num_local_heads,
+                         kv_lora_rank=attn.kv_lora_rank, rope_dim=attn.rope_dim, page_size=config.block_size,
+                         softmax_scale=attn.softmax_scale, compute_dtype=attn.compute_dtype)
 
 
 def kv_bytes_per_block(model_config: ModelConfig, config: EngineConfig, model_dtype: torch.dtype) -> int:
@@ -156,13 +165,10 @@ class ModelRunner:
         self._last_sampled: dict[int, int] = {}
         # Set when TP workers follow this runner: called with each step's plan before it runs.
         self.plan_broadcaster = None
-        mc = self.model_config
-        self.attention_backend = resolve_backend(
-            config.attention_backend, device, cache_dtype, mc.kv_lora_rank, mc.qk_rope_head_dim,
-            page_size=config.block_size,
-        )
-        logger.info("MLA decode backend: %s (--attention-backend %s, %s KV cache)", self.attention_backend,
-                    config.attention_backend, cache_dtype)
+        # Chosen once for the runner's lifetime (the decode backend may hold workspaces).
+        spec = attention_spec(model, config, cache_dtype, device)
+        self.decode_backend = select_decode_backend(config.attention_backend, spec)
+        self.prefill_backend = select_prefill_backend("auto", spec)
         self.decode_graphs = None  # server.cuda_graphs.DecodeGraphs, once captured
         self.step_profiler = StepProfiler(device=device)  # off unless MLASERVE_STEP_PROFILE / enabled
         self.num_overlapped_steps = 0  # steps launched before the previous step's tokens were read
@@ -340,7 +346,7 @@ class ModelRunner:
             self.model(ids, ids)
 
     def forward_context(self, md) -> ForwardContext:
-        return ForwardContext(md, self.kv_caches, self.kv_scales, attention_backend=self.attention_backend)
+        return ForwardContext(md, self.kv_caches, self.kv_scales, self.decode_backend, self.prefill_backend)
 
     def _forward_decode(self, input_ids, positions, ctx: ForwardContext) -> torch.Tensor:
         """Pure-decode step: one token per sequence; replays a captured CUDA graph when one fits."""

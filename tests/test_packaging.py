@@ -18,7 +18,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("server", "server.bench", "model", "model.layers", "kernels", "distributed", "configs")
+ROOTS = ("server", "model", "kernels", "distributed", "configs")
+
+
+def repo_packages() -> list[str]:
+    """Every package under the installed roots: a directory with an ``__init__.py``."""
+    return sorted(".".join(p.parent.relative_to(ROOT).parts) for root in ROOTS
+                  for p in (ROOT / root).rglob("__init__.py") if "__pycache__" not in p.parts)
 
 
 def dockerfile_copies(text: str) -> list[tuple[list[str], str]]:
@@ -70,15 +76,19 @@ def test_pip_install_from_the_docker_context(tmp_path):
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=180)
     assert res.returncode == 0, f"pip install failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
     # Import from the target only (not the repository, not an editable install elsewhere).
+    packages = repo_packages()
+    assert {"server", "server.bench", "model", "kernels", "distributed", "configs"} <= set(packages)
+    kernel_sources = sorted(p.name for p in (ROOT / "kernels" / "csrc").iterdir() if p.suffix in (".cu", ".cuh"))
     probe = (
-        "import importlib, sys\n"
+        "import importlib, importlib.resources as r\n"
         f"target = {str(target)!r}\n"
-        f"for name in {PACKAGES!r}:\n"
+        f"for name in {packages!r}:\n"
         "    mod = importlib.import_module(name)\n"
         "    assert mod.__file__.startswith(target), (name, mod.__file__)\n"
-        "import importlib.resources as r\n"
         "assert (r.files('configs') / 'arith' / 'config.json').is_file()\n"
-        "assert (r.files('kernels') / 'csrc' / 'mla_decode_sm90.cu').is_file()\n"
+        "assert (r.files('configs') / 'lm_eval_tasks' / 'arith_gen.yaml').is_file()\n"
+        "csrc = sorted(p.name for p in (r.files('kernels') / 'csrc').iterdir())\n"
+        f"assert csrc == {kernel_sources!r}, csrc\n"
         "print('ok')\n"
     )
     env["PYTHONPATH"] = str(target)

@@ -444,4 +444,7 @@ int mla_decode_fp8_wgmma_sm90(const Params* p, long long num_pages, void* stream
 
 int mla_decode_fp8_wgmma_sm90_smem_bytes() { return kSmemBytes; }
 
+// The size of Params as this library was built, checked against the ctypes mirror at load.
+int mla_decode_fp8_sm90_params_bytes() { return static_cast<int>(sizeof(Params)); }
+
 }  // extern "C"

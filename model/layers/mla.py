@@ -18,10 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from kernels.attention import default_prefill_backend
 from kernels.fp8 import FP8_DTYPE, dequantize_per_tensor, dequantize_weight_blocks
 from kernels.mla_kv_write import write_kv_cache
-from kernels.mla_decode import mla_decode
-from kernels.mla_prefill import mla_prefill
 from kernels.mla_query_stage import stage_query
 from model.config import ModelConfig
 from model.forward_context import AttentionMetadata, get_forward_context
@@ -100,7 +99,7 @@ class MLAAttention(nn.Module):
         if ctx is None or ctx.attn is None:
             kv_c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
             k_pe = self.rotary(positions, kv[:, self.kv_lora_rank :].unsqueeze(1)).squeeze(1)
-            out = self._prefill_one(q_nope, self.rotary(positions, q_pe), kv_c, k_pe, None)
+            out = self._prefill_one(q_nope, self.rotary(positions, q_pe), kv_c, k_pe, None, None)
         else:
             out = self._forward_paged(positions, q_nope, q_pe, kv, ctx)
         return self.o_proj(out.reshape(t, self.num_local_heads * self.v_dim))
@@ -117,7 +116,7 @@ class MLAAttention(nn.Module):
         out = q_nope.new_zeros(q_nope.shape[0], self.num_local_heads, self.v_dim)
         nd = attn.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], positions[:nd], cache, attn, k_scale)
+            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], positions[:nd], cache, ctx, k_scale)
         # Row offsets from the host copy of the query lengths: reading query_start_loc (a device
         # tensor) would synchronize the host with the GPU once per layer.
         end = sum(attn.query_lens_cpu[: attn.num_decode_seqs])
@@ -127,7 +126,8 @@ class MLAAttention(nn.Module):
                 continue
             context = self._gather_context(cache, attn, i, attn.seq_lens_cpu[i] - (end - start), k_scale)
             q_pe_rot = self.rotary(positions[start:end], q_pe[start:end])
-            out[start:end] = self._prefill_one(q_nope[start:end], q_pe_rot, kv_c[start:end], k_pe[start:end], context)
+            out[start:end] = self._prefill_one(q_nope[start:end], q_pe_rot, kv_c[start:end], k_pe[start:end], context,
+                                               ctx.prefill_backend)
         return out
 
     def _gather_context(self, cache, attn: AttentionMetadata, seq: int, n: int, k_scale: float):
@@ -144,8 +144,9 @@ class MLAAttention(nn.Module):
             entries = entries.to(self.compute_dtype)
         return entries[:, : self.kv_lora_rank], entries[:, self.kv_lora_rank :]
 
-    def _prefill_one(self, q_nope, q_pe, kv_c, k_pe, context) -> torch.Tensor:
-        """Causal attention of the query block over [cached context ‖ the block's own latents]."""
+    def _prefill_one(self, q_nope, q_pe, kv_c, k_pe, context, backend) -> torch.Tensor:
+        """Causal attention of the query block over [cached context ‖ the block's own latents],
+        on the step's prefill backend (without one, the device's default)."""
         if context is not None:
             kv_c = torch.cat([context[0], kv_c], dim=0)
             k_pe = torch.cat([context[1], k_pe], dim=0)
@@ -154,30 +155,22 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_local_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        return mla_prefill(q, k, v, self.softmax_scale)
+        backend = backend or default_prefill_backend(q.device.type)
+        return backend.forward(q, k, v, self.softmax_scale)
 
-    def _decode(self, q_nope, q_pe, positions, cache, attn: AttentionMetadata, k_scale: float) -> torch.Tensor:
+    def _decode(self, q_nope, q_pe, positions, cache, ctx, k_scale: float) -> torch.Tensor:
+        """Absorbed decode on the step's backend and metadata (built once for all layers)."""
         nd = q_nope.shape[0]
-        b, s_q = attn.num_decode_seqs, attn.decode_query_len
-        ctx = get_forward_context()
-        backend = ctx.attention_backend if ctx is not None else "torch"
+        md = ctx.decode_metadata
+        backend = ctx.decode_backend
         # The stage buffer: W_UK's product fills [..., :512], the rotated q_pe [..., 512:], and
-        # one pass quantizes the row for FP8 kernels (no torch.cat, no second quant launch).
-        fp8_query = cache.dtype == FP8_DTYPE and backend != "torch" and q_nope.is_cuda
-        q_scale = ctx.q_scale if fp8_query else 1.0
+        # one pass quantizes the row for backends that take an FP8 query (a saturating cast:
+        # per-tensor query scale 1.0, vLLM's default), so no torch.cat and no second launch.
         q_abs = stage_query(q_nope, self.w_uk, q_pe, positions, self.rotary.cos_sin_cache,
-                            out_dtype=FP8_DTYPE if fp8_query else self.compute_dtype, q_scale=q_scale)
-        out_latent, _ = mla_decode(
-            q_abs.reshape(b, s_q, self.num_local_heads, -1),
-            cache,
-            attn.block_tables[:b],
-            attn.seq_lens[:b],
-            self.softmax_scale,
-            kv_lora_rank=self.kv_lora_rank,
-            q_scale=q_scale,
-            k_scale=k_scale,
-            out_dtype=self.compute_dtype,
-            backend=backend,
+                            out_dtype=backend.query_dtype(cache.dtype, self.compute_dtype))
+        out_latent, _ = backend.decode(
+            q_abs.reshape(md.batch, md.query_len, self.num_local_heads, -1), cache, md, self.softmax_scale,
+            self.kv_lora_rank, k_scale=k_scale, out_dtype=self.compute_dtype,
         )
         out_latent = out_latent.reshape(nd, self.num_local_heads, self.kv_lora_rank)
         return torch.einsum("thc,hvc->thv", out_latent, self.w_uv)

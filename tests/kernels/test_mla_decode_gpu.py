@@ -1,10 +1,11 @@
-"""MLA decode backends against the torch reference.
+"""MLA decode kernels and backends against the torch reference.
 
-CPU (CI): the dispatch logic, the launch heuristics, and the Triton kernel itself under
+CPU (CI): the torch backend, the launch heuristics, and the Triton kernel itself under
 TRITON_INTERPRET=1 on tiny shapes (in a subprocess, since the interpreter must be chosen
 before Triton is imported). GPU (``-m gpu``, on the device): the Triton kernel and the
-FlashInfer adapter on fresh random inputs, with unused cache pages and slots poisoned with
-NaN and the outputs poisoned before the call, for s_q 1..4 and ragged lengths.
+triton, auto, flashinfer and trtllm backends on fresh random inputs, with unused cache pages
+and slots poisoned with NaN and the outputs poisoned before the call, for s_q 1..4 and
+ragged lengths. The registry and its ``auto`` policy: tests/kernels/test_attention_backends.py.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.attention import AttentionSpec, BackendUnavailable, select_decode_backend
 from kernels.fp8 import quantize_per_tensor
-from kernels.mla_decode import BACKENDS, choose_auto_backend, mla_decode, mla_decode_reference
+from kernels.mla_decode import mla_decode_reference
 
 REPO = Path(__file__).resolve().parents[2]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -64,29 +66,47 @@ def rel_err(out, ref):
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def spec_for(case, dtype, page=64, device="cuda") -> AttentionSpec:
+    """The start-up description a runner would give the backends for ``case``'s attention."""
+    compute = torch.float16 if dtype == torch.float16 else (torch.float32 if dtype == torch.float32 else torch.bfloat16)
+    return AttentionSpec(torch.device(device), dtype, case[2], D - 64, 64, page, SM_SCALE, compute, query_len=case[1])
+
+
+def decode_step(backend, case, dtype, layers=2, seed=0, device="cuda"):
+    """One step as the model drives a backend: the metadata built once, then ``layers`` layers,
+    each with its own fresh query and cache values in the step's pages (poison kept). Returns
+    (relative error, max |LSE error|) per layer against the reference."""
+    bsz, s_q, h, lens = case
+    q, kv, bt, sl, qs, ks = make_case(bsz, s_q, h, lens, dtype, seed=seed, device=device)
+    metadata = backend.build_metadata(bt, sl, s_q)
+    poison = kv.float().isnan()
+    errors = []
+    for layer in range(layers):
+        if layer:
+            g = torch.Generator().manual_seed(seed + 1000 * layer)
+            fresh_q, fresh_kv = torch.randn(q.shape, generator=g), torch.randn(kv.shape, generator=g)
+            if dtype == torch.float8_e4m3fn:
+                q, kv = quantize_per_tensor(fresh_q, qs).to(device), quantize_per_tensor(fresh_kv, ks).to(device)
+                kv.view(torch.uint8)[poison] = 0x7F
+            else:
+                q, kv = fresh_q.to(dtype).to(device), fresh_kv.to(dtype).to(device)
+                kv[poison] = float("nan")
+        out, lse = backend.decode(q, kv, metadata, SM_SCALE, D - 64, k_scale=ks, q_scale=qs)
+        ref, ref_lse = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
+        assert not out.isnan().any() and not lse.isnan().any(), "an output element was not written"
+        errors.append((rel_err(out, ref), (lse - ref_lse).abs().max().item()))
+    return errors
+
+
 # ----------------------------------------------------------------------------- CPU
 
 
-def test_dispatch_rejects_unknown_backend():
-    q, kv, bt, sl, qs, ks = make_case(1, 1, 2, [5], torch.float32)
-    with pytest.raises(ValueError, match="unknown MLA decode backend"):
-        mla_decode(q, kv, bt, sl, SM_SCALE, backend="cuda-magic")
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_dispatch_cpu_tensors_use_reference(backend):
-    q, kv, bt, sl, qs, ks = make_case(2, 2, 4, [70, 3], torch.float32, seed=1)
-    out, lse = mla_decode(q, kv, bt, sl, SM_SCALE, backend=backend)
-    ref, ref_lse = mla_decode_reference(q, kv, bt, sl, SM_SCALE)
-    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
-    assert not out.isnan().any()
-
-
-def test_auto_backend_choice():
-    assert choose_auto_backend(torch.float8_e4m3fn) == "triton"  # the CUDA C++ library did not build
-    assert choose_auto_backend(torch.float8_e4m3fn, cuda_kernel_ok=True) == "cuda"
-    want = "flashinfer" if importlib.util.find_spec("flashinfer") else "triton"
-    assert choose_auto_backend(torch.bfloat16) == want
+def test_torch_backend_is_the_reference_on_every_layer():
+    case = (2, 2, 4, [70, 3])
+    backend = select_decode_backend("auto", spec_for(case, torch.float32, device="cpu"))
+    assert backend.name == "torch"
+    for err, lse_err in decode_step(backend, case, torch.float32, layers=2, seed=1, device="cpu"):
+        assert err == 0 and lse_err == 0
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -226,24 +246,23 @@ def test_triton_configs(config_kw, dtype):
 
 @gpu
 @needs_cuda
-def test_dispatch_on_cuda_matches_reference():
-    q, kv, bt, sl, qs, ks = make_case(2, 1, 16, [100, 7], torch.float8_e4m3fn, seed=3, device="cuda")
-    ref, _ = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
+def test_triton_and_auto_backends_match_reference():
+    case = (2, 1, 16, [100, 7])
     # auto takes the CUDA library on Hopper, whose P.V runs in FP8 (1.5e-2 measured; the issue's
     # bound for an FP8 decode is 2e-2); triton keeps P in fp16.
-    for backend, tol in (("triton", 1e-2), ("auto", 2e-2)):
-        out, _ = mla_decode(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, backend=backend)
-        assert rel_err(out, ref) < tol, backend
+    for requested, tol in (("triton", 1e-2), ("auto", 2e-2)):
+        backend = select_decode_backend(requested, spec_for(case, torch.float8_e4m3fn))
+        for err, _ in decode_step(backend, case, torch.float8_e4m3fn, layers=2, seed=3):
+            assert err < tol, (requested, backend.name, err)
 
 
 @gpu
 @needs_cuda
-def test_trtllm_guard_off_blackwell():
+def test_trtllm_refused_off_blackwell():
     if torch.cuda.get_device_capability()[0] == 10:
-        pytest.skip("on Blackwell the guard does not apply")
-    q, kv, bt, sl, qs, ks = make_case(1, 1, 16, [10], torch.bfloat16, device="cuda")
-    with pytest.raises(RuntimeError, match="Blackwell-only"):
-        mla_decode(q, kv, bt, sl, SM_SCALE, backend="trtllm")
+        pytest.skip("on Blackwell the refusal does not apply")
+    with pytest.raises(BackendUnavailable, match="--attention-backend trtllm: needs a SM10x GPU"):
+        select_decode_backend("trtllm", spec_for((1, 1, 16, [10]), torch.bfloat16))
 
 
 @gpu
@@ -251,12 +270,10 @@ def test_trtllm_guard_off_blackwell():
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("case", [GPU_CASES[1], GPU_CASES[3]])
-def test_flashinfer_adapter(case, dtype):
-    from kernels.mla_decode_flashinfer import mla_decode_flashinfer
-
-    bsz, s_q, h, lens = case
-    q, kv, bt, sl, qs, ks = make_case(bsz, s_q, h, lens, dtype, seed=11, device="cuda")
-    out, lse = mla_decode_flashinfer(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
-    ref, ref_lse = mla_decode_reference(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks)
-    assert rel_err(out, ref) < 2e-2
-    assert (lse - ref_lse).abs().max().item() < 2e-2
+def test_flashinfer_backend_matches_reference(case, dtype):
+    """The real FlashInfer fa3 kernel through the backend: planned once, three layers run."""
+    backend = select_decode_backend("flashinfer", spec_for(case, dtype))
+    workspace = backend.workspace
+    for err, lse_err in decode_step(backend, case, dtype, layers=3, seed=11):
+        assert err < 2e-2 and lse_err < 2e-2, (err, lse_err)
+    assert backend.workspace is workspace

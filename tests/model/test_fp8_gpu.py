@@ -47,7 +47,7 @@ def test_engine_serves_fp8_checkpoint_with_fp8_kv_and_graphs(fp8_ckpt):
     llm = LLM(fp8_ckpt, device="cuda", kv_cache_dtype="fp8", max_model_len=1024, max_num_seqs=8,
               max_cudagraph_capture_size=8, num_gpu_blocks_override=128)
     # auto: our CUDA C++ kernel on Hopper when nvcc can build it, else Triton; both graph-safe
-    assert llm.engine.runner.decode_graphs is not None and llm.engine.runner.attention_backend in ("cuda", "triton")
+    assert llm.engine.runner.decode_graphs is not None and llm.engine.runner.decode_backend.name in ("cuda", "triton")
     outs = llm.generate(prompt_token_ids=[[5, 6, 7, 8], [9, 10]],
                         sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 12 for o in outs)

@@ -314,6 +314,13 @@ BAD_REQUESTS = [
 ]
 
 
+def test_image_part_says_vision_is_not_supported(http):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                                      {"type": "image_url", "image_url": {"url": "x"}}]}]}
+    err = assert_error(http.post("/v1/chat/completions", json=body), 400, "BadRequestError", "messages")
+    assert "vision input is not supported" in err["message"]
+
+
 def assert_still_serving(http) -> None:
     assert http.get("/health").status_code == 200
     r = http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})

@@ -32,7 +32,7 @@ def test_graph_decode_equals_eager(tmp_path):
                 block_size=64).generate(prompt_token_ids=prompts, sampling_params=params)
     graph_llm = LLM(ckpt, device="cuda", dtype="bfloat16", num_gpu_blocks_override=64, block_size=64,
                     max_cudagraph_capture_size=8, max_num_seqs=8)
-    assert graph_llm.engine.runner.attention_backend == "triton"
+    assert graph_llm.engine.runner.decode_backend.name == "triton"
     assert graph_llm.engine.runner.decode_graphs is not None
     graphed = graph_llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for a, b in zip(eager, graphed):
@@ -88,7 +88,7 @@ def test_fp8_engine_cuda_backend_matches_triton(tmp_path):
     for backend in ("auto", "triton"):
         llm = LLM(ckpt, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", num_gpu_blocks_override=64,
                   block_size=64, max_cudagraph_capture_size=8, max_num_seqs=8, attention_backend=backend)
-        runs[llm.engine.runner.attention_backend] = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        runs[llm.engine.runner.decode_backend.name] = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     assert set(runs) == {"cuda", "triton"}
     for a, b in zip(runs["cuda"], runs["triton"]):
         lp_a = [x.logprob for x in a.outputs[0].logprobs]

@@ -1,0 +1,136 @@
+"""Attention backends: a registry of classes, one module per backend, chosen once at start-up.
+
+Decode (absorbed MLA over the paged latent cache, ``--attention-backend``):
+
+    torch       reference; CPU or CUDA, any cache dtype; eager only
+    triton      our Triton kernel; CUDA, bf16/fp16/e4m3 cache, rope 64, power-of-two latent; CUDA graphs
+    cuda        our CUDA C++ wgmma kernels; SM90, e4m3 cache, latent 512 + rope 64, block size % 64;
+                CUDA graphs (<= 32 query rows per request: the narrow kernel, more: the 64-row one)
+    flashinfer  FlashInfer fa3; SM90, bf16/e4m3 cache, needs flashinfer-python; plans once per step,
+                eager only
+    trtllm      FlashInfer's TRTLLM-gen; SM100, bf16/e4m3 cache, latent 512; eager only (untested)
+
+Each class declares what it runs in ``support`` (a ``BackendSupport``: devices, compute
+capability, cache dtypes, latent/rope dims, block-size multiple, heads per GPU, query tokens
+per request, CUDA-graph safety) and may refuse more in ``unsupported_reason`` (a package that
+is not installed, a library that does not build).
+
+``auto`` (``select_decode_backend``), one policy, by measurement on the H200
+(benchmarks/RESULTS.md):
+
+1. not on CUDA → torch;
+2. an e4m3 cache on a GPU the cuda backend runs on (Hopper, library builds) → cuda
+   (B=128, S=4096: 16 heads 84 vs 296 µs for Triton, 128 heads 195 vs 438 µs);
+3. otherwise, a cache Triton covers → triton (CUDA-graph safe; FlashInfer, faster at bf16,
+   plans on the host every step, which rules decode graphs out, so it is only used when asked);
+4. otherwise → torch.
+
+The cuda backend's kernels run P.V in FP8 (P as e4m3): 1.5e-2 relative error against float64
+on the same FP8 inputs, vs 2e-3 for Triton, which keeps P in fp16 (``--attention-backend triton``).
+
+Prefill (the non-absorbed causal attention of prompt chunks) is chosen separately
+(``select_prefill_backend``): ``sdpa`` (torch's fused kernels) on CUDA, ``torch`` (float32
+reference) elsewhere. Decode backends cannot prefill and prefill backends cannot decode: the
+two registries are disjoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from kernels.attention.base import (FP8_E4M3, AttentionSpec, BackendSupport, BackendUnavailable, DecodeBackend,
+                                    DecodeMetadata, PrefillBackend, dtype_name)
+from kernels.attention.cuda_decode import CudaDecode
+from kernels.attention.flashinfer_decode import FlashInferDecode
+from kernels.attention.prefill import SdpaPrefill, TorchPrefill
+from kernels.attention.torch_decode import TorchDecode
+from kernels.attention.triton_decode import TritonDecode
+from kernels.attention.trtllm_decode import TrtllmDecode
+
+logger = logging.getLogger(__name__)
+
+DECODE_BACKENDS: dict[str, type[DecodeBackend]] = {
+    cls.name: cls for cls in (CudaDecode, TritonDecode, FlashInferDecode, TrtllmDecode, TorchDecode)
+}
+PREFILL_BACKENDS: dict[str, type[PrefillBackend]] = {cls.name: cls for cls in (SdpaPrefill, TorchPrefill)}
+
+
+def _describe_gpu(spec: AttentionSpec) -> str:
+    major, minor = torch.cuda.get_device_capability(spec.device)
+    arch = {9: "Hopper", 10: "Blackwell", 8: "Ampere/Ada"}.get(major, "a GPU")
+    return f"{arch} SM{major}{minor}"
+
+
+def auto_decode_backend(spec: AttentionSpec) -> tuple[type[DecodeBackend], str]:
+    """The ``auto`` policy of the module docstring: (backend class, why)."""
+    if spec.device.type != "cuda":
+        return TorchDecode, f"{spec.device.type} device, the torch reference"
+    cache = dtype_name(spec.cache_dtype)
+    triton_reason = TritonDecode.unsupported_reason(spec)
+    if spec.cache_dtype == FP8_E4M3:
+        cuda_reason = CudaDecode.unsupported_reason(spec)
+        if cuda_reason is None:
+            return CudaDecode, f"{_describe_gpu(spec)} with an fp8 latent cache"
+        if triton_reason is None:
+            return TritonDecode, f"fp8 latent cache, cuda backend unavailable ({cuda_reason})"
+    elif triton_reason is None:
+        return TritonDecode, f"{_describe_gpu(spec)} with a {cache} latent cache"
+    return TorchDecode, f"no GPU kernel covers this model and cache: triton {triton_reason}"
+
+
+def requested_backend(registry: dict, requested: str, spec: AttentionSpec, what: str):
+    """The class of an explicitly requested backend, or ``BackendUnavailable`` saying why not
+    (``what`` names the setting: the flag, or the prefill backend)."""
+    cls = registry.get(requested)
+    if cls is None:
+        raise BackendUnavailable(f"{what}: unknown backend {requested!r}; one of auto, {', '.join(registry)}")
+    reason = cls.unsupported_reason(spec)
+    if reason is not None:
+        raise BackendUnavailable(f"{what} {requested}: {reason}")
+    return cls
+
+
+def select_decode_backend(requested: str, spec: AttentionSpec) -> DecodeBackend:
+    """The decode backend a runner holds for its lifetime; logs one line naming it and why.
+    An explicit request that cannot run here raises ``BackendUnavailable`` naming the flag."""
+    if requested == "auto":
+        cls, why = auto_decode_backend(spec)
+        why = f"auto: {why}"
+    else:
+        cls, why = requested_backend(DECODE_BACKENDS, requested, spec, "--attention-backend"), "requested"
+    backend = cls(spec)
+    graphs = "CUDA-graph safe" if cls.support.cuda_graph_safe else "eager only"
+    logger.info("attention backend: %s (%s; %s)", cls.name, why, graphs)
+    return backend
+
+
+def auto_prefill_backend(device_type: str) -> type[PrefillBackend]:
+    return SdpaPrefill if device_type == "cuda" else TorchPrefill
+
+
+def select_prefill_backend(requested: str, spec: AttentionSpec) -> PrefillBackend:
+    """The prefill backend a runner holds: ``auto`` is sdpa on CUDA, torch elsewhere."""
+    if requested == "auto":
+        cls = auto_prefill_backend(spec.device.type)
+    else:
+        cls = requested_backend(PREFILL_BACKENDS, requested, spec, "prefill backend")
+    logger.info("prefill attention backend: %s (%s)", cls.name, "auto" if requested == "auto" else "requested")
+    return cls()
+
+
+@functools.cache
+def default_prefill_backend(device_type: str) -> PrefillBackend:
+    """What a forward without a runner's context prefills with (whole-prompt calls: HF
+    comparisons, the start-up activation profile): the ``auto`` choice for the device type."""
+    return auto_prefill_backend(device_type)()
+
+
+REFERENCE_DECODE = TorchDecode()  # what a forward context without a chosen backend decodes with
+
+__all__ = ["DECODE_BACKENDS", "PREFILL_BACKENDS", "REFERENCE_DECODE", "AttentionSpec", "BackendSupport",
+           "BackendUnavailable", "CudaDecode", "DecodeBackend", "DecodeMetadata", "FlashInferDecode", "PrefillBackend",
+           "SdpaPrefill", "TorchDecode", "TorchPrefill", "TritonDecode", "TrtllmDecode", "auto_decode_backend",
+           "auto_prefill_backend", "default_prefill_backend", "select_decode_backend", "select_prefill_backend"]

@@ -1,0 +1,187 @@
+"""What every attention backend shares: the start-up description of the attention it will run
+(``AttentionSpec``), what a backend class can run (``BackendSupport``), the per-step decode
+metadata, and the two base classes (decode, prefill).
+
+A decode backend's life: the registry checks ``supports`` once at start-up and builds one
+instance (which may allocate workspaces then); each step, ``build_metadata`` runs once for all
+layers (FlashInfer plans there); each layer calls ``decode`` with that metadata.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+FP8_E4M3 = torch.float8_e4m3fn
+LATENT_16_BIT = (torch.bfloat16, torch.float16)
+
+
+class BackendUnavailable(ValueError):
+    """An explicitly requested attention backend cannot run here; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The attention a runner will run, fixed at start-up (per GPU: heads after TP sharding)."""
+
+    device: torch.device
+    cache_dtype: torch.dtype  # the latent cache: bf16/fp16/fp32, or e4m3 with a per-layer scale
+    num_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    page_size: int
+    softmax_scale: float
+    compute_dtype: torch.dtype
+    query_len: int = 1  # query tokens per decode request (s_q; > 1 for MTP)
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return "fp8 e4m3" if dtype == FP8_E4M3 else str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class BackendSupport:
+    """What a backend class runs. ``None`` means any."""
+
+    devices: tuple[str, ...]  # torch device types
+    cache_dtypes: tuple[torch.dtype, ...]
+    capability_majors: tuple[int, ...] | None = None  # CUDA compute capability major versions
+    kv_lora_ranks: tuple[int, ...] | None = None
+    rope_dims: tuple[int, ...] | None = None
+    page_size_multiple: int = 1
+    max_heads: int | None = None  # heads per GPU
+    max_query_len: int | None = None  # query tokens per decode request
+    cuda_graph_safe: bool = False  # no host work or host sync per call: replayable in a CUDA graph
+
+    def unsupported_reason(self, spec: AttentionSpec) -> str | None:
+        """Why ``spec`` is outside this support, or None when it is inside."""
+        if spec.device.type not in self.devices:
+            want = " or ".join("a CUDA GPU" if d == "cuda" else d for d in self.devices)
+            return f"needs {want} (the engine runs on {spec.device.type})"
+        if self.capability_majors is not None:
+            if not torch.cuda.is_available():
+                return "needs a CUDA GPU (torch sees none)"
+            major, minor = device_capability(spec.device)
+            if major not in self.capability_majors:
+                want = " or ".join(f"SM{m}x" for m in self.capability_majors)
+                return f"needs a {want} GPU; this one is SM{major}{minor}"
+        if spec.cache_dtype not in self.cache_dtypes:
+            names = ", ".join(dtype_name(d) for d in self.cache_dtypes)
+            hint = " (--kv-cache-dtype fp8)" if self.cache_dtypes == (FP8_E4M3,) else ""
+            return f"needs a KV cache in {names}{hint}; got {dtype_name(spec.cache_dtype)}"
+        if self.kv_lora_ranks is not None and spec.kv_lora_rank not in self.kv_lora_ranks:
+            return f"needs kv_lora_rank in {self.kv_lora_ranks}; the model has {spec.kv_lora_rank}"
+        if self.rope_dims is not None and spec.rope_dim not in self.rope_dims:
+            return f"needs a rope head dim in {self.rope_dims}; the model has {spec.rope_dim}"
+        if spec.page_size % self.page_size_multiple:
+            return f"needs a --block-size that is a multiple of {self.page_size_multiple}; got {spec.page_size}"
+        if self.max_heads is not None and spec.num_heads > self.max_heads:
+            return f"takes at most {self.max_heads} heads per GPU; got {spec.num_heads}"
+        if self.max_query_len is not None and spec.query_len > self.max_query_len:
+            return f"takes at most {self.max_query_len} query tokens per request; got {spec.query_len}"
+        return None
+
+    def describe(self) -> str:
+        """One line for docs and ``--help``-style listings."""
+        parts = ["/".join(self.devices)]
+        if self.capability_majors:
+            parts.append("SM" + "/".join(f"{m}x" for m in self.capability_majors))
+        parts.append("cache " + "/".join(dtype_name(d) for d in self.cache_dtypes))
+        if self.kv_lora_ranks:
+            parts.append(f"latent {'/'.join(map(str, self.kv_lora_ranks))}")
+        if self.page_size_multiple > 1:
+            parts.append(f"block size %{self.page_size_multiple}")
+        if self.max_heads:
+            parts.append(f"<= {self.max_heads} heads")
+        if self.max_query_len:
+            parts.append(f"s_q <= {self.max_query_len}")
+        parts.append("CUDA graphs" if self.cuda_graph_safe else "eager only")
+        return ", ".join(parts)
+
+
+def missing_module_reason(module: str, package: str) -> str | None:
+    """The reason a backend cannot run when ``module`` is not importable here."""
+    if importlib.util.find_spec(module) is None:
+        return f"needs the {package} package, which is not installed"
+    return None
+
+
+@dataclass
+class DecodeMetadata:
+    """One step's decode requests, shared by every layer. The tensors are the step's (or a
+    CUDA graph's persistent) device buffers, so a replay that refills them in place sees the
+    new step; backends add what they derive once per step."""
+
+    block_tables: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32: context after this step, query tokens included
+    query_len: int  # s_q
+
+    @property
+    def batch(self) -> int:
+        return self.block_tables.shape[0]
+
+
+class DecodeBackend:
+    """Absorbed MLA decode over the paged latent cache (contract: ``kernels.mla_decode``)."""
+
+    name: ClassVar[str]
+    support: ClassVar[BackendSupport]
+    # With an FP8 cache, whether the query is staged as e4m3 (else in the compute dtype).
+    fp8_query: ClassVar[bool] = True
+
+    def __init__(self, spec: AttentionSpec | None = None) -> None:
+        self.spec = spec
+
+    @classmethod
+    def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
+        """Why this backend cannot run ``spec`` here (shape, dtype, device, missing package or
+        library), or None. Called once, at start-up."""
+        return cls.support.unsupported_reason(spec)
+
+    @classmethod
+    def supports(cls, spec: AttentionSpec) -> bool:
+        return cls.unsupported_reason(spec) is None
+
+    def query_dtype(self, cache_dtype: torch.dtype, compute_dtype: torch.dtype) -> torch.dtype:
+        return FP8_E4M3 if cache_dtype == FP8_E4M3 and self.fp8_query else compute_dtype
+
+    def build_metadata(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_len: int) -> DecodeMetadata:
+        """Once per step, before the first layer."""
+        return DecodeMetadata(block_tables, seq_lens, query_len)
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: DecodeMetadata,
+        softmax_scale: float,
+        kv_lora_rank: int,
+        k_scale: float = 1.0,
+        q_scale: float = 1.0,
+        out_dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer: q [B, s_q, H, kv_lora_rank + rope] → (out [B, s_q, H, kv_lora_rank], lse)."""
+        raise NotImplementedError
+
+
+class PrefillBackend:
+    """Causal attention of a query block over its (up-projected) context, one sequence at a
+    time: q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] → [Tq, H, Dv]; the query block holds
+    the last Tq positions of the Tk-long context (contract: ``kernels.mla_prefill``)."""
+
+    name: ClassVar[str]
+    support: ClassVar[BackendSupport]
+
+    @classmethod
+    def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
+        return cls.support.unsupported_reason(spec)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+        raise NotImplementedError

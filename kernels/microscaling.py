@@ -1,0 +1,92 @@
+"""Microscaling fake-quantization (quantize then dequantize) as DeepSeek-V4.1 trains with it.
+
+V4.1's quantization-aware training makes these roundings part of the model, so an
+unquantized (fp32/bf16) run must apply them too, at the same places:
+
+* window K=V rows: FP8 e4m3 in blocks of 32 channels, one UE8M0 (power-of-two) scale per
+  block, the RoPE dims included (:func:`fake_quant_fp8_ue8m0`);
+* compressed KV entries: FP4 e2m1 in blocks of 16 with an e4m3 scale per block
+  (:func:`fake_quant_fp4`, ``scale_format="e4m3"``);
+* indexer queries and keys: FP4 e2m1 in blocks of 32 with UE8M0 scales
+  (:func:`fake_quant_fp4`, ``scale_format="ue8m0"``).
+
+A power-of-two scale is ``2^ceil(log2(amax / qmax))``, computed exactly from the fp32 bit
+pattern (exponent field, plus one when any mantissa bit is set), so it never suffers
+``log2`` rounding. A last dimension that is not a multiple of the block is returned
+unchanged: the trained model has no such shapes, and tiny test models keep the rule.
+The functions are torch references; they work on any device and return the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+FP4_E2M1_MAX = 6.0
+# Magnitudes of the e2m1 code points 0..7 (bit 3 is the sign).
+FP4_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Smallest amax each quantizer accepts, so an all-zero block gets a finite, normal scale.
+_FP8_MIN_AMAX = 1e-4
+_FP4_UE8M0_MIN_AMAX = FP4_E2M1_MAX * 2.0**-126
+_FP4_E4M3_MIN_AMAX = FP4_E2M1_MAX * 2.0**-9
+
+
+def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
+    """``2^ceil(log2(t))`` for positive normal fp32 ``t``, exact (from the IEEE bits)."""
+    bits = t.float().contiguous().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return torch.exp2(exponent.float())
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round fp32 values already inside [-6, 6] to the nearest e2m1 value, ties to the even code.
+
+    Between two neighbouring grid points the midpoint goes to the one whose code is even
+    (0.25 → 0, 0.75 → 1.0, 2.5 → 2, 3.5 → 4, 5 → 4).
+    """
+    grid = torch.tensor(FP4_E2M1_GRID, dtype=torch.float32, device=x.device)
+    mids = (grid[1:] + grid[:-1]) / 2
+    mag = x.abs().float()
+    # Count the midpoints strictly below |x|: ties stay on the lower code ...
+    code = torch.bucketize(mag, mids, right=False)
+    # ... except where the lower code is odd (the upper one is even): those ties go up.
+    lower_is_odd = (torch.arange(7, device=x.device) % 2) == 1
+    tie_up = (mag.unsqueeze(-1) == mids) & lower_is_odd
+    code = code + tie_up.any(-1).to(code.dtype)
+    value = grid[code]
+    return torch.where(torch.signbit(x), -value, value)
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def fake_quant_fp8_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP8 e4m3 with one power-of-two scale per ``block`` channels; returns dequantized ``x``."""
+    if x.shape[-1] % block:
+        return x
+    b = _blocks(x, block)
+    scale = pow2_ceil(b.abs().amax(-1, keepdim=True).clamp_min(_FP8_MIN_AMAX) * (1.0 / FP8_E4M3_MAX))
+    q = (b / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return (q * scale).reshape(x.shape).to(x.dtype)
+
+
+def fake_quant_fp4(x: torch.Tensor, block: int, scale_format: str) -> torch.Tensor:
+    """FP4 e2m1 with one scale per ``block`` channels; returns dequantized ``x``.
+
+    ``scale_format`` is ``"ue8m0"`` (power of two ≥ amax/6) or ``"e4m3"`` (amax/6 rounded
+    to the nearest e4m3 value, so a block's largest element may land slightly off 6).
+    """
+    if x.shape[-1] % block:
+        return x
+    b = _blocks(x, block)
+    amax = b.abs().amax(-1, keepdim=True)
+    if scale_format == "ue8m0":
+        scale = pow2_ceil(amax.clamp_min(_FP4_UE8M0_MIN_AMAX) * (1.0 / FP4_E2M1_MAX))
+    elif scale_format == "e4m3":
+        scale = (amax.clamp_min(_FP4_E4M3_MIN_AMAX) / FP4_E2M1_MAX).to(torch.float8_e4m3fn).float()
+    else:
+        raise ValueError(f"unknown FP4 scale format {scale_format!r} (expected 'ue8m0' or 'e4m3')")
+    q = round_to_e2m1((b / scale).clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX))
+    return (q * scale).reshape(x.shape).to(x.dtype)

@@ -1,0 +1,145 @@
+"""DeepSeek-V4 causal LM (torch reference): embedding → hc streams → layers → HyperHead → head.
+
+Usage, one request at a time::
+
+    model = DeepseekV4ForCausalLM(config)          # parameters named as HF 5.24's state_dict
+    state = model.new_state()                      # per-request decode state (model/v4/state.py)
+    hidden = model(prompt_ids, state)              # [T, D]; any chunking of the prompt works
+    logits = model.compute_logits(hidden[-1:])     # float32 [1, vocab]
+    hidden = model(next_id.view(1), state)         # decode: one token at state.num_tokens
+
+Each call appends its tokens at positions ``state.num_tokens …``. The embedding is copied
+into ``hc_mult`` streams; each layer runs an mHC site → ``input_layernorm`` → attention →
+expand, then an mHC site → ``post_attention_layernorm`` → MoE (needs the token ids for its
+hash-routed layers) → expand. The HyperHead collapses the streams, then ``norm`` and
+``lm_head``. Norms, mHC parameters, sinks and position biases stay float32 whatever the
+model dtype, as HF keeps them.
+
+MTP weights (``mtp.*``) are not part of this model: :meth:`load_weights` skips them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from model.layers.norm import RMSNorm
+from model.v4.attention import V4Attention
+from model.v4.config import V4Config
+from model.v4.mhc import HyperConnection, HyperHead, collapse_streams, expand_streams
+from model.v4.moe import V4MoE
+from model.v4.rope import RotaryTable
+from model.v4.state import V4LayerState, V4RequestState
+
+logger = logging.getLogger(__name__)
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, config: V4Config, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.uses_compress_rope = c.layer_kinds[layer_idx] != "sliding"
+        hc_args = (c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc_args)
+        self.ffn_hc = HyperConnection(*hc_args)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, torch.float32)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, torch.float32)
+        self.self_attn = V4Attention(c, layer_idx, dtype)
+        self.mlp = V4MoE(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                         c.moe_intermediate_size * c.n_shared_experts, c.swiglu_limit, c.routed_scaling_factor,
+                         c.hash_layers[layer_idx], c.vocab_size, dtype)
+
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                state: V4LayerState, rope: RotaryTable) -> torch.Tensor:
+        """streams [T, hc, D] → [T, hc, D]."""
+        pre, post, comb = self.attn_hc(streams)
+        attn = self.self_attn(self.input_layernorm(collapse_streams(streams, pre)), positions, state, rope)
+        streams = expand_streams(streams, attn, post, comb)
+        pre, post, comb = self.ffn_hc(streams)
+        ffn = self.mlp(self.post_attention_layernorm(collapse_streams(streams, pre)), input_ids)
+        return expand_streams(streams, ffn, post, comb)
+
+
+class V4Backbone(nn.Module):
+    """HF's ``model.``: ``embed_tokens``, ``layers``, ``norm``, ``hc_head``."""
+
+    def __init__(self, config: V4Config, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.hc_mult = c.hc_mult
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.embed_tokens.requires_grad_(False)
+        self.layers = nn.ModuleList(V4DecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, torch.float32)
+        self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config: V4Config, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        self.model = V4Backbone(config, dtype)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.lm_head.requires_grad_(False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.main_rope = RotaryTable(config.qk_rope_head_dim, config.main_rope)
+        self.compress_rope = RotaryTable(config.qk_rope_head_dim, config.compress_rope)
+
+    def new_state(self) -> V4RequestState:
+        """An empty per-request state (no tokens consumed)."""
+        return V4RequestState(layers=[layer.self_attn.new_state() for layer in self.model.layers])
+
+    def forward(self, input_ids: torch.Tensor, state: V4RequestState) -> torch.Tensor:
+        """Final-normed hidden states [T, D] of one request's next T tokens ``input_ids`` [T]."""
+        if input_ids.dim() != 1 or input_ids.shape[0] == 0:
+            raise ValueError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.config.vocab_size})")
+        if len(state.layers) != len(self.model.layers):
+            raise ValueError("state was not made by this model's new_state()")
+        t = input_ids.shape[0]
+        positions = torch.arange(state.num_tokens, state.num_tokens + t, device=input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(t, self.model.hc_mult, x.shape[-1]).contiguous()
+        for layer, layer_state in zip(self.model.layers, state.layers):
+            rope = self.compress_rope if layer.uses_compress_rope else self.main_rope
+            streams = layer(streams, input_ids, positions, layer_state, rope)
+        state.num_tokens += t
+        return self.model.norm(self.model.hc_head(streams))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [T, vocab] for hidden rows [T, D]."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (the names of ``state_dict()``) in; every model tensor is required.
+
+        ``mtp.*`` tensors (the multi-token-prediction block) are skipped with one log line.
+        Unknown names and shape mismatches raise ``ValueError`` naming the tensor.
+        """
+        own = self.state_dict()
+        seen, skipped_mtp = set(), 0
+        for name, t in tensors:
+            if name.startswith("mtp.") or ".mtp." in name:
+                skipped_mtp += 1
+                continue
+            if name not in own:
+                raise ValueError(f"unexpected tensor {name!r} for DeepseekV4ForCausalLM")
+            if tuple(own[name].shape) != tuple(t.shape):
+                raise ValueError(f"shape mismatch for {name}: expected {tuple(own[name].shape)}, got {tuple(t.shape)}")
+            own[name].copy_(t.to(own[name].dtype))
+            seen.add(name)
+        if skipped_mtp:
+            logger.info("skipped %d MTP tensors (mtp.*): multi-token prediction is not loaded", skipped_mtp)
+        if self.config.tie_word_embeddings:
+            seen.add("lm_head.weight")  # shares the embedding's tensor
+        missing = sorted(set(own) - seen)
+        if missing:
+            raise ValueError(f"missing tensor {missing[0]!r} (and {len(missing) - 1} more)" if len(missing) > 1
+                             else f"missing tensor {missing[0]!r}")

@@ -1,0 +1,114 @@
+"""DeepSeek-V4.1 attention: one shared K=V latent head over [sliding window ‖ shared compressed entries].
+
+Per layer: ``q_res = q_norm(wq_a·x)``, ``q = RoPE(wq_b·q_res)`` (no per-head q norm),
+``kv = FP8_32(RoPE(kv_norm(wkv·x)))`` — the window rows, cached as they are used. Layers with
+a compressed branch add the compressed cache of their KV source (a source first runs its
+:class:`~model.v41.compressor.Compressor`, stores indexer keys, rotates each new latent at its
+group's first position and FP4-fake-quantizes it with e4m3 scales in 16-blocks), masked by
+the top-k bias of their index source. Scores are ``q·kᵀ/√head_dim`` plus a per-head sink
+logit that only enlarges the softmax denominator; the output's RoPE tail is rotated back by
+the query position and projected by the grouped low-rank ``wo_a`` (heads in ``o_groups``
+contiguous groups) and ``wo_b``. The core, masks, grouped projection and RoPE are V4's
+(``model.v4``); what differs is the QAT rounding and the KV sharing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
+from model.v4.attention_core import selected_entry_bias, sink_attention, window_bias
+from model.v4.output_proj import GroupedLinear
+from model.v4.rope import RotaryTable, apply_trailing_rope
+from model.v41.compressor import Compressor
+from model.v41.config import V41Config
+from model.v41.indexer import QUERY_BLOCK, Indexer
+from model.v41.norm import RMSNorm
+from model.v41.state import RequestState, SourceState
+
+
+class Attention(nn.Module):
+    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.ratio = c.compress_ratios[layer_idx]
+        self.num_heads, self.head_dim = c.num_attention_heads, c.head_dim
+        self.window = c.sliding_window
+        self.o_groups = c.o_groups
+        self.scale = c.head_dim**-0.5
+        self.kv_source = c.kv_source_of(layer_idx)
+        self.index_source = c.index_source_of(layer_idx)
+        self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False, dtype=dtype)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
+        self.wq_b = nn.Linear(c.q_lora_rank, self.num_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wkv = nn.Linear(c.hidden_size, self.head_dim, bias=False, dtype=dtype)
+        self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype)
+        self.wo_a = GroupedLinear(self.num_heads * self.head_dim // c.o_groups, c.o_lora_rank, c.o_groups, dtype)
+        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False, dtype=dtype)
+        self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
+        self.compressor = Compressor(c, layer_idx, dtype) if self.kv_source == layer_idx else None
+        self.indexer = Indexer(c, layer_idx, dtype) if self.index_source == layer_idx else None
+
+    def _compress(self, x: torch.Tensor, source: SourceState, rope: RotaryTable) -> None:
+        """KV source: pool the groups these tokens complete, store their indexer keys and
+        their rotated, FP4-fake-quantized entries in the shared cache."""
+        latent, first = self.compressor(x, source)
+        if latent is None:
+            return
+        group_pos = first + self.ratio * torch.arange(latent.shape[0], device=x.device)
+        cos, sin = rope.cos_sin(group_pos, latent.dtype)
+        if self.indexer is not None:
+            source.append_index_keys(self.indexer.keys_from_latents(latent, cos, sin))
+        source.append_entries(fake_quant_fp4(apply_trailing_rope(latent, cos, sin), 16, "e4m3"))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, state: RequestState,
+                step: dict) -> torch.Tensor:
+        """x [T, hidden] normed; ``rope`` is this layer's flavour (compress iff ratio > 0).
+
+        ``step`` is shared by the layers of one forward: index sources leave their top-k
+        picks there (``step["topk_picks"][layer]``) for the reuse layers after them, and the
+        candidate source its block mask. Queries attend ``QUERY_BLOCK`` at a time.
+        """
+        t = x.shape[0]
+        cos, sin = rope.cos_sin(positions, x.dtype)
+        q_res = self.q_norm(self.wq_a(x))
+        q = apply_trailing_rope(self.wq_b(q_res).view(t, self.num_heads, self.head_dim), cos, sin)
+        kv = fake_quant_fp8_ue8m0(apply_trailing_rope(self.kv_norm(self.wkv(x)), cos, sin), 32)
+
+        cached = state.windows[self.layer_idx]
+        n_cached = 0 if cached is None else cached.shape[0]
+        window_rows = kv if cached is None else torch.cat([cached, kv], dim=0)
+        # A copy, so the state does not pin the whole chunk's rows.
+        state.windows[self.layer_idx] = window_rows[max(0, window_rows.shape[0] - (self.window - 1)):].clone()
+        row_pos = torch.arange(int(positions[0]) - n_cached, int(positions[-1]) + 1, device=x.device)
+
+        entries, picks = None, None
+        if self.ratio:
+            source = state.sources[self.kv_source]
+            if self.compressor is not None:
+                self._compress(x, source, rope)
+            all_picks = step.setdefault("topk_picks", {})
+            if self.indexer is not None and source.index_keys is not None:
+                all_picks[self.layer_idx] = self.indexer.topk_picks(
+                    x, q_res, source.index_keys, positions, cos, sin, step)
+            entries, picks = source.entries, all_picks.get(self.index_source)
+
+        out = torch.empty_like(q)
+        for s in range(0, t, QUERY_BLOCK):
+            e = min(t, s + QUERY_BLOCK)
+            lo = max(0, n_cached + s - (self.window - 1))  # first window row a query of the block sees
+            keys = window_rows[lo : n_cached + e]
+            bias = window_bias(positions[s:e], row_pos[lo : n_cached + e], self.window)
+            if entries is not None:
+                keys = torch.cat([keys, entries], dim=0)
+                if picks is None:  # no index source for this KV source: entries stay masked
+                    entry_bias = bias.new_full((e - s, entries.shape[0]), float("-inf"))
+                else:
+                    entry_bias = selected_entry_bias(picks[s:e], entries.shape[0])
+                bias = torch.cat([bias, entry_bias], dim=-1)
+            out[s:e] = sink_attention(q[s:e], keys, bias, self.attn_sink, self.scale)
+        out = apply_trailing_rope(out, cos, sin, inverse=True)
+        grouped = out.reshape(t, self.o_groups, -1)
+        return self.wo_b(self.wo_a(grouped).flatten(1))

@@ -1,0 +1,115 @@
+"""V4.1 lightning indexer with KV sharing and the two-level (candidate-block) top-k.
+
+Roles, per layer with a compressed branch:
+
+* a KV source that is also an index source *owns the keys*: from each new compressor latent
+  ``k = FP4_32(RoPE_c(k_norm(wk·latent)))`` at the group's first position, appended to the
+  source's ``index_keys``;
+* every index source (owner or "reindex") scores its queries against its KV source's keys
+  with its own ``wq_b``/``weights_proj``:
+  ``score[t, s] = Σ_h w[t, h]·ReLU(q[t, h]·k[s])·d^-½``, ``w = weights_proj(x)·H^-½``,
+  ``q = FP4_32(RoPE_c(wq_b·q_res))``; entries ``s ≥ (t + 1) // ratio`` are not yet visible;
+* the candidate source additionally publishes a block mask (:func:`select_candidate_blocks`)
+  that later index sources apply before their own top-k (its own top-k is unrestricted);
+* reuse layers (no indexer) attend with the top-k of the nearest index source before them.
+
+The top-k picks (-1 where fewer entries than ``index_topk`` are visible) become the attention's
+additive bias over the compressed entries: 0 on picks, -inf elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.microscaling import fake_quant_fp4
+from model.v4.rope import apply_trailing_rope
+from model.v41.config import V41Config
+from model.v41.norm import RMSNorm
+
+# Queries scored per block: bounds the transient [block, heads, entries] score tensor.
+QUERY_BLOCK = 256
+
+
+def select_candidate_blocks(
+    scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int
+) -> torch.Tensor:
+    """Boolean mask over candidate blocks [T, ceil(n / block_size)]: the ``topk_blocks`` blocks of
+    ``block_size`` consecutive entries with the highest max score, always including the block
+    that holds a query's newest visible entry. ``scores`` [T, n] has invisible entries at -inf;
+    ``visible`` [T, 1] is the number of visible entries per query."""
+    n = scores.shape[-1]
+    padded = F.pad(scores, (0, (-n) % block_size), value=float("-inf"))
+    block_max = padded.view(*scores.shape[:-1], -1, block_size).amax(dim=-1)
+    num_blocks = block_max.shape[-1]
+    newest = (visible - 1).div(block_size, rounding_mode="floor")
+    block_ids = torch.arange(num_blocks, device=scores.device)
+    block_max = block_max.masked_fill(block_ids == newest, float("inf"))
+    top = block_max.topk(min(topk_blocks, num_blocks), dim=-1)
+    return torch.zeros_like(block_max, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+
+
+def blocks_to_entries(blocks: torch.Tensor, block_size: int, num_entries: int) -> torch.Tensor:
+    """[T, blocks] block mask -> [T, num_entries] entry mask."""
+    return blocks.repeat_interleave(block_size, dim=-1)[..., :num_entries]
+
+
+class Indexer(nn.Module):
+    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.ratio = config.compress_ratios[layer_idx]
+        self.owns_keys = layer_idx in config.kv_source_layer_ids
+        self.is_candidate_source = layer_idx == config.candidate_source_layer_id
+        cand = config.candidate_source_layer_id
+        # The mask is over the candidate source's entries: only layers reading the same KV source use it.
+        self.uses_candidates = 0 <= cand < layer_idx and config.kv_source_of(cand) == config.kv_source_of(layer_idx)
+        self.topk_blocks = config.candidate_topk_blocks
+        self.block_size = config.candidate_block_size
+        self.num_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.index_topk = config.index_topk
+        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False, dtype=dtype)
+        self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False, dtype=dtype)
+        if self.owns_keys:
+            self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False, dtype=dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+
+    def keys_from_latents(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Index keys [G, index_head_dim] of new latents; cos/sin at the groups' positions."""
+        k = apply_trailing_rope(self.k_norm(self.wk(latent)), cos, sin)
+        return fake_quant_fp4(k, 32, "ue8m0")
+
+    def topk_picks(
+        self, x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
+        cos: torch.Tensor, sin: torch.Tensor, step: dict,
+    ) -> torch.Tensor:
+        """The entries each query attends [T, min(index_topk, n)] (-1 = no pick) among the n
+        shared entries, scored ``QUERY_BLOCK`` queries at a time so the transient scores stay
+        [block, heads, n]. The candidate source leaves its block mask in ``step["candidates"]``.
+        """
+        t, n = x.shape[0], keys.shape[0]
+        q = self.wq_b(q_res).view(t, self.num_heads, self.head_dim)
+        q = fake_quant_fp4(apply_trailing_rope(q, cos, sin), 32, "ue8m0")
+        weights = self.weights_proj(x).float() * self.num_heads**-0.5
+        visible = (positions.long().unsqueeze(-1) + 1) // self.ratio  # [T, 1]
+        entry_ids = torch.arange(n, device=x.device).view(1, -1)
+        k = min(self.index_topk, n)
+        picks, candidates = [], []
+        for s in range(0, t, QUERY_BLOCK):
+            e = min(t, s + QUERY_BLOCK)
+            scores = torch.einsum("bshd,btd->bsht", q[None, s:e].float(), keys[None].float())
+            scores = scores.relu_() * self.head_dim**-0.5
+            index_scores = (scores * weights[None, s:e].unsqueeze(-1)).sum(dim=2)[0]  # [B, n]
+            index_scores = index_scores.masked_fill(entry_ids >= visible[s:e], float("-inf"))
+            if self.is_candidate_source:
+                candidates.append(
+                    select_candidate_blocks(index_scores, visible[s:e], self.topk_blocks, self.block_size))
+            elif self.uses_candidates and step.get("candidates") is not None:
+                allowed = blocks_to_entries(step["candidates"][s:e], self.block_size, n)
+                index_scores = index_scores.masked_fill(~allowed, float("-inf"))
+            top = index_scores.topk(k, dim=-1, sorted=False)
+            picks.append(torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1)))
+        if self.is_candidate_source:
+            step["candidates"] = torch.cat(candidates)
+        return torch.cat(picks)
