@@ -220,7 +220,10 @@ class AsyncEngine:
         if config.world_size > 1:
             from server.engine_parallel import check_supported
 
-            check_supported(config)
+            try:
+                check_supported(config)
+            except ValueError as exc:
+                raise EngineStartupError(str(exc)) from None
             if config.nnodes == 1:  # one host: any free loopback port will do
                 from distributed.launcher import find_free_port
 

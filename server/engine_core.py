@@ -109,7 +109,7 @@ class EngineCore:
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
         self.max_model_len = setup.max_model_len
         num_blocks = setup.num_blocks
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager.from_config(config, num_blocks, self.runner.kv_cache_specs)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         if config.tensor_parallel_size > 1:
             self.runner.plan_broadcaster = engine_parallel.PlanBroadcaster()
@@ -120,7 +120,8 @@ class EngineCore:
         self._aborted: list[RequestDelta] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, config.block_size, config.kv_cache_dtype)
+        logger.info("KV cache: %d blocks of %d tokens (%s): %s", num_blocks, config.block_size, config.kv_cache_dtype,
+                    self.block_manager.describe())
 
     def _join_parallel_group(self, model_dir: str, dp_rank: int):
         """Start this DP group's TP workers, join the process groups, return the model's view."""

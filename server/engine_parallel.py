@@ -6,9 +6,12 @@ Layout (world = DP × TP, rank = dp·TP + tp):
   KV-block manager, and per step sends its TP workers a compact plan (``StepPlan``: token
   ids, positions, block tables — plain lists as msgpack over the gloo CPU group, no
   pickle). Every TP rank runs the same forward on its shard; only the engine samples.
-* DP ranks (DEP) run attention on their own requests; they agree every loop iteration
-  (one all-reduce on the DP CPU group) whether anyone has work or wants to stop, and a rank
-  with nothing to do runs a dummy step so the MoE collectives always match.
+* DP ranks run attention on their own requests (heads sharded over their TP group);
+  the engines agree every loop iteration (one all-reduce on the DP CPU group) whether anyone
+  has work or wants to stop, and a DP rank with nothing to do runs a dummy step (its TP
+  workers too, told by a "dummy" message) so the MoE collectives over all DP × TP ranks
+  always match. The MoE holds whole experts per rank with --enable-expert-parallel, else a
+  slice of every expert (vLLM's default for DP).
 
 The TP worker processes themselves are in ``server/tp_worker.py``; the process groups and
 collectives underneath are ``distributed/``.
@@ -20,7 +23,7 @@ import torch
 
 from distributed import comm
 from distributed.parallel_state import (
-    ParallelConfig, get_dp_group, get_ep_group, get_tp_group, init_distributed,
+    ParallelConfig, get_dp_group, get_ep_group, get_tp_group, get_world_group, init_distributed,
 )
 from model.parallel import ParallelContext
 from server import envs
@@ -30,15 +33,10 @@ from server.runner_setup import resolve_device
 
 def check_supported(config) -> None:
     """Layouts this build can run; anything else is a clear error naming the flag."""
-    if config.data_parallel_size > 1 and config.tensor_parallel_size > 1:
+    if config.data_parallel_size > 1 and config.nnodes > 1:
         raise ValueError(
-            "--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported yet "
-            "(DEP runs attention with all heads per DP rank; use -tp 1)"
-        )
-    if config.data_parallel_size > 1 and not config.enable_expert_parallel:
-        raise ValueError(
-            "--data-parallel-size > 1 needs --enable-expert-parallel (DEP: data-parallel attention, "
-            "expert-parallel MoE); plain DP replicas are not supported yet"
+            "--data-parallel-size > 1 with --nnodes > 1 is not supported yet (every DP engine "
+            "runs on node 0); use one node, or --tensor-parallel-size across nodes"
         )
 
 
@@ -48,14 +46,22 @@ def engine_device(config, local_rank: int) -> torch.device:
 
 
 def parallel_context(config) -> ParallelContext:
-    """The model's view of the groups this rank belongs to."""
+    """The model's view of the groups this rank belongs to.
+
+    DP > 1: every MoE layer spans all DP × TP ranks, holding whole experts per rank with
+    --enable-expert-parallel, else a slice of every expert (vLLM's default), and tokens are
+    dispatched across the DP ranks. DP = 1 with --enable-expert-parallel: the EP group is the
+    TP group, every TP rank already holds all rows and the TP reduction sums the experts'
+    partial outputs (no dispatch).
+    """
     tp, ep = get_tp_group(), get_ep_group()
-    dispatch = config.data_parallel_size > 1
+    if config.data_parallel_size > 1:
+        return ParallelContext.from_groups(
+            tp, ep if config.enable_expert_parallel else get_world_group(), tp_reduction=config.tp_reduction,
+            dispatch_moe=True, moe_tensor_parallel=not config.enable_expert_parallel,
+        )
     use_ep = config.enable_expert_parallel and ep.world_size > 1
-    return ParallelContext.from_groups(
-        tp, ep if use_ep else None, tp_reduction=config.tp_reduction,
-        dispatch_moe=dispatch,
-    )
+    return ParallelContext.from_groups(tp, ep if use_ep else None, tp_reduction=config.tp_reduction)
 
 
 def agree_num_blocks(num_blocks: int) -> int:
@@ -84,18 +90,25 @@ class PlanBroadcaster:
     def __call__(self, plan) -> None:
         comm.broadcast_object(["plan", plan.to_wire()], self.group, src=0)
 
+    def dummy(self) -> None:
+        """An idle DP rank's step: its TP workers join the dummy forward's collectives."""
+        comm.broadcast_object(["dummy"], self.group, src=0)
+
     def stop(self) -> None:
         comm.broadcast_object(["stop"], self.group, src=0)
 
 
-def receive_plans(run_plan) -> None:
-    """A TP worker's side: run every plan rank 0 broadcasts, until it sends "stop"."""
+def receive_plans(runner) -> None:
+    """A TP worker's side: run every plan (or dummy step) rank 0 broadcasts, until "stop"."""
     group = get_tp_group()
     while True:
         msg = comm.broadcast_object(None, group, src=0)
         if msg[0] == "stop":
             return
-        run_plan(StepPlan.from_wire(msg[1]))
+        if msg[0] == "dummy":
+            runner.dummy_step()
+        else:
+            runner.run_plan(StepPlan.from_wire(msg[1]))
 
 
 class DPSync:

@@ -25,6 +25,9 @@ def bundled_model_dir() -> str:
 class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
         config = EngineConfig.from_kwargs(model=model, **engine_args)
+        if config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 needs one engine process per DP rank: serve it "
+                             "with `mlaserve serve ... -dp N`; the offline LLM runs one engine")
         if config.world_size > 1 and config.nnodes == 1:
             import dataclasses
 

@@ -21,7 +21,8 @@ from model.parallel import ParallelContext
 from server import envs
 from server.config import EngineConfig
 from server.cuda_graphs import maybe_capture
-from server.runner import ModelRunner, determine_num_blocks
+from server.kv_cache_spec import max_tokens_per_seq, plan_groups
+from server.runner import ModelRunner, determine_num_blocks, model_kv_cache_specs
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +55,18 @@ def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> in
     return config.max_model_len
 
 
-def fit_kv_capacity(config: EngineConfig, max_model_len: int, num_blocks: int) -> int:
-    """One sequence of ``max_model_len`` tokens must fit the KV cache: a length the user asked
-    for that does not fit is an error; the model's own limit is capped at the capacity."""
-    capacity = num_blocks * config.block_size
-    if max_model_len <= capacity:
+def kv_capacity_tokens(config: EngineConfig, model: DeepseekForCausalLM, num_blocks: int) -> int | None:
+    """The longest sequence a cache of ``num_blocks`` holds alone (None: any length), from the
+    same layer-group plan the block manager and the runner's tensors use."""
+    specs = model_kv_cache_specs(model.config, config, model.dtype)
+    return max_tokens_per_seq(plan_groups(specs, num_blocks, config.max_num_seqs))
+
+
+def fit_kv_capacity(config: EngineConfig, max_model_len: int, capacity: int | None) -> int:
+    """One sequence of ``max_model_len`` tokens must fit the KV cache (``capacity`` tokens,
+    None: any length): a length the user asked for that does not fit is an error; the model's
+    own limit is capped at the capacity."""
+    if capacity is None or max_model_len <= capacity:
         return max_model_len
     if config.max_model_len is not None:
         raise ValueError(
@@ -84,7 +92,7 @@ def build_runner(config: EngineConfig, model_dir: str, device: torch.device, par
                                       model=model, max_model_len=max_model_len)
     if agree_num_blocks is not None:
         num_blocks = agree_num_blocks(num_blocks)
-    max_model_len = fit_kv_capacity(config, max_model_len, num_blocks)
+    max_model_len = fit_kv_capacity(config, max_model_len, kv_capacity_tokens(config, model, num_blocks))
     runner = ModelRunner(model, config, num_blocks, device)
     runner.decode_graphs = maybe_capture(runner, config, max_model_len)
     return RunnerSetup(model, runner, num_blocks, max_model_len)

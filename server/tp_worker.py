@@ -41,13 +41,17 @@ def tp_worker_main(rank: int, world_size: int, local_rank: int, pcfg: ParallelCo
     init_engine_rank(config, rank, local_rank)
     setup = build_runner(config, model_dir, engine_device(config, local_rank), par=parallel_context(config),
                          agree_num_blocks=agree_num_blocks, progress=False)
-    receive_plans(setup.runner.run_plan)
+    receive_plans(setup.runner)
     destroy_distributed()  # a clean exit (a process group left to the interpreter can abort)
 
 
 def run_headless_node(config, model_dir: str) -> int:
     """``--node-rank`` > 0: run this node's TP workers (no API, no scheduler) until rank 0 stops."""
-    check_supported(config)
+    try:
+        check_supported(config)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 1
     pcfg = ParallelConfig.from_engine_config(config)
     group = spawn_workers(tp_worker_main, pcfg.world_size, (config, model_dir), pcfg, device=_spawn_device(config))
     try:

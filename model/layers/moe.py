@@ -2,8 +2,11 @@
 
 Tensor parallel: the dense MLP and the experts are split on their intermediate dim (gate/up
 column-parallel, down row-parallel); every rank routes all tokens. Expert parallel: rank r
-holds experts [r·E/ep, (r+1)·E/ep) whole. Either way the block returns this rank's partial
-sum — routed and shared experts already added — so the caller reduces exactly once.
+holds experts [r·E/ep, (r+1)·E/ep) whole. When tokens are dispatched over the MoE group
+(DP > 1), each TP rank routes only its slice of the rows (``StepRows.routed``), and the group
+holds whole experts (expert parallel) or a slice of every expert (``moe_tensor_parallel``).
+Either way the block returns this rank's partial sum — routed and shared experts already
+added — so the caller reduces exactly once.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from kernels.fp8 import FP8_DTYPE, dequantize_weight_blocks
 from kernels.moe import RoutingConfig, fp8_experts_backend, moe_experts, moe_experts_fp8, route, silu_and_mul
 from model.config import ModelConfig
 from model.layers.linear import MergedColumnParallelLinear, RowParallelLinear, divide
-from model.parallel import ParallelContext
+from model.parallel import ParallelContext, StepRows
 
 
 class DenseMLP(nn.Module):
@@ -132,7 +135,7 @@ class MoE(nn.Module):
         super().__init__()
         c = config
         self.par = par = par or ParallelContext()
-        tp_rank, tp_size, ep_rank, ep_size = par.tp_rank, par.tp_size, par.ep_rank, par.ep_size
+        tp_rank, tp_size = par.tp_rank, par.tp_size
         self.routing = RoutingConfig(
             top_k=c.num_experts_per_tok,
             scoring_func=c.scoring_func,
@@ -148,11 +151,12 @@ class MoE(nn.Module):
             self.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts), requires_grad=False)
         else:
             self.e_score_correction_bias = None
-        # Under expert parallelism the experts are whole (no TP split inside the MoE).
-        moe_tp_rank, moe_tp_size = (0, 1) if ep_size > 1 else (tp_rank, tp_size)
+        # Under expert parallelism the experts are whole (no TP split inside the MoE); under
+        # DP without it every expert is split over all DP × TP ranks.
+        moe_tp_rank, moe_tp_size, moe_ep_rank, moe_ep_size = par.expert_shard()
         self.experts = RoutedExperts(
             c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, moe_tp_rank, moe_tp_size,
-            ep_rank, ep_size, dtype, fp8_block,
+            moe_ep_rank, moe_ep_size, dtype, fp8_block,
         )
         self.shared_experts = None
         if c.n_shared_experts:
@@ -165,18 +169,25 @@ class MoE(nn.Module):
         logits = F.linear(x.float(), self.gate_weight.float())
         return route(logits, self.routing, self.e_score_correction_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial MoE output; rows past ``par.num_valid_rows`` (TP padding) stay 0."""
-        n = x.shape[0] if self.par.num_valid_rows is None else min(self.par.num_valid_rows, x.shape[0])
+    def forward(self, x: torch.Tensor, rows: StepRows | None = None) -> torch.Tensor:
+        """This rank's partial MoE output; rows past ``rows.num_valid`` (TP padding) stay 0.
+
+        ``rows`` (None: every row is valid and routed here) says which rows this rank routes;
+        the others' routed part comes from their TP peers through the caller's reduction.
+        """
+        n = x.shape[0] if rows is None else min(rows.num_valid, x.shape[0])
+        start, stop = (0, n) if rows is None else rows.routed
         out = torch.zeros_like(x)
-        xv = x[:n]
-        weights, ids = self.select_experts(xv)
-        if self.par.dispatch_moe:
-            x_all, w_all, ids_all = self.par.dispatch(xv, weights, ids)
-            routed = self.par.combine(self.experts(x_all, w_all, ids_all))
-        else:
-            routed = self.experts(xv, weights, ids)
         if self.shared_experts is not None:
-            routed = routed + self.shared_experts(xv)
-        out[:n] = routed
+            out[:n] = self.shared_experts(x[:n])
+        xr = x[start:stop]
+        weights, ids = self.select_experts(xr)
+        if self.par.dispatch_moe:
+            if rows is None:
+                raise ValueError("a MoE that dispatches tokens across DP ranks needs the step's rows (StepRows)")
+            x_all, w_all, ids_all = self.par.dispatch(rows, xr, weights, ids)
+            routed = self.par.combine(rows, self.experts(x_all, w_all, ids_all))
+        else:
+            routed = self.experts(xr, weights, ids)
+        out[start:stop] += routed
         return out

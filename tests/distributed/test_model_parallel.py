@@ -1,5 +1,6 @@
 """The model under real process groups (gloo, fp32): TP2 in reduce-scatter and all-reduce
-modes, and DEP2 (data-parallel attention + expert-parallel MoE), equal single-process TP1."""
+modes, DP2 and DP2 × TP2 (data-parallel attention, the MoE over all ranks: expert parallel
+or every expert split), equal single-process TP1."""
 
 from __future__ import annotations
 
@@ -53,22 +54,27 @@ def _tp_worker(rank, world_size, local_rank, cfg, out_dir, ckpt, mode):
     torch.save({"logprobs": out, "counts": comm.collective_counts()}, Path(out_dir) / f"rank{rank}.pt")
 
 
-def _dep_worker(rank, world_size, local_rank, cfg, out_dir, ckpt):
+def _dp_worker(rank, world_size, local_rank, cfg, out_dir, ckpt, mode="reduce_scatter"):
+    """DP on DP × TP ranks (the TP ranks of one DP group run that group's tokens); the MoE
+    spans all ranks: whole experts (expert parallel) or a slice of every expert."""
     from distributed import comm
-    from distributed.parallel_state import get_ep_group, get_tp_group, init_distributed
+    from distributed.parallel_state import get_ep_group, get_tp_group, get_world_group, init_distributed
     from model.loader import load_model
     from model.parallel import ParallelContext
 
     torch.set_num_threads(1)
     init_distributed(rank, world_size, local_rank, cfg, timeout_s=60)
-    par = ParallelContext.from_groups(get_tp_group(), get_ep_group(), dispatch_moe=True)
+    ep = cfg.enable_expert_parallel
+    par = ParallelContext.from_groups(get_tp_group(), get_ep_group() if ep else get_world_group(),
+                                      tp_reduction=mode, dispatch_moe=True, moe_tensor_parallel=not ep)
     model = load_model(ckpt, dtype="float32", par=par, progress=False)
     comm.reset_collective_counts()
-    # Unbalanced: rank 0 runs 11 tokens, rank 1 runs 5, then rank 1 is idle (a dummy 1-token
-    # step with no attention work) while rank 0 decodes.
-    ids = _inputs(rank + 1, 11 if rank == 0 else 5)
+    # Unbalanced: DP rank 0 runs 11 tokens, DP rank 1 runs 5, then DP rank 1 is idle (a dummy
+    # 1-token step with no attention work) while DP rank 0 decodes.
+    dp = cfg.dp_rank(rank)
+    ids = _inputs(dp + 1, 11 if dp == 0 else 5)
     out = _run_model(model, ids, decode_steps=3)
-    if rank == 1:
+    if dp == 1:
         c = model.config
         for _ in range(2):
             caches = [torch.zeros(1, BLOCK, c.kv_cache_entry_dim) for _ in range(c.num_hidden_layers)]
@@ -84,7 +90,9 @@ def _dep_worker(rank, world_size, local_rank, cfg, out_dir, ckpt):
                 md = build_attention_metadata([[2]], [p], [1], BLOCK, num_decode_seqs=1 if p else 0)
                 with forward_context(ForwardContext(md, caches)):
                     model(extra[p:p + 1], torch.tensor([p]))
-    torch.save({"logprobs": out, "counts": comm.collective_counts()}, Path(out_dir) / f"rank{rank}.pt")
+    experts = model.layers[-1].mlp.experts
+    torch.save({"logprobs": out, "counts": comm.collective_counts(),
+                "experts": (experts.num_local, experts.inter_local)}, Path(out_dir) / f"rank{rank}.pt")
 
 
 @pytest.fixture(scope="module")
@@ -128,11 +136,32 @@ def test_tp2_matches_tp1(ckpt, tp1, tmp_path, mode):
         assert counts["all_reduce"] > 0 and counts["reduce_scatter_tensor"] == 0
 
 
-def test_dep2_matches_single_process(ckpt, tp1, tmp_path):
-    results = _spawn(_dep_worker, 2, tmp_path, ckpt, dp_size=2, ep=True)
-    for rank, n in ((0, 11), (1, 5)):
-        ref = _run_model(tp1, _inputs(rank + 1, n), decode_steps=3)
-        assert (results[rank]["logprobs"] - ref).abs().max().item() < 1e-5
+def _check_dp(results, tp1, tp_size, ep):
+    for rank, r in enumerate(results):
+        dp = rank // tp_size
+        ref = _run_model(tp1, _inputs(dp + 1, 11 if dp == 0 else 5), decode_steps=3)
+        assert (r["logprobs"] - ref).abs().max().item() < 1e-5, f"rank {rank}"
+    experts, world = tp1.layers[-1].mlp.experts, len(results)
+    # whole experts, E/world per rank; or every expert, 1/world of its intermediate dim
+    want = (experts.num_local // world, experts.inter) if ep else (experts.num_local, experts.inter // world)
+    assert all(tuple(r["experts"]) == want for r in results)
     counts = results[0]["counts"]
     assert counts["all_gather_v"] > 0 and counts["reduce_scatter_v"] > 0  # unbalanced rows
     assert counts["all_gather_tensor"] > 0  # the per-step row-count exchange (and equal steps)
+
+
+@pytest.mark.parametrize("ep", [True, False], ids=["dep", "moe_tp"])
+def test_dp2_matches_single_process(ckpt, tp1, tmp_path, ep):
+    _check_dp(_spawn(_dp_worker, 2, tmp_path, ckpt, dp_size=2, ep=ep), tp1, tp_size=1, ep=ep)
+
+
+@pytest.mark.parametrize("mode, ep", [("reduce_scatter", True), ("all_reduce", True), ("reduce_scatter", False)])
+def test_dp2_tp2_matches_single_process(ckpt, tp1, tmp_path, mode, ep):
+    """DP2 × TP2 with the MoE over all 4 ranks: heads split in each DP group, each TP rank
+    dispatches its own slice of its group's rows."""
+    results = _spawn(_dp_worker, 4, tmp_path, ckpt, mode, dp_size=2, ep=ep)
+    _check_dp(results, tp1, tp_size=2, ep=ep)
+    if mode == "reduce_scatter":
+        assert results[0]["counts"]["reduce_scatter_tensor"] > 0  # the TP layers' equal shards
+    else:
+        assert results[0]["counts"]["all_reduce"] > 0

@@ -1,6 +1,7 @@
-"""Real multi-process servers on CPU (gloo, fp32): TP2 and DEP2 answer like TP1; the
-reduce-scatter and all-reduce modes agree and the counters show which ran; a killed worker
-turns /health to 503 and ends the server with a non-zero exit within 10 s."""
+"""Real multi-process servers on CPU (gloo, fp32): TP2, DP2 (with and without expert
+parallelism) and DP2 × TP2 answer like TP1; the reduce-scatter and all-reduce modes agree
+and the counters show which ran; a killed worker turns /health to 503 and ends the server
+with a non-zero exit within 10 s."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from contextlib import contextmanager
 
@@ -92,12 +94,37 @@ def test_tp2_reduce_scatter_and_all_reduce_match_tp1(ckpt_and_ref):
     assert ar["collectives"].get("all_reduce", 0) > 0 and "reduce_scatter_tensor" not in ar["collectives"]
 
 
-def test_dep2_matches_tp1(ckpt_and_ref):
+@pytest.mark.parametrize("flags", [("--enable-expert-parallel",), ()], ids=["dep", "moe_tp"])
+def test_dp2_matches_tp1(ckpt_and_ref, flags):
+    """DP2 with whole experts per rank (DEP), or every expert split over both ranks (the default)."""
     path, ref = ckpt_and_ref
-    with serve(path, "--data-parallel-size", "2", "--enable-expert-parallel") as (url, _):
+    with serve(path, "--data-parallel-size", "2", *flags) as (url, _):
         dep = _query(url)
     _assert_same(dep, ref)
     assert dep["collectives"].get("reduce_scatter_v", 0) + dep["collectives"].get("reduce_scatter_tensor", 0) > 0
+
+
+def test_dp2_tp2_matches_tp1(ckpt_and_ref):
+    """DP2 × TP2 with experts over all four ranks: two engines, each with one TP worker."""
+    path, ref = ckpt_and_ref
+    with serve(path, "-dp", "2", "-tp", "2", "--enable-expert-parallel", timeout_s=180) as (url, _):
+        dptp = _query(url)
+    _assert_same(dptp, ref)
+    assert dptp["collectives"].get("reduce_scatter_tensor", 0) > 0  # the TP layers
+    assert dptp["collectives"].get("reduce_scatter_v", 0) > 0  # the MoE combine of unequal DP steps
+
+
+def test_unsupported_layouts_are_one_line_errors():
+    from server.llm import LLM, bundled_model_dir
+
+    for extra in ((), ("--node-rank", "1")):
+        r = subprocess.run([sys.executable, "-m", "server", "serve", bundled_model_dir(), "--device", "cpu",
+                            "-dp", "2", "--nnodes", "2", *extra], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1
+        assert "--data-parallel-size > 1 with --nnodes > 1 is not supported" in r.stderr
+        assert "Traceback" not in r.stderr
+    with pytest.raises(ValueError, match="one engine process per DP rank"):
+        LLM(data_parallel_size=2, device="cpu")
 
 
 def _children(pid: int) -> list[int]:

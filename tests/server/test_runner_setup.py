@@ -31,10 +31,11 @@ def test_max_model_len_is_the_flag_or_the_model_limit(ckpt):
 
 def test_kv_capacity_caps_the_default_and_refuses_the_flag():
     cfg = EngineConfig(device="cpu", block_size=16)
-    assert fit_kv_capacity(cfg, 1024, num_blocks=100) == 1024
-    assert fit_kv_capacity(cfg, 1024, num_blocks=10) == 160
+    assert fit_kv_capacity(cfg, 1024, capacity=1600) == 1024
+    assert fit_kv_capacity(cfg, 1024, capacity=160) == 160
+    assert fit_kv_capacity(cfg, 1024, capacity=None) == 1024  # a cache that holds any length
     with pytest.raises(ValueError, match="--max-model-len: 500 tokens do not fit the KV cache \\(160 tokens\\)"):
-        fit_kv_capacity(EngineConfig(device="cpu", block_size=16, max_model_len=500), 500, num_blocks=10)
+        fit_kv_capacity(EngineConfig(device="cpu", block_size=16, max_model_len=500), 500, capacity=160)
 
 
 def test_build_runner_uses_the_agreed_block_count(ckpt):
