@@ -86,7 +86,7 @@ class CheckpointFiles:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         path = self.files[name]
         handle = self._handles.get(path)
         if handle is None:
@@ -95,7 +95,15 @@ class CheckpointFiles:
             except Exception as exc:  # safetensors raises its own error types
                 raise CheckpointError(f"cannot read {os.path.basename(path)}: {exc}") from None
             self._handles[path] = handle
-        return handle.get_tensor(name)
+        return handle
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def slice(self, name: str):
+        """The lazy safetensors slice: ``get_shape()``, ``get_dtype()`` and ``[a:b]`` reads
+        only the header or the rows asked for."""
+        return self._handle(name).get_slice(name)
 
     def close(self) -> None:
         self._stack.close()
