@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 from kernels.weight_formats import FP8_BLOCK, MXFP4, quantize
-from model.checkpoint import ShardWriter, write_generation_config
+from model.shard_writer import ShardWriter, write_generation_config
 from model.v4_layout import (
     BF16,
     ENGRAM,

@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 
 # Checkpoint tensors of parts this model does not build: DSpark draft blocks, vision tower,
 # aligner and image delimiter embeddings.
-UNUSED_WEIGHT_PATTERN = re.compile(r"((^|\.)(mtp|dspark)\.|^(model\.)?vision\.|^(model\.)?aligner\.|^(model\.)?image_(start|end|newline)$)")
+UNUSED_WEIGHT_PATTERN = re.compile(r"((^|\.)(mtp|dspark)\.|^(model\.)?vision\.|^(model\.)?aligner\."
+                                   r"|^(model\.)?image_(start|end|newline)$)")
 
 
 def split_unused_weights(names) -> tuple[list[str], list[str]]:
@@ -127,7 +128,8 @@ class DeepseekV41ForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy in-memory HF-V4.1-named tensors in (cast to each parameter's dtype); DSpark/vision
-        tensors are skipped (a checkpoint directory goes through :func:`load_deepseek_v41`). A missing, unexpected or mis-shaped tensor is one ValueError line naming it."""
+        tensors are skipped (a checkpoint directory goes through :func:`load_deepseek_v41`).
+        A missing, unexpected or mis-shaped tensor is one ValueError line naming it."""
         names, _ = split_unused_weights(tensors)
         params = self.state_dict()
         missing = sorted(set(params) - set(names))
@@ -140,7 +142,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         for name in names:
             src, dst = tensors[name], params[name]
             if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(f"tensor {name}: checkpoint shape {tuple(src.shape)}, model expects {tuple(dst.shape)}")
+                raise ValueError(
+                    f"tensor {name}: checkpoint shape {tuple(src.shape)}, model expects {tuple(dst.shape)}")
         for name in names:
             params[name].copy_(tensors[name].to(params[name].dtype))
 

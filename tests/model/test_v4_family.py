@@ -100,6 +100,7 @@ def test_entry_dispatches_on_model_type_and_names_bad_directories(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v3"}))
     with pytest.raises(CheckpointError, match="model_type 'deepseek_v3'"):
         load_v4_family(str(tmp_path))
-    no_tok = shutil.copytree(os.path.join(FIXTURES, "dev-v41-s0"), tmp_path / "v41", ignore=shutil.ignore_patterns("tokenizer.json"))
+    no_tok = shutil.copytree(os.path.join(FIXTURES, "dev-v41-s0"), tmp_path / "v41",
+                             ignore=shutil.ignore_patterns("tokenizer.json"))
     with pytest.raises(CheckpointError, match="no tokenizer.json"):
         load_v4_family(str(no_tok))
