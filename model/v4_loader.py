@@ -133,7 +133,8 @@ def _expected_map(expected: Mapping) -> dict[str, tuple[tuple[int, ...], torch.d
     return out
 
 
-def _config(model_dir: str) -> dict:
+def read_config_json(model_dir: str) -> dict:
+    """``config.json`` as a dict; a missing or broken file is one :class:`CheckpointError` line."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(f"no config.json in {model_dir!r}")
@@ -195,7 +196,7 @@ def _target_full_shape(t: _Target) -> tuple[int, ...]:
 def plan_v4_checkpoint(model_dir: str, expected: Mapping, shard_spec: ShardSpec | None = None) -> V4CheckpointPlan:
     """Match the checkpoint's headers to the model's ``expected`` tensors; raises one-line errors."""
     spec = shard_spec or ShardSpec()
-    cfg = _config(model_dir)
+    cfg = read_config_json(model_dir)
     try:
         arch = architecture(cfg)
         block = quantization_block(cfg)
@@ -245,7 +246,8 @@ def plan_v4_checkpoint(model_dir: str, expected: Mapping, shard_spec: ShardSpec 
         elif wkey not in foreign_experts:
             unknown.append(skey)
     for t in targets.values():  # the model takes this weight's scale as a tensor of its own
-        scale_names = (t.name[: -len(".weight")] + ".scale", t.name + "_scale_inv") if t.name.endswith(".weight") else ()
+        scale_names = ((t.name[: -len(".weight")] + ".scale", t.name + "_scale_inv")
+                       if t.name.endswith(".weight") else ())
         scale_target = next((targets[n] for n in scale_names if n in exp), None)
         if scale_target is not None and t.sources:
             t.raw = True
@@ -270,7 +272,8 @@ def _check_complete(targets: dict[str, _Target], arch: str, spec: ShardSpec) -> 
             continue
         if t.sources[0].expert is None:
             if len(t.sources) > 1:
-                raise CheckpointError(f"model tensor {t.name!r} is stored twice: {t.sources[0].key!r} and {t.sources[1].key!r}")
+                raise CheckpointError(
+                    f"model tensor {t.name!r} is stored twice: {t.sources[0].key!r} and {t.sources[1].key!r}")
             src = t.sources[0]
             if src.dtype in (FP8_DTYPE, torch.int8) and src.scale_key is None and not t.raw:
                 raise CheckpointError(f"quantized tensor {src.key!r} ({'FP8' if src.dtype == FP8_DTYPE else 'MXFP4'}) "
@@ -329,7 +332,8 @@ def _fp8_block(data_shape, scale_shape, config_block: tuple[int, int], key: str)
         elif s and n % s == 0:
             block.append(n // s)
         else:
-            raise CheckpointError(f"scale of {key!r} has shape {list(scale_shape)}, which fits no block of {list(data_shape)}")
+            raise CheckpointError(
+                f"scale of {key!r} has shape {list(scale_shape)}, which fits no block of {list(data_shape)}")
     return block[0], block[1]
 
 
@@ -403,7 +407,8 @@ def _cat_parts(parts, dim):
 def _stack(items):
     if isinstance(items[0], QuantizedWeight):
         q = items[0]
-        return QuantizedWeight(torch.stack([i.data for i in items]), torch.stack([i.scale for i in items]), q.format, q.block)
+        return QuantizedWeight(torch.stack([i.data for i in items]), torch.stack([i.scale for i in items]),
+                               q.format, q.block)
     return torch.stack(items)
 
 
@@ -464,7 +469,23 @@ def load_v4_weights(model_dir: str, expected: Mapping, **kwargs) -> dict[str, to
 
 @torch.no_grad()
 def load_v4_into_module(module: torch.nn.Module, model_dir: str, **kwargs) -> None:
-    """Copy a checkpoint into ``module``'s parameters and buffers (dequantized)."""
+    """Copy a checkpoint into ``module``'s parameters and buffers (dequantized), one tensor at
+    a time; names and shapes are checked against the headers before anything is read."""
     state = module.state_dict(keep_vars=True)
     for name, value in iter_v4_weights(model_dir, {k: v for k, v in state.items()}, **kwargs):
         state[name].copy_(value)
+
+
+def read_v4_config(model_dir: str, model_types: tuple[str, ...]):
+    """``config.json`` parsed by :func:`model.config.parse_model_config`; a checkpoint of another
+    model type is one :class:`CheckpointError` line."""
+    from model.config import ConfigError, parse_model_config
+
+    raw = read_config_json(model_dir)
+    if raw.get("model_type") not in model_types:
+        raise CheckpointError(f"{model_dir!r} holds model_type {raw.get('model_type')!r}, "
+                              f"expected {' or '.join(model_types)}")
+    try:
+        return parse_model_config(raw)
+    except ConfigError as exc:
+        raise CheckpointError(f"{os.path.join(model_dir, 'config.json')}: {exc}") from None

@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator
 import msgpack
 
 from model.config import ModelConfig, load_model_config
+from server import envs
 from server.config import EngineConfig
 from server.engine_core import RequestDelta, SeqDelta, validate_request
 from server.errors import EngineDeadError, EngineStartupError, InvalidRequestError, ServerStoppingError
@@ -45,12 +46,8 @@ from server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("MLASERVE_ENGINE_STARTUP_TIMEOUT", "600"))
-ITERATION_TIMEOUT_S = float(os.environ.get("MLASERVE_ENGINE_ITERATION_TIMEOUT_S", "60"))
 SHUTDOWN_GRACE_S = 3.0
 PARENT_WATCH_INTERVAL_S = 0.5
-# Test hook: the engine loop sleeps this long once, in its first iteration with work.
-TEST_STALL_S = float(os.environ.get("MLASERVE_TEST_ENGINE_STALL_S", "0"))
 
 
 # ---- message encoding (plain lists/dicts only) ------------------------------------------------
@@ -128,7 +125,7 @@ def _engine_main(config: EngineConfig, model_dir: str, conn, dp_rank: int = 0, h
     conn.send_bytes(_pack(["ready", {"max_model_len": core.max_model_len, **core.stats()}]))
     last_stats = 0.0
     stop = False
-    stall_s = TEST_STALL_S
+    stall_s = envs.MLASERVE_TEST_ENGINE_STALL_S
     while True:
         if heartbeat is not None:
             heartbeat.value = time.monotonic()
@@ -169,7 +166,7 @@ def _limit_cpu_threads(config: EngineConfig) -> None:
     cores). OMP_NUM_THREADS, when set, wins."""
     import torch
 
-    from server.engine_core import resolve_device
+    from server.runner_setup import resolve_device
 
     if os.environ.get("OMP_NUM_THREADS") or resolve_device(config).type != "cpu":
         return
@@ -264,7 +261,7 @@ class AsyncEngine:
     def _spawn(self) -> None:
         config = self.engine_config
         if config.world_size > 1:
-            from distributed.worker import check_supported
+            from server.engine_parallel import check_supported
 
             try:
                 check_supported(config)
@@ -304,8 +301,10 @@ class AsyncEngine:
 
     @staticmethod
     def _await_ready(e: _EngineProcess) -> dict:
-        if not e.conn.poll(STARTUP_TIMEOUT_S):
-            raise EngineStartupError(f"engine process {e.dp_rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        timeout_s = envs.MLASERVE_ENGINE_STARTUP_TIMEOUT
+        if not e.conn.poll(timeout_s):
+            raise EngineStartupError(f"engine process {e.dp_rank} did not start within {timeout_s:.0f} s "
+                                     "(MLASERVE_ENGINE_STARTUP_TIMEOUT)")
         try:
             msg = _unpack(e.conn.recv_bytes())
         except EOFError:
@@ -375,16 +374,17 @@ class AsyncEngine:
 
     def health_problem(self) -> str | None:
         """None while the engine serves; else why not: it died, or it has work and its loop has
-        not completed an iteration within ITERATION_TIMEOUT_S."""
+        not completed an iteration within MLASERVE_ENGINE_ITERATION_TIMEOUT_S."""
         if not self.is_healthy:
             return self._dead or "the engine process is not running"
         now = time.monotonic()
         for e in self._engines:
             busy = bool(e.inflight) or e.stats.get("num_running", 0) or e.stats.get("num_waiting", 0)
             age = now - e.heartbeat.value
-            if busy and age > ITERATION_TIMEOUT_S:
+            limit = envs.MLASERVE_ENGINE_ITERATION_TIMEOUT_S
+            if busy and age > limit:
                 return (f"engine {e.dp_rank} has work but its loop has not completed an iteration for {age:.0f} s "
-                        f"(limit {ITERATION_TIMEOUT_S:g} s, MLASERVE_ENGINE_ITERATION_TIMEOUT_S)")
+                        f"(limit {limit:g} s, MLASERVE_ENGINE_ITERATION_TIMEOUT_S)")
         return None
 
     def stats(self) -> dict:

@@ -94,7 +94,8 @@ def test_layout_from_config_matches_golden_checkpoints():
         cfg = _json(os.path.join(FIXTURES, name, "config.json"))
         names = _json(os.path.join(FIXTURES, name, "release_names.json"))
         released = set(names.values())
-        want = {k if k in released else names[k]: tuple(v.shape) for k, v in _read_all(os.path.join(FIXTURES, name)).items()}
+        stored = _read_all(os.path.join(FIXTURES, name))
+        want = {k if k in released else names[k]: tuple(v.shape) for k, v in stored.items()}
         got = {n: tuple(s) for spec in released_tensor_specs(cfg) for n, s, _ in stored_tensors(spec, False, (32, 32))}
         assert got == want, name
 
@@ -137,7 +138,8 @@ def test_missing_v4_expert_names_its_released_tensor(tmp_path):
     for part in ("w1", "w2", "w3"):  # the last expert gone entirely
         del saved[f"model.layers.4.ffn.experts.3.{part}.weight"]
     msg = _one_line_error(_rewrite(V4_DIR, tmp_path / "y", saved), expected, "missing tensor")
-    assert "'layers.1.ffn.experts.2.w3.weight' (model tensor 'model.layers.1.mlp.experts.gate_up_proj') (and 3 more)" in msg
+    assert ("'layers.1.ffn.experts.2.w3.weight' (model tensor 'model.layers.1.mlp.experts.gate_up_proj') "
+            "(and 3 more)") in msg
 
 
 def test_mtp_dspark_and_vision_tensors_are_skipped_with_one_line(v41_expected, tmp_path, caplog):
@@ -217,14 +219,13 @@ def test_v4_stacked_experts_cut_by_expert_or_intermediate(expert_parallel):
         assert torch.equal(torch.cat([ranks[0][down], ranks[1][down]], 2), full[down])
 
 
-def test_v4_golden_through_the_loader_matches_golden_logprobs():
-    """The bundled dev-v4-s0 checkpoint (5.24's saved names) into mlaserve's V4 model."""
-    from model.config import load_model_config
-    from model.v4.model import DeepseekV4ForCausalLM
-    from model.v4_loader import iter_v4_weights
+def test_v4_golden_in_released_names_matches_golden_logprobs(tmp_path):
+    """dev-v4-s0 rewritten to DeepSeek's released names, loaded by load_deepseek_v4."""
+    from model.v4.model import load_deepseek_v4
 
-    model = DeepseekV4ForCausalLM(load_model_config(V4_DIR))
-    model.load_weights(iter_v4_weights(V4_DIR, model.state_dict()))
+    names = _json(os.path.join(V4_DIR, "release_names.json"))
+    released = _rewrite(V4_DIR, tmp_path / "rel", {names[k]: v for k, v in _read_all(V4_DIR).items()})
+    model = load_deepseek_v4(released, torch.float32)
     golden = _json(os.path.join(V4_DIR, "golden.json"))
     ids = torch.tensor(golden["prompt_ids"])
     with torch.no_grad():
