@@ -15,6 +15,8 @@ A power-of-two scale is ``2^ceil(log2(amax / qmax))``, exact from the fp32 bits
 rounding are :mod:`kernels.weight_formats`'. A last dimension that is not a multiple of the
 block is returned unchanged: the trained model has no such shapes, and tiny test models keep the rule.
 The functions are torch references; they work on any device and return the input dtype.
+Under autograd they are straight-through estimators (value = quantized, gradient =
+identity), so a training forward can backpropagate through them; the value is bit-identical.
 """
 
 from __future__ import annotations
@@ -40,10 +42,33 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+class _StraightThrough(torch.autograd.Function):
+    """Forward: ``fn(x, *args)``; backward: the incoming gradient unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, fn, *args):
+        ctx.num_extra = len(args)
+        return fn(x, *args)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, None) + (None,) * ctx.num_extra
+
+
+def _straight_through(fn, x: torch.Tensor, *args) -> torch.Tensor:
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return fn(x, *args)
+    return _StraightThrough.apply(x, fn, *args)
+
+
 def fake_quant_fp8_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP8 e4m3 with one power-of-two scale per ``block`` channels; returns dequantized ``x``."""
     if x.shape[-1] % block:
         return x
+    return _straight_through(_fp8_ue8m0, x, block)
+
+
+def _fp8_ue8m0(x: torch.Tensor, block: int) -> torch.Tensor:
     b = _blocks(x, block)
     scale = pow2_ceil(b.abs().amax(-1, keepdim=True).clamp_min(_FP8_MIN_AMAX) * (1.0 / FP8_MAX))
     q = (b / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
@@ -58,13 +83,17 @@ def fake_quant_fp4(x: torch.Tensor, block: int, scale_format: str) -> torch.Tens
     """
     if x.shape[-1] % block:
         return x
+    if scale_format not in ("ue8m0", "e4m3"):
+        raise ValueError(f"unknown FP4 scale format {scale_format!r} (expected 'ue8m0' or 'e4m3')")
+    return _straight_through(_fp4, x, block, scale_format)
+
+
+def _fp4(x: torch.Tensor, block: int, scale_format: str) -> torch.Tensor:
     b = _blocks(x, block)
     amax = b.abs().amax(-1, keepdim=True)
     if scale_format == "ue8m0":
         scale = pow2_ceil(amax.clamp_min(_FP4_UE8M0_MIN_AMAX) * (1.0 / FP4_MAX))
-    elif scale_format == "e4m3":
-        scale = (amax.clamp_min(_FP4_E4M3_MIN_AMAX) / FP4_MAX).to(torch.float8_e4m3fn).float()
     else:
-        raise ValueError(f"unknown FP4 scale format {scale_format!r} (expected 'ue8m0' or 'e4m3')")
+        scale = (amax.clamp_min(_FP4_E4M3_MIN_AMAX) / FP4_MAX).to(torch.float8_e4m3fn).float()
     q = round_to_e2m1((b / scale).clamp(-FP4_MAX, FP4_MAX))
     return (q * scale).reshape(x.shape).to(x.dtype)

@@ -23,18 +23,19 @@ import torch
 def sink_attention(
     q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """o [T, H, d] for q [T, H, d], shared kv [S, d], bias [T, S] (float32), sinks [H] (float32).
+    """o [..., T, H, d] for q [..., T, H, d], shared kv [..., S, d], bias [..., T, S] (float32),
+    sinks [H] (float32); the leading dims (a training batch) are optional.
 
     Every row must have at least one visible key (the window always holds the query's own row).
     """
-    t, h, _ = q.shape
-    logits = torch.matmul(q.transpose(0, 1), kv.t().unsqueeze(0)) * scale  # [H, T, S]
-    logits = logits.float() + bias.unsqueeze(0)
-    sink_col = sinks.float().view(h, 1, 1).expand(h, t, 1)
+    t, h = q.shape[-3], q.shape[-2]
+    logits = torch.matmul(q.transpose(-3, -2), kv.transpose(-1, -2).unsqueeze(-3)) * scale  # [..., H, T, S]
+    logits = logits.float() + bias.unsqueeze(-3)
+    sink_col = sinks.float().view(h, 1, 1).expand(*logits.shape[:-3], h, t, 1)
     combined = torch.cat([logits, sink_col], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1].to(kv.dtype)
-    return torch.matmul(probs, kv.unsqueeze(0)).transpose(0, 1)  # [T, H, d]
+    return torch.matmul(probs, kv.unsqueeze(-3)).transpose(-3, -2)  # [..., T, H, d]
 
 
 def window_bias(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -52,12 +53,11 @@ def causal_entry_bias(q_pos: torch.Tensor, num_entries: int, ratio: int) -> torc
 
 
 def selected_entry_bias(picks: torch.Tensor, num_entries: int) -> torch.Tensor:
-    """[T, n] float32: 0 on the picked entries ``picks`` [T, k] (−1 = none), −inf elsewhere."""
-    t = picks.shape[0]
-    visible = torch.zeros(t, num_entries + 1, dtype=torch.bool, device=picks.device)
+    """[..., T, n] float32: 0 on the picked entries ``picks`` [..., T, k] (−1 = none), −inf elsewhere."""
+    visible = torch.zeros(*picks.shape[:-1], num_entries + 1, dtype=torch.bool, device=picks.device)
     safe = torch.where(picks >= 0, picks, torch.full_like(picks, num_entries))
-    visible.scatter_(1, safe, True)
-    return _bias_from_visible(visible[:, :num_entries])
+    visible.scatter_(-1, safe, True)
+    return _bias_from_visible(visible[..., :num_entries])
 
 
 def _bias_from_visible(visible: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,26 @@ class Attention(nn.Module):
         self.compressor = Compressor(c, layer_idx, dtype) if self.kv_source == layer_idx else None
         self.indexer = Indexer(c, layer_idx, dtype) if self.index_source == layer_idx else None
 
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q_res [N, q_lora_rank], q [N, heads, head_dim], window K=V rows [N, head_dim]) of
+        normed x [N, hidden]; cos/sin at the tokens' positions."""
+        q_res = self.q_norm(self.wq_a(x))
+        q = apply_trailing_rope(self.wq_b(q_res).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
+        kv = fake_quant_fp8_ue8m0(apply_trailing_rope(self.kv_norm(self.wkv(x)), cos, sin), 32)
+        return q_res, q, kv
+
+    def shared_entries(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """KV source: (indexer keys or None, rotated FP4-fake-quantized entries) of compressor
+        latents [G, head_dim]; cos/sin at the groups' first positions."""
+        keys = self.indexer.keys_from_latents(latent, cos, sin) if self.indexer is not None else None
+        return keys, fake_quant_fp4(apply_trailing_rope(latent, cos, sin), 16, "e4m3")
+
+    def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] from the attention output [N, heads, head_dim]: undo the RoPE, then the
+        grouped low-rank projection."""
+        out = apply_trailing_rope(out, cos, sin, inverse=True)
+        return self.wo_b(self.wo_a(out.reshape(out.shape[0], self.o_groups, -1)).flatten(1))
+
     def _compress(self, x: torch.Tensor, source: SourceState, rope: RotaryTable) -> None:
         """KV source: pool the groups these tokens complete, store their indexer keys and
         their rotated, FP4-fake-quantized entries in the shared cache."""
@@ -58,10 +78,10 @@ class Attention(nn.Module):
         if latent is None:
             return
         group_pos = first + self.ratio * torch.arange(latent.shape[0], device=x.device)
-        cos, sin = rope.cos_sin(group_pos, latent.dtype)
-        if self.indexer is not None:
-            source.append_index_keys(self.indexer.keys_from_latents(latent, cos, sin))
-        source.append_entries(fake_quant_fp4(apply_trailing_rope(latent, cos, sin), 16, "e4m3"))
+        keys, entries = self.shared_entries(latent, *rope.cos_sin(group_pos, latent.dtype))
+        if keys is not None:
+            source.append_index_keys(keys)
+        source.append_entries(entries)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, state: RequestState,
                 step: dict) -> torch.Tensor:
@@ -73,9 +93,7 @@ class Attention(nn.Module):
         """
         t = x.shape[0]
         cos, sin = rope.cos_sin(positions, x.dtype)
-        q_res = self.q_norm(self.wq_a(x))
-        q = apply_trailing_rope(self.wq_b(q_res).view(t, self.num_heads, self.head_dim), cos, sin)
-        kv = fake_quant_fp8_ue8m0(apply_trailing_rope(self.kv_norm(self.wkv(x)), cos, sin), 32)
+        q_res, q, kv = self.project(x, cos, sin)
 
         cached = state.windows[self.layer_idx]
         n_cached = 0 if cached is None else cached.shape[0]
@@ -103,12 +121,15 @@ class Attention(nn.Module):
             bias = window_bias(positions[s:e], row_pos[lo : n_cached + e], self.window)
             if entries is not None:
                 keys = torch.cat([keys, entries], dim=0)
-                if picks is None:  # no index source for this KV source: entries stay masked
-                    entry_bias = bias.new_full((e - s, entries.shape[0]), float("-inf"))
-                else:
-                    entry_bias = selected_entry_bias(picks[s:e], entries.shape[0])
-                bias = torch.cat([bias, entry_bias], dim=-1)
+                bias = torch.cat([bias, entry_bias(None if picks is None else picks[s:e], entries.shape[0],
+                                                   bias)], dim=-1)
             out[s:e] = sink_attention(q[s:e], keys, bias, self.attn_sink, self.scale)
-        out = apply_trailing_rope(out, cos, sin, inverse=True)
-        grouped = out.reshape(t, self.o_groups, -1)
-        return self.wo_b(self.wo_a(grouped).flatten(1))
+        return self.output(out, cos, sin)
+
+
+def entry_bias(picks: torch.Tensor | None, num_entries: int, window: torch.Tensor) -> torch.Tensor:
+    """[..., T, n] float32 bias over the shared entries: 0 on the picks (``picks`` [..., T, k]);
+    all -inf when the KV source has no index source (``picks`` None, shaped like ``window``'s rows)."""
+    if picks is None:  # no index source for this KV source: entries stay masked
+        return window.new_full((*window.shape[:-1], num_entries), float("-inf"))
+    return selected_entry_bias(picks, num_entries)

@@ -41,11 +41,18 @@ class Compressor(nn.Module):
         first_position = source.num_entries * self.ratio
         if self.wgate is None:
             return self.norm(self.wkv(x)), first_position
-        kv = F.linear(x.float(), self.wkv.weight.float())
-        gate = F.linear(x.float(), self.wgate.weight.float())
+        kv, gate = self.project(x)
         kv, gate, source.pending_kv, source.pending_gate = split_complete_windows(
             source.pending_kv, source.pending_gate, kv, gate, self.ratio)
         if kv.shape[0] == 0:
             return None, first_position
+        return self.pool(kv, gate, x.dtype), first_position
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ratio > 1: the float32 (kv, gate) rows of x [..., hidden]."""
+        return F.linear(x.float(), self.wkv.weight.float()), F.linear(x.float(), self.wgate.weight.float())
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Complete groups kv, gate [G, ratio, head_dim] (float32) -> latents [G, head_dim]."""
         pooled = pool_windows(kv, gate)  # kv is float32 here, so the whole pooling is
-        return self.norm(pooled.to(x.dtype)), first_position  # float32, unlike V4's
+        return self.norm(pooled.to(dtype))  # float32, unlike V4's

@@ -88,28 +88,52 @@ class Indexer(nn.Module):
         shared entries, scored ``QUERY_BLOCK`` queries at a time so the transient scores stay
         [block, heads, n]. The candidate source leaves its block mask in ``step["candidates"]``.
         """
-        t, n = x.shape[0], keys.shape[0]
-        q = self.wq_b(q_res).view(t, self.num_heads, self.head_dim)
-        q = fake_quant_fp4(apply_trailing_rope(q, cos, sin), 32, "ue8m0")
-        weights = self.weights_proj(x).float() * self.num_heads**-0.5
+        t = x.shape[0]
+        q = self.queries(q_res, cos, sin)
+        weights = self.head_weights(x)
         visible = (positions.long().unsqueeze(-1) + 1) // self.ratio  # [T, 1]
-        entry_ids = torch.arange(n, device=x.device).view(1, -1)
-        k = min(self.index_topk, n)
         picks, candidates = [], []
         for s in range(0, t, QUERY_BLOCK):
             e = min(t, s + QUERY_BLOCK)
-            scores = torch.einsum("bshd,btd->bsht", q[None, s:e].float(), keys[None].float())
-            scores = scores.relu_() * self.head_dim**-0.5
-            index_scores = (scores * weights[None, s:e].unsqueeze(-1)).sum(dim=2)[0]  # [B, n]
-            index_scores = index_scores.masked_fill(entry_ids >= visible[s:e], float("-inf"))
-            if self.is_candidate_source:
-                candidates.append(
-                    select_candidate_blocks(index_scores, visible[s:e], self.topk_blocks, self.block_size))
-            elif self.uses_candidates and step.get("candidates") is not None:
-                allowed = blocks_to_entries(step["candidates"][s:e], self.block_size, n)
-                index_scores = index_scores.masked_fill(~allowed, float("-inf"))
-            top = index_scores.topk(k, dim=-1, sorted=False)
-            picks.append(torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1)))
+            index_scores = self.scores(q[None, s:e], weights[None, s:e], keys[None], visible[s:e])[0]
+            earlier = step.get("candidates")
+            block_picks, block_candidates = self.select(
+                index_scores, visible[s:e], None if earlier is None else earlier[s:e])
+            picks.append(block_picks)
+            candidates.append(block_candidates)
         if self.is_candidate_source:
             step["candidates"] = torch.cat(candidates)
         return torch.cat(picks)
+
+    def queries(self, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[N, heads, index_head_dim] rotated, FP4-fake-quantized queries of q_res [N, q_lora_rank]."""
+        q = self.wq_b(q_res).view(q_res.shape[0], self.num_heads, self.head_dim)
+        return fake_quant_fp4(apply_trailing_rope(q, cos, sin), 32, "ue8m0")
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weights_proj(x).float() * self.num_heads**-0.5
+
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor:
+        """Index scores [B, T, n] (float32, -inf on entries not yet visible) of queries q
+        [B, T, heads, d], head weights [B, T, heads] and keys [B, n, d]; visible [T, 1]."""
+        scores = torch.einsum("bshd,btd->bsht", q.float(), keys.float())
+        scores = scores.relu() * self.head_dim**-0.5
+        index_scores = (scores * weights.unsqueeze(-1)).sum(dim=2)
+        entry_ids = torch.arange(keys.shape[-2], device=keys.device)
+        return index_scores.masked_fill(entry_ids >= visible, float("-inf"))
+
+    def select(self, index_scores: torch.Tensor, visible: torch.Tensor,
+               candidates: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(picks [..., T, k] with -1 = no pick, this layer's candidate block mask or None) from
+        index scores [..., T, n]; ``candidates`` is the candidate source's mask, when published."""
+        n = index_scores.shape[-1]
+        own = None
+        if self.is_candidate_source:
+            own = select_candidate_blocks(index_scores, visible, self.topk_blocks, self.block_size)
+        elif self.uses_candidates and candidates is not None:
+            allowed = blocks_to_entries(candidates, self.block_size, n)
+            index_scores = index_scores.masked_fill(~allowed, float("-inf"))
+        top = index_scores.topk(min(self.index_topk, n), dim=-1, sorted=False)
+        picks = torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
+        return picks, own

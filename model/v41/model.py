@@ -90,13 +90,19 @@ class DecoderLayer(nn.Module):
 
     def forward(self, streams, pre, hash_ids, positions, rope, state, step):
         """streams [T, hc, D], pre [T, hc] from the previous site -> (streams, this FFN site's pre)."""
+        return self.run_sites(streams, pre, hash_ids,
+                              lambda x: self.attn(x, positions, rope, state, step), self.ffn)
+
+    def run_sites(self, streams, pre, hash_ids, attend, feed_forward):
+        """The layer's schedule with the attention and FFN given as functions of their normed
+        input; streams [..., hc, D], pre [..., hc], hash_ids [..., engram layers, cols]."""
         if self.engram is not None:
-            streams = self.engram(streams, hash_ids[:, self.engram.table_index])
+            streams = self.engram(streams, hash_ids[..., self.engram.table_index, :])
         attn_pre, post, comb = self._mixes(streams, "attn")
-        out = self.attn(self.attn_norm(collapse_streams(streams, pre)), positions, rope, state, step)
+        out = attend(self.attn_norm(collapse_streams(streams, pre)))
         streams = expand_streams_fp32(out, streams, post, comb)
         ffn_pre, post, comb = self._mixes(streams, "ffn")
-        out = self.ffn(self.ffn_norm(collapse_streams(streams, attn_pre)))
+        out = feed_forward(self.ffn_norm(collapse_streams(streams, attn_pre)))
         return expand_streams_fp32(out, streams, post, comb), ffn_pre
 
 
