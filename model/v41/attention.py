@@ -59,11 +59,10 @@ class Attention(nn.Module):
         kv = fake_quant_fp8_ue8m0(apply_trailing_rope(self.kv_norm(self.wkv(x)), cos, sin), 32)
         return q_res, q, kv
 
-    def shared_entries(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """KV source: (indexer keys or None, rotated FP4-fake-quantized entries) of compressor
-        latents [G, head_dim]; cos/sin at the groups' first positions."""
-        keys = self.indexer.keys_from_latents(latent, cos, sin) if self.indexer is not None else None
-        return keys, fake_quant_fp4(apply_trailing_rope(latent, cos, sin), 16, "e4m3")
+    def shared_entries(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """KV source: the rotated, FP4-fake-quantized entries of compressor latents [G, head_dim];
+        cos/sin at the groups' first positions (the indexer keys come from the same latents)."""
+        return fake_quant_fp4(apply_trailing_rope(latent, cos, sin), 16, "e4m3")
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """[N, hidden] from the attention output [N, heads, head_dim]: undo the RoPE, then the
@@ -78,10 +77,10 @@ class Attention(nn.Module):
         if latent is None:
             return
         group_pos = first + self.ratio * torch.arange(latent.shape[0], device=x.device)
-        keys, entries = self.shared_entries(latent, *rope.cos_sin(group_pos, latent.dtype))
-        if keys is not None:
-            source.append_index_keys(keys)
-        source.append_entries(entries)
+        cos, sin = rope.cos_sin(group_pos, latent.dtype)
+        if self.indexer is not None:
+            source.append_index_keys(self.indexer.keys_from_latents(latent, cos, sin))
+        source.append_entries(self.shared_entries(latent, cos, sin))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, state: RequestState,
                 step: dict) -> torch.Tensor:

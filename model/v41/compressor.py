@@ -48,6 +48,19 @@ class Compressor(nn.Module):
             return None, first_position
         return self.pool(kv, gate, x.dtype), first_position
 
+    def sequence_latents(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Whole sequences from position 0: x [B, T, hidden] -> the latents of their complete
+        groups [B, T // ratio, head_dim] (None when there is none); the training forward's path."""
+        if self.wgate is None:
+            return self.norm(self.wkv(x))
+        b, t, _ = x.shape
+        groups = t // self.ratio
+        if groups == 0:
+            return None
+        kv, gate = self.project(x[:, : groups * self.ratio])
+        shape = (b * groups, self.ratio, kv.shape[-1])
+        return self.pool(kv.reshape(shape), gate.reshape(shape), x.dtype).view(b, groups, -1)
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Ratio > 1: the float32 (kv, gate) rows of x [..., hidden]."""
         return F.linear(x.float(), self.wkv.weight.float()), F.linear(x.float(), self.wgate.weight.float())

@@ -149,13 +149,28 @@ class EngramHasher:
                 if j < 0 or seq[j] == DEAD:
                     break
                 tokens[i, shift] = seq[j]
-        products = tokens[:, None, :] * self.multipliers[None]  # [T, L, N]
+        return self._hash(tokens).to(input_ids.device), seq[-(self.max_ngram - 1):] if self.max_ngram > 1 else []
+
+    def hash_sequences(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Whole sequences from their start, on their device: input_ids [B, T] -> hash ids
+        [B, T, engram layers, (N-1)*heads], row b equal to ``self(input_ids[b], [])[0]``."""
+        device = input_ids.device
+        mapped = self.token_map.to(device)[input_ids]
+        tokens = torch.full((*input_ids.shape, self.max_ngram), self.pad_id, dtype=torch.long, device=device)
+        for shift in range(self.max_ngram):
+            tokens[:, shift:, shift] = mapped[:, : mapped.shape[1] - shift]
+        return self._hash(tokens)
+
+    def _hash(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Look-back ids [..., N] -> hash ids [..., L, (N-1)*heads], on ``tokens``' device."""
+        device = tokens.device
+        products = tokens.unsqueeze(-2) * self.multipliers.to(device)  # [..., L, N]
+        primes = self.primes.to(device)
         rolling, hashes = products[..., 0], []
         for n in range(1, self.max_ngram):
             rolling = torch.bitwise_xor(rolling, products[..., n])
-            hashes.append(rolling.unsqueeze(-1) % self.primes[:, n - 1])
-        ids = torch.cat(hashes, dim=-1) + self.offsets[None]
-        return ids.to(input_ids.device), seq[-(self.max_ngram - 1):] if self.max_ngram > 1 else []
+            hashes.append(rolling.unsqueeze(-1) % primes[:, n - 1])
+        return torch.cat(hashes, dim=-1) + self.offsets.to(device)
 
 
 class EngramEmbedding(nn.Module):

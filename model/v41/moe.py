@@ -80,3 +80,16 @@ class MoE(nn.Module):
             out[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()
         out += self.shared_experts(x).float()
         return out.to(x.dtype)
+
+    def forward_dense(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training: every expert runs on every token of x [N, hidden], weighted by its routing
+        weight (0 where not chosen), so there is no data-dependent indexing or host sync.
+        Returns (the same output as :meth:`forward`, the chosen expert ids [N, k])."""
+        weights, ids = self.gate(x)
+        dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
+        dense = dense.scatter(1, ids, weights)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e, expert in enumerate(self.experts):
+            out = out + expert(x, dense[:, e : e + 1]).float()
+        out = out + self.shared_experts(x).float()
+        return out.to(x.dtype), ids
