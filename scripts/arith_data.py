@@ -206,3 +206,121 @@ def greedy_exact_match(
                         failures.append((*ab, tok.decode(g, skip_special_tokens=False)))
     model.train(was_training)
     return correct / len(pairs), failures
+
+
+# ---- few-shot prompts (the V4.1 model: prompts longer than its sliding window) ------------
+
+# Fixed draw of the preambles evaluations put in front of held-out pairs.
+FEWSHOT_ORDER_SEED = 20261201
+
+
+def fewshot_text(shots: Sequence[tuple[int, int]], a: int, b: int) -> str:
+    """Earlier solved sums, one per line, then the question: ``"12+30=42\\n7+5=12\\n{a}+{b}="``."""
+    return "".join(prompt_text(x, y) + answer_text(x, y) for x, y in shots) + prompt_text(a, b)
+
+
+def sample_fewshot_rows(rng: np.random.Generator, n: int, fewshot_fraction: float, min_shots: int,
+                        max_shots: int) -> list[tuple[list[tuple[int, int]], int, int]]:
+    """``n`` training rows ``(shots, a, b)``: a ``fewshot_fraction`` share has a preamble of
+    ``min_shots``..``max_shots`` solved sums; every pair (shots included) is a training pair."""
+    k = np.where(rng.random(n) < fewshot_fraction, rng.integers(min_shots, max_shots + 1, size=n), 0)
+    a, b = sample_training_pairs(rng, n + int(k.sum()))
+    pairs = list(zip(a.tolist(), b.tolist()))
+    rows, used = [], n
+    for i in range(n):
+        rows.append((pairs[used : used + int(k[i])], pairs[i][0], pairs[i][1]))
+        used += int(k[i])
+    return rows
+
+
+def held_out_fewshot_rows(n: int, min_shots: int = 2, max_shots: int = 5):
+    """The first ``n`` held-out pairs, each behind a fixed preamble of training pairs."""
+    rng = np.random.default_rng(FEWSHOT_ORDER_SEED)
+    rows = []
+    for a, b in held_out_pairs(n):
+        k = int(rng.integers(min_shots, max_shots + 1))
+        x, y = sample_training_pairs(rng, k)
+        rows.append((list(zip(x.tolist(), y.tolist())), a, b))
+    return rows
+
+
+def fewshot_max_tokens(max_shots: int) -> int:
+    """Longest training sequence: BOS, ``max_shots + 1`` sums "999+999=1998\n", EOS."""
+    longest = prompt_text(MAX_OPERAND, MAX_OPERAND) + answer_text(MAX_OPERAND, MAX_OPERAND)
+    return 2 + (max_shots + 1) * len(longest)
+
+
+def encode_fewshot_batch(tok, rows, without_bos=None, width: int | None = None):
+    """input_ids and labels [B, T] for ``(shots, a, b)`` rows, right-padded with EOS to
+    ``width`` (default: the longest row; a fixed width keeps every batch one shape).
+
+    Labels (``-100`` elsewhere) cover every answer's digits and "\n" (the preamble's too: each
+    is a solved sum) and the EOS after the last one. Rows flagged in ``without_bos`` drop BOS.
+    """
+    import torch
+
+    eos = tok.token_to_id(EOS)
+    encoded = []
+    for i, (shots, a, b) in enumerate(rows):
+        ids = [] if without_bos is not None and without_bos[i] else [tok.token_to_id(BOS)]
+        labels = [-100] * len(ids)
+        for x, y in list(shots) + [(a, b)]:
+            p = tok.encode(prompt_text(x, y), add_special_tokens=False).ids
+            q = tok.encode(answer_text(x, y), add_special_tokens=False).ids
+            ids += p + q
+            labels += [-100] * len(p) + q
+        ids.append(eos)
+        labels.append(eos)
+        encoded.append((ids, labels))
+    longest = max(len(i) for i, _ in encoded)
+    width = longest if width is None else width
+    if longest > width:
+        raise ValueError(f"a row has {longest} tokens, more than the batch width {width}")
+    out_ids = np.full((len(rows), width), eos, dtype=np.int64)
+    out_labels = np.full((len(rows), width), -100, dtype=np.int64)
+    for r, (ids, labels) in enumerate(encoded):
+        out_ids[r, : len(ids)] = ids
+        out_labels[r, : len(labels)] = labels
+    return torch.from_numpy(out_ids), torch.from_numpy(out_labels)
+
+
+def greedy_exact_match_logits(logits_fn, tok, rows, device="cpu", batch_size: int = 1024,
+                              with_bos: bool = True) -> tuple[float, list[tuple[str, str]]]:
+    """Like :func:`greedy_exact_match` for few-shot ``(shots, a, b)`` rows and a causal model
+    given as ``logits_fn(input_ids [B, T]) -> logits [B, T, vocab]``. Prompts are right-padded
+    to one width (causal: the padding after a row's tokens changes nothing before it) and each
+    row reads the logits at its own last token. Returns the accuracy and the failures as
+    ``(prompt, generated_text)``."""
+    import torch
+
+    rows = list(rows)
+    if not rows:
+        raise ValueError("no rows to evaluate")
+    eos = tok.token_to_id(EOS)
+    items = []
+    for shots, a, b in rows:
+        text = fewshot_text(shots, a, b)
+        want = tok.encode(answer_text(a, b), add_special_tokens=False).ids + [eos]
+        items.append((tok.encode(text, add_special_tokens=with_bos).ids, want, text))
+    steps = max(len(w) for _, w, _ in items)
+    width = max(len(p) for p, _, _ in items) + steps
+    correct, failures = 0, []
+    with torch.no_grad():
+        for start in range(0, len(items), batch_size):
+            chunk = items[start : start + batch_size]
+            ids = torch.full((len(chunk), width), eos, dtype=torch.long)
+            for r, (p, _, _) in enumerate(chunk):
+                ids[r, : len(p)] = torch.tensor(p)
+            ids = ids.to(device)
+            pos = torch.tensor([len(p) for p, _, _ in chunk], device=device)
+            rows_idx = torch.arange(len(chunk), device=device)
+            for _ in range(steps):
+                ids[rows_idx, pos] = logits_fn(ids)[rows_idx, pos - 1].argmax(-1)
+                pos = pos + 1
+            for r, (p, want, text) in enumerate(chunk):
+                got = ids[r, len(p) : len(p) + steps].tolist()
+                if got[: len(want)] == want:
+                    correct += 1
+                else:
+                    failures.append((text, tok.decode(got, skip_special_tokens=False)))
+    return correct / len(rows), failures

@@ -136,6 +136,7 @@ class EngramHasher:
             offsets.append([sum(flat[:i]) for i in range(len(flat))])
         self.offsets = torch.tensor(offsets, dtype=torch.long)  # [L, (N-1)*heads]
         self.multipliers = hash_multipliers(config.engram_layer_ids, self.max_ngram, vocab)
+        self._device_tables: dict = {}
 
     def __call__(self, input_ids: torch.Tensor, history: list[int]) -> tuple[torch.Tensor, list[int]]:
         """input_ids [T] -> (hash ids [T, engram layers, (N-1)*heads], new history)."""
@@ -155,7 +156,7 @@ class EngramHasher:
         """Whole sequences from their start, on their device: input_ids [B, T] -> hash ids
         [B, T, engram layers, (N-1)*heads], row b equal to ``self(input_ids[b], [])[0]``."""
         device = input_ids.device
-        mapped = self.token_map.to(device)[input_ids]
+        mapped = self._tables(device)[0][input_ids]
         tokens = torch.full((*input_ids.shape, self.max_ngram), self.pad_id, dtype=torch.long, device=device)
         for shift in range(self.max_ngram):
             tokens[:, shift:, shift] = mapped[:, : mapped.shape[1] - shift]
@@ -163,14 +164,21 @@ class EngramHasher:
 
     def _hash(self, tokens: torch.Tensor) -> torch.Tensor:
         """Look-back ids [..., N] -> hash ids [..., L, (N-1)*heads], on ``tokens``' device."""
-        device = tokens.device
-        products = tokens.unsqueeze(-2) * self.multipliers.to(device)  # [..., L, N]
-        primes = self.primes.to(device)
+        _, multipliers, primes, offsets = self._tables(tokens.device)
+        products = tokens.unsqueeze(-2) * multipliers  # [..., L, N]
         rolling, hashes = products[..., 0], []
         for n in range(1, self.max_ngram):
             rolling = torch.bitwise_xor(rolling, products[..., n])
             hashes.append(rolling.unsqueeze(-1) % primes[:, n - 1])
-        return torch.cat(hashes, dim=-1) + self.offsets.to(device)
+        return torch.cat(hashes, dim=-1) + offsets
+
+    def _tables(self, device) -> tuple[torch.Tensor, ...]:
+        """(token map, multipliers, primes, offsets) on ``device``, copied there once."""
+        key = str(device)
+        if key not in self._device_tables:
+            self._device_tables[key] = tuple(
+                t.to(device) for t in (self.token_map, self.multipliers, self.primes, self.offsets))
+        return self._device_tables[key]
 
 
 class EngramEmbedding(nn.Module):

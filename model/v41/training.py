@@ -196,7 +196,8 @@ def update_router_biases(model: DeepseekV41ForCausalLM, expert_ids: list[torch.T
     fractions = []
     for layer, ids in zip(model.model.layers, expert_ids):
         bias = layer.ffn.gate.bias
-        load = torch.bincount(ids.flatten(), minlength=bias.numel()).float()
+        flat = ids.flatten()  # scatter_add, not bincount: no host sync on a GPU
+        load = torch.zeros(bias.numel(), device=bias.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
         bias.add_(speed * torch.sign(load.mean() - load))
         bias.sub_(bias.min())
         fractions.append(load / load.sum())
