@@ -289,7 +289,7 @@ def final_checks(model, tok, args, device) -> dict:
     print(f"exported checkpoint (bf16 weights, reloaded, fp32 compute): held-out greedy exact match "
           f"{result['heldout_exact_match']:.4f} on {n} pairs ({result['heldout_exact_match_without_bos']:.4f} "
           f"without BOS), {result['heldout_exact_match_fewshot']:.4f} with a preamble "
-          f"({result["heldout_fewshot_exact_match_bf16"]:.4f} bf16 compute, {min(n, 500)} pairs); "
+          f"({result['heldout_fewshot_exact_match_bf16']:.4f} bf16 compute, {min(n, 500)} pairs); "
           f"{demo} -> {result['demo'][demo]!r}", flush=True)
     for text, got in result["failures_fewshot"][:5]:
         print(f"  miss: {text!r} -> {got!r}")
