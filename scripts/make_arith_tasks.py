@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Write the local lm-eval dataset of the arithmetic tasks (``arith_gen``, ``arith_mc``).
+"""Write the local lm-eval datasets of the arithmetic tasks (``arith_gen``, ``arith_mc``, and
+the few-shot ``arith_v41_gen``, ``arith_v41_mc``).
 
     python scripts/make_arith_tasks.py            # -> configs/lm_eval_tasks/arith_heldout.jsonl
+    python scripts/make_arith_tasks.py --fewshot  # -> configs/lm_eval_tasks/arith_v41_heldout.jsonl
 
 Each line is one held-out pair (never seen in training) drawn with a fixed seed::
 
@@ -11,6 +13,10 @@ Each line is one held-out pair (never seen in training) drawn with a fixed seed:
 ``choices`` holds the true sum among three near misses (digits swapped, +-1, +-10, +-100).
 No two choices are prefixes of one another: lm-eval scores a choice by the log-likelihood of
 its digits alone, and a prefix of the true sum would always score at least as high.
+
+The few-shot docs add a ``preamble`` of 3-5 solved training sums (``"12+30=42\n..."``, at least
+``FEWSHOT_MIN_CHARS`` characters, so the prompt runs well past the V4.1 model's 16-token window
+and its compressed entries and indexer take part); ``prompt`` is the preamble then ``"{a}+{b}="``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ import arith_data  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(REPO, "configs", "lm_eval_tasks", "arith_heldout.jsonl")
+DEFAULT_FEWSHOT_OUT = os.path.join(REPO, "configs", "lm_eval_tasks", "arith_v41_heldout.jsonl")
 N_CHOICES = 4
+FEWSHOT_MIN_CHARS = 32
 
 
 def _swaps(s: str) -> list[int]:
@@ -78,13 +86,28 @@ def make_docs(n: int, seed: int) -> list[dict]:
     return docs
 
 
+def make_fewshot_docs(n: int, seed: int) -> list[dict]:
+    """:func:`make_docs` with a preamble of 3-5 solved training sums in front of each prompt."""
+    rng = np.random.default_rng(seed + 1)
+    docs = []
+    for doc in make_docs(n, seed):
+        preamble = ""
+        while len(preamble) < FEWSHOT_MIN_CHARS:
+            x, y = arith_data.sample_training_pairs(rng, int(rng.integers(3, 6)))
+            preamble = arith_data.fewshot_text(list(zip(x.tolist(), y.tolist())), 0, 0)[: -len("0+0=")]
+        docs.append({**doc, "preamble": preamble, "prompt": preamble + doc["prompt"]})
+    return docs
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=200)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--fewshot", action="store_true", help="the few-shot docs of the arith_v41 tasks")
+    p.add_argument("--out", default=None, help="output jsonl (default: configs/lm_eval_tasks/...)")
     args = p.parse_args(argv)
-    docs = make_docs(args.n, args.seed)
+    docs = make_fewshot_docs(args.n, args.seed) if args.fewshot else make_docs(args.n, args.seed)
+    args.out = args.out or (DEFAULT_FEWSHOT_OUT if args.fewshot else DEFAULT_OUT)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         for d in docs:

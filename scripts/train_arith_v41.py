@@ -167,6 +167,12 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    run(argv)
+    return 0
+
+
+def run(argv=None):
+    """Train, export and check; returns (the trained model as exported, the training log)."""
     from model.v41.training import forward_sequences, masked_lm_loss, update_router_biases
 
     args = parse_args(argv)
@@ -197,7 +203,7 @@ def main(argv=None) -> int:
     eval_bare = [([], a, b) for a, b in arith_data.held_out_pairs(args.eval_n)]
     eval_fewshot = arith_data.held_out_fewshot_rows(args.eval_n, args.min_shots, args.max_shots)
     width = arith_data.fewshot_max_tokens(args.max_shots)  # one batch shape for every step
-    history, step = [], 0
+    history, losses, step = [], [], 0
     t0 = time.perf_counter()
     while step < args.steps:
         elapsed = time.perf_counter() - t0
@@ -224,6 +230,7 @@ def main(argv=None) -> int:
         step += 1
         if step % args.log_every == 0:
             max_load = max(float(f.max()) for f in load) if load else float("nan")
+            losses.append([step, round(lm_loss.item(), 5)])
             print(f"step {step:5d}  loss {lm_loss.item():.4f}  indexer KL {indexer_loss.item():.4f}  "
                   f"lr {lr:.2e}  T {ids.shape[1]}  max expert load {max_load:.3f}  "
                   f"{time.perf_counter() - t0:6.1f}s", flush=True)
@@ -248,13 +255,14 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "history": history,
+        "loss_curve": losses,
         "router_bias": [layer.ffn.gate.bias.tolist() for layer in model.model.layers],
     }
     export_checkpoint(model, config, args.out)
     write_log(args.out, log)  # before verification, so a failure there keeps the record
     log["final"] = final_checks(model, tok, args, device)
     write_log(args.out, log)
-    return 0
+    return model, log
 
 
 def final_checks(model, tok, args, device) -> dict:

@@ -197,7 +197,8 @@ def update_router_biases(model: DeepseekV41ForCausalLM, expert_ids: list[torch.T
     for layer, ids in zip(model.model.layers, expert_ids):
         bias = layer.ffn.gate.bias
         flat = ids.flatten()  # scatter_add, not bincount: no host sync on a GPU
-        load = torch.zeros(bias.numel(), device=bias.device).scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float32))
+        ones = torch.ones_like(flat, dtype=torch.float32)
+        load = torch.zeros(bias.numel(), device=bias.device).scatter_add_(0, flat, ones)
         bias.add_(speed * torch.sign(load.mean() - load))
         bias.sub_(bias.min())
         fractions.append(load / load.sum())
