@@ -17,11 +17,13 @@ import json
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import arith_data  # noqa: E402
+import eval_arith  # noqa: E402
 
 
 def load(model_dir: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
@@ -55,25 +57,20 @@ def greedy_text(model, tok, text: str, max_tokens: int = 8) -> str:
     return tok.decode(out, skip_special_tokens=False)
 
 
+class _LogitsOutput:
+    """What ``eval_arith``'s HF-shaped helpers call: ``model(input_ids=ids).logits``."""
+
+    def __init__(self, model) -> None:
+        self.logits_of = sequence_logits(model)
+
+    def __call__(self, input_ids, **_kwargs):
+        return SimpleNamespace(logits=self.logits_of(input_ids))
+
+
 def multiple_choice_accuracy(model, tok, docs: list[dict], device="cpu", with_bos=True) -> float:
-    """lm-eval's ``multiple_choice`` with ``target_delimiter: ""``: is the true sum the choice
-    whose digit tokens have the highest summed log-probability right after the prompt?"""
-    logits_of = sequence_logits(model)
-    eos = tok.token_to_id(arith_data.EOS)
-    correct = 0
+    """lm-eval's ``multiple_choice`` with ``target_delimiter: ""`` (see ``eval_arith``)."""
     with torch.no_grad():
-        for doc in docs:
-            ctx = tok.encode(doc["prompt"], add_special_tokens=with_bos).ids
-            conts = [tok.encode(c, add_special_tokens=False).ids for c in doc["choices"]]
-            width = len(ctx) + max(len(c) for c in conts)
-            ids = torch.full((len(conts), width), eos, dtype=torch.long)
-            for i, c in enumerate(conts):
-                ids[i, : len(ctx) + len(c)] = torch.tensor(ctx + c)
-            logprobs = torch.log_softmax(logits_of(ids.to(device)), dim=-1)
-            scores = [logprobs[i, torch.arange(len(ctx) - 1, len(ctx) - 1 + len(c)), torch.tensor(c)].sum()
-                      for i, c in enumerate(conts)]
-            correct += int(int(torch.stack(scores).argmax()) == doc["label"])
-    return correct / len(docs)
+        return eval_arith.multiple_choice_accuracy(_LogitsOutput(model), tok, docs, device, with_bos)
 
 
 def evaluate(model_dir: str, n: int = 500, device: str = "cpu", task_docs: str | None = None,
