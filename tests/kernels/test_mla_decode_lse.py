@@ -165,3 +165,18 @@ def test_lse_matches_triton_on_the_same_tensor_core_scores(name):
     gap = (lse - lse_t).abs().max().item()
     assert gap <= 2e-3, (f"{name}: max |cuda - triton| {gap:.2e}; cuda {_describe(lse, ref_lse)}; "
                          f"triton {_describe(lse_t, ref_lse)}")
+
+
+def test_lse_variants_still_find_the_kernel_lines_they_edit():
+    """benchmarks/lse_mla_cuda.py edits verbatim kernel lines; keep it in step with the .cu."""
+    from benchmarks.ablate_mla_wgmma import KERNEL_CUTS
+    from benchmarks.lse_mla_cuda import VARIANTS
+
+    for kernel, variants in VARIANTS.items():
+        src = KERNEL_CUTS[kernel][0].read_text()
+        for name, edits in variants.items():
+            assert all(text in src for text, _ in edits), (kernel, name)
+    # the 64-row kernel reads the scores after two waits (its first tile, its loop); a third,
+    # rare one (before a rescale) precedes the loop's and must not add the chains again
+    fence = VARIANTS["wgmma"]["qk2"][2][0]
+    assert KERNEL_CUTS["wgmma"][0].read_text().count(fence) == 2
