@@ -10,6 +10,10 @@ unquantized (fp32/bf16) run must apply them too, at the same places:
 * indexer queries and keys: FP4 e2m1 in blocks of 32 with UE8M0 scales
   (:func:`fake_quant_fp4`, ``scale_format="ue8m0"``).
 
+:func:`quantize_mxfp8` is the same FP8 rounding with its two outputs kept apart (e4m3 values
+and one UE8M0 exponent byte per 32), the operand format of the MXFP8 GEMMs
+(kernels/mxfp8_gemm.py); :func:`fake_quant_fp8_ue8m0` is its round trip.
+
 A power-of-two scale is ``2^ceil(log2(amax / qmax))``, computed exactly from the fp32 bit
 pattern (exponent field, plus one when any mantissa bit is set), so it never suffers
 ``log2`` rounding. A last dimension that is not a multiple of the block is returned
@@ -31,12 +35,23 @@ _FP4_UE8M0_MIN_AMAX = FP4_E2M1_MAX * 2.0**-126
 _FP4_E4M3_MIN_AMAX = FP4_E2M1_MAX * 2.0**-9
 
 
-def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
-    """``2^ceil(log2(t))`` for positive normal fp32 ``t``, exact (from the IEEE bits)."""
+def pow2_ceil_exponent(t: torch.Tensor) -> torch.Tensor:
+    """``ceil(log2(t))`` as int32 for positive normal fp32 ``t``, exact (from the IEEE bits)."""
     bits = t.float().contiguous().view(torch.int32)
     exponent = ((bits >> 23) & 0xFF) - 127
-    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return torch.exp2(exponent.float())
+    return exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
+def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
+    """``2^ceil(log2(t))`` for positive normal fp32 ``t``, exact (from the IEEE bits)."""
+    return torch.exp2(pow2_ceil_exponent(t).float())
+
+
+def ue8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """UE8M0 bytes (uint8 or float8_e8m0fnu) → fp32 ``2^(byte − 127)``, exact (byte 0 is 2^-127)."""
+    b = scale.view(torch.uint8).to(torch.int32) if scale.dtype != torch.uint8 else scale.to(torch.int32)
+    normal = (b.clamp_min(1) << 23).view(torch.float32)
+    return torch.where(b == 0, torch.full_like(normal, 2.0**-127), normal)
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -62,14 +77,30 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
 
+def quantize_mxfp8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] → (e4m3 [..., K], UE8M0 bytes uint8 [..., K/block]) with ``x ≈ q · 2^(byte−127)``.
+
+    The exponent is ``ceil(log2(max(amax, 1e-4) / 448))``: an all-zero block gets byte 105
+    (2^-22) and zero values, never a zero or subnormal scale.
+    """
+    if x.shape[-1] % block:
+        raise ValueError(f"MXFP8 needs the last dim ({x.shape[-1]}) to be a multiple of {block}")
+    b = _blocks(x, block)
+    exponent = pow2_ceil_exponent(b.abs().amax(-1, keepdim=True).clamp_min(_FP8_MIN_AMAX) * (1.0 / FP8_E4M3_MAX))
+    q = (b / torch.exp2(exponent.float())).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(x.shape), (exponent.squeeze(-1) + 127).to(torch.uint8)
+
+
+def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """fp32 ``q · 2^(byte−127)`` for e4m3 ``q`` [..., K] and UE8M0 bytes [..., K/block]."""
+    return (_blocks(q, block) * ue8m0_to_float(scale).unsqueeze(-1)).reshape(q.shape)
+
+
 def fake_quant_fp8_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP8 e4m3 with one power-of-two scale per ``block`` channels; returns dequantized ``x``."""
     if x.shape[-1] % block:
         return x
-    b = _blocks(x, block)
-    scale = pow2_ceil(b.abs().amax(-1, keepdim=True).clamp_min(_FP8_MIN_AMAX) * (1.0 / FP8_E4M3_MAX))
-    q = (b / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
-    return (q * scale).reshape(x.shape).to(x.dtype)
+    return dequantize_mxfp8(*quantize_mxfp8(x, block), block).to(x.dtype)
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int, scale_format: str) -> torch.Tensor:

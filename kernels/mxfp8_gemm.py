@@ -1,0 +1,219 @@
+"""MXFP8 GEMMs for DeepSeek-V4.1's linears on Hopper (Triton), with torch references.
+
+Operands: activations e4m3 [M, K] with one UE8M0 byte per 32 along K ([M, K/32]); weights
+e4m3 [N, K] with one UE8M0 byte per 32×32 block ([ceil(N/32), K/32]), V4.1's checkpoint
+format. A byte b means the scale 2^(b−127).
+
+Hopper has no block-scaled MMA, but both scales are powers of two, so the MXFP8 product is
+exact with an FP8 MMA per 32-wide K slice: ``acc += dot(a8, b8) · 2^(ea−127) · 2^(eb−127)``,
+one multiply and one FMA per accumulator element per 32 of K (the fp32 partial of 32 e4m3
+products is exact, so the only rounding is fp32 accumulation, as in the reference's matmul).
+
+``groups > 1`` is the grouped low-rank projection wo_a: x [M, groups·Kg] and weight
+[groups·R, Kg], output group g = x[:, g·Kg:(g+1)·Kg] · W[g·R:(g+1)·R]ᵀ (a block-diagonal
+GEMM, R a multiple of the N tile). ``quantize_out`` gives the GEMM an MXFP8 epilogue: it
+rounds the fp32 tile to bf16, takes the amax of each 32 output columns and writes e4m3 +
+UE8M0 bytes ([M, N/32]) with the same helpers as ``quantize_mxfp8_triton``, so the next
+MXFP8 GEMM reads bytes identical to quantizing the bf16 output separately.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.fp8 import FP8_DTYPE, dequantize_weight_blocks
+from kernels.microscaling import dequantize_mxfp8, quantize_mxfp8, ue8m0_to_float
+
+try:  # the GPU paths need Triton; the CPU references do not
+    import triton
+    import triton.language as tl
+
+    from kernels.mxfp8_quant_triton import (
+        pow2_from_byte,
+        quantize_blocks,
+        round_to_bf16,
+        ue8m0_byte,
+    )
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
+
+MX_BLOCK = 32
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scales as uint8 (checkpoints may hold float8_e8m0fnu)."""
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def check_operands(x8, xs, w8, ws, groups: int = 1) -> tuple[int, int, int]:
+    """(M, N, K per group) after checking dtypes and shapes; raises naming the tensor."""
+    for name, t in (("x8", x8), ("w8", w8)):
+        if t.dim() != 2 or t.dtype != FP8_DTYPE:
+            raise TypeError(f"{name} must be a 2-D e4m3 tensor, got {tuple(t.shape)} {t.dtype}")
+    m, k_total = x8.shape
+    n, kg = w8.shape
+    if groups < 1 or k_total != groups * kg:
+        raise ValueError(f"x8 has {k_total} input features, the weight {kg} per group × {groups} groups")
+    if kg % MX_BLOCK:
+        raise ValueError(f"K per group ({kg}) must be a multiple of {MX_BLOCK}")
+    if n % groups or (groups > 1 and (n // groups) % MX_BLOCK):
+        raise ValueError(f"N ({n}) must split into {groups} groups of a multiple of {MX_BLOCK} rows")
+    if tuple(xs.shape) != (m, k_total // MX_BLOCK):
+        raise ValueError(f"activation scales xs {tuple(xs.shape)} != {(m, k_total // MX_BLOCK)}")
+    if tuple(ws.shape) != (-(-n // MX_BLOCK), kg // MX_BLOCK):
+        raise ValueError(f"weight scales ws {tuple(ws.shape)} != {(-(-n // MX_BLOCK), kg // MX_BLOCK)}")
+    return m, n, kg
+
+
+def dequantize_mxfp8_weight(w8: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """fp32 weight from e4m3 [N, K] and 32×32-block UE8M0 bytes [ceil(N/32), K/32]."""
+    return dequantize_weight_blocks(w8, ue8m0_to_float(_bytes(ws)), (MX_BLOCK, MX_BLOCK))
+
+
+def quantize_mxfp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (K a multiple of 32) → (e4m3 [N, K], UE8M0 bytes [ceil(N/32), K/32]) with
+    ``kernels.microscaling``'s exponent rule applied to each 32×32 block's amax."""
+    n, k = w.shape
+    if k % MX_BLOCK:
+        raise ValueError(f"K ({k}) must be a multiple of {MX_BLOCK}")
+    wp = torch.nn.functional.pad(w.float(), (0, 0, 0, -n % MX_BLOCK))
+    blocks = wp.reshape(-1, MX_BLOCK, k // MX_BLOCK, MX_BLOCK).transpose(1, 2)  # [N/32, K/32, 32, 32]
+    q, s = quantize_mxfp8(blocks.reshape(*blocks.shape[:2], MX_BLOCK * MX_BLOCK), MX_BLOCK * MX_BLOCK)
+    q = q.reshape(blocks.shape).transpose(1, 2).reshape(-1, k)[:n]
+    return q.contiguous(), s.squeeze(-1).contiguous()
+
+
+def mxfp8_gemm_reference(x8, xs, w8, ws, groups: int = 1, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Both operands dequantized exactly, then an fp32 (block-diagonal for groups > 1) matmul."""
+    m, n, kg = check_operands(x8, xs, w8, ws, groups)
+    x = dequantize_mxfp8(x8, _bytes(xs)).reshape(m, groups, kg).transpose(0, 1)  # [g, M, Kg]
+    w = dequantize_mxfp8_weight(w8, ws).reshape(groups, n // groups, kg)  # [g, R, Kg]
+    return torch.bmm(x, w.transpose(1, 2)).transpose(0, 1).reshape(m, n).to(out_dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mxfp8_gemm_kernel(
+        A, SA, B, SB, C, SC, M, N, K_GROUP, N_GROUP,
+        stride_am, stride_sam, stride_bn, stride_sbn, stride_cm, stride_scm,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        QUANT_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
+    ):
+        """C = (A8 · 2^SA) (B8 · 2^SB)ᵀ, the scales applied per 32-wide K slice; the N tile's
+        group g reads A's K columns [g·K_GROUP, (g+1)·K_GROUP)."""
+        pid = tl.program_id(0)
+        grid_m = tl.cdiv(M, BLOCK_M)
+        grid_n = tl.cdiv(N, BLOCK_N)
+        width = GROUP_M * grid_n
+        first_m = (pid // width) * GROUP_M
+        size_m = tl.minimum(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, 32)
+        m_ok = rm < M
+        n_ok = rn < N
+        k0 = (pid_n * BLOCK_N // N_GROUP) * K_GROUP  # this tile's group's first K column of A
+        a_ptr = A + rm.to(tl.int64)[:, None] * stride_am + k0 + rk[None, :]
+        b_ptr = B + rn.to(tl.int64)[:, None] * stride_bn + rk[None, :]
+        sa_ptr = SA + rm.to(tl.int64) * stride_sam + k0 // 32
+        sb_ptr = SB + (rn // 32).to(tl.int64) * stride_sbn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for _ in range(K_GROUP // BLOCK_K):
+            for j in tl.static_range(BLOCK_K // 32):
+                a = tl.load(a_ptr + j * 32, mask=m_ok[:, None], other=0.0)
+                b = tl.load(b_ptr + j * 32, mask=n_ok[:, None], other=0.0)
+                sa = pow2_from_byte(tl.load(sa_ptr + j, mask=m_ok, other=0))
+                sb = pow2_from_byte(tl.load(sb_ptr + j, mask=n_ok, other=0))
+                part = tl.dot(a, tl.trans(b))  # exact: 32 e4m3 products summed in fp32
+                acc += part * (sa[:, None] * sb[None, :])
+            a_ptr += BLOCK_K
+            b_ptr += BLOCK_K
+            sa_ptr += BLOCK_K // 32
+            sb_ptr += BLOCK_K // 32
+        ok = m_ok[:, None] & n_ok[None, :]
+        c_offs = rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
+        if QUANT_OUT:
+            z = tl.reshape(round_to_bf16(acc), (BLOCK_M, BLOCK_N // 32, 32))
+            byte = ue8m0_byte(tl.max(tl.abs(z), 2))  # [BLOCK_M, BLOCK_N / 32]
+            q = tl.reshape(quantize_blocks(z, pow2_from_byte(254 - byte)[:, :, None]), (BLOCK_M, BLOCK_N))
+            tl.store(C + c_offs, q.to(tl.uint8), mask=ok)
+            rb = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+            s_ok = m_ok[:, None] & (rb < N // 32)[None, :]
+            tl.store(SC + rm.to(tl.int64)[:, None] * stride_scm + rb[None, :], byte.to(tl.uint8), mask=s_ok)
+        elif OUT_BF16:
+            tl.store(C + c_offs, round_to_bf16(acc).to(tl.bfloat16), mask=ok)
+        else:
+            tl.store(C + c_offs, acc.to(C.dtype.element_ty), mask=ok)
+
+
+def default_config(m: int, n_group: int, k_group: int) -> dict:
+    """Tile sizes: a 64-row tile for decode-sized M, 128 otherwise; the N tile must divide a
+    group's rows when groups > 1 (V4.1's wo_a has R = 1024)."""
+    block_m = 16 if m <= 16 else (64 if m <= 64 else 128)
+    block_n = 128 if n_group % 128 == 0 else (64 if n_group % 64 == 0 else 32)
+    block_k = 128 if k_group % 128 == 0 else 32
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
+                "num_warps": 4 if block_m < 128 else 8, "num_stages": 3}
+
+
+def mxfp8_gemm(
+    x8: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, groups: int = 1,
+    out_dtype: torch.dtype = torch.bfloat16, quantize_out: bool = False, config: dict | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x8 e4m3 [M, groups·K] + xs uint8 [M, groups·K/32] times w8 e4m3 [N, K] + ws [ceil(N/32), K/32].
+
+    Returns [M, N] in ``out_dtype``, or with ``quantize_out`` (N a multiple of 32) the output
+    as MXFP8: (e4m3 [M, N], uint8 [M, N/32]) of its bf16 rounding.
+    """
+    if triton is None:
+        raise RuntimeError("the MXFP8 GEMM needs the triton package")
+    m, n, kg = check_operands(x8, xs, w8, ws, groups)
+    if quantize_out and n % MX_BLOCK:
+        raise ValueError(f"quantize_out needs N ({n}) to be a multiple of {MX_BLOCK}")
+    if x8.stride(-1) != 1 or w8.stride(-1) != 1 or xs.stride(-1) != 1 or ws.stride(-1) != 1:
+        raise ValueError("x8, xs, w8 and ws must be contiguous in K")
+    xs, ws = _bytes(xs), _bytes(ws)
+    cfg = dict(config or default_config(m, n // groups, kg))
+    if groups > 1 and (n // groups) % cfg["BLOCK_N"]:
+        raise ValueError(f"BLOCK_N {cfg['BLOCK_N']} must divide the group's {n // groups} rows")
+    if kg % cfg["BLOCK_K"]:
+        raise ValueError(f"BLOCK_K {cfg['BLOCK_K']} must divide K ({kg})")
+    if quantize_out:
+        c = torch.empty(m, n, dtype=torch.uint8, device=x8.device)
+        sc = torch.empty(m, n // MX_BLOCK, dtype=torch.uint8, device=x8.device)
+    else:
+        c = torch.empty(m, n, dtype=out_dtype, device=x8.device)
+        sc = c  # unused
+    if m:
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        _mxfp8_gemm_kernel[grid](
+            x8, xs, w8, ws, c, sc, m, n, kg, n // groups if groups > 1 else n,
+            x8.stride(0), xs.stride(0), w8.stride(0), ws.stride(0), c.stride(0), sc.stride(0),
+            QUANT_OUT=quantize_out, OUT_BF16=c.dtype == torch.bfloat16, **cfg)
+    if quantize_out:
+        return c.view(FP8_DTYPE), sc
+    return c
+
+
+def mxfp8_linear(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 ) -> torch.Tensor:
+    """x [..., K] → [..., N]: the fused MXFP8 activation quantization, then the MXFP8 GEMM."""
+    from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
+
+    lead, k = x.shape[:-1], x.shape[-1]
+    x8, xs = quantize_mxfp8_triton(x.reshape(-1, k))
+    return mxfp8_gemm(x8, xs, w8, ws, out_dtype=out_dtype or x.dtype).reshape(*lead, w8.shape[0])
+
+
+__all__ = [
+    "check_operands",
+    "default_config",
+    "dequantize_mxfp8_weight",
+    "mxfp8_gemm",
+    "mxfp8_gemm_reference",
+    "mxfp8_linear",
+    "quantize_mxfp8_weight",
+]
