@@ -107,7 +107,7 @@ def quantize_mxfp8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(m, k // MX_BLOCK, dtype=torch.uint8, device=x.device)
     if m:
         blocks = min(triton.next_power_of_2(k // MX_BLOCK), 16)
-        block_m = max(1, min(16, 512 // (blocks * MX_BLOCK)))
+        block_m = max(1, min(64, 4096 // (blocks * MX_BLOCK)))
         grid = (triton.cdiv(m, block_m), triton.cdiv(k // MX_BLOCK, blocks))
         _mxfp8_quant_kernel[grid](x2, y, s, m, k, x2.stride(0), y.stride(0), s.stride(0),
                                   BLOCK_M=block_m, BLOCKS=blocks, num_warps=4)

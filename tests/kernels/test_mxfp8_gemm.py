@@ -1,0 +1,278 @@
+"""MXFP8 GEMM (kernels/mxfp8_gemm.py) and activation quantization (kernels/mxfp8_quant_triton.py).
+
+CPU (CI): the torch references against hand-built dequantized matmuls and validation; the
+Triton kernels under TRITON_INTERPRET=1 in one subprocess (the interpreter must be chosen
+before Triton is imported): the quantization byte for byte against
+``kernels.microscaling.quantize_mxfp8`` (every e4m3 rounding boundary included), the GEMM
+against the reference on odd shapes, and the wo_a epilogue's e4m3 z + scales byte for byte
+against quantizing its bf16 output separately at 1, 129 and 8193 tokens (small N and K).
+GPU (``-m gpu``): the same at V4.1-Flash shapes, with CUDA-graph capture and replay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.microscaling import dequantize_mxfp8, quantize_mxfp8, ue8m0_to_float
+from kernels.mxfp8_gemm import (
+    check_operands,
+    dequantize_mxfp8_weight,
+    mxfp8_gemm_reference,
+    quantize_mxfp8_weight,
+)
+from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
+
+REPO = Path(__file__).resolve().parents[2]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def activations(m, k, seed=0, device="cpu", dtype=torch.bfloat16):
+    """Random non-zero activations whose 32-blocks span many binades (distinct scale bytes)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-12, 8, (m, k // 32, 1), generator=g).float()
+                                                    ).repeat_interleave(32, 1).reshape(m, k)
+    return (x + torch.sign(x) * 1e-6).to(dtype).to(device)
+
+
+def weight(n, k, seed=1, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    w8, ws = quantize_mxfp8_weight(torch.randn(n, k, generator=g) * 0.03)
+    return w8.to(device), ws.to(device)
+
+
+# ----------------------------------------------------------------------------- references (CPU)
+
+
+def test_ue8m0_bytes_and_zero_blocks():
+    assert torch.equal(ue8m0_to_float(torch.tensor([0, 1, 127, 128, 254], dtype=torch.uint8)),
+                       torch.tensor([2.0**-127, 2.0**-126, 1.0, 2.0, 2.0**127]))
+    e8 = torch.tensor([120, 130], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert torch.equal(ue8m0_to_float(e8), torch.tensor([2.0**-7, 8.0]))
+    x = activations(3, 96)
+    x[1, 32:64] = 0
+    q, s = quantize_mxfp8(x)
+    assert s.dtype == torch.uint8 and s.shape == (3, 3) and s[1, 1] == 105  # amax floor 1e-4 → 2^-22
+    assert (q[1, 32:64].float() == 0).all()
+    # the exponent rule: 2^(byte-127) is the smallest power of two ≥ amax/448
+    amax = x.float().reshape(3, 3, 32).abs().amax(-1)
+    scale = ue8m0_to_float(s)
+    live = amax > 0
+    assert (scale[live] * 448 >= amax[live]).all() and (scale[live] * 224 < amax[live]).all()
+    assert rel_err(dequantize_mxfp8(q, s), x.float()) < 0.04
+
+
+def test_weight_blocks_are_32x32():
+    w = torch.randn(100, 64) * 0.03
+    w[32:64, :32] *= 1000  # one loud block must not change its neighbours' scales
+    w8, ws = quantize_mxfp8_weight(w)
+    assert ws.shape == (4, 2) and w8.shape == (100, 64)
+    amax = torch.nn.functional.pad(w, (0, 0, 0, 28)).reshape(4, 32, 2, 32).abs().amax((1, 3))
+    scale = ue8m0_to_float(ws)  # per block: the smallest power of two ≥ its own amax / 448
+    assert (scale * 448 >= amax).all() and (scale * 224 < amax).all()
+    assert ws[1, 0] >= ws[1, 1] + 9
+    deq = dequantize_mxfp8_weight(w8, ws)
+    assert ((deq - w).abs() <= w.abs() / 16 + ue8m0_to_float(ws).repeat_interleave(32, 0)[:100]
+            .repeat_interleave(32, 1) * 2**-9).all()
+
+
+@pytest.mark.parametrize("groups", [1, 3])
+def test_reference_is_dequantized_matmul(groups):
+    m, n, k = 7, 96, 64
+    x8, xs = quantize_mxfp8(activations(m, k * groups))
+    w8, ws = weight(n, k)
+    y = mxfp8_gemm_reference(x8, xs, w8, ws, groups=groups, out_dtype=torch.float32)
+    xd = x8.float() * ue8m0_to_float(xs).repeat_interleave(32, 1)
+    wd = w8.float() * ue8m0_to_float(ws).repeat_interleave(32, 0).repeat_interleave(32, 1)
+    r = n // groups
+    manual = torch.cat([xd[:, g * k:(g + 1) * k] @ wd[g * r:(g + 1) * r].t() for g in range(groups)], 1)
+    assert y.shape == (m, n) and rel_err(y, manual) < 1e-6
+
+
+def test_operand_validation():
+    x8, xs = quantize_mxfp8(activations(4, 128))
+    w8, ws = weight(64, 64)
+    assert check_operands(x8, xs, w8, ws, groups=2) == (4, 64, 64)
+    with pytest.raises(ValueError, match="input features"):
+        check_operands(x8, xs, w8, ws)
+    with pytest.raises(ValueError, match="activation scales xs"):
+        check_operands(x8[:, :64], xs, w8, ws)
+    with pytest.raises(ValueError, match="weight scales ws"):
+        check_operands(x8, xs, w8, ws[:1], groups=2)
+    with pytest.raises(TypeError, match="x8 must be a 2-D e4m3"):
+        check_operands(x8.float(), xs, w8, ws, groups=2)
+    with pytest.raises(ValueError, match="groups of a multiple of 32"):
+        w8b, wsb = weight(96, 64)
+        check_operands(x8, xs, w8b, wsb, groups=2)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_mxfp8(torch.randn(2, 40))
+
+
+# ----------------------------------------------------------------------------- Triton, interpreted (CPU)
+
+_INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
+    """
+    import torch
+    from kernels.microscaling import quantize_mxfp8
+    from kernels.mxfp8_gemm import mxfp8_gemm, mxfp8_gemm_reference
+    from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
+    from tests.kernels.test_mxfp8_gemm import activations, weight, rel_err
+
+    def same(a, b):
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    # every e4m3 value, the midpoints between neighbours and one fp32 ulp either side of
+    # them, in blocks led by 448 (scale 1), and their negatives
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (grid[1:] + grid[:-1]) / 2
+    edge = torch.cat([grid, mids, torch.nextafter(mids, grid[1:]), torch.nextafter(mids, grid[:-1])])
+    edge = torch.cat([edge, -edge, torch.zeros(-2 * len(edge) % 31)]).reshape(-1, 31)
+    edge = torch.cat([torch.full((len(edge), 1), 448.0), edge], 1)
+    for x in [edge, activations(7, 96, dtype=torch.float32), activations(33, 1056), activations(5, 64).half(),
+              torch.zeros(2, 64, dtype=torch.bfloat16)]:
+        q, s = quantize_mxfp8_triton(x)
+        rq, rs = quantize_mxfp8(x)
+        assert same(q, rq) and torch.equal(s, rs), x.shape
+
+    # GEMM vs reference: M off the tile, a ragged N, several groups
+    for m, n, k, g in [(37, 96, 160, 1), (5, 100, 64, 1), (20, 128, 64, 2), (130, 256, 256, 4)]:
+        x8, xs = quantize_mxfp8_triton(activations(m, k * g, seed=m))
+        w8, ws = weight(n, k, seed=n)
+        ref = mxfp8_gemm_reference(x8, xs, w8, ws, groups=g, out_dtype=torch.float32)
+        y = mxfp8_gemm(x8, xs, w8, ws, groups=g, out_dtype=torch.float32)
+        assert rel_err(y, ref) < 1e-5, (m, n, k, g, rel_err(y, ref))
+        yb = mxfp8_gemm(x8, xs, w8, ws, groups=g)
+        assert torch.equal(yb, y.bfloat16())  # bf16 output is the RNE rounding of the fp32 one
+
+    # wo_a's quantizing epilogue: z's bytes equal quantizing the bf16 z separately
+    groups, r, kg = 2, 64, 64
+    w8, ws = weight(groups * r, kg, seed=3)
+    for t in (1, 129, 8193):
+        x8, xs = quantize_mxfp8_triton(activations(t, groups * kg, seed=t))
+        z8, zs = mxfp8_gemm(x8, xs, w8, ws, groups=groups, quantize_out=True)
+        z = mxfp8_gemm(x8, xs, w8, ws, groups=groups)
+        u8, us = quantize_mxfp8_triton(z)
+        assert same(z8, u8) and torch.equal(zs, us), t
+        r8, rs = quantize_mxfp8(z)
+        assert same(z8, r8) and torch.equal(zs, rs), t
+        assert z8.shape == (t, groups * r) and zs.shape == (t, groups * r // 32)
+    print("interpreter ok")
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_kernels_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=REPO, check=False,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+def _bytes_equal(a, b):
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_quant_matches_reference():
+    from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
+
+    for m, k, dtype in [(1, 5120, torch.bfloat16), (37, 8192, torch.bfloat16), (300, 1280, torch.float32),
+                        (8, 4096, torch.float16)]:
+        x = activations(m, k, seed=m, dtype=dtype, device="cuda")
+        q, s = quantize_mxfp8_triton(x)
+        rq, rs = quantize_mxfp8(x)
+        assert _bytes_equal(q, rq) and torch.equal(s, rs)
+
+
+# V4.1-Flash: wq_a 5120→1280, wq_b 1280→32768, wo_b 8192→5120, a ragged N and a tiny K
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", [(1, 1280, 5120), (129, 32768, 1280), (300, 5120, 8192), (16, 1000, 512),
+                                   (4096, 1280, 5120), (3, 64, 32)])
+def test_gpu_gemm_matches_reference(shape):
+    from kernels.mxfp8_gemm import mxfp8_gemm, mxfp8_linear
+    from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
+
+    m, n, k = shape
+    x = activations(m, k, seed=m, device="cuda")
+    w8, ws = weight(n, k, seed=n, device="cuda")
+    x8, xs = quantize_mxfp8_triton(x)
+    ref = mxfp8_gemm_reference(x8, xs, w8, ws, out_dtype=torch.float32)
+    y = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32)
+    assert rel_err(y, ref) < 1e-5  # the same exact products, fp32 sums in another order
+    yb = mxfp8_linear(x, w8, ws)
+    assert yb.dtype == torch.bfloat16 and rel_err(yb, ref) < 1e-2
+
+
+def _capture(fn):
+    """Warm up on a side stream, capture ``fn`` in a CUDA graph; returns (graph, outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("tokens", [1, 129, 8193])
+def test_gpu_wo_a_epilogue_bytes_match_separate_quant(tokens):
+    """V4.1-Flash wo_a: 8 groups of 8 heads × 512 → 1024; z's e4m3 bytes and scales from the
+    fused epilogue equal quantizing its bf16 output separately, eager and in graph replays."""
+    from kernels.mxfp8_gemm import mxfp8_gemm
+    from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
+
+    groups, r, kg = 8, 1024, 4096
+    w8, ws = weight(groups * r, kg, seed=5, device="cuda")
+    x = activations(tokens, groups * kg, seed=tokens, device="cuda")
+    x8, xs = quantize_mxfp8_triton(x)
+    z8, zs = mxfp8_gemm(x8, xs, w8, ws, groups=groups, quantize_out=True)
+    z = mxfp8_gemm(x8, xs, w8, ws, groups=groups)
+    u8, us = quantize_mxfp8_triton(z)
+    assert _bytes_equal(z8, u8) and torch.equal(zs, us)
+    r8, rs = quantize_mxfp8(z)
+    assert _bytes_equal(z8, r8) and torch.equal(zs, rs)
+    ref = mxfp8_gemm_reference(x8, xs, w8, ws, groups=groups, out_dtype=torch.float32)
+    assert rel_err(dequantize_mxfp8(z8, zs), ref) < 4e-2
+
+    static = x.clone()
+
+    def fused():
+        return mxfp8_gemm(*quantize_mxfp8_triton(static), w8, ws, groups=groups, quantize_out=True)
+
+    def separate():
+        q, s = quantize_mxfp8_triton(static)
+        return quantize_mxfp8_triton(mxfp8_gemm(q, s, w8, ws, groups=groups))
+
+    g_fused, (gz8, gzs) = _capture(fused)
+    g_sep, (gu8, gus) = _capture(separate)
+    for seed in (1, 2):
+        static.copy_(activations(tokens, groups * kg, seed=seed + tokens, device="cuda"))
+        g_fused.replay()
+        g_sep.replay()
+        torch.cuda.synchronize()
+        assert _bytes_equal(gz8, gu8) and torch.equal(gzs, gus)
+        e8, es = fused()
+        assert _bytes_equal(gz8, e8) and torch.equal(gzs, es)  # replay == eager
