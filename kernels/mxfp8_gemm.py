@@ -149,14 +149,15 @@ if triton is not None:
             tl.store(C + c_offs, acc.to(C.dtype.element_ty), mask=ok)
 
 
-def default_config(m: int, n_group: int, k_group: int) -> dict:
-    """Tile sizes: a 64-row tile for decode-sized M, 128 otherwise; the N tile must divide a
-    group's rows when groups > 1 (V4.1's wo_a has R = 1024)."""
-    block_m = 16 if m <= 16 else (64 if m <= 64 else 128)
-    block_n = 128 if n_group % 128 == 0 else (64 if n_group % 64 == 0 else 32)
+def default_config(m: int, n: int, k_group: int, groups: int = 1) -> dict:
+    """Tile sizes: a 64-row tile up to M = 64 (decode), 128 rows beyond; the N tile must divide
+    a group's rows when groups > 1 (V4.1's wo_a has 1024)."""
+    block_m = 64 if m <= 64 else 128
+    rows = n // groups
+    block_n = 128 if groups == 1 or rows % 128 == 0 else (64 if rows % 64 == 0 else 32)
     block_k = 128 if k_group % 128 == 0 else 32
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
-                "num_warps": 4 if block_m < 128 else 8, "num_stages": 3}
+            "num_warps": 4 if block_m < 128 else 8, "num_stages": 3}
 
 
 def mxfp8_gemm(
@@ -176,7 +177,7 @@ def mxfp8_gemm(
     if x8.stride(-1) != 1 or w8.stride(-1) != 1 or xs.stride(-1) != 1 or ws.stride(-1) != 1:
         raise ValueError("x8, xs, w8 and ws must be contiguous in K")
     xs, ws = _bytes(xs), _bytes(ws)
-    cfg = dict(config or default_config(m, n // groups, kg))
+    cfg = dict(config or default_config(m, n, kg, groups))
     if groups > 1 and (n // groups) % cfg["BLOCK_N"]:
         raise ValueError(f"BLOCK_N {cfg['BLOCK_N']} must divide the group's {n // groups} rows")
     if kg % cfg["BLOCK_K"]:
