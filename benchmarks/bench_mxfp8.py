@@ -57,10 +57,11 @@ def sweep_configs(m: int, n: int, k: int) -> list[dict]:
         for bn in (64, 128, 256) if bm < 256 else (64, 128):
             for bk in (32, 128):
                 for stages in (3, 4):
-                    c = dict(base, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages,
-                             num_warps=4 if bm < 128 else 8)
-                    if c not in out and k % bk == 0:
-                        out.append(c)
+                    for split in sorted({1, base["SPLIT_K"]}):
+                        c = dict(base, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages,
+                                 num_warps=4 if bm < 128 else 8, SPLIT_K=split)
+                        if c not in out and k % bk == 0 and (k // bk) % split == 0:
+                            out.append(c)
     return out
 
 

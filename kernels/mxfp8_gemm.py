@@ -19,6 +19,8 @@ MXFP8 GEMM reads bytes identical to quantizing the bf16 output separately.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels.fp8 import FP8_DTYPE, dequantize_weight_blocks
@@ -95,14 +97,16 @@ if triton is not None:
 
     @triton.jit
     def _mxfp8_gemm_kernel(
-        A, SA, B, SB, C, SC, M, N, K_GROUP, N_GROUP,
-        stride_am, stride_sam, stride_bn, stride_sbn, stride_cm, stride_scm,
+        A, SA, B, SB, C, SC, M, N, K_GROUP, N_GROUP, K_STEPS,
+        stride_am, stride_sam, stride_bn, stride_sbn, stride_cm, stride_scm, stride_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        QUANT_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
+        QUANT_OUT: tl.constexpr, OUT_BF16: tl.constexpr, SPLIT: tl.constexpr,
     ):
         """C = (A8 · 2^SA) (B8 · 2^SB)ᵀ, the scales applied per 32-wide K slice; the N tile's
-        group g reads A's K columns [g·K_GROUP, (g+1)·K_GROUP)."""
+        group g reads A's K columns [g·K_GROUP, (g+1)·K_GROUP). Program (pid, s) covers K
+        steps [s·K_STEPS, (s+1)·K_STEPS); with SPLIT it writes fp32 partials to C[s]."""
         pid = tl.program_id(0)
+        k_first = tl.program_id(1) * K_STEPS * BLOCK_K
         grid_m = tl.cdiv(M, BLOCK_M)
         grid_n = tl.cdiv(N, BLOCK_N)
         width = GROUP_M * grid_n
@@ -115,13 +119,14 @@ if triton is not None:
         rk = tl.arange(0, 32)
         m_ok = rm < M
         n_ok = rn < N
-        k0 = (pid_n * BLOCK_N // N_GROUP) * K_GROUP  # this tile's group's first K column of A
+        k0 = (pid_n * BLOCK_N // N_GROUP) * K_GROUP + k_first  # this tile's group's K columns of A
         a_ptr = A + rm.to(tl.int64)[:, None] * stride_am + k0 + rk[None, :]
         b_ptr = B + rn.to(tl.int64)[:, None] * stride_bn + rk[None, :]
         sa_ptr = SA + rm.to(tl.int64) * stride_sam + k0 // 32
-        sb_ptr = SB + (rn // 32).to(tl.int64) * stride_sbn
+        b_ptr += k_first
+        sb_ptr = SB + (rn // 32).to(tl.int64) * stride_sbn + k_first // 32
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for _ in range(K_GROUP // BLOCK_K):
+        for _ in range(K_STEPS):
             for j in tl.static_range(BLOCK_K // 32):
                 a = tl.load(a_ptr + j * 32, mask=m_ok[:, None], other=0.0)
                 b = tl.load(b_ptr + j * 32, mask=n_ok[:, None], other=0.0)
@@ -135,7 +140,9 @@ if triton is not None:
             sb_ptr += BLOCK_K // 32
         ok = m_ok[:, None] & n_ok[None, :]
         c_offs = rm.to(tl.int64)[:, None] * stride_cm + rn[None, :]
-        if QUANT_OUT:
+        if SPLIT:
+            tl.store(C + tl.program_id(1).to(tl.int64) * stride_split + c_offs, acc, mask=ok)
+        elif QUANT_OUT:
             z = tl.reshape(round_to_bf16(acc), (BLOCK_M, BLOCK_N // 32, 32))
             byte = ue8m0_byte(tl.max(tl.abs(z), 2))  # [BLOCK_M, BLOCK_N / 32]
             q = tl.reshape(quantize_blocks(z, pow2_from_byte(254 - byte)[:, :, None]), (BLOCK_M, BLOCK_N))
@@ -149,15 +156,51 @@ if triton is not None:
             tl.store(C + c_offs, acc.to(C.dtype.element_ty), mask=ok)
 
 
-def default_config(m: int, n: int, k_group: int, groups: int = 1) -> dict:
+    @triton.jit
+    def _split_sum_kernel(W, C, MN, SPLITS, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
+        """C = Σ_s W[s] in a fixed order (deterministic), W fp32 [SPLITS, M·N] contiguous."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < MN
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for s in range(SPLITS):
+            acc += tl.load(W + s * MN + offs, mask=ok, other=0.0)
+        if OUT_BF16:
+            tl.store(C + offs, round_to_bf16(acc).to(tl.bfloat16), mask=ok)
+        else:
+            tl.store(C + offs, acc.to(C.dtype.element_ty), mask=ok)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def split_k_for(tiles: int, k_steps: int, sms: int, max_split: int = 32) -> int:
+    """How many K splits fill the GPU when the output has fewer tiles than SMs (decode-sized
+    M): the smallest divisor of the K steps reaching one wave, each split ≥ 2 steps."""
+    if tiles >= sms:
+        return 1
+    divisors = [s for s in range(2, min(k_steps // 2, max_split) + 1) if k_steps % s == 0]
+    for s in divisors:
+        if tiles * s >= sms:
+            return s
+    return divisors[-1] if divisors else 1
+
+
+def default_config(m: int, n: int, k_group: int, groups: int = 1, sms: int = 132, quantize_out: bool = False,
+                   ) -> dict:
     """Tile sizes: a 64-row tile up to M = 64 (decode), 128 rows beyond; the N tile must divide
-    a group's rows when groups > 1 (V4.1's wo_a has 1024)."""
+    a group's rows when groups > 1 (V4.1's wo_a has 1024). Split-K where the tiles alone do
+    not fill ``sms`` SMs (not with ``quantize_out``: its epilogue needs the whole sum)."""
     block_m = 64 if m <= 64 else 128
     rows = n // groups
     block_n = 128 if groups == 1 or rows % 128 == 0 else (64 if rows % 64 == 0 else 32)
     block_k = 128 if k_group % 128 == 0 else 32
+    tiles = -(-m // block_m) * -(-n // block_n)
+    # the fp32 partials (split · M · N · 4 bytes) must stay below the weight's N · K bytes
+    split = 1 if quantize_out else split_k_for(tiles, k_group // block_k, sms, min(32, k_group // (4 * m)))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
-            "num_warps": 4 if block_m < 128 else 8, "num_stages": 3}
+            "num_warps": 4 if block_m < 128 else 8, "num_stages": 3, "SPLIT_K": split}
 
 
 def mxfp8_gemm(
@@ -177,7 +220,11 @@ def mxfp8_gemm(
     if x8.stride(-1) != 1 or w8.stride(-1) != 1 or xs.stride(-1) != 1 or ws.stride(-1) != 1:
         raise ValueError("x8, xs, w8 and ws must be contiguous in K")
     xs, ws = _bytes(xs), _bytes(ws)
-    cfg = dict(config or default_config(m, n, kg, groups))
+    sms = _sm_count(x8.device.index or 0) if x8.is_cuda else 132
+    cfg = dict(config or default_config(m, n, kg, groups, sms, quantize_out))
+    split = cfg.pop("SPLIT_K", 1)
+    if split > 1 and (quantize_out or (kg // cfg["BLOCK_K"]) % split):
+        raise ValueError(f"SPLIT_K {split} must divide the K steps ({kg // cfg['BLOCK_K']}), without quantize_out")
     if groups > 1 and (n // groups) % cfg["BLOCK_N"]:
         raise ValueError(f"BLOCK_N {cfg['BLOCK_N']} must divide the group's {n // groups} rows")
     if kg % cfg["BLOCK_K"]:
@@ -189,11 +236,18 @@ def mxfp8_gemm(
         c = torch.empty(m, n, dtype=out_dtype, device=x8.device)
         sc = c  # unused
     if m:
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        # split-K partials go to an fp32 workspace, summed in order by a second launch
+        dst = torch.empty(split, m, n, dtype=torch.float32, device=x8.device) if split > 1 else c
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
         _mxfp8_gemm_kernel[grid](
-            x8, xs, w8, ws, c, sc, m, n, kg, n // groups if groups > 1 else n,
-            x8.stride(0), xs.stride(0), w8.stride(0), ws.stride(0), c.stride(0), sc.stride(0),
-            QUANT_OUT=quantize_out, OUT_BF16=c.dtype == torch.bfloat16, **cfg)
+            x8, xs, w8, ws, dst, sc, m, n, kg, n // groups if groups > 1 else n, kg // cfg["BLOCK_K"] // split,
+            x8.stride(0), xs.stride(0), w8.stride(0), ws.stride(0), dst.stride(-2), sc.stride(0),
+            dst.stride(0) if split > 1 else 0,
+            QUANT_OUT=quantize_out, OUT_BF16=c.dtype == torch.bfloat16, SPLIT=split > 1, **cfg)
+        if split > 1:
+            block = 1024
+            _split_sum_kernel[(triton.cdiv(m * n, block),)](dst, c, m * n, split, BLOCK=block,
+                                                            OUT_BF16=c.dtype == torch.bfloat16, num_warps=4)
     if quantize_out:
         return c.view(FP8_DTYPE), sc
     return c
@@ -217,4 +271,5 @@ __all__ = [
     "mxfp8_gemm_reference",
     "mxfp8_linear",
     "quantize_mxfp8_weight",
+    "split_k_for",
 ]

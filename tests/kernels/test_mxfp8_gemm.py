@@ -101,6 +101,18 @@ def test_reference_is_dequantized_matmul(groups):
     assert y.shape == (m, n) and rel_err(y, manual) < 1e-6
 
 
+def test_split_k_only_where_tiles_leave_sms_idle():
+    from kernels.mxfp8_gemm import default_config, split_k_for
+
+    assert split_k_for(200, 40, 132) == 1
+    assert split_k_for(10, 40, 132) == 20 and split_k_for(40, 64, 132) == 4
+    assert split_k_for(10, 3, 132) == 1 and split_k_for(10, 40, 132, max_split=8) == 8
+    assert default_config(1, 1280, 5120)["SPLIT_K"] == 20  # wq_a decode: 10 tiles → 200 programs
+    assert default_config(1, 1280, 5120, quantize_out=True)["SPLIT_K"] == 1
+    assert default_config(8192, 5120, 8192)["SPLIT_K"] == 1
+    assert default_config(128, 1280, 5120)["SPLIT_K"] == 10  # partials capped at the weight's bytes
+
+
 def test_operand_validation():
     x8, xs = quantize_mxfp8(activations(4, 128))
     w8, ws = weight(64, 64)
@@ -126,7 +138,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     """
     import torch
     from kernels.microscaling import quantize_mxfp8
-    from kernels.mxfp8_gemm import mxfp8_gemm, mxfp8_gemm_reference
+    from kernels.mxfp8_gemm import default_config, mxfp8_gemm, mxfp8_gemm_reference
     from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
     from tests.kernels.test_mxfp8_gemm import activations, weight, rel_err
 
@@ -146,14 +158,18 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         rq, rs = quantize_mxfp8(x)
         assert same(q, rq) and torch.equal(s, rs), x.shape
 
-    # GEMM vs reference: M off the tile, a ragged N, several groups
-    for m, n, k, g in [(37, 96, 160, 1), (5, 100, 64, 1), (20, 128, 64, 2), (130, 256, 256, 4)]:
+    # GEMM vs reference: M off the tile, a ragged N, several groups, split-K (tile overrides)
+    for m, n, k, g, tiles in [(37, 96, 160, 1, {}), (5, 100, 64, 1, {}), (20, 128, 64, 2, {}),
+                              (130, 256, 256, 4, {}), (5, 96, 192, 1, dict(SPLIT_K=3, BLOCK_K=32, BLOCK_N=32)),
+                              (37, 64, 256, 2, dict(SPLIT_K=2, BLOCK_K=64, BLOCK_N=32)),
+                              (3, 100, 512, 1, dict(SPLIT_K=4, BLOCK_M=16, BLOCK_N=64))]:
         x8, xs = quantize_mxfp8_triton(activations(m, k * g, seed=m))
         w8, ws = weight(n, k, seed=n)
+        cfg = dict(default_config(m, n, k, g), **tiles)
         ref = mxfp8_gemm_reference(x8, xs, w8, ws, groups=g, out_dtype=torch.float32)
-        y = mxfp8_gemm(x8, xs, w8, ws, groups=g, out_dtype=torch.float32)
+        y = mxfp8_gemm(x8, xs, w8, ws, groups=g, out_dtype=torch.float32, config=cfg)
         assert rel_err(y, ref) < 1e-5, (m, n, k, g, rel_err(y, ref))
-        yb = mxfp8_gemm(x8, xs, w8, ws, groups=g)
+        yb = mxfp8_gemm(x8, xs, w8, ws, groups=g, config=cfg)
         assert torch.equal(yb, y.bfloat16())  # bf16 output is the RNE rounding of the fp32 one
 
     # wo_a's quantizing epilogue: z's bytes equal quantizing the bf16 z separately
