@@ -1,9 +1,10 @@
 """MXFP8 GEMMs on one GPU: our Triton kernel (per-32 scale promotion) against cuBLAS'
 blockwise ``torch._scaled_mm`` (1×128 activations, 128×128 weights: the R1 path), at
-DeepSeek-V4.1-Flash shapes, and the wo_a → wo_b pair with and without the quantizing epilogue.
+DeepSeek-V4.1-Flash shapes, and the output projection (inverse RoPE → wo_a → wo_b) fused,
+unfused and as HF's bf16 path, at TP1 and TP8 shard shapes.
 
-    python3 -m benchmarks.bench_mxfp8                  # from the repo root
-    python3 -m benchmarks.bench_mxfp8 --m 1 128 --sweep --json out.json
+    python3 -m benchmarks.bench_mxfp8                  # from the repo root (~2 min on an H200)
+    python3 -m benchmarks.bench_mxfp8 --m 1 128 --o-proj-tokens --sweep --json out.json
 
 Correctness is checked first (first 256 rows against the float32 references on the same
 quantized operands). Each call is a CUDA-graph replay with the L2 emptied before it (a 256 MB
@@ -24,19 +25,21 @@ from benchmarks.bench_mla_decode import time_call
 from kernels.fp8 import quantize_weight_blocks
 from kernels.fp8_gemm import fp8_block_linear
 from kernels.fp8_quant_triton import quantize_per_token_group_triton
-from kernels.microscaling import dequantize_mxfp8
 from kernels.mxfp8_gemm import (
     default_config,
+    dequantize_mxfp8_weight,
     mxfp8_gemm,
     mxfp8_gemm_reference,
     mxfp8_linear,
     quantize_mxfp8_weight,
 )
+from kernels.mxfp8_o_proj import inverse_rope_reference, mxfp8_o_proj, o_proj_reference
 from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
 
 # (layer, N, K) of V4.1-Flash's linears on one GPU (TP1)
 SHAPES = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192)]
-WO_A = (8, 1024, 4096)  # groups, rank per group, K per group (8 heads × 512)
+O_PROJ_TP = {"tp1": (64, 8), "tp8": (8, 1)}  # one rank's (heads, wo_a groups)
+O_PROJ_DIMS = (1024, 512, 32, 5120)  # wo_a rank per group, head dim, rope pairs, hidden
 CHECK_ROWS = 256
 REPS = (10, 60)  # ms of warm-up, ms of timed replays
 
@@ -112,31 +115,39 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool) -> dict:
     return row
 
 
-def bench_o_proj(t: int) -> dict:
-    """wo_a (grouped, MXFP8 o') then wo_b: z written as MXFP8 by wo_a's epilogue (fused) vs
-    wo_a writing bf16 z and a separate quantization pass (unfused). o' is pre-quantized."""
-    groups, rank, kg = WO_A
+def bench_o_proj(tp: str, t: int) -> dict:
+    """V4.1's output projection at one rank's shapes: the fused MXFP8 path (inverse RoPE in the
+    quantization pass, z written as MXFP8 by wo_a's epilogue) against the same math unfused
+    (torch inverse RoPE, quantization launches, bf16 z) and against HF's bf16 path."""
+    heads, groups = O_PROJ_TP[tp]
+    rank, d, half, hidden = O_PROJ_DIMS
     g = torch.Generator(device="cuda").manual_seed(t)
-    o = torch.randn(t, groups * kg, device="cuda", dtype=torch.bfloat16, generator=g)
-    wa8, was = quantize_mxfp8_weight(torch.randn(groups * rank, kg, device="cuda", generator=g) * 0.02)
-    wb8, wbs = quantize_mxfp8_weight(torch.randn(5120, groups * rank, device="cuda", generator=g) * 0.02)
-    o8, os_ = quantize_mxfp8_triton(o)
+    o = torch.randn(t, heads, d, device="cuda", generator=g).bfloat16()
+    ang = torch.rand(t, half, device="cuda", generator=g) * 1000
+    cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
+    wa = quantize_mxfp8_weight(torch.randn(groups * rank, heads * d // groups, device="cuda", generator=g) * 0.02)
+    wb = quantize_mxfp8_weight(torch.randn(hidden, groups * rank, device="cuda", generator=g) * 0.02)
+    wa16 = dequantize_mxfp8_weight(*wa).bfloat16().reshape(groups, rank, -1).transpose(1, 2)  # [g, Kg, R]
+    wb16 = dequantize_mxfp8_weight(*wb).bfloat16()
 
     def fused():
-        return mxfp8_gemm(*mxfp8_gemm(o8, os_, wa8, was, groups=groups, quantize_out=True), wb8, wbs)
+        return mxfp8_o_proj(o, cos, sin, wa, wb, groups)
 
     def unfused():
-        z = mxfp8_gemm(o8, os_, wa8, was, groups=groups)
-        return mxfp8_gemm(*quantize_mxfp8_triton(z), wb8, wbs)
+        op = inverse_rope_reference(o, cos, sin).reshape(t, -1)
+        z = mxfp8_gemm(*quantize_mxfp8_triton(op), *wa, groups=groups)
+        return mxfp8_gemm(*quantize_mxfp8_triton(z), *wb)
 
-    z8, zs = mxfp8_gemm(o8, os_, wa8, was, groups=groups, quantize_out=True)
-    u8, us = quantize_mxfp8_triton(mxfp8_gemm(o8, os_, wa8, was, groups=groups))
+    def bf16():
+        op = inverse_rope_reference(o, cos, sin).reshape(t, groups, -1)
+        return torch.bmm(op.transpose(0, 1), wa16).transpose(0, 1).reshape(t, -1) @ wb16.t()
+
     r = min(t, CHECK_ROWS)
-    z_ref = mxfp8_gemm_reference(o8[:r], os_[:r], wa8, was, groups=groups, out_dtype=torch.float32)
-    row = {"T": t, "z_bytes_equal": bool(torch.equal(z8.view(torch.uint8), u8.view(torch.uint8))
-                                          and torch.equal(zs, us)),
-           "err_z": rel_err(dequantize_mxfp8(z8[:r], zs[:r]), z_ref),
-           "fused_us": timed(fused) * 1e6, "unfused_us": timed(unfused) * 1e6}
+    ref = o_proj_reference(o[:r], cos[:r], sin[:r], wa, wb, groups)
+    row = {"tp": tp, "T": t, "heads": heads, "groups": groups,
+           "err_fused": rel_err(fused()[:r], ref), "err_unfused": rel_err(unfused()[:r], ref),
+           "err_bf16_vs_ref": rel_err(bf16()[:r], ref),
+           "fused_us": timed(fused) * 1e6, "unfused_us": timed(unfused) * 1e6, "bf16_us": timed(bf16) * 1e6}
     row["speedup"] = row["unfused_us"] / row["fused_us"]
     print(json.dumps(row), flush=True)
     return row
@@ -152,18 +163,20 @@ def markdown(rows: list[dict], o_rows: list[dict]) -> str:
                      f"{r['ours_tflops']:.0f} | {r['mm_tflops']:.0f} | {r['ratio']:.2f} | {r['ours_quant_us']:.1f} | "
                      f"{r['mm_quant_us']:.1f} | {r['err_ours']:.1e} |")
     if o_rows:
-        lines += ["", "wo_a (8 groups × 4096 → 1024) + wo_b (8192 → 5120), o' pre-quantized",
-                  "", "| T | fused µs | unfused µs | speedup | z bytes equal | z rel. err |", "|---|---|---|---|---|---|"]
+        lines += ["", ("o_proj (inverse RoPE → wo_a → wo_b, V4.1-Flash, one rank): fused MXFP8 vs unfused MXFP8 "
+                  "vs HF's bf16 path"), "", "| TP | T | fused µs | unfused µs | speedup | bf16 µs | fused err |",
+                  "|---|---|---|---|---|---|---|"]
         for r in o_rows:
-            lines.append(f"| {r['T']} | {r['fused_us']:.1f} | {r['unfused_us']:.1f} | {r['speedup']:.2f} | "
-                         f"{r['z_bytes_equal']} | {r['err_z']:.1e} |")
+            lines.append(f"| {r['tp']} | {r['T']} | {r['fused_us']:.1f} | {r['unfused_us']:.1f} | {r['speedup']:.2f} | "
+                         f"{r['bf16_us']:.1f} | {r['err_fused']:.1e} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 128, 1024, 8192])
-    ap.add_argument("--o-proj-tokens", type=int, nargs="*", default=[1, 128, 1024, 8192])
+    ap.add_argument("--o-proj-tokens", type=int, nargs="*", default=[1, 16, 64, 256, 1024, 4096, 16384])
+    ap.add_argument("--tp", nargs="*", default=sorted(O_PROJ_TP), choices=sorted(O_PROJ_TP))
     ap.add_argument("--sweep", action="store_true",
                     help="also time ~20 candidate tile configs per shape (minutes: pair with a short --m)")
     ap.add_argument("--json")
@@ -175,11 +188,12 @@ def main() -> None:
                 rows.append(bench_linear(layer, m, n, k, args.sweep))
             except Exception as exc:  # noqa: BLE001 - one failing shape must not hide the others
                 print(f"{layer} M={m} FAILED: {exc!r}", flush=True)
-    for t in args.o_proj_tokens:
-        try:
-            o_rows.append(bench_o_proj(t))
-        except Exception as exc:  # noqa: BLE001
-            print(f"o_proj T={t} FAILED: {exc!r}", flush=True)
+    for tp in args.tp:
+        for t in args.o_proj_tokens:
+            try:
+                o_rows.append(bench_o_proj(tp, t))
+            except Exception as exc:  # noqa: BLE001
+                print(f"o_proj {tp} T={t} FAILED: {exc!r}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "gemm": rows, "o_proj": o_rows}, f, indent=1)
