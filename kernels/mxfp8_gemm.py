@@ -4,10 +4,12 @@ Operands: activations e4m3 [M, K] with one UE8M0 byte per 32 along K ([M, K/32])
 e4m3 [N, K] with one UE8M0 byte per 32×32 block ([ceil(N/32), K/32]), V4.1's checkpoint
 format. A byte b means the scale 2^(b−127).
 
-Hopper has no block-scaled MMA, but both scales are powers of two, so the MXFP8 product is
-exact with an FP8 MMA per 32-wide K slice: ``acc += dot(a8, b8) · 2^(ea−127) · 2^(eb−127)``,
-one multiply and one FMA per accumulator element per 32 of K (the fp32 partial of 32 e4m3
-products is exact, so the only rounding is fp32 accumulation, as in the reference's matmul).
+Hopper has no block-scaled MMA, but both scales are powers of two, so the MXFP8 numerics are
+kept by an FP8 MMA per 32-wide K slice: ``acc += dot(a8, b8) · 2^(ea−127) · 2^(eb−127)``, one
+multiply and one FMA per accumulator element per 32 of K. The scaling itself is exact; what
+rounds is the sum: inside the MMA (Hopper's FP8 MMA accumulates with fewer than fp32's bits,
+so promoting into the fp32 accumulator after every 32 keeps that error to one slice's sum)
+and in the fp32 accumulator, as in the reference's matmul.
 
 ``groups > 1`` is the grouped low-rank projection wo_a: x [M, groups·Kg] and weight
 [groups·R, Kg], output group g = x[:, g·Kg:(g+1)·Kg] · W[g·R:(g+1)·R]ᵀ (a block-diagonal
@@ -132,7 +134,7 @@ if triton is not None:
                 b = tl.load(b_ptr + j * 32, mask=n_ok[:, None], other=0.0)
                 sa = pow2_from_byte(tl.load(sa_ptr + j, mask=m_ok, other=0))
                 sb = pow2_from_byte(tl.load(sb_ptr + j, mask=n_ok, other=0))
-                part = tl.dot(a, tl.trans(b))  # exact: 32 e4m3 products summed in fp32
+                part = tl.dot(a, tl.trans(b))  # one 32-wide slice, promoted at once
                 acc += part * (sa[:, None] * sb[None, :])
             a_ptr += BLOCK_K
             b_ptr += BLOCK_K

@@ -233,7 +233,9 @@ def test_gpu_gemm_matches_reference(shape):
     x8, xs = quantize_mxfp8_triton(x)
     ref = mxfp8_gemm_reference(x8, xs, w8, ws, out_dtype=torch.float32)
     y = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32)
-    assert rel_err(y, ref) < 1e-5  # the same exact products, fp32 sums in another order
+    # same products; the FP8 MMA's own narrower accumulation of each 32-slice and the fp32 sum
+    # order differ from the reference (a wrong scale would be an O(1) error)
+    assert rel_err(y, ref) < 1e-4
     yb = mxfp8_linear(x, w8, ws)
     assert yb.dtype == torch.bfloat16 and rel_err(yb, ref) < 1e-2
 
