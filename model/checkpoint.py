@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from kernels.fp8 import quantize_weight_blocks
-from model.config import ModelConfig, parse_model_config
+from model.config import ConfigError, ModelConfig, parse_model_config
 
 CONFIGS_DIR = os.path.dirname(os.path.abspath(__import__("configs").__file__))
 
@@ -123,9 +123,22 @@ def write_random_checkpoint(
     with_mtp: bool = True,
     num_layers: int | None = None,
     progress: bool = False,
+    num_experts: int | None = None,
+    engram_rows: int | None = None,
 ) -> str:
-    """Write a random checkpoint; returns ``out_dir``. ``num_layers`` truncates a preset."""
+    """Write a random checkpoint; returns ``out_dir``. ``num_layers`` truncates a preset.
+
+    DeepSeek-V4 / V4.1 configs go to :func:`model.v4_checkpoint.write_random_v4_checkpoint`
+    (released format; ``num_experts`` and ``engram_rows`` cut it further)."""
     cfg_dict = dict(load_config_dict(config) if isinstance(config, str) else config)
+    if cfg_dict.get("model_type") in ("deepseek_v4", "deepseek_v41"):
+        from model.v4_checkpoint import write_random_v4_checkpoint
+
+        return write_random_v4_checkpoint(
+            cfg_dict, out_dir, fp8=fp8, seed=seed, dtype=dtype, shard_bytes=shard_bytes, with_mtp=with_mtp,
+            num_layers=num_layers, num_experts=num_experts, engram_rows=engram_rows, progress=progress)
+    if num_experts is not None or engram_rows is not None:
+        raise ConfigError("--num-experts and --engram-rows apply to DeepSeek-V4 / V4.1 configs only")
     if num_layers is not None:
         cfg_dict["num_hidden_layers"] = num_layers
     if fp8:

@@ -1,4 +1,4 @@
-"""DeepSeek V2/V3/R1 causal LM: decoder layers, final norm, LM head, and the MTP module.
+"""DeepSeek V2/V3/R1 causal LM: decoder layers, final norm and LM head (MTP layers are skipped at load).
 
 ``forward(input_ids, positions)`` takes one step's flattened tokens (all sequences
 concatenated) and returns hidden states; the attention layout of the step comes from the
@@ -117,31 +117,6 @@ def _expert_loader(experts, e: int, proj: str, is_scale: bool, full_name: str) -
     return lambda t, n="": experts.load_expert(e, proj, t, is_scale, full_name)
 
 
-class MultiTokenPredictor(nn.Module):
-    """DeepSeek-V3's MTP module (``model.layers.{num_hidden_layers}``): loaded for later
-    speculative decoding, not used in the forward pass."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary, par: ParallelContext, dtype, fp8_block) -> None:
-        super().__init__()
-        c = config
-        self.enorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.hnorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.eh_proj = nn.Parameter(torch.empty(c.hidden_size, 2 * c.hidden_size, dtype=dtype), requires_grad=False)
-        self.layer = DecoderLayer(c, layer_idx, rotary, par, dtype, fp8_block)
-        self.shared_head_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.shared_head = ParallelLMHead(c.vocab_size, c.hidden_size, par.tp_rank, par.tp_size, dtype)
-
-    def weight_map(self, prefix: str, fp8: bool) -> dict[str, WeightLoader]:
-        m = self.layer.weight_map(prefix, fp8)
-        m[f"{prefix}.enorm.weight"] = _param_loader(self.enorm.weight)
-        m[f"{prefix}.hnorm.weight"] = _param_loader(self.hnorm.weight)
-        m[f"{prefix}.eh_proj.weight"] = _param_loader(self.eh_proj)
-        m[f"{prefix}.shared_head.norm.weight"] = _param_loader(self.shared_head_norm.weight)
-        head = self.shared_head
-        m[f"{prefix}.shared_head.head.weight"] = lambda t, n="": head.weight.weight_loader(head.weight, t, n)
-        return m
-
-
 class DeepseekForCausalLM(nn.Module):
     def __init__(
         self,
@@ -149,7 +124,6 @@ class DeepseekForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         keep_fp8: bool = False,
         par: ParallelContext | None = None,
-        with_mtp: bool = False,
     ) -> None:
         super().__init__()
         c = config
@@ -164,11 +138,6 @@ class DeepseekForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(c.vocab_size, c.hidden_size, self.par.tp_rank, self.par.tp_size, dtype)
-        self.mtp = nn.ModuleList()
-        if with_mtp:
-            for k in range(c.num_nextn_predict_layers):
-                idx = c.num_hidden_layers + k
-                self.mtp.append(MultiTokenPredictor(c, idx, self.rotary, self.par, dtype, self.fp8_block))
 
     # ---- forward ---------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -206,17 +175,8 @@ class DeepseekForCausalLM(nn.Module):
             m["lm_head.weight"] = lambda t, n="": head.weight.weight_loader(head.weight, t, n)
         return m
 
-    def mtp_weight_map(self) -> dict[str, WeightLoader]:
-        fp8 = self.fp8_block is not None
-        m: dict[str, WeightLoader] = {}
-        for k, mod in enumerate(self.mtp):
-            m.update(mod.weight_map(f"model.layers.{self.config.num_hidden_layers + k}", fp8))
-        return m
-
     def process_weights_after_loading(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight.data.copy_(self.embed_tokens.weight.data)
         for layer in self.layers:
             layer.self_attn.process_weights_after_loading()
-        for mod in self.mtp:
-            mod.layer.self_attn.process_weights_after_loading()

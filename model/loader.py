@@ -4,14 +4,20 @@ Single-file or sharded safetensors (``model.safetensors.index.json``), read thro
 memory-mapped ``safe_open`` handles one tensor at a time, so the checkpoint never sits in
 RAM twice. FP8 e4m3 weights with ``weight_scale_inv`` are either kept as FP8 + scales (for
 FP8 GEMMs on GPU) or dequantized to the compute dtype as they stream in (CPU, or when the
-user asks for a dtype). MTP layers (``model.layers.{num_hidden_layers}``) go to their own
-module when present. Every failure is a one-line :class:`CheckpointError`.
+user asks for a dtype). Every failure is a one-line :class:`CheckpointError`.
+
+Multi-token-prediction layers (DeepSeek-V3/R1's ``num_nextn_predict_layers``, stored as
+``model.layers.{L}.*`` for L >= ``num_hidden_layers``) are never read: they serve only
+speculative decoding, which mlaserve does not implement, so loading them would spend GPU
+memory (R1: one more full MoE layer plus a vocab-sized head) on weights no forward uses.
+One log line says how many tensors and bytes were skipped.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from contextlib import ExitStack
 
@@ -80,7 +86,7 @@ class CheckpointFiles:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         path = self.files[name]
         handle = self._handles.get(path)
         if handle is None:
@@ -89,7 +95,15 @@ class CheckpointFiles:
             except Exception as exc:  # safetensors raises its own error types
                 raise CheckpointError(f"cannot read {os.path.basename(path)}: {exc}") from None
             self._handles[path] = handle
-        return handle.get_tensor(name)
+        return handle
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def slice(self, name: str):
+        """The lazy safetensors slice: ``get_shape()``, ``get_dtype()`` and ``[a:b]`` reads
+        only the header or the rows asked for."""
+        return self._handle(name).get_slice(name)
 
     def close(self) -> None:
         self._stack.close()
@@ -102,7 +116,6 @@ def load_model(
     device: str | torch.device = "cpu",
     keep_fp8: bool | None = None,
     par: ParallelContext | None = None,
-    load_mtp: bool = True,
     progress: bool = True,
     load_format: str = "auto",
     seed: int = 0,
@@ -127,16 +140,13 @@ def load_model(
     if load_format != "auto":
         raise CheckpointError(f"--load-format: unknown format {load_format!r} (auto or dummy)")
     files = CheckpointFiles(model_dir)
-    mtp_prefix = f"model.layers.{config.num_hidden_layers}."
-    with_mtp = load_mtp and config.num_nextn_predict_layers > 0 and any(n.startswith(mtp_prefix) for n in files.files)
     try:
         with torch.device(device):
-            model = DeepseekForCausalLM(config, compute_dtype, keep_fp8=keep_fp8, par=par, with_mtp=with_mtp)
+            model = DeepseekForCausalLM(config, compute_dtype, keep_fp8=keep_fp8, par=par)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
     targets = model.weight_map()
-    if with_mtp:
-        targets.update({k: v for k, v in model.mtp_weight_map().items() if k in files})
+    _log_skipped_mtp(files, config, par)
     missing = [name for name in targets if name not in files]
     if missing:
         raise CheckpointError(f"checkpoint is missing tensor {missing[0]!r}" + (
@@ -159,6 +169,40 @@ def load_model(
     model.process_weights_after_loading()
     model.eval()
     return model
+
+
+def mtp_tensor_names(names, num_hidden_layers: int) -> list[str]:
+    """The tensors of layers past the decoder stack (``model.layers.{L}.*``, L >= num_hidden_layers)."""
+    out = []
+    for name in names:
+        if name.startswith("model.layers."):
+            index = name.split(".", 3)[2]
+            if index.isdigit() and int(index) >= num_hidden_layers:
+                out.append(name)
+    return out
+
+
+def _log_skipped_mtp(files: CheckpointFiles, config: ModelConfig, par: ParallelContext | None) -> None:
+    """One line (TP rank 0 only) naming what is skipped; sizes come from the safetensors headers."""
+    names = mtp_tensor_names(files.files, config.num_hidden_layers)
+    if not names or (par is not None and par.tp_rank != 0):
+        return
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        by_file.setdefault(files.files[name], []).append(name)
+    nbytes = 0
+    for path, in_file in by_file.items():
+        with safe_open(path, "pt") as f:  # the header only: no tensor data is read
+            for name in in_file:
+                sl = f.get_slice(name)
+                nbytes += math.prod(sl.get_shape()) * _SAFETENSORS_ITEMSIZE.get(sl.get_dtype(), 4)
+    logger.info("skipped %d MTP tensors (%.1f MiB) of layers >= %d (num_nextn_predict_layers=%d): they serve "
+                "speculative decoding only, which mlaserve does not run", len(names), nbytes / 2**20,
+                config.num_hidden_layers, config.num_nextn_predict_layers)
+
+
+_SAFETENSORS_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
+                         "I16": 2, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 @torch.no_grad()

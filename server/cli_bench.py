@@ -19,16 +19,11 @@ import os
 import sys
 from datetime import datetime
 
-from server.cli import CLIError, Subcommand, _human_int, add_scheduling_arguments, bundled_model_dir
-from server.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig, EngineConfigError
+from server.cli import CLIError, Subcommand, bundled_model_dir
+from server.config import EngineConfig, EngineConfigError
+from server.engine_args import add_engine_arguments, engine_kwargs_from_namespace
 
-# argparse dest -> EngineConfig field of the engine flags ``bench throughput`` accepts.
-THROUGHPUT_ENGINE_FIELDS = (
-    "tokenizer", "dtype", "kv_cache_dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-    "enable_chunked_prefill", "block_size", "enable_prefix_caching", "async_scheduling", "gpu_memory_utilization",
-    "kv_cache_memory_bytes", "num_gpu_blocks_override", "enforce_eager", "max_cudagraph_capture_size",
-    "attention_backend",
-)
+logger = logging.getLogger("mlaserve.bench")
 
 
 # ----------------------------------------------------------------------------- flags
@@ -54,7 +49,6 @@ def _plot_argument(p: argparse.ArgumentParser) -> None:
 
 
 def add_throughput_arguments(p: argparse.ArgumentParser) -> None:
-    bool_flag = argparse.BooleanOptionalAction
     p.add_argument("--model", default=None,
                    help="checkpoint directory, or a preset from configs/ (tiny-v3, tiny-v2, deepseek-v2-lite, "
                         "deepseek-r1: random weights in the real shape). Default: the bundled model")
@@ -70,18 +64,7 @@ def add_throughput_arguments(p: argparse.ArgumentParser) -> None:
                         "table and add it to --output-json as \"step_profile\". Synchronizes CUDA per phase")
     _add_dataset_arguments(p, ("--prefix-len", "--random-prefix-len"))
     _plot_argument(p)
-    g = p.add_argument_group("engine (as for `mlaserve serve`)")
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--dtype", choices=DTYPES, default=None)
-    g.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None)
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=None)
-    add_scheduling_arguments(g)
-    g.add_argument("--gpu-memory-utilization", type=float, default=None)
-    g.add_argument("--kv-cache-memory-bytes", type=_human_int, default=None)
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    g.add_argument("--enforce-eager", action=bool_flag, default=None)
-    g.add_argument("--max-cudagraph-capture-size", type=int, default=None)
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=None)
+    add_engine_arguments(p, serve=False)  # the engine flags of `mlaserve serve` (server/engine_args.py)
 
 
 def add_serve_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -195,9 +178,11 @@ def run_throughput_command(ns: argparse.Namespace) -> int:
     from benchmarks.datasets import DatasetError, sample_random_requests
     from benchmarks.throughput import ModelSpecError, load_engine, materialize_model, prompt_vocabulary, run_throughput
 
-    engine_args = {f: getattr(ns, f) for f in THROUGHPUT_ENGINE_FIELDS if getattr(ns, f) is not None}
+    engine_args, notes = engine_kwargs_from_namespace(ns, serve=False)
     engine_args["seed"] = ns.seed
     EngineConfig.from_kwargs(**engine_args)  # a bad engine flag fails before any weights are built
+    for note in notes:
+        logger.info("%s", note)
     model = ns.model or bundled_model_dir()
     try:
         with materialize_model(model, ns.num_layers, ns.seed) as model_dir:

@@ -1,19 +1,21 @@
 """EngineConfig: every engine setting in one validated dataclass.
 
-The CLI (server/cli.py) is the only place that parses flags; it fills this dataclass, and
-the offline ``LLM(model=..., **engine_args)`` API fills it from keyword arguments.
+Every field is typed; nothing rides along untyped. The engine flags of ``serve`` and
+``bench throughput`` come from one table (server/engine_args.py) that fills this dataclass,
+and the offline ``LLM(model=..., **engine_args)`` API fills it from keyword arguments.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from kernels.attention import DECODE_BACKENDS
 from server.errors import InvalidRequestError
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "bf16", "fp32", "float")
+DTYPES = ("auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp16", "half")
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
+OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # vLLM's -O0..-O3; here they only set the CUDA-graph default
 ATTENTION_BACKENDS = ("auto", *DECODE_BACKENDS)  # kernels/attention/ documents each and the auto policy
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
@@ -26,7 +28,8 @@ class EngineConfigError(ValueError):
 @dataclass
 class EngineConfig:
     model: str | None = None  # checkpoint directory; None: the bundled tiny model
-    served_model_name: str | None = None
+    served_model_name: str | None = None  # the name /v1/models reports (default: the model path)
+    served_model_names: tuple[str, ...] = ()  # every accepted name, the reported one first
     tokenizer: str | None = None
     chat_template: str | None = None  # a template file, or the template text itself
     dtype: str = "auto"
@@ -49,7 +52,9 @@ class EngineConfig:
     swap_space: float = 4.0
     # execution
     enforce_eager: bool = False
-    cudagraph_mode: str = "FULL_DECODE_ONLY"
+    optimization_level: int = 2  # vLLM's default -O2
+    cudagraph_mode: str | None = None  # None: from optimization_level (-O0: NONE, else FULL_DECODE_ONLY)
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture (None: the default list)
     max_cudagraph_capture_size: int | None = None
     attention_backend: str = "auto"
     # parallelism
@@ -63,21 +68,35 @@ class EngineConfig:
     master_port: int = 29555
     # misc
     trust_remote_code: bool = False
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.cudagraph_mode is None and self.optimization_level in OPTIMIZATION_LEVELS:
+            self.cudagraph_mode = "NONE" if self.optimization_level == 0 else "FULL_DECODE_ONLY"
+        if self.served_model_names:
+            self.served_model_names = tuple(self.served_model_names)
+            if self.served_model_name is None:
+                self.served_model_name = self.served_model_names[0]
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+                raise EngineConfigError(f"--cudagraph-capture-sizes: expected positive integers, got {sizes!r}")
+            self.cudagraph_capture_sizes = tuple(sorted(set(sizes)))
+            if self.max_cudagraph_capture_size is None:  # vLLM: the largest listed size
+                self.max_cudagraph_capture_size = self.cudagraph_capture_sizes[-1]
         self.validate()
 
     def validate(self) -> None:
         def bad(flag: str, msg: str) -> None:
             raise EngineConfigError(f"{flag}: {msg}")
 
+        if self.optimization_level not in OPTIMIZATION_LEVELS:
+            bad("-O/--optimization-level", f"must be 0, 1, 2 or 3, got {self.optimization_level!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             bad("--kv-cache-dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             bad("--load-format", f"must be auto or dummy, got {self.load_format!r}")
         if self.dtype not in DTYPES:
-            bad("--dtype", f"must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
+            bad("--dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             bad("--device", f"must be auto, cpu or cuda, got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -110,6 +129,14 @@ class EngineConfig:
                 "listen on every interface)")
         if self.max_cudagraph_capture_size is not None and self.max_cudagraph_capture_size < 1:
             bad("--max-cudagraph-capture-size", f"must be at least 1, got {self.max_cudagraph_capture_size}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            if self.max_cudagraph_capture_size != max(sizes):
+                bad("--max-cudagraph-capture-size", f"{self.max_cudagraph_capture_size} contradicts the largest "
+                    f"capture size {max(sizes)} (give one of them, or make them agree)")
+        if self.served_model_names and self.served_model_names[0] != self.served_model_name:
+            bad("--served-model-name", f"the first name {self.served_model_names[0]!r} must be served_model_name "
+                f"{self.served_model_name!r}")
 
     @property
     def use_fp8_kv_cache(self) -> bool:

@@ -1,9 +1,8 @@
 """Full CUDA graphs for pure-decode steps (``cudagraph_mode FULL_DECODE_ONLY``).
 
 A decode step at batch B is a fixed chain of kernels; launching them one by one costs more
-than running them at small B. We capture the whole forward once per batch size in
-``capture_sizes`` (1, 2, 4, 8, then steps of 8 up to 256 and of 16 beyond, up to
-``--max-cudagraph-capture-size``) over persistent input and attention-metadata buffers, and
+than running them at small B. We capture the whole forward once per batch size of
+:func:`decode_capture_sizes` over persistent input and attention-metadata buffers, and
 replay the smallest graph that fits, padding the batch: pad rows carry slot -1 (their KV goes
 to the scratch slot), a context of one token, and block table zeros. Prefill and mixed steps
 run eagerly. Every op on the decode path must therefore be free of host syncs.
@@ -22,6 +21,7 @@ logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_size: int) -> list[int]:
+    """The default list: 1, 2, 4, 8, then steps of 8 up to 256 and of 16 beyond, and ``max_size``."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_size]
     step_sizes = list(range(16, min(max_size, 256) + 1, 8)) + list(range(272, max_size + 1, 16))
     sizes += step_sizes
@@ -30,10 +30,25 @@ def capture_sizes(max_size: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def decode_capture_sizes(config) -> list[int]:
+    """The decode batch sizes to capture for an EngineConfig, ascending (empty: none).
+
+    ``cudagraph_capture_sizes`` (``--cudagraph-capture-sizes`` / ``--cuda-graph-sizes`` /
+    ``--compilation-config '{"cudagraph_capture_sizes": [...]}'``) is used as given, deduplicated
+    and sorted, without the sizes above ``--max-num-seqs`` (a decode step never has more rows).
+    Otherwise the default list up to ``min(--max-cudagraph-capture-size or 512, --max-num-seqs)``.
+    """
+    if config.cudagraph_capture_sizes:
+        return sorted(s for s in set(config.cudagraph_capture_sizes) if s <= config.max_num_seqs)
+    return capture_sizes(min(config.max_cudagraph_capture_size or 512, config.max_num_seqs))
+
+
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int, max_blocks_per_seq: int) -> None:
+    def __init__(self, runner, sizes: list[int], max_blocks_per_seq: int) -> None:
+        if not sizes:
+            raise ValueError("no CUDA-graph capture sizes")
         self.runner = runner
-        self.sizes = capture_sizes(max_batch)
+        self.sizes = sorted(sizes)
         self.max_batch = self.sizes[-1]
         dev = runner.device
         n = self.max_batch
@@ -114,8 +129,12 @@ def maybe_capture(runner, config, max_model_len: int) -> DecodeGraphs | None:
         logger.info("decode CUDA graphs off: attention backend %r is not graph-safe (running eagerly)",
                     runner.decode_backend.name)
         return None
-    max_batch = min(config.max_cudagraph_capture_size or 512, config.max_num_seqs)
+    sizes = decode_capture_sizes(config)
+    if not sizes:
+        logger.info("decode CUDA graphs off: no capture size in %s is at most --max-num-seqs %d",
+                    list(config.cudagraph_capture_sizes), config.max_num_seqs)
+        return None
     max_blocks = -(-max_model_len // config.block_size)
-    graphs = DecodeGraphs(runner, max_batch, max_blocks)
+    graphs = DecodeGraphs(runner, sizes, max_blocks)
     graphs.capture()
     return graphs

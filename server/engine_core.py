@@ -21,7 +21,7 @@ from server.config import EngineConfig
 from server.errors import InvalidRequestError
 from server.kv_cache import BlockManager
 from server.outputs import TokenLogprob
-from server.runner import ModelRunner, PendingStep, StepResult, determine_num_blocks
+from server.runner import ModelRunner, PendingStep, StepResult, determine_num_blocks, model_kv_cache_specs
 from server.sampling_params import SamplingParams
 from server.scheduler import Scheduler, SchedulerOutput
 from server.sequence import Sequence
@@ -127,8 +127,10 @@ class EngineCore:
             from distributed.worker import agree_num_blocks
 
             num_blocks = agree_num_blocks(num_blocks)
-        capacity = num_blocks * config.block_size
-        if self.max_model_len > capacity:
+        self.block_manager = BlockManager.from_config(
+            config, num_blocks, model_kv_cache_specs(self.model_config, config, self.model.dtype))
+        capacity = self.block_manager.max_tokens_per_seq
+        if capacity is not None and self.max_model_len > capacity:
             if config.max_model_len is not None:
                 raise ValueError(
                     f"--max-model-len: {self.max_model_len} tokens do not fit the KV cache ({capacity} tokens); "
@@ -136,7 +138,6 @@ class EngineCore:
                 )
             logger.info("max_model_len capped at the KV cache capacity: %d tokens", capacity)
             self.max_model_len = capacity
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(self.model, config, num_blocks, self.device)
         if config.tensor_parallel_size > 1:
@@ -153,7 +154,8 @@ class EngineCore:
         self._aborted: list[RequestDelta] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        logger.info("KV cache: %d blocks of %d tokens (%s)", num_blocks, config.block_size, config.kv_cache_dtype)
+        logger.info("KV cache: %d blocks of %d tokens (%s): %s", num_blocks, config.block_size, config.kv_cache_dtype,
+                    self.block_manager.describe())
 
     def _join_parallel_group(self, model_dir: str, dp_rank: int):
         """Start this DP group's TP workers, join the process groups, return the model's view."""

@@ -213,9 +213,8 @@ class OpenAIServer:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.log_requests = log_requests
-        extra = getattr(engine.engine_config, "extra", None) or {}
         first = engine.served_model_name
-        self.model_names = [first] + [n for n in extra.get("served_model_names", []) if n != first]
+        self.model_names = [first] + [n for n in engine.engine_config.served_model_names if n != first]
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.metrics = ServerMetrics(engine.stats, first)

@@ -1,7 +1,8 @@
 """Model runner: turns a SchedulerOutput into tensors, runs the model, samples.
 
-It owns the model, the paged latent KV cache tensors (one [num_blocks, block_size, 576]
-tensor per layer) and the per-sequence sampling state (seeded generators). Pure-decode steps
+It owns the model, the paged KV cache tensors (shaped by the model's KV-cache specs,
+server/kv_cache_spec.py: today one full-attention group, a [num_blocks + 1, block_size, 576]
+latent tensor per layer) and the per-sequence sampling state (seeded generators). Pure-decode steps
 go through :meth:`ModelRunner._forward_decode`, the path the CUDA-graph work captures;
 mixed prefill+decode steps run eagerly.
 """
@@ -21,6 +22,7 @@ from model.deepseek import DeepseekForCausalLM
 from model.forward_context import ForwardContext, build_attention_metadata, forward_context
 from model.upload import to_device
 from server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from server.kv_cache_spec import FullAttentionSpec, KVCacheSpec, max_num_blocks, plan_groups
 from server.outputs import TokenLogprob
 from server.sampler import Sampler, SamplingRow, compute_prompt_logprobs, make_request_generator
 from server.scheduler import SchedulerOutput
@@ -90,9 +92,12 @@ def attention_spec(model: DeepseekForCausalLM, config: EngineConfig, cache_dtype
                          softmax_scale=attn.softmax_scale, compute_dtype=attn.compute_dtype)
 
 
-def kv_bytes_per_block(model_config: ModelConfig, config: EngineConfig, model_dtype: torch.dtype) -> int:
-    elt = torch.empty(0, dtype=kv_cache_dtype(config, model_dtype)).element_size()
-    return model_config.num_hidden_layers * config.block_size * model_config.kv_cache_entry_dim * elt
+def model_kv_cache_specs(model_config: ModelConfig, config: EngineConfig,
+                         model_dtype: torch.dtype) -> list[KVCacheSpec]:
+    """The model's KV-cache layer groups: every DeepSeek V2/V3/R1 layer caches MLA's latent
+    (kv_lora_rank + qk_rope_head_dim values per token), so one full-attention group."""
+    return [FullAttentionSpec(config.block_size, kv_cache_dtype(config, model_dtype),
+                              tuple(range(model_config.num_hidden_layers)), model_config.kv_cache_entry_dim)]
 
 
 @torch.inference_mode()
@@ -121,7 +126,7 @@ def determine_num_blocks(
     ``--gpu-memory-utilization`` leaves after the weights and a profiled largest step."""
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
-    per_block = kv_bytes_per_block(model_config, config, model_dtype)
+    specs = model_kv_cache_specs(model_config, config, model_dtype)
     if device.type == "cuda":
         peak = 0
         if model is not None:
@@ -135,12 +140,14 @@ def determine_num_blocks(
         budget = int(total * config.gpu_memory_utilization) - used
     else:
         budget = config.kv_cache_memory_bytes or DEFAULT_CPU_KV_CACHE_BYTES
-    if budget < per_block:
+    num_blocks = max_num_blocks(specs, budget, config.max_num_seqs)
+    if num_blocks < 1:
+        per_block = sum(g.num_bytes for g in plan_groups(specs, 1, config.max_num_seqs))
         raise RuntimeError(
             f"not enough memory for even one KV block ({per_block} bytes per block, budget {budget}); "
             "raise --gpu-memory-utilization / --kv-cache-memory-bytes or lower --block-size"
         )
-    return budget // per_block
+    return num_blocks
 
 
 class ModelRunner:
@@ -152,10 +159,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = num_blocks
         cache_dtype = kv_cache_dtype(config, model.dtype)
-        # One page more than the block manager hands out: its last slot is where pad rows
-        # (slot -1) write, so cache writes keep fixed shapes (CUDA graphs).
-        shape = (num_blocks + 1, self.block_size, self.model_config.kv_cache_entry_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=cache_dtype, device=device) for _ in model.layers]
+        self.kv_cache_specs = model_kv_cache_specs(self.model_config, config, model.dtype)
+        self.kv_caches = self._allocate_kv_caches(plan_groups(self.kv_cache_specs, num_blocks, config.max_num_seqs))
         # Per-layer FP8 scale (k_scale). Checkpoints rarely carry one for MLA; 1.0 like vLLM's default.
         self.kv_scales = [1.0] * len(model.layers)
         self.sampler = Sampler(config.seed)
@@ -172,6 +177,22 @@ class ModelRunner:
         self.decode_graphs = None  # server.cuda_graphs.DecodeGraphs, once captured
         self.step_profiler = StepProfiler(device=device)  # off unless MLASERVE_STEP_PROFILE / enabled
         self.num_overlapped_steps = 0  # steps launched before the previous step's tokens were read
+
+    def _allocate_kv_caches(self, groups) -> list[torch.Tensor]:
+        """One tensor per layer, ``[pool + 1, *page_shape]`` of its group's spec. The extra page
+        is where pad rows (slot -1) write, so cache writes keep fixed shapes (CUDA graphs)."""
+        if len(groups) != 1:  # the step plan carries one block table per sequence
+            raise NotImplementedError(f"{len(groups)} KV cache groups: the runner plans one group's tables")
+        caches: list[torch.Tensor | None] = [None] * len(self.model.layers)
+        for group in groups:
+            spec = group.spec
+            for layer in spec.layer_ids:
+                caches[layer] = torch.zeros((group.num_blocks + 1, *spec.page_shape), dtype=spec.dtype,
+                                            device=self.device)
+        missing = [i for i, c in enumerate(caches) if c is None]
+        if missing:
+            raise ValueError(f"layers {missing} belong to no KV cache group")
+        return caches
 
     # ---- sequence lifecycle -----------------------------------------------------------------
     def _generator(self, seq: Sequence) -> torch.Generator | None:

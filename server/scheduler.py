@@ -86,9 +86,10 @@ class ScheduledSeq:
 
     Input ids: ``seq.all_token_ids[start_pos : start_pos + num_new_tokens - num_placeholder_tokens]``
     followed by the ``num_placeholder_tokens`` (0 or 1) token(s) the previous, still
-    pending output samples for this sequence. KV goes to ``seq.block_table`` (long enough
-    for every position). ``sample``: the chunk reaches the end of the sequence's tokens, so
-    the runner samples a token from its last position and returns it under ``seq.seq_id``.
+    pending output samples for this sequence. KV goes to ``seq.block_tables`` (one per
+    KV-cache layer group, long enough for every position). ``sample``: the chunk reaches the
+    end of the sequence's tokens, so the runner samples a token from its last position and
+    returns it under ``seq.seq_id``.
     """
 
     seq: Sequence
@@ -199,7 +200,7 @@ class Scheduler:
 
     def add_seq(self, seq: Sequence) -> None:
         """Queue a new sequence; raises InvalidRequestError if it can never run."""
-        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens:
+        if seq.status is not SequenceStatus.WAITING or seq.block_tables or seq.num_computed_tokens:
             raise ValueError(f"only fresh sequences can be added, got {seq!r}")
         if any(s.seq_id == seq.seq_id for s in self._requests.get(seq.request_id, ())):
             raise ValueError(f"sequence id {seq.seq_id} already queued")
@@ -223,11 +224,11 @@ class Scheduler:
             )
         bm = self.block_manager
         # The last sampled token never needs KV.
-        blocks = bm.blocks_for_tokens(prompt_len + max_tokens - 1)
-        if blocks > bm.num_total_blocks:
+        short = bm.whole_cache_shortfall(prompt_len + max_tokens - 1)
+        if short is not None:
             raise InvalidRequestError(
-                f"The request needs up to {prompt_len + max_tokens} tokens of KV cache ({blocks} blocks of "
-                f"{bm.block_size}), more than the whole cache holds ({bm.num_total_blocks} blocks). Please "
+                f"The request needs up to {prompt_len + max_tokens} tokens of KV cache ({short[0]} blocks of "
+                f"{bm.block_size}), more than the whole cache holds ({short[1]} blocks). Please "
                 "reduce the length of the prompt or of max_tokens."
             )
         seq.max_output_tokens = max_tokens
@@ -296,14 +297,14 @@ class Scheduler:
         """Allocate blocks for ``num_new`` tokens of a running sequence, preempting newer ones
         as needed. Returns the tokens reserved (fewer if ``shrink``), 0 if ``seq`` was preempted."""
         bm = self.block_manager
-        if seq.num_computed_tokens + num_new <= len(seq.block_table) * bm.block_size:
-            return num_new  # fits in the blocks it holds (most decode steps)
+        if bm.holds_pages_for(seq, num_new):
+            return num_new  # fits in the pages it holds (most decode steps)
         while True:
             if bm.can_allocate(seq, num_new):
                 bm.allocate(seq, num_new)
                 return num_new
             if shrink:
-                fit = bm.capacity_tokens(seq)
+                fit = min(num_new, bm.capacity_tokens(seq))
                 if fit > 0:
                     bm.allocate(seq, fit)
                     return fit
@@ -378,7 +379,6 @@ class Scheduler:
 
     def _admit(self, budget: int, entries: list[ScheduledSeq], scheduled: set[int]) -> int:
         bm = self.block_manager
-        bs = bm.block_size
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -388,17 +388,17 @@ class Scheduler:
             if self._waits_for_sibling(seq):
                 skipped.append(self.waiting.popleft())
                 continue
-            hits = bm.lookup_prefix(seq)
-            left = seq.num_tokens - len(hits) * bs
+            hit = bm.find_prefix(seq)
+            left = seq.num_tokens - hit.num_tokens
             if left > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(left, budget)
-            if not bm.can_allocate(seq, num_new, hits):
+            if not bm.can_allocate(seq, num_new, hit):
                 break
             self.waiting.popleft()
-            bm.allocate(seq, num_new, hits)
+            bm.allocate(seq, num_new, hit)
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens = len(hits) * bs
+                seq.num_cached_tokens = hit.num_tokens
             seq.status = SequenceStatus.RUNNING
             self.running[seq.seq_id] = seq
             self._plan(seq, num_new, entries, scheduled)
@@ -445,7 +445,7 @@ class Scheduler:
             assert seq.status is SequenceStatus.RUNNING, seq
         for seq in self.waiting:
             assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED), seq
-            assert not seq.block_table and seq.num_computed_tokens == 0, seq
+            assert not seq.block_tables and seq.num_computed_tokens == 0, seq
         assert len(self.running) <= self.max_num_seqs
         queued = {s.seq_id for s in self.all_unfinished()}
         tracked = {s.seq_id for seqs in self._requests.values() for s in seqs}

@@ -40,7 +40,7 @@ class Sequence:
         "sampling_params",
         "arrival_time",
         "status",
-        "block_table",
+        "block_tables",
         "num_computed_tokens",
         "num_cached_tokens",
         "num_pending_tokens",
@@ -70,8 +70,9 @@ class Sequence:
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = SequenceStatus.WAITING
-        # Block ids (into the runner's KV tensors) holding positions 0, bs, 2*bs, ...
-        self.block_table: list[int] = []
+        # One table per KV-cache layer group (server/kv_cache_spec.py), empty while the
+        # sequence holds no pages: page ids holding positions 0, bs, 2*bs, ... of that group.
+        self.block_tables: list[list[int]] = []
         self.num_computed_tokens = 0
         # Prefix-cache hit (tokens) at the first admission; what usage reports as cached.
         self.num_cached_tokens = 0
@@ -82,11 +83,16 @@ class Sequence:
         # Set by Scheduler.add_seq: max_tokens, or what is left of max_model_len.
         self.max_output_tokens: int | None = None
         # Owned by BlockManager: hash chain of this sequence's full blocks of known tokens
-        # (valid forever: tokens are append-only), and how many of its block_table entries
-        # have been offered to the prefix cache.
+        # (valid forever: tokens are append-only), and how many of its blocks have been
+        # offered to the prefix cache.
         self.block_hashes: list[bytes] = []
         self.num_committed_blocks = 0
         self._token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first layer group's block table (the only group of today's models)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def all_token_ids(self) -> list[int]:

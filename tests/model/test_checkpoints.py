@@ -77,7 +77,6 @@ def test_fp8_checkpoint_logits_match_dequantized_copy(fp8_pair, tmp_path):
     json.dump(cfg, open(out / "config.json", "w"))
     a = load_model(fp8, dtype="bfloat16", progress=False)
     b = load_model(str(out), dtype="bfloat16", progress=False)
-    assert len(a.mtp) == 1  # MTP weights went to their own module
     ids = torch.randint(0, 512, (24,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         la = torch.log_softmax(a.compute_logits(a(ids, torch.arange(24))), -1)
@@ -180,3 +179,27 @@ def test_kept_fp8_weights_on_cpu_match_dequantized(tmp_path):
         a = kept.compute_logits(kept(ids, torch.arange(12)))
         b = deq.compute_logits(deq(ids, torch.arange(12)))
     assert (a - b).abs().max().item() < 1e-3
+
+
+def test_mtp_layers_are_skipped_with_one_log_line(fp8_pair, caplog):
+    """tiny-v3 has num_nextn_predict_layers=1: make-checkpoint writes model.layers.3.* (the
+    MTP layer); loading reads none of it, keeps none of it, and says so once."""
+    import logging
+
+    from model.loader import mtp_tensor_names
+
+    bf16, _ = fp8_pair
+    t = _tensors(bf16)
+    mtp = mtp_tensor_names(t, 3)
+    assert "model.layers.3.eh_proj.weight" in mtp and "model.layers.3.shared_head.head.weight" in mtp
+    assert not any(n.startswith(("model.layers.0.", "model.layers.2.", "lm_head")) for n in mtp)
+    with caplog.at_level(logging.INFO, logger="model.loader"):
+        m = load_model(bf16, dtype="float32", progress=False)
+    lines = [r.getMessage() for r in caplog.records if "MTP" in r.getMessage()]
+    assert len(lines) == 1, lines
+    nbytes = sum(t[n].numel() * t[n].element_size() for n in mtp)
+    assert lines[0].startswith(f"skipped {len(mtp)} MTP tensors ({nbytes / 2**20:.1f} MiB) of layers >= 3")
+    assert len(m.layers) == 3
+    assert not any(".3." in n or "eh_proj" in n or "shared_head" in n for n, _ in m.named_parameters())
+    # The parameters hold exactly the elements of the checkpoint's non-MTP tensors.
+    assert sum(p.numel() for p in m.parameters()) == sum(t[n].numel() for n in t if n not in mtp)

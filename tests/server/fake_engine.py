@@ -38,7 +38,7 @@ class FakeEngine:
         self.served_model_name = served_model_name
         self.engine_config = EngineConfig(model="/fake/checkpoint", served_model_name=served_model_name,
                                           max_model_len=max_model_len, block_size=block_size,
-                                          extra={"served_model_names": [served_model_name, "fake-alias"]})
+                                          served_model_names=(served_model_name, "fake-alias"))
         self.model_config = FakeModelConfig(vocab_size=tokenizer.vocab_size,
                                             max_position_embeddings=max_model_len,
                                             eos_token_ids=[tokenizer.eos_token_id])

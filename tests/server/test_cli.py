@@ -85,9 +85,8 @@ def test_compilation_config_capture_sizes_and_ignored_keys():
     args = parse_serve_args(["--compilation-config", '{"level": 3, "cudagraph_capture_sizes": [1, 8, 4]}',
                              "--compilation-config.pass_config.enable_fusion", "true", "-O3"])
     c = args.engine_config
-    assert c.max_cudagraph_capture_size == 8 and c.extra["cudagraph_capture_sizes"] == [1, 4, 8]
-    assert c.extra["compilation_config"]["pass_config"] == {"enable_fusion": True}
-    assert c.extra["optimization_level"] == 3
+    assert c.max_cudagraph_capture_size == 8 and c.cudagraph_capture_sizes == (1, 4, 8)
+    assert c.optimization_level == 3 and c.cudagraph_mode == "FULL_DECODE_ONLY"
     notes = "\n".join(args.notes)
     assert "level, pass_config" in notes and "-O3" in notes
 
@@ -144,7 +143,7 @@ def test_server_flags_served_names_and_distributed():
     c = args.engine_config
     assert (args.host, args.port, args.uvicorn_log_level, args.log_stats, args.log_requests) == \
         ("127.0.0.1", 9001, "warning", False, True)
-    assert c.served_model_name == "r1" and c.extra["served_model_names"] == ["r1", "deepseek"]
+    assert c.served_model_name == "r1" and c.served_model_names == ("r1", "deepseek")
     assert (c.nnodes, c.node_rank, c.master_addr, c.master_port) == (2, 1, "10.0.0.1", 4000)
 
 
@@ -232,4 +231,83 @@ def test_subcommand_registry(tmp_path, monkeypatch, capsys):
 def test_compilation_config_json_round_trip():
     cc = {"cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 256}
     c = parse_serve_args(["--compilation-config", json.dumps(cc)]).engine_config
-    assert c.max_cudagraph_capture_size == 256 and c.extra["compilation_config"] == cc
+    assert c.max_cudagraph_capture_size == 256 and c.cudagraph_mode == "FULL_DECODE_ONLY"
+
+
+# ----------------------------------------------------------------------------- one flag table
+
+
+def _options(add) -> dict[str, str]:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add(p)
+    return {s: a.dest for a in p._actions for s in a.option_strings}
+
+
+def test_serve_and_bench_throughput_share_the_engine_flag_table():
+    from dataclasses import fields
+
+    from server.cli import add_serve_arguments
+    from server.cli_bench import add_throughput_arguments
+    from server.config import EngineConfig
+    from server.engine_args import ENGINE_FLAGS
+
+    serve, bench = _options(add_serve_arguments), _options(add_throughput_arguments)
+    config_fields = {f.name for f in fields(EngineConfig)}
+    for flag in ENGINE_FLAGS:
+        assert flag.dest in config_fields or flag.dest in ("compilation_config", "speculative_config"), flag
+        for name in flag.names:
+            assert serve[name] == flag.dest
+            if not flag.serve_only:
+                assert bench[name] == flag.dest, f"{name} missing from bench throughput"
+    assert {"--max-model-len", "-tp", "--cuda-graph-sizes", "--compilation-config", "--kv-cache-dtype"} <= set(bench)
+    assert "--seed" in bench and bench["--seed"] == "seed"  # bench's own: prompts and engine
+
+
+def test_a_flag_added_to_the_table_appears_in_both(monkeypatch):
+    import server.engine_args as ea
+    from server.cli import add_serve_arguments
+    from server.cli_bench import add_throughput_arguments
+
+    new = ea.Flag(("--brand-new-knob",), "brand_new_knob", "execution", type=int, help="test")
+    monkeypatch.setattr(ea, "ENGINE_FLAGS", ea.ENGINE_FLAGS + (new,))
+    for add, serve in ((add_serve_arguments, True), (add_throughput_arguments, False)):
+        import argparse
+
+        p = argparse.ArgumentParser()
+        add(p)
+        ns = p.parse_args(["--brand-new-knob", "7"])
+        kw, _ = ea.engine_kwargs_from_namespace(ns, serve=serve)
+        assert kw["brand_new_knob"] == 7
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "float16", "half"])
+def test_fp16_spellings_are_accepted_by_serve_bench_and_the_loader(dtype):
+    import argparse
+
+    import torch
+
+    from model.config import load_model_config
+    from model.loader import resolve_dtype
+    from server.cli_bench import add_throughput_arguments
+
+    assert parse_serve_args(["--dtype", dtype]).engine_config.dtype == dtype
+    p = argparse.ArgumentParser()
+    add_throughput_arguments(p)
+    assert p.parse_args(["--dtype", dtype]).dtype == dtype
+    config = load_model_config(bundled_model_dir())
+    assert resolve_dtype(dtype, config, torch.device("cpu")) == torch.float16
+
+
+def test_bench_throughput_rejects_unknown_flags_by_name(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "throughput", "--max_modl_len", "3"])
+    assert exc.value.code == 2 and "--max_modl_len" in capsys.readouterr().err
+
+
+def test_speculative_config_is_accepted_and_noted():
+    args = parse_serve_args(["--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 1}'])
+    assert any("speculative decoding is not supported" in n for n in args.notes)
+    args = parse_serve_args(["--speculative-config.num_speculative_tokens", "1"])
+    assert any("--speculative-config" in n for n in args.notes)

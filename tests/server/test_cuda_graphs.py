@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.cuda_graphs import capture_sizes
+from server.cli import parse_serve_args
+from server.cuda_graphs import capture_sizes, decode_capture_sizes
 
 
 def test_capture_sizes():
@@ -14,6 +15,60 @@ def test_capture_sizes():
     assert s[:6] == [1, 2, 4, 8, 16, 24] and s[-1] == 512 and 256 in s and 272 in s
     assert all(b > a for a, b in zip(s, s[1:]))
     assert capture_sizes(20)[-1] == 20  # the maximum itself is always captured
+
+
+def _sizes(argv: list[str]) -> list[int]:
+    return decode_capture_sizes(parse_serve_args(argv).engine_config)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--compilation-config", '{"cudagraph_capture_sizes": [8, 1, 4, 2, 4]}'],
+    ["--compilation-config.cudagraph_capture_sizes", "[1,2,4,8]"],
+    ["--cuda-graph-sizes", "1", "2", "4", "8"],
+    ["--cudagraph-capture-sizes", "8", "4", "2", "1", "1"],
+    ["--cuda-graph-sizes", "1", "2", "4", "8", "--max-cudagraph-capture-size", "8"],
+])
+def test_capture_size_flags_decide_the_captured_batches(argv):
+    """vLLM's three spellings of the list: used as given (sorted, deduplicated); the largest
+    is max_cudagraph_capture_size."""
+    assert _sizes(argv) == [1, 2, 4, 8]
+    assert parse_serve_args(argv).engine_config.max_cudagraph_capture_size == 8
+
+
+def test_capture_sizes_capped_by_max_num_seqs_and_defaults():
+    assert _sizes(["--cuda-graph-sizes", "1", "2", "4", "8", "16", "--max-num-seqs", "6"]) == [1, 2, 4]
+    assert _sizes(["--cuda-graph-sizes", "32", "--max-num-seqs", "16"]) == []  # nothing fits: no graphs
+    assert _sizes(["--max-num-seqs", "8"]) == [1, 2, 4, 8]
+    assert _sizes(["--max-cudagraph-capture-size", "20"]) == [1, 2, 4, 8, 16, 20]
+    assert _sizes([]) == capture_sizes(256)  # default max_num_seqs 256 < 512
+    assert _sizes(["--max-num-seqs", "1024"]) == capture_sizes(512)
+
+
+def test_capture_size_flags_that_contradict_are_errors(capsys):
+    for argv, needle in (
+        (["--cuda-graph-sizes", "1", "2", "--compilation-config.cudagraph_capture_sizes", "[1]"], "mutually exclusive"),
+        (["--cuda-graph-sizes", "1", "8", "--max-cudagraph-capture-size", "4"], "contradicts the largest"),
+        (["--cuda-graph-sizes", "0"], "--cudagraph-capture-sizes"),
+        (["--compilation-config.cudagraph_capture_sizes", "[2, -1]"], "cudagraph_capture_sizes"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_serve_args(argv)
+        assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("level,mode", [("0", "NONE"), ("1", "FULL_DECODE_ONLY"), ("3", "FULL_DECODE_ONLY")])
+def test_optimization_level_sets_the_graph_default(level, mode):
+    args = parse_serve_args([f"-O{level}"])
+    assert args.engine_config.cudagraph_mode == mode and args.engine_config.optimization_level == int(level)
+    assert any(note.startswith(f"-O{level}:") for note in args.notes)
+    explicit = parse_serve_args(["-O0", "--compilation-config.cudagraph_mode", "FULL_DECODE_ONLY"])
+    assert explicit.engine_config.cudagraph_mode == "FULL_DECODE_ONLY"  # an explicit mode wins
+
+
+def test_bad_optimization_level_is_an_error(capsys):
+    with pytest.raises(SystemExit):
+        parse_serve_args(["-O7"])
+    assert "--optimization-level" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
