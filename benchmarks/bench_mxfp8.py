@@ -27,19 +27,19 @@ from kernels.fp8_gemm import fp8_block_linear
 from kernels.fp8_quant_triton import quantize_per_token_group_triton
 from kernels.mxfp8_gemm import (
     default_config,
-    dequantize_mxfp8_weight,
     mxfp8_gemm,
     mxfp8_gemm_reference,
     mxfp8_linear,
-    quantize_mxfp8_weight,
 )
 from kernels.mxfp8_o_proj import inverse_rope_reference, mxfp8_o_proj, o_proj_reference
 from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
+from kernels.weight_formats import dequantize_fp8_blocks, quantize_fp8_blocks
 
 # (layer, N, K) of V4.1-Flash's linears on one GPU (TP1)
 SHAPES = [("wq_a", 1280, 5120), ("wq_b", 32768, 1280), ("wo_b", 5120, 8192)]
 O_PROJ_TP = {"tp1": (64, 8), "tp8": (8, 1)}  # one rank's (heads, wo_a groups)
 O_PROJ_DIMS = (1024, 512, 32, 5120)  # wo_a rank per group, head dim, rope pairs, hidden
+MX_WEIGHT_BLOCK = (32, 32)  # V4.1's FP8 weight blocks, UE8M0 scales
 CHECK_ROWS = 256
 REPS = (10, 60)  # ms of warm-up, ms of timed replays
 
@@ -72,7 +72,7 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool) -> dict:
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
-    w8, ws = quantize_mxfp8_weight(w)
+    w8, ws = quantize_fp8_blocks(w, MX_WEIGHT_BLOCK)
     w8r, wsr = quantize_weight_blocks(w)  # R1's 128×128 fp32 scales
     wsr = wsr.float().contiguous()
     x8, xs = quantize_mxfp8_triton(x)
@@ -125,10 +125,11 @@ def bench_o_proj(tp: str, t: int) -> dict:
     o = torch.randn(t, heads, d, device="cuda", generator=g).bfloat16()
     ang = torch.rand(t, half, device="cuda", generator=g) * 1000
     cos, sin = ang.cos().bfloat16(), ang.sin().bfloat16()
-    wa = quantize_mxfp8_weight(torch.randn(groups * rank, heads * d // groups, device="cuda", generator=g) * 0.02)
-    wb = quantize_mxfp8_weight(torch.randn(hidden, groups * rank, device="cuda", generator=g) * 0.02)
-    wa16 = dequantize_mxfp8_weight(*wa).bfloat16().reshape(groups, rank, -1).transpose(1, 2)  # [g, Kg, R]
-    wb16 = dequantize_mxfp8_weight(*wb).bfloat16()
+    wa = quantize_fp8_blocks(torch.randn(groups * rank, heads * d // groups, device="cuda", generator=g) * 0.02,
+                             MX_WEIGHT_BLOCK)
+    wb = quantize_fp8_blocks(torch.randn(hidden, groups * rank, device="cuda", generator=g) * 0.02, MX_WEIGHT_BLOCK)
+    wa16 = dequantize_fp8_blocks(*wa, MX_WEIGHT_BLOCK).bfloat16().reshape(groups, rank, -1).transpose(1, 2)  # [g, Kg, R]
+    wb16 = dequantize_fp8_blocks(*wb, MX_WEIGHT_BLOCK).bfloat16()
 
     def fused():
         return mxfp8_o_proj(o, cos, sin, wa, wb, groups)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.weight_formats import e8m0_to_float
+
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
 # Magnitudes of the e2m1 code points 0..7 (bit 3 is the sign).
@@ -45,13 +47,6 @@ def pow2_ceil_exponent(t: torch.Tensor) -> torch.Tensor:
 def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
     """``2^ceil(log2(t))`` for positive normal fp32 ``t``, exact (from the IEEE bits)."""
     return torch.exp2(pow2_ceil_exponent(t).float())
-
-
-def ue8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
-    """UE8M0 bytes (uint8 or float8_e8m0fnu) → fp32 ``2^(byte − 127)``, exact (byte 0 is 2^-127)."""
-    b = scale.view(torch.uint8).to(torch.int32) if scale.dtype != torch.uint8 else scale.to(torch.int32)
-    normal = (b.clamp_min(1) << 23).view(torch.float32)
-    return torch.where(b == 0, torch.full_like(normal, 2.0**-127), normal)
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +88,7 @@ def quantize_mxfp8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torc
 
 def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
     """fp32 ``q · 2^(byte−127)`` for e4m3 ``q`` [..., K] and UE8M0 bytes [..., K/block]."""
-    return (_blocks(q, block) * ue8m0_to_float(scale).unsqueeze(-1)).reshape(q.shape)
+    return (_blocks(q, block) * e8m0_to_float(scale).unsqueeze(-1)).reshape(q.shape)
 
 
 def fake_quant_fp8_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Operands: activations e4m3 [M, K] with one UE8M0 byte per 32 along K ([M, K/32]); weights
 e4m3 [N, K] with one UE8M0 byte per 32×32 block ([ceil(N/32), K/32]), V4.1's checkpoint
-format. A byte b means the scale 2^(b−127).
+format (``kernels.weight_formats.quantize_fp8_blocks(w, (32, 32))`` makes one). A byte b
+means the scale 2^(b−127); scales may be uint8 or float8_e8m0fnu.
 
 Hopper has no block-scaled MMA, but both scales are powers of two, so the MXFP8 numerics are
 kept by an FP8 MMA per 32-wide K slice: ``acc += dot(a8, b8) · 2^(ea−127) · 2^(eb−127)``, one
@@ -25,8 +26,9 @@ import functools
 
 import torch
 
-from kernels.fp8 import FP8_DTYPE, dequantize_weight_blocks
-from kernels.microscaling import dequantize_mxfp8, quantize_mxfp8, ue8m0_to_float
+from kernels.fp8 import FP8_DTYPE
+from kernels.microscaling import dequantize_mxfp8
+from kernels.weight_formats import dequantize_fp8_blocks
 
 try:  # the GPU paths need Triton; the CPU references do not
     import triton
@@ -69,29 +71,11 @@ def check_operands(x8, xs, w8, ws, groups: int = 1) -> tuple[int, int, int]:
     return m, n, kg
 
 
-def dequantize_mxfp8_weight(w8: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-    """fp32 weight from e4m3 [N, K] and 32×32-block UE8M0 bytes [ceil(N/32), K/32]."""
-    return dequantize_weight_blocks(w8, ue8m0_to_float(_bytes(ws)), (MX_BLOCK, MX_BLOCK))
-
-
-def quantize_mxfp8_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] (K a multiple of 32) → (e4m3 [N, K], UE8M0 bytes [ceil(N/32), K/32]) with
-    ``kernels.microscaling``'s exponent rule applied to each 32×32 block's amax."""
-    n, k = w.shape
-    if k % MX_BLOCK:
-        raise ValueError(f"K ({k}) must be a multiple of {MX_BLOCK}")
-    wp = torch.nn.functional.pad(w.float(), (0, 0, 0, -n % MX_BLOCK))
-    blocks = wp.reshape(-1, MX_BLOCK, k // MX_BLOCK, MX_BLOCK).transpose(1, 2)  # [N/32, K/32, 32, 32]
-    q, s = quantize_mxfp8(blocks.reshape(*blocks.shape[:2], MX_BLOCK * MX_BLOCK), MX_BLOCK * MX_BLOCK)
-    q = q.reshape(blocks.shape).transpose(1, 2).reshape(-1, k)[:n]
-    return q.contiguous(), s.squeeze(-1).contiguous()
-
-
 def mxfp8_gemm_reference(x8, xs, w8, ws, groups: int = 1, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Both operands dequantized exactly, then an fp32 (block-diagonal for groups > 1) matmul."""
     m, n, kg = check_operands(x8, xs, w8, ws, groups)
     x = dequantize_mxfp8(x8, _bytes(xs)).reshape(m, groups, kg).transpose(0, 1)  # [g, M, Kg]
-    w = dequantize_mxfp8_weight(w8, ws).reshape(groups, n // groups, kg)  # [g, R, Kg]
+    w = dequantize_fp8_blocks(w8, ws, (MX_BLOCK, MX_BLOCK)).reshape(groups, n // groups, kg)  # [g, R, Kg]
     return torch.bmm(x, w.transpose(1, 2)).transpose(0, 1).reshape(m, n).to(out_dtype)
 
 
@@ -268,10 +252,8 @@ def mxfp8_linear(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, out_dtype:
 __all__ = [
     "check_operands",
     "default_config",
-    "dequantize_mxfp8_weight",
     "mxfp8_gemm",
     "mxfp8_gemm_reference",
     "mxfp8_linear",
-    "quantize_mxfp8_weight",
     "split_k_for",
 ]

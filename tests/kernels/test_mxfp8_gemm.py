@@ -21,13 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.microscaling import dequantize_mxfp8, quantize_mxfp8, ue8m0_to_float
-from kernels.mxfp8_gemm import (
-    check_operands,
-    dequantize_mxfp8_weight,
-    mxfp8_gemm_reference,
-    quantize_mxfp8_weight,
-)
+from kernels.microscaling import dequantize_mxfp8, quantize_mxfp8
+from kernels.mxfp8_gemm import check_operands, mxfp8_gemm_reference
+from kernels.weight_formats import e8m0_to_float, quantize_fp8_blocks
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,18 +45,14 @@ def activations(m, k, seed=0, device="cpu", dtype=torch.bfloat16):
 
 def weight(n, k, seed=1, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    w8, ws = quantize_mxfp8_weight(torch.randn(n, k, generator=g) * 0.03)
+    w8, ws = quantize_fp8_blocks(torch.randn(n, k, generator=g) * 0.03, (32, 32))  # V4.1's 32×32 UE8M0
     return w8.to(device), ws.to(device)
 
 
 # ----------------------------------------------------------------------------- references (CPU)
 
 
-def test_ue8m0_bytes_and_zero_blocks():
-    assert torch.equal(ue8m0_to_float(torch.tensor([0, 1, 127, 128, 254], dtype=torch.uint8)),
-                       torch.tensor([2.0**-127, 2.0**-126, 1.0, 2.0, 2.0**127]))
-    e8 = torch.tensor([120, 130], dtype=torch.uint8).view(torch.float8_e8m0fnu)
-    assert torch.equal(ue8m0_to_float(e8), torch.tensor([2.0**-7, 8.0]))
+def test_activation_scales_and_zero_blocks():
     x = activations(3, 96)
     x[1, 32:64] = 0
     q, s = quantize_mxfp8(x)
@@ -68,24 +60,10 @@ def test_ue8m0_bytes_and_zero_blocks():
     assert (q[1, 32:64].float() == 0).all()
     # the exponent rule: 2^(byte-127) is the smallest power of two ≥ amax/448
     amax = x.float().reshape(3, 3, 32).abs().amax(-1)
-    scale = ue8m0_to_float(s)
+    scale = e8m0_to_float(s)
     live = amax > 0
     assert (scale[live] * 448 >= amax[live]).all() and (scale[live] * 224 < amax[live]).all()
     assert rel_err(dequantize_mxfp8(q, s), x.float()) < 0.04
-
-
-def test_weight_blocks_are_32x32():
-    w = torch.randn(100, 64) * 0.03
-    w[32:64, :32] *= 1000  # one loud block must not change its neighbours' scales
-    w8, ws = quantize_mxfp8_weight(w)
-    assert ws.shape == (4, 2) and w8.shape == (100, 64)
-    amax = torch.nn.functional.pad(w, (0, 0, 0, 28)).reshape(4, 32, 2, 32).abs().amax((1, 3))
-    scale = ue8m0_to_float(ws)  # per block: the smallest power of two ≥ its own amax / 448
-    assert (scale * 448 >= amax).all() and (scale * 224 < amax).all()
-    assert ws[1, 0] >= ws[1, 1] + 9
-    deq = dequantize_mxfp8_weight(w8, ws)
-    assert ((deq - w).abs() <= w.abs() / 16 + ue8m0_to_float(ws).repeat_interleave(32, 0)[:100]
-            .repeat_interleave(32, 1) * 2**-9).all()
 
 
 @pytest.mark.parametrize("groups", [1, 3])
@@ -94,8 +72,8 @@ def test_reference_is_dequantized_matmul(groups):
     x8, xs = quantize_mxfp8(activations(m, k * groups))
     w8, ws = weight(n, k)
     y = mxfp8_gemm_reference(x8, xs, w8, ws, groups=groups, out_dtype=torch.float32)
-    xd = x8.float() * ue8m0_to_float(xs).repeat_interleave(32, 1)
-    wd = w8.float() * ue8m0_to_float(ws).repeat_interleave(32, 0).repeat_interleave(32, 1)
+    xd = x8.float() * e8m0_to_float(xs).repeat_interleave(32, 1)
+    wd = w8.float() * e8m0_to_float(ws).repeat_interleave(32, 0).repeat_interleave(32, 1)
     r = n // groups
     manual = torch.cat([xd[:, g * k:(g + 1) * k] @ wd[g * r:(g + 1) * r].t() for g in range(groups)], 1)
     assert y.shape == (m, n) and rel_err(y, manual) < 1e-6

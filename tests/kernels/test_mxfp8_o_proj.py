@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.mxfp8_gemm import dequantize_mxfp8_weight, quantize_mxfp8_weight
 from kernels.mxfp8_o_proj import inverse_rope_reference, o_proj_reference
+from kernels.weight_formats import dequantize_fp8_blocks, quantize_fp8_blocks
 from model.v4.rope import apply_trailing_rope
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
 
@@ -32,14 +32,18 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def quantize_weight(w):
+    return quantize_fp8_blocks(w, (32, 32))  # V4.1's 32×32 UE8M0 blocks
+
+
 def make_case(t, heads, head_dim, rope, groups, rank, hidden, seed=0, device="cpu", dtype=torch.bfloat16):
     """Attention output, RoPE tables rounded to its dtype (as the model does) and MXFP8 weights."""
     g = torch.Generator().manual_seed(seed)
     o = torch.randn(t, heads, head_dim, generator=g) * 2
     o = o + torch.sign(o) * 1e-3
     angles = torch.rand(t, rope // 2, generator=g) * 1000
-    wa = quantize_mxfp8_weight(torch.randn(groups * rank, heads * head_dim // groups, generator=g) * 0.03)
-    wb = quantize_mxfp8_weight(torch.randn(hidden, groups * rank, generator=g) * 0.03)
+    wa = quantize_weight(torch.randn(groups * rank, heads * head_dim // groups, generator=g) * 0.03)
+    wb = quantize_weight(torch.randn(hidden, groups * rank, generator=g) * 0.03)
     mv = lambda w: tuple(x.to(device) for x in w)
     return (o.to(dtype).to(device), angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device),
             mv(wa), mv(wb))
@@ -61,8 +65,8 @@ def test_reference_close_to_unquantized_projection():
     o, cos, sin, wa, wb = make_case(9, 4, 128, 32, groups, rank, 96, dtype=torch.float32)
     out = o_proj_reference(o, cos, sin, wa, wb, groups)
     op = inverse_rope_reference(o, cos, sin).reshape(9, groups, -1)
-    z = torch.einsum("tgk,grk->tgr", op, dequantize_mxfp8_weight(*wa).reshape(groups, rank, -1))
-    hf = z.reshape(9, -1).bfloat16().float() @ dequantize_mxfp8_weight(*wb).t()
+    z = torch.einsum("tgk,grk->tgr", op, dequantize_fp8_blocks(*wa, (32, 32)).reshape(groups, rank, -1))
+    hf = z.reshape(9, -1).bfloat16().float() @ dequantize_fp8_blocks(*wb, (32, 32)).t()
     assert out.shape == (9, 96) and out.dtype == torch.float32
     assert 1e-4 < rel_err(out, hf) < 5e-2  # two MXFP8 activation roundings, nothing else
 
@@ -72,7 +76,7 @@ def test_validation():
     with pytest.raises(ValueError, match="wo_a"):
         o_proj_reference(o, cos, sin, wa, wb, groups=4)
     with pytest.raises(ValueError, match="wo_b"):
-        o_proj_reference(o, cos, sin, wa, quantize_mxfp8_weight(torch.randn(32, 96)), groups=2)
+        o_proj_reference(o, cos, sin, wa, quantize_weight(torch.randn(32, 96)), groups=2)
 
 
 _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
