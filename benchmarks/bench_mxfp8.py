@@ -62,7 +62,7 @@ def sweep_configs(m: int, n: int, k: int) -> list[dict]:
                 for stages in (3, 4):
                     for split in sorted({1, base["SPLIT_K"]}):
                         c = dict(base, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_stages=stages,
-                                 num_warps=4 if bm < 128 else 8, SPLIT_K=split)
+                                 num_warps=4 if bm < 64 else 8, SPLIT_K=split)
                         if c not in out and k % bk == 0 and (k // bk) % split == 0:
                             out.append(c)
     return out

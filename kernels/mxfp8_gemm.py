@@ -175,18 +175,20 @@ def split_k_for(tiles: int, k_steps: int, sms: int, max_split: int = 32) -> int:
 
 def default_config(m: int, n: int, k_group: int, groups: int = 1, sms: int = 132, quantize_out: bool = False,
                    ) -> dict:
-    """Tile sizes: a 64-row tile up to M = 64 (decode), 128 rows beyond; the N tile must divide
-    a group's rows when groups > 1 (V4.1's wo_a has 1024). Split-K where the tiles alone do
-    not fill ``sms`` SMs (not with ``quantize_out``: its epilogue needs the whole sum)."""
+    """Tile sizes: 64 rows × 128-wide K steps up to M = 64 (decode), 128 rows × 32-wide K steps
+    beyond, 8 warps; the N tile must divide a group's rows when groups > 1 (V4.1's wo_a has
+    1024). Compiled offline for sm_90 these use wgmma and do not spill (128 × 128 × 128 does:
+    four 32-slice partials live at once). Split-K where the tiles alone do not fill ``sms``
+    SMs (not with ``quantize_out``: its epilogue needs the whole sum)."""
     block_m = 64 if m <= 64 else 128
     rows = n // groups
     block_n = 128 if groups == 1 or rows % 128 == 0 else (64 if rows % 64 == 0 else 32)
-    block_k = 128 if k_group % 128 == 0 else 32
+    block_k = 128 if block_m == 64 and k_group % 128 == 0 else 32
     tiles = -(-m // block_m) * -(-n // block_n)
     # the fp32 partials (split · M · N · 4 bytes) must stay below the weight's N · K bytes
     split = 1 if quantize_out else split_k_for(tiles, k_group // block_k, sms, min(32, k_group // (4 * m)))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
-            "num_warps": 4 if block_m < 128 else 8, "num_stages": 3, "SPLIT_K": split}
+            "num_warps": 8, "num_stages": 3, "SPLIT_K": split}
 
 
 def mxfp8_gemm(

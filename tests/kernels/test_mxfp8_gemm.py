@@ -176,6 +176,70 @@ def test_triton_kernels_under_interpreter():
     assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-3000:]
 
 
+# ----------------------------------------------------------------------------- sm_90 compilation (CPU)
+
+
+def _compile_sm90(fn, types: dict, consts: dict, **options):
+    """Compile a @triton.jit kernel for sm_90 without a GPU (Triton's bundled ptxas); returns
+    (ptx, ptxas resource usage line). Pointers and strides are 16-divisible, as at run time."""
+    import inspect
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: "constexpr" if n in consts else types[n] for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in consts and (types[n].startswith("*") or n.startswith("stride"))}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"mxfp8_{os.getpid()}.cubin"
+    cubin.write_bytes(k.asm["cubin"])
+    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    cubin.unlink()
+    return k.asm["ptx"], re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage).group(0)
+
+
+_PTXAS = Path(importlib.util.find_spec("triton").origin).parent / "backends/nvidia/bin/ptxas" if HAS_TRITON else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_PTXAS is None or not _PTXAS.exists(), reason="needs triton's bundled ptxas")
+def test_default_configs_compile_for_sm90_with_wgmma_and_no_spills():
+    """The kernels the H200 will run, compiled here: the default tiles of V4.1-Flash's linears
+    and of wo_a's quantizing epilogue, the split-K sum and the quantization (with inverse RoPE)."""
+    from kernels.mxfp8_gemm import _mxfp8_gemm_kernel, _split_sum_kernel, default_config
+    from kernels.mxfp8_quant_triton import _mxfp8_quant_kernel
+
+    ints = ("M", "N", "K_GROUP", "N_GROUP", "K_STEPS", "stride_am", "stride_sam", "stride_bn", "stride_sbn",
+            "stride_cm", "stride_scm", "stride_split")
+    types = dict(A="*fp8e4nv", SA="*u8", B="*fp8e4nv", SB="*u8", SC="*u8", **dict.fromkeys(ints, "i32"))
+    cases = {}
+    for m in (1, 128):
+        for n, k, groups, quant in [(1280, 5120, 1, False), (5120, 8192, 1, False), (8192, 4096, 8, True)]:
+            cfg = default_config(m, n, k, groups, quantize_out=quant)
+            split = cfg.pop("SPLIT_K") > 1
+            out = "*u8" if quant else ("*fp32" if split else "*bf16")
+            cases[(tuple(sorted(cfg.items())), quant, split)] = (cfg, out)
+    for (_, quant, split), (cfg, out) in cases.items():
+        opts = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
+        consts = dict(cfg, QUANT_OUT=quant, OUT_BF16=out == "*bf16", SPLIT=split)
+        ptx, usage = _compile_sm90(_mxfp8_gemm_kernel, dict(types, C=out), consts, **opts)
+        assert "wgmma" in ptx and usage.endswith("LOCAL:0") and " STACK:0 " in usage, (consts, usage)
+    _, usage = _compile_sm90(_split_sum_kernel, {"W": "*fp32", "C": "*bf16", "MN": "i32", "SPLITS": "i32"},
+                             {"BLOCK": 1024, "OUT_BF16": True}, num_warps=4)
+    assert " STACK:0 " in usage
+    qtypes = dict(X="*bf16", Y="*u8", S="*u8", COS="*bf16", SIN="*bf16", **dict.fromkeys(
+        ("M", "K", "stride_xm", "stride_ym", "stride_sm", "stride_cm"), "i32"))
+    for rope in (0, 64):
+        _, usage = _compile_sm90(_mxfp8_quant_kernel, qtypes, {"BLOCK_M": 8, "BLOCKS": 16, "HEAD_DIM": 512, "ROPE": rope,
+                                 "ROUND_BF16": True}, num_warps=4, enable_fp_fusion=False)
+        assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), usage
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
