@@ -186,7 +186,7 @@ def default_config(m: int, n: int, k_group: int, groups: int = 1, sms: int = 132
     block_k = 128 if block_m == 64 and k_group % 128 == 0 else 32
     tiles = -(-m // block_m) * -(-n // block_n)
     # the fp32 partials (split · M · N · 4 bytes) must stay below the weight's N · K bytes
-    split = 1 if quantize_out else split_k_for(tiles, k_group // block_k, sms, min(32, k_group // (4 * m)))
+    split = 1 if quantize_out else split_k_for(tiles, k_group // block_k, sms, min(32, k_group // (4 * max(m, 1))))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
             "num_warps": 8, "num_stages": 3, "SPLIT_K": split}
 

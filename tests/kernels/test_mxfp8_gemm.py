@@ -149,6 +149,9 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         assert rel_err(y, ref) < 1e-5, (m, n, k, g, rel_err(y, ref))
         yb = mxfp8_gemm(x8, xs, w8, ws, groups=g, config=cfg)
         assert torch.equal(yb, y.bfloat16())  # bf16 output is the RNE rounding of the fp32 one
+    empty = mxfp8_gemm(x8[:0], xs[:0], w8, ws)
+    z0, s0 = mxfp8_gemm(x8[:0], xs[:0], w8[:96], ws[:3], quantize_out=True)
+    assert empty.shape == (0, 100) and z0.shape == (0, 96) and s0.shape == (0, 3)
 
     # wo_a's quantizing epilogue: z's bytes equal quantizing the bf16 z separately
     groups, r, kg = 2, 64, 64
