@@ -24,7 +24,7 @@ COPY kernels ./kernels
 COPY distributed ./distributed
 COPY configs ./configs
 RUN pip install '.[gpu]'
-RUN python3 -c "from kernels.mla_decode_cuda import build_library; print(build_library())"
+RUN python3 -c "from server import envs; from kernels.mla_decode_cuda import build_library; print(build_library(out_dir=envs.MLASERVE_KERNEL_CACHE))"
 
 EXPOSE 8000
 ENTRYPOINT ["mlaserve", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,2 +1,2 @@
-"""Benchmarks behind ``mlaserve bench`` (datasets, offline throughput, serving client, plots)
-and standalone micro-benchmarks (``python benchmarks/bench_scheduler.py``)."""
+"""Standalone benchmarks and profiling scripts, run from the repository root as
+``python3 -m benchmarks.<name>``; the library behind ``mlaserve bench`` is ``server.bench``."""

@@ -3,8 +3,8 @@ wgmma, P.V wgmma, the V^T fragment loads), on the same inputs in one
 process, as CUDA-graph replays. The variants compute garbage; only their times mean something.
 On the device:
 
-    source .device-wheels/install.sh && python3 benchmarks/ablate_mla_wgmma.py             # 64-row kernel
-    source .device-wheels/install.sh && python3 benchmarks/ablate_mla_wgmma.py --kernel narrow --heads 16
+    source .device-wheels/install.sh && python3 -m benchmarks.ablate_mla_wgmma             # 64-row kernel
+    source .device-wheels/install.sh && python3 -m benchmarks.ablate_mla_wgmma --kernel narrow --heads 16
 
 Each variant is a text edit of a copy of the kernel's .cu file (the asserts say when an edited
 line no longer exists; a CPU test checks that too), built with the library's nvcc flags under
@@ -12,15 +12,12 @@ line no longer exists; a CPU test checks that too), built with the library's nvc
 """
 import argparse
 import ctypes
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels import mla_decode_cuda as mdc  # noqa: E402
+from kernels import mla_decode_cuda as mdc
 
 # Edits per variant, per kernel: a kernel line (verbatim) and what replaces it ("" deletes it).
 # Only cuts that leave every register defined: a kernel whose scores are never written faulted
@@ -28,19 +25,19 @@ from kernels import mla_decode_cuda as mdc  # noqa: E402
 # 64-row kernel's "noqk" zeroes the scores instead and its "nofrag" uses constant fragments.
 # No cut of the tile loads: a wait for a load never issued would hang.
 _QK = "      wgmma_m64n64k32(s, make_desc(q_lo + ks * kStepQ, kQGroupStride), desc_k, ks);"
-_PV = "      for (int mb = 0; mb < 4; ++mb) wgmma_m64n64k32_rs(o[mb], va[kk][mb], make_desc(p_lo + kk * kStepQ, 512), 1);"
-_FRAG = "  auto load_va = [&](int t) { load_v_fragments(tile_smem(t), d0, q4, seq_len - (tile_begin + t) * kTile, va); };"
+_PV = "      for (int mb = 0; mb < 4; ++mb) wgmma_m64n64k32_rs(o[mb], va[kk][mb], make_desc(p_lo + kk * kStepQ, 512), 1);"  # noqa: E501 (verbatim kernel line)
+_FRAG = "  auto load_va = [&](int t) { load_v_fragments(tile_smem(t), d0, q4, seq_len - (tile_begin + t) * kTile, va); };"  # noqa: E501 (verbatim kernel line)
 CUTS = {
     "base": [],
     "noqk": [(_QK, "      s[(2 * ks) % 32] = 0.f, s[(2 * ks + 1) % 32] = 0.f;")],
     "nopv": [(_PV, "")],
-    "nofrag": [(_FRAG, "  auto load_va = [&](int t) { for (auto& k : va) for (auto& m : k) for (auto& r : m) r = 0x38383838u ^ t; };")],
+    "nofrag": [(_FRAG, "  auto load_va = [&](int t) { for (auto& k : va) for (auto& m : k) for (auto& r : m) r = 0x38383838u ^ t; };")],  # noqa: E501 (verbatim kernel line)
 }
 CUTS["nomma"] = CUTS["noqk"] + CUTS["nopv"]
 # The narrow kernel (its Q.K^T cannot be deleted either, for the same reason).
 NARROW_CUTS = {
     "base": [],
-    "nopv": [("        for (int mb = 0; mb < 4; ++mb) wgmma_k32_rs(o[h][mb], va[h][kk][mb], make_desc(p_lo + kk * kStep, 512), 1);", "")],
+    "nopv": [("        for (int mb = 0; mb < 4; ++mb) wgmma_k32_rs(o[h][mb], va[h][kk][mb], make_desc(p_lo + kk * kStep, 512), 1);", "")],  # noqa: E501 (verbatim kernel line)
 }
 KERNEL_CUTS = {"wgmma": (mdc.SOURCES[0], CUTS), "narrow": (mdc.SOURCES[1], NARROW_CUTS)}
 

@@ -1,6 +1,6 @@
 """Decode step time with full-decode CUDA graphs vs eager, on a preset's shape (random weights).
 
-    python3 benchmarks/bench_decode_graphs.py --model deepseek-v2-lite --batch 1 2 4 8 --context 512
+    python3 -m benchmarks.bench_decode_graphs --model deepseek-v2-lite --batch 1 2 4 8 --context 512
 
 For each batch size it starts ``batch`` requests with ``context``-token prompts, runs until
 all are decoding, then times ``--steps`` whole engine steps (schedule + forward + sample)
@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def time_decode_steps(core, batch: int, context: int, steps: int, vocab: int) -> float:

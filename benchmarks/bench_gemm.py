@@ -1,9 +1,10 @@
 """Block-FP8 linears on one GPU: the fused activation quantization, cuBLAS blockwise
 ``_scaled_mm`` behind it, the Triton block-FP8 GEMM fallback, and a bf16 matmul baseline.
 
-    python benchmarks/bench_gemm.py [--m 16 256 4096] [--json OUT] [--markdown OUT]
+    python3 -m benchmarks.bench_gemm [--m 16 256 4096] [--json OUT] [--markdown OUT]
 
-Shapes are DeepSeek-V3's (N, K): the design.md §3 measurement shape, q_b_proj, kv_a_proj
+Shapes are DeepSeek-V3's (N, K): 7168 x 2048 (the first blockwise ``_scaled_mm`` measurement,
+benchmarks/KERNEL_NOTES.md), q_b_proj, kv_a_proj
 (N = 576, the Triton path), o_proj. Relative error is against float64 on the same
 quantized operands (first 64 rows), so it is the GEMM's own error.
 """
@@ -12,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.fp8 import dequantize_per_token_group, dequantize_weight_blocks, quantize_weight_blocks  # noqa: E402
-from kernels.fp8_gemm import choose_backend, fp8_block_gemm_triton, fp8_block_linear  # noqa: E402
-from kernels.fp8_quant_triton import quantize_per_token_group_triton  # noqa: E402
+from kernels.fp8 import dequantize_per_token_group, dequantize_weight_blocks, quantize_weight_blocks
+from kernels.fp8_gemm import choose_backend, fp8_block_gemm_triton, fp8_block_linear
+from kernels.fp8_quant_triton import quantize_per_token_group_triton
 
 SHAPES = [(7168, 2048), (24576, 1536), (576, 7168), (7168, 16384)]
 CHECK_ROWS = 64
@@ -88,7 +86,8 @@ def main() -> None:
     lines = ["| M | N | K | variant | µs | TFLOP/s | rel. err |", "|---|---|---|---|---|---|---|"]
     for r_ in rows:
         err = f"{r_['relerr']:.1e}" if "relerr" in r_ else ""
-        lines.append(f"| {r_['M']} | {r_['N']} | {r_['K']} | {r_['variant']} | {r_['us']:.1f} | {r_['tflops']:.0f} | {err} |")
+        lines.append(f"| {r_['M']} | {r_['N']} | {r_['K']} | {r_['variant']} | {r_['us']:.1f} "
+                     f"| {r_['tflops']:.0f} | {err} |")
     table = "\n".join(lines) + "\n"
     if args.json:
         with open(args.json, "w") as f:

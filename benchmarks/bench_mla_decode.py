@@ -1,8 +1,8 @@
 """Paged MLA decode on one GPU: our Triton kernel (FP8, bf16), FlashInfer fa3 (bf16, FP8
 cache) and the torch reference, over batch x heads x query tokens at one context length.
 
-    python benchmarks/bench_mla_decode.py                      # the issue's matrix
-    python benchmarks/bench_mla_decode.py --sweep --sq 1       # also time candidate configs
+    python3 -m benchmarks.bench_mla_decode                      # B 64/128 x H 16/128 x s_q 1/2
+    python3 -m benchmarks.bench_mla_decode --sweep --sq 1       # also time candidate configs
 
 Prints µs, achieved TB/s and TFLOP/s, their share of ceilings measured in the same run, and
 the relative error against a float64 reference on the same (quantized) inputs, computed on
@@ -22,16 +22,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.fp8 import quantize_per_tensor  # noqa: E402
-from kernels.mla_decode import mla_decode_reference  # noqa: E402
+from kernels.fp8 import quantize_per_tensor
+from kernels.mla_decode import mla_decode_reference
 
 D, DV, PAGE = 576, 512, 64
 SM_SCALE = 192 ** -0.5
@@ -346,6 +343,10 @@ def markdown(rows: list[dict], ceil: dict) -> str:
 
 
 def main() -> None:
+    from kernels.mla_decode_cuda import set_cache_dir
+    from server import envs
+
+    set_cache_dir(envs.MLASERVE_KERNEL_CACHE)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--seq", type=int, default=4096)

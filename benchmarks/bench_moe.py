@@ -2,7 +2,7 @@
 (dequantize all local experts to bf16 every call, then grouped_mm) and the Triton FP8 MoE that
 reads e4m3 weights directly.
 
-    python3 benchmarks/bench_moe.py [--quick] [--t 1 8 ...] [--shapes v2-lite r1-tp8 r1-ep8]
+    python3 -m benchmarks.bench_moe [--quick] [--t 1 8 ...] [--shapes v2-lite r1-tp8 r1-ep8]
                                     [--sweep-configs] [--output-json OUT.json]
 
 Shapes (E_local, H, I, top-k, expert_offset, E_global): DeepSeek-V2-Lite (64, 2048, 1408, 6,
@@ -32,16 +32,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.fp8 import dequantize_weight_blocks, quantize_weight_blocks  # noqa: E402
-from kernels.moe import moe_experts_grouped, moe_experts_reference  # noqa: E402
-from kernels.moe_triton import (CONFIG_TABLE, align_slots_to_blocks, default_config,  # noqa: E402
+from kernels.fp8 import dequantize_weight_blocks, quantize_weight_blocks
+from kernels.moe import moe_experts_grouped, moe_experts_reference
+from kernels.moe_triton import (CONFIG_TABLE, align_slots_to_blocks, default_config,
                                 moe_experts_fp8_triton, moe_experts_triton)
 
 SHAPES = {  # name: (E_local, H, I, k, expert_offset, E_global)
@@ -173,8 +171,8 @@ def run_shape(name: str, ts: list[int], sweep: bool) -> list[dict]:
 def summary(rows: list[dict]) -> str:
     """One line per (shape, T): µs of each variant, TB/s of triton-fp8, speed-up vs today, and
     the time of the expert sort alone (included in the Triton variants' µs)."""
-    lines = ["| shape | T | " + " | ".join(f"{v} µs" for v in VARIANTS) + " | triton-fp8 TB/s | fp8 speed-up vs today | "
-             "rel.err bf16 / fp8 | expert sort µs |",
+    lines = ["| shape | T | " + " | ".join(f"{v} µs" for v in VARIANTS)
+             + " | triton-fp8 TB/s | fp8 speed-up vs today | rel.err bf16 / fp8 | expert sort µs |",
              "|---" * (len(VARIANTS) + 6) + "|"]
     keys = dict.fromkeys((r["shape"], r["T"]) for r in rows)
     for shape, t in keys:

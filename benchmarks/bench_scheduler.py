@@ -5,7 +5,7 @@ and, unless async scheduling hides it, the sampler. This measures both at ``--ba
 running decodes (default 256) with random logits of ``--vocab`` (default 32k) columns, so a
 regression in the per-step host work shows up before it shows up in a GPU profile.
 
-    python benchmarks/bench_scheduler.py [--batch 256] [--steps 200] [--vocab 32000]
+    python3 -m benchmarks.bench_scheduler [--batch 256] [--steps 200] [--vocab 32000]
                                          [--temperature 1.0] [--top-p 1.0] [--no-sampler]
 
 Prints ms/step; nothing is asserted on time.
@@ -14,20 +14,17 @@ Prints ms/step; nothing is asserted on time.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from server.config import EngineConfig  # noqa: E402
-from server.kv_cache import BlockManager  # noqa: E402
-from server.sampler import Sampler, SamplingRow  # noqa: E402
-from server.sampling_params import SamplingParams  # noqa: E402
-from server.scheduler import Scheduler  # noqa: E402
-from server.sequence import Sequence  # noqa: E402
+from server.config import EngineConfig
+from server.kv_cache import BlockManager
+from server.sampler import Sampler, SamplingRow
+from server.sampling_params import SamplingParams
+from server.scheduler import Scheduler
+from server.sequence import Sequence
 
 
 def _build(batch: int, prompt_len: int, params: SamplingParams, block_size: int) -> tuple[Scheduler, list[Sequence]]:

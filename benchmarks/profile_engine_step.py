@@ -2,21 +2,18 @@
 prompt (a prefill step) and, separately, a batch of decodes, on a preset's shape with random
 weights. Prints the top kernels by CUDA time for each.
 
-    python3 benchmarks/profile_engine_step.py --model deepseek-v2-lite --input-len 8192
+    python3 -m benchmarks.profile_engine_step --model deepseek-v2-lite --input-len 8192
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.throughput import materialize_model  # noqa: E402
-from server import LLM, SamplingParams  # noqa: E402
+from server.bench.throughput import materialize_model
+from server import LLM, SamplingParams
 
 
 def profile(llm, prompts, max_tokens: int, title: str, top: int) -> None:
@@ -27,12 +24,14 @@ def profile(llm, prompts, max_tokens: int, title: str, top: int) -> None:
     llm.generate(prompt_token_ids=warm, sampling_params=params)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch_profile(activities=activities) as prof:
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     print(f"==== {title}")
-    print(prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=top, max_name_column_width=70))
+    sort_by = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=top, max_name_column_width=70))
 
 
 def main() -> None:

@@ -1,24 +1,23 @@
 """A few launches of the CUDA C++ MLA decode at one shape, for Nsight Compute:
 
     ncu --clock-control none -k regex:mla_decode_fp8 -c 1 --section SpeedOfLight \
-        --section WarpStateStats --section SchedulerStats python3 benchmarks/profile_mla_cuda.py
+        --section WarpStateStats --section SchedulerStats python3 -m benchmarks.profile_mla_cuda
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_mla_decode import K_SCALE, Q_SCALE, SM_SCALE, Case, build_inputs  # noqa: E402
-from kernels.mla_decode_cuda import mla_decode_cuda  # noqa: E402
+from benchmarks.bench_mla_decode import K_SCALE, Q_SCALE, SM_SCALE, Case, build_inputs
+from kernels.mla_decode_cuda import mla_decode_cuda, set_cache_dir
+from server import envs
 
 
 def main() -> None:
+    set_cache_dir(envs.MLASERVE_KERNEL_CACHE)
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--seq", type=int, default=4096)

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One device call for the issue-6 kernels: every GPU test (kernels, model, decode graphs and
+# One device call for the kernels: every GPU test (kernels, model, decode graphs and
 # async scheduling), MLA decode (CUDA C++, Triton, FlashInfer), GEMM and MoE benchmarks, decode
 # step times with and without CUDA graphs; summary tables printed last.
-# From the repo root on the lent H200 (the `run` tool, carry [".device-wheels"]):
+# On an H200 with the device wheels installed (`.device-wheels`):
 #   source .device-wheels/install.sh && bash benchmarks/run_device.sh [sweep|final|ours]
 # sweep: also time candidate configs; ours: only our decode kernels (no FlashInfer, torch
 # reference or GEMM benchmark), for a quick re-measure after changing defaults.
 # Logs land in $OUT (at most 8 files come back from the device).
 set -uo pipefail
+cd "$(dirname "$0")/.."  # the repository root: python3 -m benchmarks.* runs from here
 OUT=${OUT:-/tmp/mlaserve-device}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -28,15 +29,15 @@ echo "pytest rc=$?"; grep -E "passed|failed|Error|assert" "$OUT/pytest.log" | ta
 extra=()
 [ "$mode" = sweep ] && extra=(--sweep --sweep-batch 128)
 [ "$mode" = ours ] && extra=(--variants cuda-fp8,ours-fp8,ours-bf16)
-python3 benchmarks/bench_mla_decode.py "${extra[@]}" --json "$OUT/mla.json" --markdown "$OUT/mla.md" \
+python3 -m benchmarks.bench_mla_decode "${extra[@]}" --json "$OUT/mla.json" --markdown "$OUT/mla.md" \
   > "$OUT/bench_mla.log" 2>&1
 echo "bench_mla rc=$?"; grep -E "sweep|FAILED|Error|error" "$OUT/bench_mla.log" | tail -40
 if [ "$mode" != ours ]; then
-  python3 benchmarks/bench_gemm.py --json "$OUT/gemm.json" --markdown "$OUT/gemm.md" > "$OUT/bench_gemm.log" 2>&1
+  python3 -m benchmarks.bench_gemm --json "$OUT/gemm.json" --markdown "$OUT/gemm.md" > "$OUT/bench_gemm.log" 2>&1
   echo "bench_gemm rc=$?"; tail -3 "$OUT/bench_gemm.log" | grep -i error
-  timeout 240 python3 benchmarks/bench_moe.py --quick --output-json "$OUT/moe.json" > "$OUT/bench_moe.log" 2>&1
+  timeout 240 python3 -m benchmarks.bench_moe --quick --output-json "$OUT/moe.json" > "$OUT/bench_moe.log" 2>&1
   echo "bench_moe rc=$?"
-  timeout 120 python3 benchmarks/bench_decode_graphs.py --model deepseek-v2-lite --batch 1 8 64 --context 512 \
+  timeout 120 python3 -m benchmarks.bench_decode_graphs --model deepseek-v2-lite --batch 1 8 64 --context 512 \
     --steps 20 --output-json "$OUT/decode_graphs.json" > "$OUT/decode_graphs.log" 2>&1
   echo "decode graphs rc=$?"; tail -6 "$OUT/decode_graphs.log"
   sed -n '/^| shape/,$p' "$OUT/bench_moe.log"

@@ -8,6 +8,7 @@
 # synchronizes at phase boundaries, so it also turns the async overlap off).
 # GPU tests and decode-graph timings are in run_device.sh. Logs land in $OUT; summary last.
 set -uo pipefail
+cd "$(dirname "$0")/.."  # the repository root: python3 -m benchmarks.* runs from here
 OUT=${OUT:-/tmp/mlaserve-e2e}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MLASERVE_KERNEL_CACHE=${MLASERVE_KERNEL_CACHE:-/tmp/mlaserve-kernels}

@@ -20,6 +20,7 @@ interface), because whoever can reach the store can join the job.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import ipaddress
 import os
@@ -34,8 +35,8 @@ DEFAULT_MASTER_PORT = 29555
 DEFAULT_INIT_TIMEOUT_S = 300.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0  # first collectives may wait for a slow weight load
 
-# NVLink multicast (NVLS) can wedge the shared lent GPUs; keep it off everywhere we start
-# or initialise NCCL (see the device notes and design.md §5).
+# NVLink multicast (NVLS) can wedge shared multi-GPU hosts; it stays off everywhere NCCL is
+# started or initialised (docs/architecture.md, "Tensor and expert parallelism").
 NVLS_OFF_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -188,6 +189,13 @@ class GroupCoordinator:
     @property
     def is_first_rank(self) -> bool:
         return self.rank_in_group == 0
+
+    def cpu_view(self) -> "GroupCoordinator":
+        """The same ranks, seen through the gloo CPU group (for small control tensors)."""
+        view = copy.copy(self)
+        view.device_group = self.cpu_group
+        view.backend = "gloo"
+        return view
 
     def __repr__(self) -> str:
         return (f"GroupCoordinator({self.name}, rank {self.rank_in_group}/{self.world_size}, "

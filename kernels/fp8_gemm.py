@@ -1,7 +1,7 @@
 """Block-FP8 linear layers (DeepSeek R1/V3 checkpoints): y = x · dequant(w8)ᵀ (+ bias).
 
 Weights are e4m3 [N, K] with fp32 ``weight_scale_inv`` [ceil(N/128), ceil(K/128)]
-(design.md §3). Paths, chosen by ``fp8_block_linear``:
+(docs/architecture.md, "FP8 block weights"). Paths, chosen by ``fp8_block_linear``:
 
 - ``torch`` (CPU, or asked for): dequantize the weight and matmul in fp32 — the reference.
 - ``scaled_mm`` (CUDA, N and K multiples of 128): per-token 1x128 activation quantization
@@ -63,7 +63,8 @@ def choose_backend(on_cuda: bool, n: int, k: int, block: tuple[int, int], backen
         return "torch"
     square = tuple(block) == (SCALE_BLOCK, SCALE_BLOCK)
     if backend == "scaled_mm" and not scaled_mm_supports(n, k, block):
-        raise ValueError(f"_scaled_mm blockwise needs N, K multiples of 128 and block (128, 128); got N={n} K={k} {block}")
+        raise ValueError(
+            f"_scaled_mm blockwise needs N, K multiples of 128 and block (128, 128); got N={n} K={k} {block}")
     if backend == "triton" and not square:
         raise ValueError(f"the Triton block GEMM needs 128x128 weight blocks, got {block}")
     if backend != "auto":

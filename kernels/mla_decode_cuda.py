@@ -15,7 +15,8 @@ Two kernels; the launch picks by query rows per request (heads per GPU x query t
   on each call: host work only, a CUDA graph keeps it).
 
 Build: the sources are compiled with ``nvcc`` (sm_90a) on first use (about 10 s) into a
-per-user cache (``$MLASERVE_KERNEL_CACHE``, default ``~/.cache/mlaserve/kernels``), keyed by a
+per-user cache (:func:`set_cache_dir`, default ``~/.cache/mlaserve/kernels``; the server sets it
+from ``MLASERVE_KERNEL_CACHE``), keyed by a
 hash of the sources and flags, under a file lock so that tensor-parallel workers build it once.
 The library has a C ABI and is called through ``ctypes`` with raw pointers and the current CUDA
 stream, so it depends on no particular torch version. Nothing is downloaded.
@@ -78,7 +79,8 @@ def narrow_smem_bytes(rows_per_cta: int) -> int:
     cache tiles, packed Q, P and per-warp column maxima (two parities) per warpgroup, per-warp
     column sums, mbarriers, and room to align the tiles to 1024 bytes."""
     n = rows_per_cta
-    return NARROW_STAGES * WGMMA_TILE_BYTES + n * 576 + 2 * n * 64 + (2 * 2 * 4 * n + 4 * n) * 4 + NARROW_STAGES * 8 + 1024
+    return (NARROW_STAGES * WGMMA_TILE_BYTES + n * 576 + 2 * n * 64 + (2 * 2 * 4 * n + 4 * n) * 4
+            + NARROW_STAGES * 8 + 1024)
 
 
 class CudaKernelUnavailable(RuntimeError):
@@ -109,8 +111,22 @@ def find_nvcc() -> str | None:
     return shutil.which("nvcc") or (("/usr/local/cuda/bin/nvcc") if Path("/usr/local/cuda/bin/nvcc").exists() else None)
 
 
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "mlaserve" / "kernels"
+_cache_dir = DEFAULT_CACHE_DIR
+
+
+def set_cache_dir(path: str | os.PathLike) -> None:
+    """Where :func:`build_library` keeps builds from now on (the next kernel call rebuilds or
+    reuses the library there)."""
+    global _cache_dir
+    if Path(path) != _cache_dir:
+        _cache_dir = Path(path)
+        default_library_path.cache_clear()
+        _library.cache_clear()
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("MLASERVE_KERNEL_CACHE", Path.home() / ".cache" / "mlaserve" / "kernels"))
+    return _cache_dir
 
 
 def build_library(nvcc: str | None = None, out_dir: Path | None = None) -> Path:
@@ -294,5 +310,5 @@ def mla_decode_cuda(
     return out, lse
 
 
-__all__ = ["CudaKernelUnavailable", "build_library", "default_library_path", "choose_kernel", "choose_num_splits",
-           "mla_decode_cuda"]
+__all__ = ["CudaKernelUnavailable", "build_library", "default_library_path", "set_cache_dir", "choose_kernel",
+           "choose_num_splits", "mla_decode_cuda"]

@@ -5,7 +5,7 @@ Same contract as ``kernels.mla_decode.mla_decode_reference``. Design, and why:
 - A program owns ``block_h`` query rows (the flattened (query token, head) pairs of one
   request) and ``dv`` of the 512 output columns. Every K tile it reads feeds all its rows.
   The fp32 accumulator [block_h, dv] must stay under ~128 registers per thread: a
-  [64, 512] accumulator on one warpgroup spills (what sank the first naive attempt), so
+  [64, 512] accumulator on one warpgroup spills (benchmarks/KERNEL_NOTES.md), so
   the compute-bound default is 128 rows x 256 columns on 8 warps (Q·Kᵀ is recomputed by
   the two column halves; with 64 rows on 8 warps Triton instead has both warpgroups compute
   the same scores, which costs the same).
@@ -25,8 +25,8 @@ Same contract as ``kernels.mla_decode.mla_decode_reference``. Design, and why:
   dimension (meant for few heads); it measured slower than the rows-major default here.
 
 Measured on the H200 (B=128, S=4096, see benchmarks/KERNEL_NOTES.md): 438 µs at 128 heads (334
-TFLOP/s, FlashInfer fa3 bf16: 261 µs) and 296 µs at 16 heads (1.0 TB/s) — far from the
-issue's targets; the notes say why and what the next step is.
+TFLOP/s, FlashInfer fa3 bf16: 261 µs) and 296 µs at 16 heads (1.0 TB/s); the CUDA C++ kernels
+(``kernels/mla_decode_cuda.py``) are the fast FP8 path, this one the portable fallback.
 """
 
 from __future__ import annotations
@@ -327,7 +327,8 @@ def _combine_kernel(
 
 def _check_inputs(q, kv_cache, block_tables, seq_lens, kv_lora_rank):
     if q.dim() != 4 or kv_cache.dim() != 3:
-        raise ValueError(f"q must be [B, s_q, H, D] and kv_cache [blocks, page, D]; got {tuple(q.shape)}, {tuple(kv_cache.shape)}")
+        raise ValueError(f"q must be [B, s_q, H, D] and kv_cache [blocks, page, D]; "
+                         f"got {tuple(q.shape)}, {tuple(kv_cache.shape)}")
     d = q.shape[-1]
     if kv_cache.shape[-1] != d or d != kv_lora_rank + D_ROPE:
         raise ValueError(f"head dim {d} / cache dim {kv_cache.shape[-1]} must both be kv_lora_rank + {D_ROPE}")

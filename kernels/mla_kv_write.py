@@ -1,8 +1,8 @@
 """Fused MLA KV-cache write: RMSNorm + RoPE + (FP8 quantization) + scatter, one pass per token.
 
 ``kv_a_proj_with_mqa`` gives each token [latent (kv_lora) ‖ rope part]. The cache entry is
-[rms_norm(latent) ‖ rope(rope part)] (design.md §2), e4m3 with the layer's ``k_scale`` for an
-FP8 cache. Unfused that is a norm, a rope, two quantizations and an index_copy — five
+[rms_norm(latent) ‖ rope(rope part)] (docs/architecture.md, "MLA latent cache"), e4m3 with the
+layer's ``k_scale`` for an FP8 cache. Unfused that is a norm, a rope, two quantizations and an index_copy — five
 launches and three round trips through memory per layer; the Triton kernel reads the row
 once and writes the cache entry plus the two compute-dtype results the prefill path needs.
 
@@ -69,7 +69,7 @@ def write_kv_cache_reference(
     slot_mapping: torch.Tensor,
     k_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The spec, composed from the unfused torch references (what mla.py did before)."""
+    """The spec, composed from the unfused torch references."""
     lora, _ = _check(kv, norm_weight, positions, cos_sin_cache, kv_cache, slot_mapping)
     kv_c = rms_norm_reference(kv[:, :lora], norm_weight, eps)
     k_pe = apply_rope_interleaved_reference(kv[:, lora:], positions, cos_sin_cache)

@@ -1,6 +1,7 @@
 """The absorbed-decode query "stage buffer": [q_nope · W_UK ‖ rope(q_pe)], optionally FP8.
 
-The decode kernels take one [T, H, kv_lora + rope] query (design.md §2). Built naively that
+The decode kernels take one [T, H, kv_lora + rope] query (docs/architecture.md, "MLA latent
+cache"). Built naively that
 is a bmm, a rope, a ``torch.cat`` copy and a quantization launch. Here:
 
 - the W_UK bmm writes its [T, H, kv_lora] product straight into the output's first

@@ -368,7 +368,8 @@ def moe_experts_fp8_triton(
     if inter % FP8_GROUP:
         raise ValueError(f"FP8 experts need the intermediate size ({inter}) to be a multiple of {FP8_GROUP}")
     g = FP8_GROUP
-    if tuple(w13_scale_inv.shape) != (e, two_i // g, _cdiv(h, g)) or tuple(w2_scale_inv.shape) != (e, _cdiv(h, g), inter // g):
+    if (tuple(w13_scale_inv.shape) != (e, two_i // g, _cdiv(h, g))
+            or tuple(w2_scale_inv.shape) != (e, _cdiv(h, g), inter // g)):
         raise ValueError(f"scale_inv shapes {tuple(w13_scale_inv.shape)}, {tuple(w2_scale_inv.shape)} do not match "
                          f"128x128 blocks of w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     cfg = config or default_config(topk_ids.numel(), e, fp8=True)

@@ -101,7 +101,8 @@ def float_to_fp4_codes(x: torch.Tensor) -> torch.Tensor:
     code, ties to the even code as the hardware cvt does. The grid steps by 0.5 below 2, by 1
     up to 4 and by 2 up to 6, so each range is one half-to-even ``round`` of a scaled value."""
     a = x.float().abs().clamp_max(FP4_MAX)
-    code = torch.where(a < 2, torch.round(a * 2), torch.where(a < 4, 4 + torch.round(a - 2), 6 + torch.round((a - 4) / 2)))
+    code = torch.where(a < 2, torch.round(a * 2),
+                       torch.where(a < 4, 4 + torch.round(a - 2), 6 + torch.round((a - 4) / 2)))
     sign = (x < 0) & (code > 0)
     return (code + 8 * sign).to(torch.uint8)
 

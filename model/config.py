@@ -12,12 +12,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from model.config_json import ConfigError
+from model.config_json import get_or_default as _get
+
 SUPPORTED_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
-
-
-class ConfigError(ValueError):
-    """A checkpoint's config.json cannot describe a model we implement."""
 
 
 @dataclass(frozen=True)
@@ -140,11 +139,6 @@ _REQUIRED = (
     "qk_rope_head_dim",
     "v_head_dim",
 )
-
-
-def _get(d: dict, key: str, default: Any) -> Any:
-    value = d.get(key, default)
-    return default if value is None else value
 
 
 def parse_model_config(d: dict[str, Any]) -> ModelConfig:

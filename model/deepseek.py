@@ -82,7 +82,8 @@ class DecoderLayer(nn.Module):
                     name = f"{mlp_prefix}.experts.{e}.{proj}"
                     m[f"{name}.weight"] = _expert_loader(experts, e, proj, False, f"{name}.weight")
                     if fp8 and experts.fp8_block:
-                        m[f"{name}.weight_scale_inv"] = _expert_loader(experts, e, proj, True, f"{name}.weight_scale_inv")
+                        m[f"{name}.weight_scale_inv"] = _expert_loader(experts, e, proj, True,
+                                                                       f"{name}.weight_scale_inv")
             if self.mlp.shared_experts is not None:
                 _add_dense_mlp(m, f"{mlp_prefix}.shared_experts", self.mlp.shared_experts, fp8)
         else:
@@ -132,7 +133,8 @@ class DeepseekForCausalLM(nn.Module):
         self.par = par or ParallelContext()
         self.fp8_block = c.quantization.weight_block_size if (keep_fp8 and c.quantization) else None
         self.rotary = RotaryEmbedding(c)
-        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, self.par.tp_rank, self.par.tp_size, dtype)
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, self.par.tp_rank, self.par.tp_size,
+                                                   dtype)
         self.layers = nn.ModuleList(
             DecoderLayer(c, i, self.rotary, self.par, dtype, self.fp8_block) for i in range(c.num_hidden_layers)
         )

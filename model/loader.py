@@ -130,7 +130,8 @@ def load_model(
     except ConfigError as exc:
         raise CheckpointError(str(exc)) from None
     if not isinstance(config, ModelConfig):
-        raise CheckpointError(f"model_type {config.model_type!r} is not served yet (mlaserve serves deepseek_v3, deepseek_v2)")
+        raise CheckpointError(
+            f"model_type {config.model_type!r} is not served yet (mlaserve serves deepseek_v3, deepseek_v2)")
     device = torch.device(device)
     compute_dtype = resolve_dtype(dtype, config, device)
     if keep_fp8 is None:

@@ -106,7 +106,8 @@ def _attention_core(p: str, c: dict) -> list[TensorSpec]:
         TensorSpec(a + "wq_a.weight", (ql, d_model), FP8), TensorSpec(a + "q_norm.weight", (ql,), BF16),
         TensorSpec(a + "wq_b.weight", (heads * hd, ql), FP8), TensorSpec(a + "wkv.weight", (hd, d_model), FP8),
         TensorSpec(a + "kv_norm.weight", (hd,), BF16),
-        TensorSpec(a + "wo_a.weight", (g * ol, heads * hd // g), FP8), TensorSpec(a + "wo_b.weight", (d_model, g * ol), FP8),
+        TensorSpec(a + "wo_a.weight", (g * ol, heads * hd // g), FP8),
+        TensorSpec(a + "wo_b.weight", (d_model, g * ol), FP8),
         TensorSpec(a + "attn_sink", (heads,), F32),
     ]
 
@@ -174,7 +175,8 @@ def _v41_layer(p: str, c: dict, layer: int) -> list[TensorSpec]:
     if layer in index_sources:
         ih, idim, ql = int(_req(c, "index_n_heads")), int(_req(c, "index_head_dim")), int(c["q_lora_rank"])
         ip = p + "attn.indexer."
-        out += [TensorSpec(ip + "wq_b.weight", (ih * idim, ql), FP8), TensorSpec(ip + "weights_proj.weight", (ih, d_model), BF16)]
+        out += [TensorSpec(ip + "wq_b.weight", (ih * idim, ql), FP8),
+                TensorSpec(ip + "weights_proj.weight", (ih, d_model), BF16)]
         if layer in kv_sources:
             out += [TensorSpec(ip + "wk.weight", (idim, hd), BF16), TensorSpec(ip + "k_norm.weight", (idim,), BF16)]
     engram_layers = list(c.get("engram_layer_ids") or [])
@@ -191,7 +193,8 @@ def _v41_layer(p: str, c: dict, layer: int) -> list[TensorSpec]:
 
 def _v4_mtp(p: str, c: dict, layer: int) -> list[TensorSpec]:
     d_model, hc = int(c["hidden_size"]), int(c["hc_mult"])
-    extra = [TensorSpec(p + "e_proj.weight", (d_model, d_model), FP8), TensorSpec(p + "h_proj.weight", (d_model, d_model), FP8),
+    extra = [TensorSpec(p + "e_proj.weight", (d_model, d_model), FP8),
+             TensorSpec(p + "h_proj.weight", (d_model, d_model), FP8),
              TensorSpec(p + "enorm.weight", (d_model,), BF16), TensorSpec(p + "hnorm.weight", (d_model,), BF16),
              TensorSpec(p + "norm.weight", (d_model,), BF16), TensorSpec(p + "hc_head_fn", (hc, hc * d_model), F32),
              TensorSpec(p + "hc_head_base", (hc,), F32), TensorSpec(p + "hc_head_scale", (1,), F32)]
@@ -227,12 +230,14 @@ def scale_name(weight_name: str) -> str:
     return weight_name[: -len(".weight")] + ".scale"
 
 
-def stored_tensors(spec: TensorSpec, fp8: bool, block: tuple[int, int]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+def stored_tensors(spec: TensorSpec, fp8: bool,
+                   block: tuple[int, int]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """How ``spec`` is stored: [(name, shape, dtype)], the weight then its scale if any."""
     n, k = spec.shape[-2:] if len(spec.shape) >= 2 else (1, spec.shape[0])
     if spec.kind == ENGRAM:
         if not fp8:
-            return [(spec.name, spec.shape, torch.bfloat16), (scale_name(spec.name), (n, k // MXFP4_GROUP), torch.float32)]
+            return [(spec.name, spec.shape, torch.bfloat16),
+                    (scale_name(spec.name), (n, k // MXFP4_GROUP), torch.float32)]
         return [(spec.name, spec.shape, FP8_DTYPE), (scale_name(spec.name), (n, k // MXFP4_GROUP), E8M0_DTYPE)]
     if spec.kind in (FP8, FP4) and fp8:
         if spec.kind == FP4:

@@ -245,7 +245,8 @@ def plan_v4_checkpoint(model_dir: str, expected: Mapping, shard_spec: ShardSpec 
         elif wkey not in foreign_experts:
             unknown.append(skey)
     for t in targets.values():  # the model takes this weight's scale as a tensor of its own
-        scale_names = (t.name[: -len(".weight")] + ".scale", t.name + "_scale_inv") if t.name.endswith(".weight") else ()
+        scale_names = ((t.name[: -len(".weight")] + ".scale", t.name + "_scale_inv")
+                       if t.name.endswith(".weight") else ())
         scale_target = next((targets[n] for n in scale_names if n in exp), None)
         if scale_target is not None and t.sources:
             t.raw = True
@@ -270,7 +271,8 @@ def _check_complete(targets: dict[str, _Target], arch: str, spec: ShardSpec) -> 
             continue
         if t.sources[0].expert is None:
             if len(t.sources) > 1:
-                raise CheckpointError(f"model tensor {t.name!r} is stored twice: {t.sources[0].key!r} and {t.sources[1].key!r}")
+                raise CheckpointError(
+                    f"model tensor {t.name!r} is stored twice: {t.sources[0].key!r} and {t.sources[1].key!r}")
             src = t.sources[0]
             if src.dtype in (FP8_DTYPE, torch.int8) and src.scale_key is None and not t.raw:
                 raise CheckpointError(f"quantized tensor {src.key!r} ({'FP8' if src.dtype == FP8_DTYPE else 'MXFP4'}) "
@@ -329,7 +331,8 @@ def _fp8_block(data_shape, scale_shape, config_block: tuple[int, int], key: str)
         elif s and n % s == 0:
             block.append(n // s)
         else:
-            raise CheckpointError(f"scale of {key!r} has shape {list(scale_shape)}, which fits no block of {list(data_shape)}")
+            raise CheckpointError(
+                f"scale of {key!r} has shape {list(scale_shape)}, which fits no block of {list(data_shape)}")
     return block[0], block[1]
 
 
@@ -403,7 +406,8 @@ def _cat_parts(parts, dim):
 def _stack(items):
     if isinstance(items[0], QuantizedWeight):
         q = items[0]
-        return QuantizedWeight(torch.stack([i.data for i in items]), torch.stack([i.scale for i in items]), q.format, q.block)
+        return QuantizedWeight(torch.stack([i.data for i in items]), torch.stack([i.scale for i in items]),
+                               q.format, q.block)
     return torch.stack(items)
 
 

@@ -15,9 +15,10 @@ Each rule names how a tensor (HF name, V4 or V4.1 spelling) is cut across ``worl
 |               | indexer, engram wkv/q/k)                             |                                       |
 
 A weight's scale tensor (``.scale`` / ``.weight_scale_inv``), when a model keeps it as a tensor
-of its own, follows its weight's rule. The rule says how a tensor *may* be cut; whether it is, is read from the shape the model asks
-for (the full shape means replicated), so a model that replicates e.g. shared experts loads
-from the same table. Under EP a V4.1 model lists only its own experts' (per-expert) tensors.
+of its own, follows its weight's rule. The rule says how a tensor *may* be cut; whether it is, is
+read from the shape the model asks for (the full shape means replicated), so a model that
+replicates e.g. shared experts loads from the same table. Under EP a V4.1 model lists only its
+own experts' (per-expert) tensors.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ SHARDING_RULES: tuple[tuple[str, str], ...] = (
     (r"\.(self_attn\.o_a_proj|attn\.wo_a)\.(weight|weight_scale_inv|scale)$", GROUP_ROWS),
     (r"\.(self_attn\.o_b_proj|attn\.wo_b)\.(weight|weight_scale_inv|scale)$", INPUT_COLS),
     (r"\.mlp\.experts\.(gate_up_proj|down_proj)$", EXPERT_STACK),
-    (r"\.(ffn\.experts\.\d+\.w[13]|ffn\.shared_experts\.w[13]|mlp\.shared_experts\.(gate|up)_proj)\.(weight|weight_scale_inv|scale)$", EXPERT_ROWS),
-    (r"\.(ffn\.experts\.\d+\.w2|ffn\.shared_experts\.w2|mlp\.shared_experts\.down_proj)\.(weight|weight_scale_inv|scale)$", EXPERT_COLS),
+    (r"\.(ffn\.experts\.\d+\.w[13]|ffn\.shared_experts\.w[13]|mlp\.shared_experts\.(gate|up)_proj)"
+     r"\.(weight|weight_scale_inv|scale)$", EXPERT_ROWS),
+    (r"\.(ffn\.experts\.\d+\.w2|ffn\.shared_experts\.w2|mlp\.shared_experts\.down_proj)"
+     r"\.(weight|weight_scale_inv|scale)$", EXPERT_COLS),
     (r"^(model\.embed_tokens\.weight|model\.embed\.weight|lm_head\.weight)$", VOCAB_ROWS),
     (r"\.engram\.embed\.(weight|scale)$", VOCAB_ROWS),
 )
@@ -90,7 +93,8 @@ def _cat(parts, dim: int):
     if not isinstance(parts[0], QuantizedWeight):
         return torch.cat(parts, dim)
     q = parts[0]
-    return QuantizedWeight(torch.cat([p.data for p in parts], dim), torch.cat([p.scale for p in parts], dim), q.format, q.block)
+    return QuantizedWeight(torch.cat([p.data for p in parts], dim), torch.cat([p.scale for p in parts], dim),
+                           q.format, q.block)
 
 
 def _shape(t) -> tuple[int, ...]:

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 import msgpack
 
 from model.config import ModelConfig, load_model_config
+from server import envs
 from server.config import EngineConfig
 from server.engine_core import RequestDelta, SeqDelta, validate_request
 from server.errors import EngineDeadError, EngineStartupError, InvalidRequestError
@@ -33,9 +34,6 @@ from server.sampling_params import SamplingParams
 from server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-STARTUP_TIMEOUT_S = float(os.environ.get("MLASERVE_ENGINE_STARTUP_TIMEOUT", "600"))
-
 
 # ---- message encoding (plain lists/dicts only) ------------------------------------------------
 def _lp_to_wire(lp: TokenLogprob | None):
@@ -127,7 +125,7 @@ def _limit_cpu_threads(config: EngineConfig) -> None:
     cores). OMP_NUM_THREADS, when set, wins."""
     import torch
 
-    from server.engine_core import resolve_device
+    from server.runner_setup import resolve_device
 
     if os.environ.get("OMP_NUM_THREADS") or resolve_device(config).type != "cpu":
         return
@@ -220,7 +218,7 @@ class AsyncEngine:
     def _spawn(self) -> None:
         config = self.engine_config
         if config.world_size > 1:
-            from distributed.worker import check_supported
+            from server.engine_parallel import check_supported
 
             try:
                 check_supported(config)
@@ -252,8 +250,10 @@ class AsyncEngine:
 
     @staticmethod
     def _await_ready(e: _EngineProcess) -> dict:
-        if not e.conn.poll(STARTUP_TIMEOUT_S):
-            raise EngineStartupError(f"engine process {e.dp_rank} did not start within {STARTUP_TIMEOUT_S:.0f} s")
+        timeout_s = envs.MLASERVE_ENGINE_STARTUP_TIMEOUT
+        if not e.conn.poll(timeout_s):
+            raise EngineStartupError(f"engine process {e.dp_rank} did not start within {timeout_s:.0f} s "
+                                     "(MLASERVE_ENGINE_STARTUP_TIMEOUT)")
         try:
             msg = _unpack(e.conn.recv_bytes())
         except EOFError:

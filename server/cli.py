@@ -30,12 +30,12 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from server import envs
 from server.config import EngineConfig, EngineConfigError
 from server.engine_args import CLIError, add_engine_arguments, engine_config_from_namespace, json_value
 
 logger = logging.getLogger("mlaserve")
 
-API_KEY_ENV_VARS = ("MLASERVE_API_KEY", "VLLM_API_KEY")
 # Flags whose value is a JSON object and that therefore take dotted sub-keys.
 DICT_FLAGS = ("--compilation-config", "--speculative-config")
 
@@ -168,7 +168,7 @@ def serve_args_from_namespace(ns: argparse.Namespace) -> ServeArgs:
         notes.append("--disable-log-requests: request logging is already off (see --enable-log-requests)")
     if ns.enable_tokenizer_info_endpoint:
         notes.append("--enable-tokenizer-info-endpoint: /tokenizer_info is always enabled")
-    api_key = ns.api_key or next((os.environ[v] for v in API_KEY_ENV_VARS if os.environ.get(v)), None)
+    api_key = ns.api_key or envs.MLASERVE_API_KEY or envs.VLLM_API_KEY
     return ServeArgs(engine_config=config, host=ns.host, port=ns.port, api_key=api_key,
                      uvicorn_log_level=ns.uvicorn_log_level, log_requests=ns.enable_log_requests,
                      log_stats=not ns.disable_log_stats, notes=notes)
@@ -183,7 +183,7 @@ def run_serve(args: ServeArgs) -> int:
                      "download one first, e.g. with `huggingface-cli download`)", model)
         return 1
     if args.engine_config.node_rank > 0:
-        from distributed.worker import run_headless_node
+        from server.tp_worker import run_headless_node
 
         logger.info("node rank %d: running this node's workers headless (the API runs on node 0)",
                     args.engine_config.node_rank)
@@ -306,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s [%(name)s] %(message)s")
     ns = parse_args(argv)
     try:
+        envs.check_all()
         return ns._run(ns)
-    except (CLIError, EngineConfigError) as e:
+    except (CLIError, EngineConfigError, envs.EnvVarError) as e:
         ns._parser.error(str(e))
         return 2
 

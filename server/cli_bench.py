@@ -5,7 +5,7 @@ checkpoint directory or a preset from ``configs/``; engine flags as for ``serve`
 ``bench serve`` drives a running OpenAI-compatible server with streaming completions.
 Both print vLLM's result lines, can write vLLM's JSON result and, with matplotlib
 installed, a PNG of latency percentiles (``--plot F.png``). The work lives in
-``benchmarks/``; this module only reads flags and wires the pieces together.
+``server/bench/``; this module only reads flags and wires the pieces together.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import sys
 from datetime import datetime
 
+from server import envs
 from server.cli import CLIError, Subcommand, bundled_model_dir
 from server.config import EngineConfig, EngineConfigError
 from server.engine_args import add_engine_arguments, engine_kwargs_from_namespace
@@ -30,7 +31,7 @@ logger = logging.getLogger("mlaserve.bench")
 
 
 def _add_dataset_arguments(p: argparse.ArgumentParser, prefix_flags: tuple[str, ...]) -> None:
-    from benchmarks.datasets import DATASETS
+    from server.bench.datasets import DATASETS
 
     g = p.add_argument_group("dataset")
     g.add_argument("--dataset-name", "--dataset", dest="dataset_name", choices=DATASETS, default="random",
@@ -161,7 +162,7 @@ def _write_json(path: str, payload: dict) -> None:
 def _maybe_plot(path: str | None, series_s: dict[str, list[float]], title: str) -> None:
     if not path:
         return
-    from benchmarks.plot import PlotUnavailable, plot_latency_percentiles
+    from server.bench.plot import PlotUnavailable, plot_latency_percentiles
 
     try:
         print(f"Latency plot written to {plot_latency_percentiles(series_s, path, title)}")
@@ -175,8 +176,9 @@ def _maybe_plot(path: str | None, series_s: dict[str, list[float]], title: str) 
 
 
 def run_throughput_command(ns: argparse.Namespace) -> int:
-    from benchmarks.datasets import DatasetError, sample_random_requests
-    from benchmarks.throughput import ModelSpecError, load_engine, materialize_model, prompt_vocabulary, run_throughput
+    from server.bench.datasets import DatasetError, sample_random_requests
+    from server.bench.throughput import (ModelSpecError, load_engine, materialize_model, prompt_vocabulary,
+                                         run_throughput)
 
     engine_args, notes = engine_kwargs_from_namespace(ns, serve=False)
     engine_args["seed"] = ns.seed
@@ -224,13 +226,13 @@ async def _serve_benchmark(ns: argparse.Namespace):
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
 
-    from benchmarks.datasets import DatasetError, sample_random_requests
-    from benchmarks.serve_client import fetch_model, fetch_vocabulary, run_requests, wait_until_healthy
+    from server.bench.datasets import DatasetError, sample_random_requests
+    from server.bench.serve_client import fetch_model, fetch_vocabulary, run_requests, wait_until_healthy
 
     base_url = (ns.base_url or f"http://{ns.host}:{ns.port}").rstrip("/")
     headers = {}
-    if os.environ.get("OPENAI_API_KEY"):  # as vLLM's client does
-        headers["Authorization"] = f"Bearer {os.environ['OPENAI_API_KEY']}"
+    if envs.OPENAI_API_KEY:  # as vLLM's client does
+        headers["Authorization"] = f"Bearer {envs.OPENAI_API_KEY}"
     headers.update(_key_values(ns.header, "--header"))
     limits = httpx.Limits(max_connections=ns.max_concurrency, max_keepalive_connections=ns.max_concurrency)
     timeout = httpx.Timeout(6 * 3600.0, connect=30.0)
@@ -275,7 +277,7 @@ async def _serve_benchmark(ns: argparse.Namespace):
 
 
 def run_serve_command(ns: argparse.Namespace) -> int:
-    from benchmarks.serve_client import (DETAILED_KEYS, PERCENTILE_METRICS, ServerError, compute_metrics,
+    from server.bench.serve_client import (DETAILED_KEYS, PERCENTILE_METRICS, ServerError, compute_metrics,
                                          format_report, latency_series)
 
     percentiles = _percentiles(ns.metric_percentiles)

@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(tiny-v3, tiny-v2, deepseek-r1, deepseek-v2-lite, tiny-v4, tiny-v41, "
                         "deepseek-v4-flash, deepseek-v41-flash)")
     p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--fp8", action="store_true", help="quantize as released: FP8 128x128 blocks (R1, V4; V4.1 32x32, ue8m0), "
+    p.add_argument("--fp8", action="store_true",
+                   help="quantize as released: FP8 128x128 blocks (R1, V4; V4.1 32x32, ue8m0), "
                         "MXFP4 routed experts (V4, V4.1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-layers", type=int, default=None, help="truncate the preset to this many layers")

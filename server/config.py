@@ -117,7 +117,8 @@ class EngineConfig:
             bad("--compilation-config.cudagraph_mode",
                 f"must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.cudagraph_mode!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            bad("--attention-backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+            bad("--attention-backend",
+                f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.tensor_parallel_size < 1:
             bad("--tensor-parallel-size", f"must be at least 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:

@@ -15,17 +15,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distributed.comm import collective_counts
+from distributed.parallel_state import ParallelConfig, destroy_distributed
 from model.config import ModelConfig
-from model.loader import load_model
+from server import engine_parallel
 from server.config import EngineConfig
 from server.errors import InvalidRequestError
 from server.kv_cache import BlockManager
 from server.outputs import TokenLogprob
-from server.runner import ModelRunner, PendingStep, StepResult, determine_num_blocks, model_kv_cache_specs
+from server.runner import PendingStep, StepResult
+from server.runner_setup import build_runner, resolve_device
 from server.sampling_params import SamplingParams
 from server.scheduler import Scheduler, SchedulerOutput
 from server.sequence import Sequence
 from server.tokenizer import IncrementalDetokenizer, Tokenizer
+from server.tp_worker import start_tp_workers
 
 logger = logging.getLogger(__name__)
 
@@ -64,25 +68,6 @@ class _RequestState:
     num_unfinished: int = 0
 
 
-def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RuntimeError("--device cuda: no CUDA device is available")
-    return torch.device("cuda")
-
-
-def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    limit = model_config.max_position_embeddings
-    if config.max_model_len is None:
-        return limit
-    if config.max_model_len > limit:
-        raise ValueError(
-            f"--max-model-len: {config.max_model_len} exceeds the model's max_position_embeddings ({limit})"
-        )
-    return config.max_model_len
-
-
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
                      max_model_len: int) -> None:
     """Raise InvalidRequestError for a request the engine can never serve (the API process
@@ -114,40 +99,21 @@ class EngineCore:
         par = None
         self.workers = None
         self.dp_sync = None
+        agree = None
         if config.world_size > 1:
             par = self._join_parallel_group(model_dir, dp_rank)
-        self.model = load_model(model_dir, dtype=config.dtype, device=self.device, par=par, progress=True,
-                                load_format=config.load_format, seed=config.seed)
+            agree = engine_parallel.agree_num_blocks
+        setup = build_runner(config, model_dir, self.device, par=par, agree_num_blocks=agree, progress=True)
+        self.model, self.runner = setup.model, setup.runner
         self.model_config: ModelConfig = self.model.config
         self.tokenizer = Tokenizer.from_pretrained(config.tokenizer or model_dir)
-        self.max_model_len = resolve_max_model_len(config, self.model_config)
-        num_blocks = determine_num_blocks(config, self.model_config, self.model.dtype, self.device,
-                                          model=self.model, max_model_len=self.max_model_len)
-        if config.world_size > 1:
-            from distributed.worker import agree_num_blocks
-
-            num_blocks = agree_num_blocks(num_blocks)
-        self.block_manager = BlockManager.from_config(
-            config, num_blocks, model_kv_cache_specs(self.model_config, config, self.model.dtype))
-        capacity = self.block_manager.max_tokens_per_seq
-        if capacity is not None and self.max_model_len > capacity:
-            if config.max_model_len is not None:
-                raise ValueError(
-                    f"--max-model-len: {self.max_model_len} tokens do not fit the KV cache ({capacity} tokens); "
-                    "lower it or give the cache more memory"
-                )
-            logger.info("max_model_len capped at the KV cache capacity: %d tokens", capacity)
-            self.max_model_len = capacity
+        self.max_model_len = setup.max_model_len
+        num_blocks = setup.num_blocks
+        self.block_manager = BlockManager.from_config(config, num_blocks, self.runner.kv_cache_specs)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
-        self.runner = ModelRunner(self.model, config, num_blocks, self.device)
         if config.tensor_parallel_size > 1:
-            from distributed.worker import PlanBroadcaster
-
-            self.runner.plan_broadcaster = PlanBroadcaster()
+            self.runner.plan_broadcaster = engine_parallel.PlanBroadcaster()
         self.ran_model = False  # whether the last step() ran a forward (DEP lockstep)
-        from server.cuda_graphs import maybe_capture
-
-        self.runner.decode_graphs = maybe_capture(self.runner, config, self.max_model_len)
         self._requests: dict[str, _RequestState] = {}
         self._seq_ids = itertools.count()
         self._pending: tuple[SchedulerOutput, PendingStep] | None = None  # async scheduling
@@ -159,19 +125,16 @@ class EngineCore:
 
     def _join_parallel_group(self, model_dir: str, dp_rank: int):
         """Start this DP group's TP workers, join the process groups, return the model's view."""
-        from distributed import worker as w
-        from distributed.parallel_state import ParallelConfig
-
-        w.check_supported(self.config)
+        engine_parallel.check_supported(self.config)
         pcfg = ParallelConfig.from_engine_config(self.config)
         rank = dp_rank * self.config.tensor_parallel_size
         local_rank = rank % pcfg.local_world_size
-        self.workers = w.start_tp_workers(self.config, model_dir, dp_rank, on_failure=self._worker_died)
-        w.init_engine_rank(self.config, rank, local_rank)
-        self.device = w.engine_device(self.config, local_rank)
+        self.workers = start_tp_workers(self.config, model_dir, dp_rank, on_failure=self._worker_died)
+        engine_parallel.init_engine_rank(self.config, rank, local_rank)
+        self.device = engine_parallel.engine_device(self.config, local_rank)
         if self.config.data_parallel_size > 1:
-            self.dp_sync = w.DPSync()
-        return w.parallel_context(self.config)
+            self.dp_sync = engine_parallel.DPSync()
+        return engine_parallel.parallel_context(self.config)
 
     def _worker_died(self, failure) -> None:
         # A TP peer is gone: collectives would hang or fail. End this process at once; the
@@ -188,8 +151,6 @@ class EngineCore:
         if self.workers is not None:
             self.workers.join(timeout=30)
         if self.config.world_size > 1:
-            from distributed.parallel_state import destroy_distributed
-
             destroy_distributed()
 
     # ---- requests -----------------------------------------------------------------------------
@@ -234,7 +195,8 @@ class EngineCore:
         if state is None:
             return
         self.scheduler.abort(request_id)
-        deltas = [SeqDelta(i, finish_reason="abort") for i, s in enumerate(state.seqs) if s.finish_reason in (None, "abort")]
+        deltas = [SeqDelta(i, finish_reason="abort") for i, s in enumerate(state.seqs)
+                  if s.finish_reason in (None, "abort")]
         self._aborted.append(RequestDelta(request_id, deltas, finished=True))
 
     def has_unfinished(self) -> bool:
@@ -374,6 +336,4 @@ class EngineCore:
     def _collective_counts(self) -> dict[str, int]:
         if self.config.world_size == 1:
             return {}
-        from distributed.comm import collective_counts
-
         return {k: v for k, v in collective_counts().items() if v}

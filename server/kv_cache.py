@@ -54,7 +54,9 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence as SequenceABC
 from dataclasses import dataclass
 
-from server.kv_cache_spec import NULL_BLOCK, FullAttentionSpec, KVCacheGroup, KVCacheSpec, plan_groups
+from server.kv_cache_spec import (
+    NULL_BLOCK, FullAttentionSpec, KVCacheGroup, KVCacheSpec, max_tokens_per_seq, plan_groups,
+)
 from server.sequence import Sequence
 
 
@@ -221,8 +223,7 @@ class BlockManager:
     @property
     def max_tokens_per_seq(self) -> int | None:
         """Longest sequence the cache holds alone (None: any length)."""
-        caps = [c for c in (s.max_tokens(p.num_blocks) for s, p in zip(self._specs, self._pools)) if c is not None]
-        return min(caps) if caps else None
+        return max_tokens_per_seq(self.groups)
 
     def describe(self) -> str:
         """One line per group for the start-up log: kind, layers, pages, bytes per token."""

@@ -166,6 +166,12 @@ def plan_groups(specs: list[KVCacheSpec], num_blocks: int, max_num_seqs: int) ->
     return [KVCacheGroup(s, s.pool_blocks(num_blocks, max_num_seqs)) for s in specs]
 
 
+def max_tokens_per_seq(groups: list[KVCacheGroup]) -> int | None:
+    """Longest sequence a cache planned as ``groups`` holds alone (None: any length)."""
+    caps = [c for c in (g.spec.max_tokens(g.num_blocks) for g in groups) if c is not None]
+    return min(caps) if caps else None
+
+
 def max_num_blocks(specs: list[KVCacheSpec], budget_bytes: int, max_num_seqs: int) -> int:
     """The largest ``num_blocks`` whose pools fit ``budget_bytes`` (0 if not even one block)."""
 

@@ -20,19 +20,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from server.errors import EngineDeadError, InvalidRequestError
 from server.metrics import ServerMetrics
-from server.outputs import RequestOutput, TokenLogprob
+from server.outputs import RequestOutput
 from server.protocol import (
-    ChatCompletionLogProbs, ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice,
-    ChatLogProb, ChatLogProbsContent, ChatMessage, ChatResponseMessage, CompletionLogProbs, CompletionRequest,
+    ChatCompletionRequest, ChatCompletionResponse, ChatCompletionResponseChoice, ChatMessage, ChatResponseMessage,
+    CompletionRequest,
     CompletionResponse, CompletionResponseChoice, ErrorInfo, ErrorResponse, SamplingFields, UsageInfo, random_id,
 )
+from server.logprobs import chat_logprobs, completion_logprobs
 from server.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.streaming import ChatStreamFormatter, CompletionStreamFormatter, StreamFormatter
 
 logger = logging.getLogger(__name__)
-
-MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
-
 
 # ----------------------------------------------------------------------------- errors
 
@@ -72,6 +70,12 @@ class EngineRequest:
         self._num_tokens = 0
         self.finished = False
         self._closed = False
+
+    def decoded_prompt(self, tokenizer) -> str:
+        """The prompt as text (for echo), decoded once when the request came as token ids."""
+        if self.prompt_text is None:
+            self.prompt_text = tokenizer.decode(self.prompt_ids, skip_special_tokens=False)
+        return self.prompt_text
 
     async def next(self) -> RequestOutput | None:
         """The next cumulative output, or None once the engine has no more."""
@@ -314,7 +318,7 @@ class OpenAIServer:
         request_id = random_id("cmpl")
         self.log_request(request_id, body, [len(ids) for _, ids in prompts])
         reqs = await _open_all(self.engine, self.metrics, prompts, params, request_id, suffixed=True)
-        fmt = CompletionStreamFormatter(self, body, request_id, model, reqs) if body.stream else None
+        fmt = CompletionStreamFormatter(self.tokenizer, body, request_id, model, reqs) if body.stream else None
         return await self._respond(raw, reqs, fmt, lambda finals: self._completion_response(
             body, request_id, model, reqs, finals))
 
@@ -346,13 +350,13 @@ class OpenAIServer:
                 completion_tokens += len(o.token_ids)
                 text, lp = o.text, None
                 if body.echo:
-                    text = self.prompt_text(req) + text
+                    text = req.decoded_prompt(self.tokenizer) + text
                 if body.logprobs is not None:
                     ids, lps = list(o.token_ids), list(o.logprobs or [])
                     if body.echo:
                         ids = list(req.prompt_ids) + ids
                         lps = list(out.prompt_logprobs or [None] * len(req.prompt_ids)) + lps
-                    lp = self.completion_logprobs(ids, lps, body.logprobs, 0)
+                    lp = completion_logprobs(self.tokenizer, ids, lps, body.logprobs, 0)
                 choices.append(CompletionResponseChoice(index=p * body.n + o.index, text=text, logprobs=lp,
                                                         finish_reason=o.finish_reason, stop_reason=o.stop_reason))
         prompt_tokens = sum(len(r.prompt_ids) for r in reqs)
@@ -360,31 +364,6 @@ class OpenAIServer:
                           total_tokens=prompt_tokens + completion_tokens)
         resp = CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
         return JSONResponse(resp.model_dump())
-
-    def prompt_text(self, req: EngineRequest) -> str:
-        if req.prompt_text is None:
-            req.prompt_text = self.tokenizer.decode(req.prompt_ids, skip_special_tokens=False)
-        return req.prompt_text
-
-    def completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob | None], top_n: int,
-                            offset: int) -> CompletionLogProbs:
-        res = CompletionLogProbs()
-        for tid, lp in zip(token_ids, logprobs):
-            tok = self.tokenizer.token_to_text(tid)
-            res.tokens.append(tok)
-            res.text_offset.append(offset)
-            offset += len(tok)
-            if lp is None:
-                res.token_logprobs.append(None)
-                res.top_logprobs.append(None)
-                continue
-            res.token_logprobs.append(max(lp.logprob, MIN_LOGPROB))
-            top: dict[str, float] = {}
-            for alt_id, alt_lp in sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]:
-                top.setdefault(self.tokenizer.token_to_text(alt_id), max(alt_lp, MIN_LOGPROB))
-            top.setdefault(tok, max(lp.logprob, MIN_LOGPROB))
-            res.top_logprobs.append(top)
-        return res
 
     # -- chat
 
@@ -438,7 +417,7 @@ class OpenAIServer:
         request_id = random_id("chatcmpl")
         self.log_request(request_id, body, [len(ids)])
         reqs = await _open_all(self.engine, self.metrics, [(text, ids)], params, request_id, suffixed=False)
-        fmt = ChatStreamFormatter(self, body, request_id, model, reqs) if body.stream else None
+        fmt = ChatStreamFormatter(self.tokenizer, body, request_id, model, reqs) if body.stream else None
         return await self._respond(raw, reqs, fmt, lambda finals: self._chat_response(
             body, request_id, model, reqs[0], finals[0]))
 
@@ -446,7 +425,9 @@ class OpenAIServer:
                        out: RequestOutput) -> JSONResponse:
         choices = []
         for o in sorted(out.outputs, key=lambda o: o.index):
-            lp = self.chat_logprobs(o.token_ids, o.logprobs, body.top_logprobs or 0) if body.logprobs else None
+            lp = None
+            if body.logprobs:
+                lp = chat_logprobs(self.tokenizer, o.token_ids, o.logprobs, body.top_logprobs or 0)
             choices.append(ChatCompletionResponseChoice(
                 index=o.index, message=ChatResponseMessage(content=o.text), logprobs=lp,
                 finish_reason=o.finish_reason, stop_reason=o.stop_reason))
@@ -455,19 +436,6 @@ class OpenAIServer:
                           total_tokens=len(req.prompt_ids) + completion_tokens)
         return JSONResponse(ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                                    usage=usage).model_dump())
-
-    def chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None,
-                      top_n: int) -> ChatCompletionLogProbs:
-        def entry(tid: int, value: float) -> ChatLogProb:
-            tok = self.tokenizer.token_to_text(tid)
-            return ChatLogProb(token=tok, logprob=max(value, MIN_LOGPROB), bytes=list(tok.encode("utf-8")))
-
-        content = []
-        for tid, lp in zip(token_ids, logprobs or []):
-            chosen = entry(tid, lp.logprob)
-            alts = [entry(a, v) for a, v in sorted(lp.top.items(), key=lambda kv: -kv[1])[:top_n]]
-            content.append(ChatLogProbsContent(**chosen.model_dump(), top_logprobs=alts))
-        return ChatCompletionLogProbs(content=content)
 
     # -- streaming (shared by completions and chat)
 

@@ -263,7 +263,8 @@ class ModelRunner:
         input_ids = to_device(plan.input_ids, torch.long, self.device)
         if fills:
             at, rows = zip(*fills)
-            input_ids[to_device(at, torch.long, self.device)] = pending.token_ids[to_device(rows, torch.long, self.device)]
+            src = pending.token_ids[to_device(rows, torch.long, self.device)]
+            input_ids[to_device(at, torch.long, self.device)] = src
         pos = to_device(plan.positions, torch.long, self.device)
         ctx = self.forward_context(md)
         if profile is not None:

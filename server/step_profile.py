@@ -13,20 +13,20 @@ off, the runner and engine skip every call here (no timing, no synchronize).
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import torch
 
-ENV_VAR = "MLASERVE_STEP_PROFILE"
+from server import envs
+
 PHASES = ("plan", "forward", "sample", "sched")
 KINDS = ("decode-graph", "decode-eager", "prefill", "mixed")
 
 
 def env_enabled() -> bool:
-    return os.environ.get(ENV_VAR, "").strip().lower() not in ("", "0", "false", "no", "off")
+    return envs.MLASERVE_STEP_PROFILE
 
 
 def classify_step(num_decodes: int, num_seqs: int, decode_graphs, graphs_off_reason: str) -> tuple[str, str | None]:

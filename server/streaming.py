@@ -7,16 +7,12 @@ once, and the final usage chunk when ``stream_options.include_usage`` asks for i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from server.logprobs import chat_logprobs, completion_logprobs
 from server.outputs import CompletionOutput, RequestOutput
 from server.protocol import (
     ChatCompletionRequest, ChatCompletionStreamChoice, ChatCompletionStreamResponse, CompletionRequest,
     CompletionResponseChoice, CompletionStreamResponse, DeltaMessage, SamplingFields, UsageInfo,
 )
-
-if TYPE_CHECKING:  # the server calls the formatter, which calls back for logprob formatting
-    from server.openai_serving import EngineRequest, OpenAIServer
 
 
 def _chunk_dict(chunk, drop_delta_nones: bool = False) -> dict:
@@ -36,9 +32,10 @@ class StreamFormatter:
     prefix rather than retracting text already emitted).
     """
 
-    def __init__(self, server: OpenAIServer, body: SamplingFields, request_id: str, model: str,
-                 reqs: list[EngineRequest]) -> None:
-        self.server, self.body, self.request_id, self.model, self.reqs = server, body, request_id, model, reqs
+    def __init__(self, tokenizer, body: SamplingFields, request_id: str, model: str, reqs: list) -> None:
+        """``reqs``: the handler's engine requests, one per prompt (``prompt_ids``,
+        ``decoded_prompt(tokenizer)``)."""
+        self.tokenizer, self.body, self.request_id, self.model, self.reqs = tokenizer, body, request_id, model, reqs
         self.n = body.n
         opts = body.stream_options
         self.include_usage = bool(opts and opts.include_usage)
@@ -107,10 +104,10 @@ class CompletionStreamFormatter(StreamFormatter):
                 ids = list(req.prompt_ids) + ids
                 lps = list(out.prompt_logprobs or [None] * len(req.prompt_ids)) + lps
             offset = self.text_offsets.get(idx, 0)
-            lp = self.server.completion_logprobs(ids, lps, self.body.logprobs, offset)
+            lp = completion_logprobs(self.tokenizer, ids, lps, self.body.logprobs, offset)
             self.text_offsets[idx] = offset + sum(len(t) for t in lp.tokens)
         if echo:
-            delta_text = self.server.prompt_text(req) + delta_text
+            delta_text = req.decoded_prompt(self.tokenizer) + delta_text
         choice = CompletionResponseChoice(index=idx, text=delta_text, logprobs=lp,
                                           finish_reason=o.finish_reason, stop_reason=o.stop_reason)
         return _chunk_dict(CompletionStreamResponse(id=self.request_id, model=self.model, choices=[choice],
@@ -135,7 +132,7 @@ class ChatStreamFormatter(StreamFormatter):
     def make_chunk(self, p, idx, o, delta_text, k0, first, out, usage):
         lp = None
         if self.body.logprobs:
-            lp = self.server.chat_logprobs(o.token_ids[k0:], (o.logprobs or [])[k0:], self.body.top_logprobs or 0)
+            lp = chat_logprobs(self.tokenizer, o.token_ids[k0:], (o.logprobs or [])[k0:], self.body.top_logprobs or 0)
         delta = DeltaMessage(content=delta_text) if delta_text or not o.finished else DeltaMessage()
         choice = ChatCompletionStreamChoice(index=idx, delta=delta, logprobs=lp,
                                             finish_reason=o.finish_reason, stop_reason=o.stop_reason)

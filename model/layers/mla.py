@@ -63,7 +63,8 @@ class MLAAttention(nn.Module):
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         self.kv_a_proj_with_mqa = ReplicatedLinear(c.hidden_size, c.kv_lora_rank + self.rope_dim, **lin)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, dtype)
-        self.kv_b_proj = ColumnParallelLinear(c.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim), **tp, **lin)
+        self.kv_b_proj = ColumnParallelLinear(c.kv_lora_rank, self.num_heads * (self.nope_dim + self.v_dim),
+                                              **tp, **lin)
         self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, c.hidden_size, **tp, **lin)
         # Absorbed per-head matrices, derived from kv_b_proj after loading.
         self.register_buffer("w_uk", torch.empty(0), persistent=False)  # [H_local, nope, kv_lora]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.config import ConfigError
+from model.config_json import ConfigError
 from model.v4.rope import RopeSpec, YarnParams
 
 HF_LAYER_KINDS = {

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.config import ConfigError, _get
+from model.config_json import ConfigError
+from model.config_json import get_or_default as _get
 from model.v4.rope import RopeSpec, YarnParams
 
 _RELEASED_RATIOS = [0, 0] + [2] * 18 + [1] * 20

@@ -124,7 +124,8 @@ class EngramHasher:
         if vocab != config.engram_compressed_vocab_size:
             raise ValueError(
                 f"tokenizer gives an engram compressed vocabulary of {vocab} ids but the config says "
-                f"engram_compressed_vocab_size={config.engram_compressed_vocab_size}: wrong tokenizer for this checkpoint"
+                f"engram_compressed_vocab_size={config.engram_compressed_vocab_size}: "
+                "wrong tokenizer for this checkpoint"
             )
         self.pad_id = token_map[config.engram_pad_id]
         primes = engram_primes(config)

@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 # Checkpoint tensors of parts this model does not build: DSpark draft blocks, vision tower,
 # aligner and image delimiter embeddings.
-UNUSED_WEIGHT_PATTERN = re.compile(r"((^|\.)(mtp|dspark)\.|^(model\.)?vision\.|^(model\.)?aligner\.|^(model\.)?image_(start|end|newline)$)")
+UNUSED_WEIGHT_PATTERN = re.compile(r"((^|\.)(mtp|dspark)\.|^(model\.)?vision\.|^(model\.)?aligner\."
+                                   r"|^(model\.)?image_(start|end|newline)$)")
 
 
 def split_unused_weights(names) -> tuple[list[str], list[str]]:
@@ -136,7 +137,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         for name in names:
             src, dst = tensors[name], params[name]
             if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(f"tensor {name}: checkpoint shape {tuple(src.shape)}, model expects {tuple(dst.shape)}")
+                raise ValueError(
+                    f"tensor {name}: checkpoint shape {tuple(src.shape)}, model expects {tuple(dst.shape)}")
         for name in names:
             params[name].copy_(tensors[name].to(params[name].dtype))
 

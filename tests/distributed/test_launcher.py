@@ -61,7 +61,8 @@ def _killed_worker(rank, world_size, local_rank, cfg, out_dir):
 
 def test_sigkilled_worker_is_detected_and_peers_terminated(tmp_path, start_method):
     seen = []
-    group = _spawn(start_method, _killed_worker, 3, (str(tmp_path),), on_failure=lambda f: seen.append((f, time.time())),
+    group = _spawn(start_method, _killed_worker, 3, (str(tmp_path),),
+                   on_failure=lambda f: seen.append((f, time.time())),
                    join_timeout_s=30, grace_s=1.0)
     with pytest.raises(WorkerFailedError, match="rank 1 was killed by SIGKILL"):
         group.join()

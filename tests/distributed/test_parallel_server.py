@@ -59,7 +59,8 @@ def _query(url: str) -> dict:
         "logprobs": [ch["logprobs"]["token_logprobs"] for ch in sorted(echo["choices"], key=lambda ch: ch["index"])],
         "alone": alone["choices"][0]["text"],
         "collectives": {m.group(1): float(m.group(2)) for m in
-                        re.finditer(r'mlaserve:collectives_total\{kind="(\w+)",model_name="[^"]*"\} ([\d.e+]+)', metrics)},
+                        re.finditer(r'mlaserve:collectives_total\{kind="(\w+)",model_name="[^"]*"\} ([\d.e+]+)',
+                                    metrics)},
     }
 
 

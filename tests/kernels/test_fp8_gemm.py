@@ -40,7 +40,8 @@ def test_reference_is_dequantized_matmul():
     y = fp8_block_linear(x, w8, s, bias=bias, out_dtype=torch.float32)
     assert y.shape == (5, 3, 200)
     assert rel_err(y, x @ w.t() + bias) < 3e-2  # weight quantization error only
-    manual = x.reshape(-1, 300) @ (w8.float() * s.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]).t()
+    w = w8.float() * s.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    manual = x.reshape(-1, 300) @ w.t()
     assert torch.allclose(y.reshape(-1, 200), manual + bias, atol=1e-4, rtol=1e-4)
 
 
@@ -97,7 +98,8 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     assert sc.stride() == (1, 5) and torch.equal(sc, rs)
     w8, sw = quantize_weight_blocks(torch.randn(200, 300) * 0.05)
     out = fp8_block_gemm_triton(y8, s, w8, sw, torch.float32)
-    ref = dequantize_per_token_group(y8, s) @ (w8.float() * sw.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]).t()
+    w = w8.float() * sw.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)[:, :300]
+    ref = dequantize_per_token_group(y8, s) @ w.t()
     err = ((out - ref).norm() / ref.norm()).item()
     assert err < 1e-5, err
     print("interpreter ok")

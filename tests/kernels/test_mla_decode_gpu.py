@@ -142,7 +142,8 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     C = MLADecodeConfig
     cases = [  # (B, s_q, H, lens, dtype, config, tolerance)
         (2, 1, 16, [70, 1], torch.float8_e4m3fn, C(block_h=16, block_n=32, num_stages=1, dv=256), 1e-2),
-        (2, 2, 8, [130, 33], torch.float8_e4m3fn, C(block_h=16, block_n=64, num_stages=1, pv="fp8", num_splits=3), 6e-2),
+        (2, 2, 8, [130, 33], torch.float8_e4m3fn,
+         C(block_h=16, block_n=64, num_stages=1, pv="fp8", num_splits=3), 6e-2),
         (1, 3, 8, [100], torch.float16, C(block_h=32, block_n=32, num_stages=1, dv=128, num_splits=2), 1e-2),
         (2, 2, 8, [64, 33], torch.float8_e4m3fn, C(block_h=16, block_n=64, num_stages=1, tokens_major=True), 1e-2),
     ]

@@ -117,7 +117,8 @@ def test_fp8_entry_point_on_cpu_is_dequantized_reference():
     ids = torch.tensor([[1, 2], [5, 0], [2, 4], [2, 1], [0, 3], [3, 3]])
     wts = torch.rand(6, 2)
     out = moe_experts_fp8(x, w13_8, s13, w2_8, s2, wts, ids, expert_offset=1)
-    ref = moe_experts_reference(x, dequantize_weight_blocks(w13_8, s13), dequantize_weight_blocks(w2_8, s2), wts, ids, 1)
+    ref = moe_experts_reference(x, dequantize_weight_blocks(w13_8, s13), dequantize_weight_blocks(w2_8, s2),
+                                wts, ids, 1)
     assert torch.equal(out, ref)
 
 

@@ -113,7 +113,8 @@ def test_moe_experts_match_per_token_sum():
             ref[n] += wts[n, j] * (w2[ex].double() @ (torch.nn.functional.silu(g) * u))
     assert torch.allclose(out.double(), ref, atol=1e-4)
     # expert parallel: two halves with offsets sum to the whole
-    half = moe_experts_reference(x, w13[:3], w2[:3], wts, ids, 0) + moe_experts_reference(x, w13[3:], w2[3:], wts, ids, 3)
+    half = (moe_experts_reference(x, w13[:3], w2[:3], wts, ids, 0)
+            + moe_experts_reference(x, w13[3:], w2[3:], wts, ids, 3))
     assert torch.allclose(half, out, atol=1e-5)
 
 

@@ -176,7 +176,8 @@ def test_v4_flash_preset_matches_transformers_reading():
     cfg = load_config_dict("deepseek-v4-flash")
     hf = transformers.DeepseekV4Config(**cfg)
     assert hf.layer_types.count("compressed_sparse_attention") == 21
-    assert hf.layer_types.count("heavily_compressed_attention") == 20 and hf.mlp_layer_types[:4] == ["hash_moe"] * 3 + ["moe"]
+    assert hf.layer_types.count("heavily_compressed_attention") == 20
+    assert hf.mlp_layer_types[:4] == ["hash_moe"] * 3 + ["moe"]
     assert len(cfg["compress_ratios"]) == 44 and cfg["quantization_config"]["weight_block_size"] == [128, 128]
 
 
@@ -185,7 +186,8 @@ def test_real_v41_slice_header_has_released_shapes():
     the real slice is several GB (embed + head alone 2.6 GB), too big to write in a test."""
     cfg = slice_config(load_config_dict("deepseek-v41-flash"), num_layers=4, engram_rows=5000)
     c = text_config(cfg)
-    assert c["compress_ratios"] == [0, 0, 2, 2] and c["kv_source_layer_ids"] == [2] and c["index_source_layer_ids"] == [2]
+    assert c["compress_ratios"] == [0, 0, 2, 2]
+    assert c["kv_source_layer_ids"] == [2] and c["index_source_layer_ids"] == [2]
     assert c["candidate_source_layer_id"] == -1 and c["engram_layer_ids"] == [1] and c["num_nextn_predict_layers"] == 0
     assert c["engram_num_embeddings"][0] <= 5000
     assert c["engram_num_embeddings"] == engram_table_rows(c["engram_vocab_size"], 1, 8, 4)
@@ -196,13 +198,16 @@ def test_real_v41_slice_header_has_released_shapes():
         "layers.3.attn.wq_b.scale": ([1024, 40], e8), "layers.3.attn.wkv.scale": ([16, 160], e8),
         "layers.3.attn.wo_a.weight": ([8192, 4096], f8), "layers.3.attn.wo_a.scale": ([256, 128], e8),
         "layers.3.attn.wo_b.weight": ([5120, 8192], f8), "layers.3.attn.wo_b.scale": ([160, 256], e8),
-        "layers.3.ffn.experts.383.w1.weight": ([2304, 2560], i8), "layers.3.ffn.experts.383.w1.scale": ([2304, 160], e8),
+        "layers.3.ffn.experts.383.w1.weight": ([2304, 2560], i8),
+        "layers.3.ffn.experts.383.w1.scale": ([2304, 160], e8),
         "layers.3.ffn.experts.0.w2.weight": ([5120, 1152], i8), "layers.3.ffn.experts.0.w2.scale": ([5120, 72], e8),
         "layers.3.ffn.gate.weight": ([384, 5120], bf), "layers.3.ffn.gate.bias_vl": ([384], f32),
         "layers.3.hc_attn_fn": ([24, 20480], f32),
-        "layers.2.attn.compressor.wkv.weight": ([512, 5120], bf), "layers.2.attn.compressor.wgate.weight": ([512, 5120], bf),
+        "layers.2.attn.compressor.wkv.weight": ([512, 5120], bf),
+        "layers.2.attn.compressor.wgate.weight": ([512, 5120], bf),
         "layers.2.attn.indexer.wk.weight": ([128, 512], bf), "layers.2.attn.indexer.k_norm.weight": ([128], bf),
-        "layers.2.attn.indexer.wq_b.weight": ([4096, 1280], f8), "layers.2.attn.indexer.weights_proj.weight": ([32, 5120], bf),
+        "layers.2.attn.indexer.wq_b.weight": ([4096, 1280], f8),
+        "layers.2.attn.indexer.weights_proj.weight": ([32, 5120], bf),
         "layers.1.engram.embed.weight": ([c["engram_num_embeddings"][0], 256], f8),
         "layers.1.engram.embed.scale": ([c["engram_num_embeddings"][0], 8], e8),
         "layers.1.engram.wkv.weight": ([25600, 6144], f8), "layers.1.engram.wkv.scale": ([800, 192], e8),
@@ -222,9 +227,11 @@ def test_real_v4_slice_header_has_released_shapes():
     want = {
         "layers.2.attn.wq_a.scale": ([8, 32], e8), "layers.2.attn.wq_b.scale": ([256, 8], e8),
         "layers.2.attn.wo_a.scale": ([64, 32], e8), "layers.2.attn.wo_b.scale": ([32, 64], e8),
-        "layers.2.attn.compressor.wkv.weight": ([1024, 4096], bf), "layers.3.attn.compressor.wkv.weight": ([512, 4096], bf),
+        "layers.2.attn.compressor.wkv.weight": ([1024, 4096], bf),
+        "layers.3.attn.compressor.wkv.weight": ([512, 4096], bf),
         "layers.2.attn.compressor.ape": ([4, 1024], f32), "layers.3.attn.compressor.ape": ([128, 512], f32),
-        "layers.2.attn.indexer.compressor.wgate.weight": ([256, 4096], bf), "layers.2.attn.indexer.wq_b.scale": ([64, 8], e8),
+        "layers.2.attn.indexer.compressor.wgate.weight": ([256, 4096], bf),
+        "layers.2.attn.indexer.wq_b.scale": ([64, 8], e8),
         "layers.2.ffn.experts.0.w1.weight": ([2048, 2048], i8), "layers.2.ffn.experts.0.w1.scale": ([2048, 128], e8),
         "layers.2.ffn.experts.255.w2.weight": ([4096, 1024], i8), "layers.2.ffn.experts.255.w2.scale": ([4096, 64], e8),
         "layers.2.ffn.shared_experts.w1.scale": ([16, 32], e8), "layers.2.ffn.shared_experts.w2.scale": ([32, 16], e8),
@@ -273,7 +280,8 @@ def test_tensor_parallel_load_of_fp8_checkpoint(tiny_v41):
              for r in range(2)]
     ranks = [load_v4_weights(q, local[r], shard_spec=ShardSpec(r, 2)) for r in range(2)]
     for name in ("model.layers.1.engram.embed.weight", "model.layers.1.engram.embed.scale", "model.embed.weight",
-                 "model.layers.2.attn.wq_b.weight", "model.layers.2.attn.wo_b.weight", "model.layers.2.ffn.experts.1.w2.weight"):
+                 "model.layers.2.attn.wq_b.weight", "model.layers.2.attn.wo_b.weight",
+                 "model.layers.2.ffn.experts.1.w2.weight"):
         a, b = ranks[0][name], ranks[1][name]
         assert a.shape != full[name].shape, (name, a.shape)
         dim = next(i for i in range(a.dim()) if a.shape[i] != full[name].shape[i])
@@ -311,7 +319,8 @@ def test_model_that_keeps_fp8_params_gets_weights_and_scales_in_stored_form(tiny
     expected[name + "_scale_inv"] = ((2, 1), E8M0_DTYPE)
     got = load_v4_weights(q4, expected)
     assert got[name].dtype == FP8 and got[name + "_scale_inv"].dtype == E8M0_DTYPE
-    full = load_v4_weights(q4, {k: v for k, v in expected.items() if not k.endswith("_scale_inv")} | {name: (expected[name][0], torch.float32)})
+    wanted = {k: v for k, v in expected.items() if not k.endswith("_scale_inv")}
+    full = load_v4_weights(q4, wanted | {name: (expected[name][0], torch.float32)})
     from kernels.weight_formats import dequantize_fp8_blocks
 
     assert torch.equal(dequantize_fp8_blocks(got[name], got[name + "_scale_inv"], (128, 128)), full[name])

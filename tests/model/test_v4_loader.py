@@ -94,7 +94,8 @@ def test_layout_from_config_matches_golden_checkpoints():
         cfg = _json(os.path.join(FIXTURES, name, "config.json"))
         names = _json(os.path.join(FIXTURES, name, "release_names.json"))
         released = set(names.values())
-        want = {k if k in released else names[k]: tuple(v.shape) for k, v in _read_all(os.path.join(FIXTURES, name)).items()}
+        stored = _read_all(os.path.join(FIXTURES, name))
+        want = {k if k in released else names[k]: tuple(v.shape) for k, v in stored.items()}
         got = {n: tuple(s) for spec in released_tensor_specs(cfg) for n, s, _ in stored_tensors(spec, False, (32, 32))}
         assert got == want, name
 
@@ -137,7 +138,8 @@ def test_missing_v4_expert_names_its_released_tensor(tmp_path):
     for part in ("w1", "w2", "w3"):  # the last expert gone entirely
         del saved[f"model.layers.4.ffn.experts.3.{part}.weight"]
     msg = _one_line_error(_rewrite(V4_DIR, tmp_path / "y", saved), expected, "missing tensor")
-    assert "'layers.1.ffn.experts.2.w3.weight' (model tensor 'model.layers.1.mlp.experts.gate_up_proj') (and 3 more)" in msg
+    assert ("'layers.1.ffn.experts.2.w3.weight' (model tensor 'model.layers.1.mlp.experts.gate_up_proj') "
+            "(and 3 more)") in msg
 
 
 def test_mtp_dspark_and_vision_tensors_are_skipped_with_one_line(v41_expected, tmp_path, caplog):

@@ -70,7 +70,8 @@ def test_v4_rename_table_entries():
     cases = {
         "layers.0.attn.wq_a.scale": "model.layers.0.self_attn.q_a_proj.weight_scale_inv",
         "layers.2.attn.indexer.wq_b.weight": "model.layers.2.self_attn.compressor.indexer.q_b_proj.weight",
-        "layers.2.attn.indexer.weights_proj.weight": "model.layers.2.self_attn.compressor.indexer.scorer.weights_proj.weight",
+        "layers.2.attn.indexer.weights_proj.weight":
+            "model.layers.2.self_attn.compressor.indexer.scorer.weights_proj.weight",
         "layers.2.attn.indexer.compressor.ape": "model.layers.2.self_attn.compressor.indexer.position_bias",
         "layers.4.ffn.gate.bias": "model.layers.4.mlp.gate.e_score_correction_bias",
         "layers.0.hc_ffn_scale": "model.layers.0.ffn_hc.scale",

@@ -18,10 +18,11 @@ def tiny_hf_config(**overrides):
     from transformers import DeepseekV4Config
 
     kw = {
-        "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": len(LAYER_TYPES), "num_attention_heads": 4, "head_dim": 32,
-        "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "moe_intermediate_size": 32,
-        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "index_n_heads": 8, "index_head_dim": 16,
-        "index_topk": 3, "sliding_window": 8, "layer_types": list(LAYER_TYPES),
+        "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": len(LAYER_TYPES), "num_attention_heads": 4,
+        "head_dim": 32, "qk_rope_head_dim": 8, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
+        "moe_intermediate_size": 32,
+        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "index_n_heads": 8,
+        "index_head_dim": 16, "index_topk": 3, "sliding_window": 8, "layer_types": list(LAYER_TYPES),
         "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
         "mlp_layer_types": list(MLP_TYPES), "rope_parameters": dict(YARN), "max_position_embeddings": 1024,
         "num_nextn_predict_layers": 0, "swiglu_limit": 0.5,

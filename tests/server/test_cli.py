@@ -38,7 +38,8 @@ def test_seed_launch_line_parses_verbatim():
     assert (c.dtype, c.kv_cache_dtype, c.tensor_parallel_size, c.swap_space) == ("auto", "fp8", 8, 16.0)
     assert (c.max_num_seqs, c.max_model_len, c.max_num_batched_tokens) == (1024, 10240, 16384)
     assert c.trust_remote_code and c.async_scheduling and c.use_fp8_kv_cache
-    assert (c.gpu_memory_utilization, c.max_cudagraph_capture_size, c.cudagraph_mode) == (0.95, 1024, "FULL_DECODE_ONLY")
+    assert (c.gpu_memory_utilization, c.max_cudagraph_capture_size, c.cudagraph_mode) == \
+        (0.95, 1024, "FULL_DECODE_ONLY")
     assert c.model == bundled_model_dir() and c.model.endswith(os.path.join("configs", "arith"))
     notes = "\n".join(args.notes)
     assert "--swap-space" in notes and "--trust-remote-code" in notes

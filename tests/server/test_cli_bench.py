@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 import uvicorn
 
-from benchmarks.datasets import DatasetError, sample_random_requests
-from benchmarks.plot import PlotUnavailable, plot_latency_percentiles
-from benchmarks.serve_client import (RequestResult, arrival_offsets, compute_metrics, format_report,
+from server.bench.datasets import DatasetError, sample_random_requests
+from server.bench.plot import PlotUnavailable, plot_latency_percentiles
+from server.bench.serve_client import (RequestResult, arrival_offsets, compute_metrics, format_report,
                                      latency_series)
-from benchmarks.throughput import ModelSpecError, materialize_model
+from server.bench.throughput import ModelSpecError, materialize_model
 from server.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -203,7 +203,8 @@ def test_bench_throughput_rejects_bad_flags(argv, message, capsys):
 def test_bench_throughput_tiny_preset(tmp_path, capsys):
     out_json = tmp_path / "tp.json"
     rc = main(["bench", "throughput", "--model", "tiny-v3", "--num-layers", "1", "--num-prompts", "8",
-               "--input-len", "16", "--output-len", "4", "--device", "cpu", "--num-gpu-blocks-override", "64", "--block-size", "16",
+               "--input-len", "16", "--output-len", "4", "--device", "cpu", "--num-gpu-blocks-override", "64",
+               "--block-size", "16",
                "--output-json", str(out_json), "--disable-tqdm"])
     assert rc == 0
     out = capsys.readouterr().out

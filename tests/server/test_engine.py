@@ -163,7 +163,8 @@ FP8_MEAN_ABS_LOGPROB_DRIFT = 0.15
 def test_fp8_kv_cache_drift_is_bounded(ckpt):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     prompts = _prompts(4, 11)
-    auto = LLM(ckpt, block_size=16, num_gpu_blocks_override=128).generate(prompt_token_ids=prompts, sampling_params=params)
+    auto = LLM(ckpt, block_size=16, num_gpu_blocks_override=128).generate(prompt_token_ids=prompts,
+                                                                          sampling_params=params)
     fp8 = LLM(ckpt, block_size=16, num_gpu_blocks_override=128, kv_cache_dtype="fp8").generate(
         prompt_token_ids=prompts, sampling_params=params)
     diffs = []

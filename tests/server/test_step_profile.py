@@ -14,8 +14,9 @@ import torch
 from server import LLM, SamplingParams
 from server.cli import main
 from server.cuda_graphs import DecodeGraphs
-from server.step_profile import ENV_VAR, PHASES, StepProfiler, classify_step, format_summary
+from server.step_profile import PHASES, StepProfiler, classify_step, format_summary
 
+ENV_VAR = "MLASERVE_STEP_PROFILE"  # read through server.envs
 VOCAB = 16  # the bundled adder's vocabulary
 
 
@@ -56,7 +57,8 @@ def test_every_step_is_recorded_with_kind_batch_and_tokens(monkeypatch):
     assert sum(k["steps"] for k in kinds.values()) == seen["steps"] == len(llm.engine.step_profiler.records)
     # Every prompt token once, every generated token but each sequence's last fed back once.
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert sum(k["tokens"] for k in kinds.values()) == seen["tokens"] == sum(map(len, prompts)) + generated - len(prompts)
+    expected_tokens = sum(map(len, prompts)) + generated - len(prompts)
+    assert sum(k["tokens"] for k in kinds.values()) == seen["tokens"] == expected_tokens
     assert sum(k["mean_batch"] * k["steps"] for k in kinds.values()) == pytest.approx(seen["seqs"])
     assert kinds["decode-eager"]["eager_reasons"] == {"graphs off (cpu)": kinds["decode-eager"]["steps"]}
     for rec in llm.engine.step_profiler.records:

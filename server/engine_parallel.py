@@ -1,4 +1,4 @@
-"""Engine ranks and TP workers: how a parallel engine is set up and kept in lockstep.
+"""How an engine process (and each of its TP workers) joins a parallel job and stays in step.
 
 Layout (world = DP × TP, rank = dp·TP + tp):
 
@@ -12,12 +12,12 @@ Layout (world = DP × TP, rank = dp·TP + tp):
   workers too, told by a "dummy" message) so the MoE collectives over all DP × TP ranks
   always match. The MoE holds whole experts per rank with --enable-expert-parallel, else a
   slice of every expert (vLLM's default for DP).
+
+The TP worker processes themselves are in ``server/tp_worker.py``; the process groups and
+collectives underneath are ``distributed/``.
 """
 
 from __future__ import annotations
-
-import logging
-import os
 
 import torch
 
@@ -26,8 +26,9 @@ from distributed.parallel_state import (
     ParallelConfig, get_dp_group, get_ep_group, get_tp_group, get_world_group, init_distributed,
 )
 from model.parallel import ParallelContext
-
-logger = logging.getLogger(__name__)
+from server import envs
+from server.runner import StepPlan
+from server.runner_setup import resolve_device
 
 
 def check_supported(config) -> None:
@@ -40,8 +41,6 @@ def check_supported(config) -> None:
 
 
 def engine_device(config, local_rank: int) -> torch.device:
-    from server.engine_core import resolve_device
-
     device = resolve_device(config)
     return torch.device("cuda", local_rank) if device.type == "cuda" else device
 
@@ -71,40 +70,15 @@ def agree_num_blocks(num_blocks: int) -> int:
     if tp.world_size == 1:
         return num_blocks
     t = torch.tensor([num_blocks], dtype=torch.int64)
-    return int(comm.all_reduce(t, _cpu_view(tp), op="min")[0])
-
-
-def _cpu_view(group):
-    """The same ranks, seen through the gloo CPU group (for small control tensors)."""
-    import copy
-
-    view = copy.copy(group)
-    view.device_group = group.cpu_group
-    view.backend = "gloo"
-    return view
+    return int(comm.all_reduce(t, tp.cpu_view(), op="min")[0])
 
 
 def init_engine_rank(config, rank: int, local_rank: int) -> ParallelConfig:
     pcfg = ParallelConfig.from_engine_config(config)
     backend = "nccl" if engine_device(config, local_rank).type == "cuda" else "gloo"
     init_distributed(rank, pcfg.world_size, local_rank, pcfg, backend=backend,
-                     timeout_s=float(os.environ.get("MLASERVE_DIST_INIT_TIMEOUT", "120")))
+                     timeout_s=envs.MLASERVE_DIST_INIT_TIMEOUT)
     return pcfg
-
-
-def start_tp_workers(config, model_dir: str, dp_rank: int, on_failure):
-    """Spawn TP ranks 1..TP-1 of this DP group (on this node) before joining the rendezvous."""
-    from distributed.launcher import spawn_workers
-
-    tp = config.tensor_parallel_size
-    if tp == 1:
-        return None
-    pcfg = ParallelConfig.from_engine_config(config)
-    local = [dp_rank * tp + t for t in range(1, tp) if (dp_rank * tp + t) // pcfg.local_world_size == pcfg.node_rank]
-    local = [r % pcfg.local_world_size for r in local]
-    device = "cuda" if engine_device(config, 0).type == "cuda" else "cpu"
-    return spawn_workers(tp_worker_main, pcfg.world_size, (config, model_dir), pcfg, device=device,
-                         local_ranks=local, on_failure=on_failure)
 
 
 class PlanBroadcaster:
@@ -124,66 +98,26 @@ class PlanBroadcaster:
         comm.broadcast_object(["stop"], self.group, src=0)
 
 
-def tp_worker_main(rank: int, world_size: int, local_rank: int, pcfg: ParallelConfig, config, model_dir: str) -> None:
-    """A TP rank > 0: load this rank's shard, then run every plan rank 0 sends until "stop"."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
-    from model.loader import load_model
-    from server.runner import ModelRunner, StepPlan, determine_num_blocks
-
-    init_engine_rank(config, rank, local_rank)
-    device = engine_device(config, local_rank)
-    model = load_model(model_dir, dtype=config.dtype, device=device, par=parallel_context(config), progress=False,
-                       load_format=config.load_format, seed=config.seed)
-    from server.cuda_graphs import maybe_capture
-    from server.engine_core import resolve_max_model_len
-
-    max_len = resolve_max_model_len(config, model.config)
-    num_blocks = agree_num_blocks(determine_num_blocks(config, model.config, model.dtype, device,
-                                                       model=model, max_model_len=max_len))
-    runner = ModelRunner(model, config, num_blocks, device)
-    capacity = num_blocks * config.block_size
-    runner.decode_graphs = maybe_capture(runner, config, min(max_len, capacity))
+def receive_plans(runner) -> None:
+    """A TP worker's side: run every plan (or dummy step) rank 0 broadcasts, until "stop"."""
     group = get_tp_group()
     while True:
         msg = comm.broadcast_object(None, group, src=0)
         if msg[0] == "stop":
-            break
+            return
         if msg[0] == "dummy":
             runner.dummy_step()
         else:
             runner.run_plan(StepPlan.from_wire(msg[1]))
-    from distributed.parallel_state import destroy_distributed
-
-    destroy_distributed()  # a clean exit (a process group left to the interpreter can abort)
 
 
 class DPSync:
     """Per-iteration agreement of the DP engines: (anyone busy?, anyone stopping?)."""
 
     def __init__(self) -> None:
-        self.group = _cpu_view(get_dp_group())
+        self.group = get_dp_group().cpu_view()
 
     def __call__(self, busy: bool, stop: bool) -> tuple[bool, bool]:
         flags = torch.tensor([int(busy), int(stop)], dtype=torch.int64)
         out = comm.all_reduce(flags, self.group, op="max")
         return bool(out[0]), bool(out[1])
-
-
-def run_headless_node(config, model_dir: str) -> int:
-    """``--node-rank`` > 0: run this node's TP workers (no API, no scheduler) until rank 0 stops."""
-    from distributed.launcher import WorkerFailedError, spawn_workers
-
-    try:
-        check_supported(config)
-    except ValueError as exc:
-        logger.error("%s", exc)
-        return 1
-    pcfg = ParallelConfig.from_engine_config(config)
-    device = "cuda" if engine_device(config, 0).type == "cuda" else "cpu"
-    group = spawn_workers(tp_worker_main, pcfg.world_size, (config, model_dir), pcfg, device=device)
-    try:
-        group.join()
-    except WorkerFailedError as exc:
-        logger.error("%s", exc)
-        return 1
-    return 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from benchmarks.datasets import SampleRequest
+from server.bench.datasets import SampleRequest
 
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 METRIC_TITLES = {  # attribute -> (short name, section header), vLLM's wording

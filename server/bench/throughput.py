@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from benchmarks.datasets import SampleRequest
+from server.bench.datasets import SampleRequest
 
 logger = logging.getLogger("mlaserve.bench")
 

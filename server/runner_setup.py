@@ -1,0 +1,98 @@
+"""Start-up of one rank's model side: load → max_model_len → KV blocks → agree → runner → graphs.
+
+The engine process and every TP worker build their model, KV cache and runner through
+:func:`build_runner`, so they agree on the context length, the number of KV blocks and the
+captured graph sizes by construction (the ranks of a TP group must run identical shapes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels import mla_decode_cuda
+from model.config import ModelConfig
+from model.deepseek import DeepseekForCausalLM
+from model.loader import load_model
+from model.parallel import ParallelContext
+from server import envs
+from server.config import EngineConfig
+from server.cuda_graphs import maybe_capture
+from server.kv_cache_spec import max_tokens_per_seq, plan_groups
+from server.runner import ModelRunner, determine_num_blocks, model_kv_cache_specs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerSetup:
+    model: DeepseekForCausalLM
+    runner: ModelRunner
+    num_blocks: int
+    max_model_len: int  # fits both the model's positions and the KV cache
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device is available")
+    return torch.device("cuda")
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """``--max-model-len``, or the model's limit; above that limit is an error (as vLLM)."""
+    limit = model_config.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise ValueError(
+            f"--max-model-len: {config.max_model_len} exceeds the model's max_position_embeddings ({limit})"
+        )
+    return config.max_model_len
+
+
+def kv_capacity_tokens(config: EngineConfig, model: DeepseekForCausalLM, num_blocks: int) -> int | None:
+    """The longest sequence a cache of ``num_blocks`` holds alone (None: any length), from the
+    same layer-group plan the block manager and the runner's tensors use."""
+    specs = model_kv_cache_specs(model.config, config, model.dtype)
+    return max_tokens_per_seq(plan_groups(specs, num_blocks, config.max_num_seqs))
+
+
+def fit_kv_capacity(config: EngineConfig, max_model_len: int, capacity: int | None) -> int:
+    """One sequence of ``max_model_len`` tokens must fit the KV cache (``capacity`` tokens,
+    None: any length): a length the user asked for that does not fit is an error; the model's
+    own limit is capped at the capacity."""
+    if capacity is None or max_model_len <= capacity:
+        return max_model_len
+    if config.max_model_len is not None:
+        raise ValueError(
+            f"--max-model-len: {max_model_len} tokens do not fit the KV cache ({capacity} tokens); "
+            "lower it or give the cache more memory"
+        )
+    logger.info("max_model_len capped at the KV cache capacity: %d tokens", capacity)
+    return capacity
+
+
+def build_runner(config: EngineConfig, model_dir: str, device: torch.device, par: ParallelContext | None = None,
+                 agree_num_blocks: Callable[[int], int] | None = None, progress: bool = True) -> RunnerSetup:
+    """Load this rank's shard and build its runner, KV cache and decode graphs.
+
+    ``agree_num_blocks`` (TP) turns this rank's KV capacity into the group's (the minimum),
+    so every rank sizes its cache, context length and graphs the same.
+    """
+    mla_decode_cuda.set_cache_dir(envs.MLASERVE_KERNEL_CACHE)
+    model = load_model(model_dir, dtype=config.dtype, device=device, par=par, progress=progress,
+                       load_format=config.load_format, seed=config.seed)
+    max_model_len = resolve_max_model_len(config, model.config)
+    num_blocks = determine_num_blocks(config, model.config, model.dtype, device,
+                                      model=model, max_model_len=max_model_len)
+    if agree_num_blocks is not None:
+        num_blocks = agree_num_blocks(num_blocks)
+    max_model_len = fit_kv_capacity(config, max_model_len, kv_capacity_tokens(config, model, num_blocks))
+    runner = ModelRunner(model, config, num_blocks, device)
+    runner.decode_graphs = maybe_capture(runner, config, max_model_len)
+    return RunnerSetup(model, runner, num_blocks, max_model_len)
