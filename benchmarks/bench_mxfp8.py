@@ -128,7 +128,8 @@ def bench_o_proj(tp: str, t: int) -> dict:
     wa = quantize_fp8_blocks(torch.randn(groups * rank, heads * d // groups, device="cuda", generator=g) * 0.02,
                              MX_WEIGHT_BLOCK)
     wb = quantize_fp8_blocks(torch.randn(hidden, groups * rank, device="cuda", generator=g) * 0.02, MX_WEIGHT_BLOCK)
-    wa16 = dequantize_fp8_blocks(*wa, MX_WEIGHT_BLOCK).bfloat16().reshape(groups, rank, -1).transpose(1, 2)  # [g, Kg, R]
+    wa16 = dequantize_fp8_blocks(*wa, MX_WEIGHT_BLOCK).bfloat16().reshape(groups, rank, -1)
+    wa16 = wa16.transpose(1, 2)  # [g, Kg, R]
     wb16 = dequantize_fp8_blocks(*wb, MX_WEIGHT_BLOCK).bfloat16()
 
     def fused():

@@ -201,7 +201,8 @@ def _compile_sm90(fn, types: dict, consts: dict, **options):
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"mxfp8_{os.getpid()}.cubin"
     cubin.write_bytes(k.asm["cubin"])
-    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
     cubin.unlink()
     return k.asm["ptx"], re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage).group(0)
 
@@ -238,8 +239,8 @@ def test_default_configs_compile_for_sm90_with_wgmma_and_no_spills():
     qtypes = dict(X="*bf16", Y="*u8", S="*u8", COS="*bf16", SIN="*bf16", **dict.fromkeys(
         ("M", "K", "stride_xm", "stride_ym", "stride_sm", "stride_cm"), "i32"))
     for rope in (0, 64):
-        _, usage = _compile_sm90(_mxfp8_quant_kernel, qtypes, {"BLOCK_M": 8, "BLOCKS": 16, "HEAD_DIM": 512, "ROPE": rope,
-                                 "ROUND_BF16": True}, num_warps=4, enable_fp_fusion=False)
+        consts = {"BLOCK_M": 8, "BLOCKS": 16, "HEAD_DIM": 512, "ROPE": rope, "ROUND_BF16": True}
+        _, usage = _compile_sm90(_mxfp8_quant_kernel, qtypes, consts, num_warps=4, enable_fp_fusion=False)
         assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), usage
 
 

@@ -44,9 +44,8 @@ def make_case(t, heads, head_dim, rope, groups, rank, hidden, seed=0, device="cp
     angles = torch.rand(t, rope // 2, generator=g) * 1000
     wa = quantize_weight(torch.randn(groups * rank, heads * head_dim // groups, generator=g) * 0.03)
     wb = quantize_weight(torch.randn(hidden, groups * rank, generator=g) * 0.03)
-    mv = lambda w: tuple(x.to(device) for x in w)
-    return (o.to(dtype).to(device), angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device),
-            mv(wa), mv(wb))
+    wa, wb = (tuple(x.to(device) for x in w) for w in (wa, wb))
+    return (o.to(dtype).to(device), angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device), wa, wb)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
