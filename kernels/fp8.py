@@ -14,9 +14,20 @@ FP8_MAX = 448.0
 _TINY = 1e-12
 
 
+def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
+    """``2^ceil(log2(t))`` for positive normal fp32 ``t``, exact: read from the IEEE bits
+    (exponent field, plus one when any mantissa bit is set), so ``log2`` rounding never
+    moves a value just above a power of two down onto it."""
+    bits = t.float().contiguous().view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return torch.exp2(exponent.float())
+
+
 def round_scale_ue8m0(scale: torch.Tensor) -> torch.Tensor:
-    """Round scales up to a power of two (UE8M0: an exponent byte), as V3.1 checkpoints do."""
-    return torch.exp2(torch.ceil(torch.log2(scale.clamp_min(_TINY))))
+    """Round scales up to a power of two (UE8M0: an exponent byte), as V3.1 and V4 checkpoints
+    do. The one UE8M0 rule of the package: weight codecs and V4.1's fake-quant use it too."""
+    return pow2_ceil(scale.clamp_min(_TINY))
 
 
 def quantize_per_tensor(x: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:

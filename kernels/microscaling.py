@@ -14,10 +14,10 @@ unquantized (fp32/bf16) run must apply them too, at the same places:
 and one UE8M0 exponent byte per 32), the operand format of the MXFP8 GEMMs
 (kernels/mxfp8_gemm.py); :func:`fake_quant_fp8_ue8m0` is its round trip.
 
-A power-of-two scale is ``2^ceil(log2(amax / qmax))``, computed exactly from the fp32 bit
-pattern (exponent field, plus one when any mantissa bit is set), so it never suffers
-``log2`` rounding. A last dimension that is not a multiple of the block is returned
-unchanged: the trained model has no such shapes, and tiny test models keep the rule.
+A power-of-two scale is ``2^ceil(log2(amax / qmax))``, exact from the fp32 bits
+(:func:`kernels.fp8.pow2_ceil`, the rule the weight codecs use); the e2m1 grid and its
+rounding are :mod:`kernels.weight_formats`'. A last dimension that is not a multiple of the
+block is returned unchanged: the trained model has no such shapes, and tiny test models keep the rule.
 The functions are torch references; they work on any device and return the input dtype.
 """
 
@@ -25,47 +25,19 @@ from __future__ import annotations
 
 import torch
 
-from kernels.weight_formats import e8m0_to_float
+from kernels.fp8 import FP8_MAX, pow2_ceil
+from kernels.weight_formats import FP4_MAX, e8m0_to_float, float_to_e8m0, float_to_fp4_codes, fp4_codes_to_float
 
-FP8_E4M3_MAX = 448.0
-FP4_E2M1_MAX = 6.0
-# Magnitudes of the e2m1 code points 0..7 (bit 3 is the sign).
-FP4_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # Smallest amax each quantizer accepts, so an all-zero block gets a finite, normal scale.
 _FP8_MIN_AMAX = 1e-4
-_FP4_UE8M0_MIN_AMAX = FP4_E2M1_MAX * 2.0**-126
-_FP4_E4M3_MIN_AMAX = FP4_E2M1_MAX * 2.0**-9
-
-
-def pow2_ceil_exponent(t: torch.Tensor) -> torch.Tensor:
-    """``ceil(log2(t))`` as int32 for positive normal fp32 ``t``, exact (from the IEEE bits)."""
-    bits = t.float().contiguous().view(torch.int32)
-    exponent = ((bits >> 23) & 0xFF) - 127
-    return exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-
-
-def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
-    """``2^ceil(log2(t))`` for positive normal fp32 ``t``, exact (from the IEEE bits)."""
-    return torch.exp2(pow2_ceil_exponent(t).float())
+_FP4_UE8M0_MIN_AMAX = FP4_MAX * 2.0**-126
+_FP4_E4M3_MIN_AMAX = FP4_MAX * 2.0**-9
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round fp32 values already inside [-6, 6] to the nearest e2m1 value, ties to the even code.
-
-    Between two neighbouring grid points the midpoint goes to the one whose code is even
-    (0.25 → 0, 0.75 → 1.0, 2.5 → 2, 3.5 → 4, 5 → 4).
-    """
-    grid = torch.tensor(FP4_E2M1_GRID, dtype=torch.float32, device=x.device)
-    mids = (grid[1:] + grid[:-1]) / 2
-    mag = x.abs().float()
-    # Count the midpoints strictly below |x|: ties stay on the lower code ...
-    code = torch.bucketize(mag, mids, right=False)
-    # ... except where the lower code is odd (the upper one is even): those ties go up.
-    lower_is_odd = (torch.arange(7, device=x.device) % 2) == 1
-    tie_up = (mag.unsqueeze(-1) == mids) & lower_is_odd
-    code = code + tie_up.any(-1).to(code.dtype)
-    value = grid[code]
-    return torch.where(torch.signbit(x), -value, value)
+    """Round fp32 values already inside [-6, 6] to the nearest e2m1 value, ties to the even code
+    (0.25 → 0, 0.75 → 1.0, 2.5 → 2, 3.5 → 4, 5 → 4): the weight codec's rounding, decoded."""
+    return fp4_codes_to_float(float_to_fp4_codes(x))
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -75,15 +47,15 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 def quantize_mxfp8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] → (e4m3 [..., K], UE8M0 bytes uint8 [..., K/block]) with ``x ≈ q · 2^(byte−127)``.
 
-    The exponent is ``ceil(log2(max(amax, 1e-4) / 448))``: an all-zero block gets byte 105
+    The scale is ``pow2_ceil(max(amax, 1e-4) / 448)``: an all-zero block gets byte 105
     (2^-22) and zero values, never a zero or subnormal scale.
     """
     if x.shape[-1] % block:
         raise ValueError(f"MXFP8 needs the last dim ({x.shape[-1]}) to be a multiple of {block}")
     b = _blocks(x, block)
-    exponent = pow2_ceil_exponent(b.abs().amax(-1, keepdim=True).clamp_min(_FP8_MIN_AMAX) * (1.0 / FP8_E4M3_MAX))
-    q = (b / torch.exp2(exponent.float())).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(x.shape), (exponent.squeeze(-1) + 127).to(torch.uint8)
+    scale = pow2_ceil(b.abs().amax(-1, keepdim=True).clamp_min(_FP8_MIN_AMAX) * (1.0 / FP8_MAX))
+    q = (b / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(x.shape), float_to_e8m0(scale.squeeze(-1)).view(torch.uint8)
 
 
 def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
@@ -109,10 +81,10 @@ def fake_quant_fp4(x: torch.Tensor, block: int, scale_format: str) -> torch.Tens
     b = _blocks(x, block)
     amax = b.abs().amax(-1, keepdim=True)
     if scale_format == "ue8m0":
-        scale = pow2_ceil(amax.clamp_min(_FP4_UE8M0_MIN_AMAX) * (1.0 / FP4_E2M1_MAX))
+        scale = pow2_ceil(amax.clamp_min(_FP4_UE8M0_MIN_AMAX) * (1.0 / FP4_MAX))
     elif scale_format == "e4m3":
-        scale = (amax.clamp_min(_FP4_E4M3_MIN_AMAX) / FP4_E2M1_MAX).to(torch.float8_e4m3fn).float()
+        scale = (amax.clamp_min(_FP4_E4M3_MIN_AMAX) / FP4_MAX).to(torch.float8_e4m3fn).float()
     else:
         raise ValueError(f"unknown FP4 scale format {scale_format!r} (expected 'ue8m0' or 'e4m3')")
-    q = round_to_e2m1((b / scale).clamp(-FP4_E2M1_MAX, FP4_E2M1_MAX))
+    q = round_to_e2m1((b / scale).clamp(-FP4_MAX, FP4_MAX))
     return (q * scale).reshape(x.shape).to(x.dtype)

@@ -23,6 +23,7 @@ from kernels.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     dequantize_weight_blocks,
+    pow2_ceil,
     quantize_weight_blocks,
 )
 
@@ -57,7 +58,8 @@ def quantize_fp8_blocks(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., N, K] -> (e4m3 [..., N, K], scales [..., ceil(N/bn), ceil(K/bk)]).
 
-    ``ue8m0``: scale = 2**ceil(log2(amax/448)) stored as E8M0; ``float32``: amax/448 as in R1.
+    ``ue8m0``: scale = 2**ceil(log2(amax/448)) (:func:`kernels.fp8.round_scale_ue8m0`) stored
+    as E8M0; ``float32``: amax/448 as in R1.
     """
     if scale_fmt not in ("ue8m0", "float32"):
         raise ValueError(f"unknown FP8 scale format {scale_fmt!r} (ue8m0 or float32)")
@@ -115,8 +117,8 @@ def quantize_mxfp4(w: torch.Tensor, group: int = MXFP4_GROUP) -> tuple[torch.Ten
     if k % group:
         raise ValueError(f"MXFP4 needs K divisible by {group}, got {k}")
     g = w.float().reshape(*w.shape[:-1], k // group, group)
-    amax = g.abs().amax(dim=-1).clamp_min(2.0**-126)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / FP4_MAX))).clamp(2.0**-127, 2.0**127)
+    amax = g.abs().amax(dim=-1).clamp_min(FP4_MAX * 2.0**-126)  # keeps amax/6 a normal float
+    scale = pow2_ceil(amax / FP4_MAX).clamp_max(2.0**127)
     codes = float_to_fp4_codes(g / scale.unsqueeze(-1)).reshape(w.shape)
     return pack_fp4(codes), float_to_e8m0(scale)
 

@@ -13,10 +13,10 @@ import os
 from collections.abc import Iterator
 
 import torch
-from safetensors.torch import save_file
 
 from kernels.fp8 import quantize_weight_blocks
 from model.config import ConfigError, ModelConfig, parse_model_config
+from model.shard_writer import ShardWriter, write_generation_config
 
 CONFIGS_DIR = os.path.dirname(os.path.abspath(__import__("configs").__file__))
 
@@ -153,14 +153,13 @@ def write_random_checkpoint(
     write_checkpoint_metadata(cfg_dict, out_dir)
     gen = torch.Generator().manual_seed(seed)
 
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
     names = list(checkpoint_tensor_shapes(c, with_mtp))
     iterator = names
     if progress:
         from tqdm import tqdm
 
         iterator = tqdm(names, desc="Writing tensors", unit="tensor")
+    writer = ShardWriter(out_dir, shard_bytes)
     for name, shape in iterator:
         t = random_tensor(name, shape, gen)
         if fp8 and is_quantized_tensor(name, shape):
@@ -170,23 +169,8 @@ def write_random_checkpoint(
             pieces = {name: t.float()}
         else:
             pieces = {name: t.to(dtype)}
-        for n, p in pieces.items():
-            nbytes = p.numel() * p.element_size()
-            if size and size + nbytes > shard_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][n] = p.contiguous()
-            size += nbytes
-    weight_map = {}
-    total = 0
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, fname), metadata={"format": "pt"})
-        for n, p in shard.items():
-            weight_map[n] = fname
-            total += p.numel() * p.element_size()
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        writer.add(pieces)
+    writer.close()
     return out_dir
 
 
@@ -198,9 +182,7 @@ def write_checkpoint_metadata(cfg_dict: dict, out_dir: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg_dict, f, indent=2)
-    eos = c.eos_token_ids[0] if c.eos_token_ids else 1
-    with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
-        json.dump({"bos_token_id": c.bos_token_id, "eos_token_id": eos, "do_sample": False}, f, indent=2)
+    write_generation_config(out_dir, c.bos_token_id, c.eos_token_ids[0] if c.eos_token_ids else 1)
     from model.tokenizer_builder import build_test_tokenizer
 
     build_test_tokenizer(min(c.vocab_size, 1024), out_dir)

@@ -15,9 +15,9 @@ import os
 from types import SimpleNamespace
 
 import torch
-from safetensors.torch import save_file
 
 from kernels.weight_formats import FP8_BLOCK, MXFP4, quantize
+from model.shard_writer import ShardWriter, write_generation_config
 from model.v4_layout import (
     BF16,
     ENGRAM,
@@ -224,37 +224,11 @@ def write_random_v4_checkpoint(
         from tqdm import tqdm
 
         specs = tqdm(specs, desc="Writing tensors", unit="tensor")
-    shard: dict[str, torch.Tensor] = {}
-    size, names_per_shard = 0, []
-    tmp_names = []
+    writer = ShardWriter(out_dir, shard_bytes)
     for spec in specs:
-        pieces = random_pieces(spec, out_cfg, gen, fp8, block, dtype)
-        nbytes = sum(p.numel() * p.element_size() for p in pieces.values())
-        if shard and size + nbytes > shard_bytes:
-            tmp_names.append(_flush(shard, out_dir, len(tmp_names)))
-            names_per_shard.append(list(shard))
-            shard, size = {}, 0
-        shard.update({k: v.contiguous() for k, v in pieces.items()})
-        size += nbytes
-    if shard:
-        tmp_names.append(_flush(shard, out_dir, len(tmp_names)))
-        names_per_shard.append(list(shard))
-    weight_map, total = {}, 0
-    for i, (tmp, names) in enumerate(zip(tmp_names, names_per_shard)):
-        final = f"model-{i + 1:05d}-of-{len(tmp_names):05d}.safetensors"
-        os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, final))
-        total += os.path.getsize(os.path.join(out_dir, final))
-        weight_map.update({n: final for n in names})
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        writer.add(random_pieces(spec, out_cfg, gen, fp8, block, dtype))
+    writer.close()
     return out_dir
-
-
-def _flush(shard: dict[str, torch.Tensor], out_dir: str, index: int) -> str:
-    """Write one shard under a temporary name (the final name needs the shard count)."""
-    name = f".shard-{index:05d}.safetensors"
-    save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-    return name
 
 
 def _write_metadata(cfg: dict, out_dir: str) -> None:
@@ -270,6 +244,4 @@ def _write_metadata(cfg: dict, out_dir: str) -> None:
         c["engram_compressed_vocab_size"] = build_compressed_token_map(os.path.join(out_dir, "tokenizer.json"))[1]
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
-    with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
-        json.dump({"bos_token_id": c.get("bos_token_id", 0), "eos_token_id": c.get("eos_token_id", 1),
-                   "do_sample": False}, f, indent=2)
+    write_generation_config(out_dir, c.get("bos_token_id", 0), c.get("eos_token_id", 1))

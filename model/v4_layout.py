@@ -3,8 +3,9 @@
 Lists every tensor under its *released* name with its logical shape and storage kind, and how
 each kind is stored (FP8 + E8M0 block scales, MXFP4 + E8M0 group scales, BF16, F32, I64).
 make-checkpoint writes from this list; tests check real-shape checkpoints against it without
-writing gigabytes. Both config dialects are read: DeepSeek's (``compress_ratios``,
-``num_hash_layers``) and HF's (``layer_types`` + ``compress_rates``, ``mlp_layer_types``).
+writing gigabytes. The layer schedule comes from the model's own config parser, which reads
+both dialects: DeepSeek's (``compress_ratios``, ``num_hash_layers``) and HF's (``layer_types``
++ ``compress_rates``, ``mlp_layer_types``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from kernels.weight_formats import E8M0_DTYPE, FP8_DTYPE, MXFP4_GROUP
+from model.config_json import ConfigError
+from model.v4.config import parse_v4_config
+from model.v41.config import parse_v41_config
 from model.v4_names import V4, V41
 
 # Storage kinds. FP8 / FP4 / ENGRAM are quantized in an FP8 checkpoint and BF16 otherwise.
@@ -23,8 +27,6 @@ ENGRAM = "engram"  # engram table: e4m3 rows + E8M0 [rows, K/32] (always has a .
 BF16 = "bf16"
 F32 = "f32"
 I64 = "i64"
-
-_HF_RATIO_BY_TYPE = {"sliding_attention": 0}
 
 
 class LayoutError(ValueError):
@@ -65,25 +67,20 @@ def _req(c: dict, key: str):
     return c[key]
 
 
-def compress_ratio(c: dict, layer: int) -> int:
+def _parsed_config(cfg: dict, arch: str):
+    """The model config's reading of the layer schedule (ratios, hash layers, KV / index
+    sources, engram layers), so the checkpoint layout and the model never disagree on it."""
+    try:
+        return parse_v41_config(cfg) if arch == V41 else parse_v4_config(text_config(cfg))
+    except ConfigError as exc:
+        raise LayoutError(f"config.json: {exc}") from None
+
+
+def _mtp_compress_ratio(c: dict, layer: int) -> int:
+    """A V4 MTP layer's ratio: its ``compress_ratios`` entry after the backbone's; 0 (sliding
+    window only) when the config has no such entry (HF's dialect describes backbone layers)."""
     ratios = c.get("compress_ratios")
-    if ratios is not None:
-        if layer >= len(ratios):
-            raise LayoutError(f"config.json: compress_ratios has {len(ratios)} entries, layer {layer} needs one")
-        return int(ratios[layer])
-    types = _req(c, "layer_types")
-    rates = {**_HF_RATIO_BY_TYPE, **(c.get("compress_rates") or {})}
-    t = types[layer] if layer < len(types) else "sliding_attention"
-    if t not in rates:
-        raise LayoutError(f"config.json: layer_types[{layer}] = {t!r} has no entry in compress_rates")
-    return int(rates[t])
-
-
-def is_hash_layer(c: dict, layer: int) -> bool:
-    if c.get("num_hash_layers") is not None:
-        return layer < int(c["num_hash_layers"])
-    types = c.get("mlp_layer_types")
-    return bool(types) and layer < len(types) and types[layer] == "hash_moe"
+    return int(ratios[layer]) if ratios is not None and layer < len(ratios) else 0
 
 
 def _mhc(p: str, c: dict) -> list[TensorSpec]:
@@ -160,13 +157,13 @@ def _v4_layer(p: str, c: dict, ratio: int, hash_layer: bool) -> list[TensorSpec]
     return out + _moe(p, c, hash_layer, v41=False) + _norms(p, c) + _mhc(p, c)
 
 
-def _v41_layer(p: str, c: dict, layer: int) -> list[TensorSpec]:
+def _v41_layer(p: str, c: dict, layer: int, sched) -> list[TensorSpec]:
+    """``sched``: the parsed :class:`model.v41.config.V41Config` (ratios, sources, engram layers)."""
     d_model, hd = int(c["hidden_size"]), int(c["head_dim"])
     out = _attention_core(p, c)
-    kv_sources = list(c.get("kv_source_layer_ids") or [])
-    index_sources = list(c.get("index_source_layer_ids") or [])
+    kv_sources, index_sources = sched.kv_source_layer_ids, sched.index_source_layer_ids
     if layer in kv_sources:
-        ratio = compress_ratio(c, layer)
+        ratio = sched.compress_ratios[layer]
         cp = p + "attn.compressor."
         out.append(TensorSpec(cp + "wkv.weight", (hd, d_model), BF16))
         if ratio > 1:
@@ -179,9 +176,9 @@ def _v41_layer(p: str, c: dict, layer: int) -> list[TensorSpec]:
                 TensorSpec(ip + "weights_proj.weight", (ih, d_model), BF16)]
         if layer in kv_sources:
             out += [TensorSpec(ip + "wk.weight", (idim, hd), BF16), TensorSpec(ip + "k_norm.weight", (idim,), BF16)]
-    engram_layers = list(c.get("engram_layer_ids") or [])
+    engram_layers = list(sched.engram_layer_ids)
     if layer in engram_layers:
-        rows = int(_req(c, "engram_num_embeddings")[engram_layers.index(layer)])
+        rows = int(sched.engram_num_embeddings[engram_layers.index(layer)])
         ehd, eh = int(_req(c, "engram_head_dim")), int(_req(c, "engram_n_heads"))
         hc, n = int(c["hc_mult"]), int(_req(c, "engram_max_ngram_size"))
         ep = p + "engram."
@@ -198,7 +195,7 @@ def _v4_mtp(p: str, c: dict, layer: int) -> list[TensorSpec]:
              TensorSpec(p + "enorm.weight", (d_model,), BF16), TensorSpec(p + "hnorm.weight", (d_model,), BF16),
              TensorSpec(p + "norm.weight", (d_model,), BF16), TensorSpec(p + "hc_head_fn", (hc, hc * d_model), F32),
              TensorSpec(p + "hc_head_base", (hc,), F32), TensorSpec(p + "hc_head_scale", (1,), F32)]
-    return _v4_layer(p, c, compress_ratio(c, layer), hash_layer=False) + extra
+    return _v4_layer(p, c, _mtp_compress_ratio(c, layer), hash_layer=False) + extra
 
 
 def released_tensor_specs(cfg: dict, with_mtp: bool = True) -> list[TensorSpec]:
@@ -209,10 +206,12 @@ def released_tensor_specs(cfg: dict, with_mtp: bool = True) -> list[TensorSpec]:
     arch = architecture(cfg)
     c = text_config(cfg)
     d_model, vocab, layers = int(_req(c, "hidden_size")), int(_req(c, "vocab_size")), int(_req(c, "num_hidden_layers"))
+    sched = _parsed_config(cfg, arch)
     out = [TensorSpec("embed.weight", (vocab, d_model), BF16)]
     for i in range(layers):
         p = f"layers.{i}."
-        out += _v41_layer(p, c, i) if arch == V41 else _v4_layer(p, c, compress_ratio(c, i), is_hash_layer(c, i))
+        out += (_v41_layer(p, c, i, sched) if arch == V41
+                else _v4_layer(p, c, sched.compress_ratios[i], sched.hash_layers[i]))
     out.append(TensorSpec("norm.weight", (d_model,), BF16))
     out.append(TensorSpec("head.weight", (vocab, d_model), BF16))
     if arch == V4:

@@ -133,7 +133,8 @@ def _expected_map(expected: Mapping) -> dict[str, tuple[tuple[int, ...], torch.d
     return out
 
 
-def _config(model_dir: str) -> dict:
+def read_config_json(model_dir: str) -> dict:
+    """``config.json`` as a dict; a missing or broken file is one :class:`CheckpointError` line."""
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
         raise CheckpointError(f"no config.json in {model_dir!r}")
@@ -195,7 +196,7 @@ def _target_full_shape(t: _Target) -> tuple[int, ...]:
 def plan_v4_checkpoint(model_dir: str, expected: Mapping, shard_spec: ShardSpec | None = None) -> V4CheckpointPlan:
     """Match the checkpoint's headers to the model's ``expected`` tensors; raises one-line errors."""
     spec = shard_spec or ShardSpec()
-    cfg = _config(model_dir)
+    cfg = read_config_json(model_dir)
     try:
         arch = architecture(cfg)
         block = quantization_block(cfg)
@@ -468,7 +469,23 @@ def load_v4_weights(model_dir: str, expected: Mapping, **kwargs) -> dict[str, to
 
 @torch.no_grad()
 def load_v4_into_module(module: torch.nn.Module, model_dir: str, **kwargs) -> None:
-    """Copy a checkpoint into ``module``'s parameters and buffers (dequantized)."""
+    """Copy a checkpoint into ``module``'s parameters and buffers (dequantized), one tensor at
+    a time; names and shapes are checked against the headers before anything is read."""
     state = module.state_dict(keep_vars=True)
     for name, value in iter_v4_weights(model_dir, {k: v for k, v in state.items()}, **kwargs):
         state[name].copy_(value)
+
+
+def read_v4_config(model_dir: str, model_types: tuple[str, ...]):
+    """``config.json`` parsed by :func:`model.config.parse_model_config`; a checkpoint of another
+    model type is one :class:`CheckpointError` line."""
+    from model.config import ConfigError, parse_model_config
+
+    raw = read_config_json(model_dir)
+    if raw.get("model_type") not in model_types:
+        raise CheckpointError(f"{model_dir!r} holds model_type {raw.get('model_type')!r}, "
+                              f"expected {' or '.join(model_types)}")
+    try:
+        return parse_model_config(raw)
+    except ConfigError as exc:
+        raise CheckpointError(f"{os.path.join(model_dir, 'config.json')}: {exc}") from None

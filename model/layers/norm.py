@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from kernels.rmsnorm import rms_norm
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
+    """``x / rms(x) * weight`` with float32 statistics.
+
+    ``weight_after_cast=False`` (DeepSeek V2/V3/R1 and V4): the weight multiplies in float32,
+    then the result is cast to x's dtype. ``True`` (DeepSeek-V4.1's rounding): the normalized
+    value is cast to x's dtype first and the weight, kept in the model dtype, multiplies it.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
+                 weight_after_cast: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.weight_after_cast = weight_after_cast
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_after_cast:
+            xf = x.float()
+            return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return rms_norm(x, self.weight, self.eps)

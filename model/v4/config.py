@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model.config_json import ConfigError
+from model.config_json import get_or_default as _get
 from model.v4.rope import RopeSpec, YarnParams
 
 HF_LAYER_KINDS = {
@@ -74,11 +75,6 @@ class V4Config:
 
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
              "o_groups", "o_lora_rank", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
-
-
-def _get(d: dict, key: str, default: Any) -> Any:
-    value = d.get(key, default)
-    return default if value is None else value
 
 
 def _layer_schedule(d: dict, n: int) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -16,6 +16,8 @@ hash-routed layers) → expand. The HyperHead collapses the streams, then ``norm
 model dtype, as HF keeps them.
 
 MTP weights (``mtp.*``) are not part of this model: :meth:`load_weights` skips them.
+A checkpoint directory (released, 5.24-saved or HF names; FP8/MXFP4 or BF16) loads with
+:func:`load_deepseek_v4`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from model.v4.mhc import HyperConnection, HyperHead, collapse_streams, expand_st
 from model.v4.moe import V4MoE
 from model.v4.rope import RotaryTable
 from model.v4.state import V4LayerState, V4RequestState
+from model.v4_loader import load_v4_into_module, read_v4_config
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +121,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors (the names of ``state_dict()``) in; every model tensor is required.
+        """Copy in-memory HF-named tensors (the names of ``state_dict()``) in; every model tensor
+        is required. (A checkpoint directory goes through :func:`load_deepseek_v4`.)
 
         ``mtp.*`` tensors (the multi-token-prediction block) are skipped with one log line.
         Unknown names and shape mismatches raise ``ValueError`` naming the tensor.
@@ -143,3 +147,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"missing tensor {missing[0]!r} (and {len(missing) - 1} more)" if len(missing) > 1
                              else f"missing tensor {missing[0]!r}")
+
+
+def load_deepseek_v4(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16,
+                     device: str | torch.device = "cpu") -> DeepseekV4ForCausalLM:
+    """Build the model ``config.json`` describes on ``device`` and stream its weights in.
+
+    Any name spelling :mod:`model.v4_loader` reads; FP8 / MXFP4 tensors are dequantized on
+    the CPU to ``dtype`` one at a time. MTP tensors are skipped with one log line. Errors are
+    one :class:`model.loader.CheckpointError` line naming the file or tensor."""
+    config = read_v4_config(checkpoint_dir, ("deepseek_v4",))
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM(config, dtype)
+    load_v4_into_module(model, checkpoint_dir, device=device)
+    return model.eval()

@@ -22,10 +22,13 @@ def sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
     return F.softplus(logits).sqrt()
 
 
-def normalize_routing_weights(scores: torch.Tensor, indices: torch.Tensor, scaling: float) -> torch.Tensor:
+def normalize_routing_weights(scores: torch.Tensor, indices: torch.Tensor, scaling: float,
+                              renormalize: bool = True) -> torch.Tensor:
     """``scores`` at ``indices`` [T, k], renormalised to sum 1 (+1e-20), times ``scaling``."""
     w = scores.gather(1, indices)
-    return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scaling
+    if renormalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scaling
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

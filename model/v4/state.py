@@ -60,6 +60,19 @@ class WindowState:
         return keys, positions
 
 
+def split_complete_windows(pending_kv: torch.Tensor | None, pending_gate: torch.Tensor | None, kv: torch.Tensor,
+                           gate: torch.Tensor, ratio: int) -> tuple[torch.Tensor, ...]:
+    """Open-window rows + a chunk's rows -> ``(kv [n_w, ratio, c], gate [n_w, ratio, c], the
+    rows left pending, their gates)``. Windows are aligned to absolute positions, so the
+    pending rows always start a window. The leftovers are copies: they never pin the chunk."""
+    if pending_kv is not None:
+        kv = torch.cat([pending_kv, kv], dim=0)
+        gate = torch.cat([pending_gate, gate], dim=0)
+    usable = (kv.shape[0] // ratio) * ratio
+    shape = (usable // ratio, ratio, kv.shape[-1])
+    return kv[:usable].reshape(shape), gate[:usable].reshape(shape), kv[usable:].clone(), gate[usable:].clone()
+
+
 @dataclass
 class CompressorState:
     """Open window, CSA overlap half and emitted entries of one compressor (see module doc)."""
@@ -82,14 +95,9 @@ class CompressorState:
         Returns ``(kv [n_w, m, c], gate [n_w, m, c], index of the first new entry)``; the rows
         of a still-open window stay pending.
         """
-        if self.pending_kv is not None:
-            kv = torch.cat([self.pending_kv, kv], dim=0)
-            gate = torch.cat([self.pending_gate, gate], dim=0)
-        usable = (kv.shape[0] // self.ratio) * self.ratio
-        self.pending_kv, self.pending_gate = kv[usable:].clone(), gate[usable:].clone()
-        n_w = usable // self.ratio
-        shape = (n_w, self.ratio, kv.shape[-1])
-        return kv[:usable].reshape(shape), gate[:usable].reshape(shape), self.num_entries
+        kv_w, gate_w, self.pending_kv, self.pending_gate = split_complete_windows(
+            self.pending_kv, self.pending_gate, kv, gate, self.ratio)
+        return kv_w, gate_w, self.num_entries
 
     def append_entries(self, new: torch.Tensor) -> torch.Tensor:
         """Add newly emitted entries [n_w, d]; returns every entry so far [n, d]."""

@@ -1,4 +1,6 @@
 """DeepSeek-V4.1 text model (plain torch reference): ``config`` (composite config.json),
 ``state`` (per-request decode state), ``compressor``, ``indexer``, ``attention``, ``moe``,
-``engram``, ``mhc`` (single-pass schedule), ``norm``, ``model`` (the causal LM). Shared V4
-pieces come from ``model.v4``; the QAT fake-quant references from ``kernels.microscaling``."""
+``engram``, ``mhc`` (single-pass schedule), ``model`` (the causal LM, and
+:func:`~model.v41.model.load_deepseek_v41`). Shared V4 pieces come from ``model.v4``; the
+weighted RMSNorm is ``model.layers.norm.RMSNorm`` with ``weight_after_cast=True``; the QAT
+fake-quant references come from ``kernels.microscaling``."""

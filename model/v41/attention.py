@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
+from model.layers.norm import RMSNorm
 from model.v4.attention_core import selected_entry_bias, sink_attention, window_bias
 from model.v4.output_proj import GroupedLinear
 from model.v4.rope import RotaryTable, apply_trailing_rope
 from model.v41.compressor import Compressor
 from model.v41.config import V41Config
 from model.v41.indexer import QUERY_BLOCK, Indexer
-from model.v41.norm import RMSNorm
 from model.v41.state import RequestState, SourceState
 
 
@@ -41,10 +41,10 @@ class Attention(nn.Module):
         self.kv_source = c.kv_source_of(layer_idx)
         self.index_source = c.index_source_of(layer_idx)
         self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False, dtype=dtype)
-        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.wq_b = nn.Linear(c.q_lora_rank, self.num_heads * self.head_dim, bias=False, dtype=dtype)
         self.wkv = nn.Linear(c.hidden_size, self.head_dim, bias=False, dtype=dtype)
-        self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype)
+        self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.wo_a = GroupedLinear(self.num_heads * self.head_dim // c.o_groups, c.o_lora_rank, c.o_groups, dtype)
         self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False, dtype=dtype)
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))

@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.layers.norm import RMSNorm
+from model.v4.compressor import pool_windows
+from model.v4.state import split_complete_windows
 from model.v41.config import V41Config
-from model.v41.norm import RMSNorm
 from model.v41.state import SourceState
 
 
@@ -28,7 +30,7 @@ class Compressor(nn.Module):
         d, h = config.head_dim, config.hidden_size
         self.wkv = nn.Linear(h, d, bias=False, dtype=dtype)
         self.wgate = nn.Linear(h, d, bias=False, dtype=dtype) if self.ratio > 1 else None
-        self.norm = RMSNorm(d, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(d, config.rms_norm_eps, dtype, weight_after_cast=True)
 
     def forward(self, x: torch.Tensor, source: SourceState) -> tuple[torch.Tensor | None, int]:
         """x [T, hidden] (the layer's normed input) -> (latents of the groups completed by
@@ -41,15 +43,9 @@ class Compressor(nn.Module):
             return self.norm(self.wkv(x)), first_position
         kv = F.linear(x.float(), self.wkv.weight.float())
         gate = F.linear(x.float(), self.wgate.weight.float())
-        if source.num_pending:
-            kv = torch.cat([source.pending_kv, kv], dim=0)
-            gate = torch.cat([source.pending_gate, gate], dim=0)
-        usable = (kv.shape[0] // self.ratio) * self.ratio
-        source.pending_kv, source.pending_gate = kv[usable:].clone(), gate[usable:].clone()
-        if usable == 0:
+        kv, gate, source.pending_kv, source.pending_gate = split_complete_windows(
+            source.pending_kv, source.pending_gate, kv, gate, self.ratio)
+        if kv.shape[0] == 0:
             return None, first_position
-        groups = usable // self.ratio
-        kv = kv[:usable].view(groups, self.ratio, -1)
-        gate = gate[:usable].view(groups, self.ratio, -1)
-        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32)).sum(dim=1)
-        return self.norm(pooled.to(x.dtype)), first_position
+        pooled = pool_windows(kv, gate)  # kv is float32 here, so the whole pooling is
+        return self.norm(pooled.to(x.dtype)), first_position  # float32, unlike V4's

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.microscaling import fake_quant_fp4
+from model.layers.norm import RMSNorm
 from model.v4.rope import apply_trailing_rope
 from model.v41.config import V41Config
-from model.v41.norm import RMSNorm
 
 # Queries scored per block: bounds the transient [block, heads, entries] score tensor.
 QUERY_BLOCK = 256
@@ -73,7 +73,7 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False, dtype=dtype)
         if self.owns_keys:
             self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False, dtype=dtype)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype, weight_after_cast=True)
 
     def keys_from_latents(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Index keys [G, index_head_dim] of new latents; cos/sin at the groups' positions."""

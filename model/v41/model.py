@@ -18,18 +18,23 @@ the previous site's ``pre``, ``attn_norm``, attention, expand) → FFN site (sam
 ``lm_head``. ``state_dict()`` keys and shapes are HF-V4.1's (``model.layers.N.attn.wq_a.weight``,
 ``model.embed.weight``, ``lm_head.weight``, …). DSpark draft blocks (``mtp.*``), the vision
 tower and aligner are not built: :func:`split_unused_weights` sets their tensors aside.
+A checkpoint directory (released or HF-V4.1 names; FP8/FP4 or BF16) loads with
+:func:`load_deepseek_v41`, which also binds the tokenizer.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
+from model.layers.norm import RMSNorm
 from model.v4.rope import RotaryTable
+from model.v4_loader import CheckpointError, load_v4_into_module, read_v4_config
 from model.v41.attention import Attention
 from model.v41.config import V41Config
 from model.v41.engram import Engram, EngramHasher, build_compressed_token_map
@@ -40,7 +45,6 @@ from model.v41.mhc import (
     one_hot_pre,
 )
 from model.v41.moe import MoE
-from model.v41.norm import RMSNorm
 from model.v41.state import RequestState
 
 logger = logging.getLogger(__name__)
@@ -70,8 +74,8 @@ class DecoderLayer(nn.Module):
         self.norm_eps, self.hc_eps, self.sinkhorn_iters = c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters
         self.attn = Attention(c, layer_idx, dtype)
         self.ffn = MoE(c, dtype)
-        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.engram = Engram(c, layer_idx, dtype) if layer_idx in c.engram_layer_ids else None
         mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size
         for site in ("attn", "ffn"):
@@ -102,7 +106,7 @@ class TextModel(nn.Module):
         c = config
         self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.main_rope = RotaryTable(c.qk_rope_head_dim, c.main_rope)
         self.compress_rope = RotaryTable(c.qk_rope_head_dim, c.compress_rope)
 
@@ -123,8 +127,9 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-V4.1-named tensors in (cast to each parameter's dtype); DSpark/vision tensors
-        are skipped. A missing, unexpected or mis-shaped tensor is one ValueError line naming it."""
+        """Copy in-memory HF-V4.1-named tensors in (cast to each parameter's dtype); DSpark/vision
+        tensors are skipped (a checkpoint directory goes through :func:`load_deepseek_v41`).
+        A missing, unexpected or mis-shaped tensor is one ValueError line naming it."""
         names, _ = split_unused_weights(tensors)
         params = self.state_dict()
         missing = sorted(set(params) - set(names))
@@ -168,3 +173,21 @@ class DeepseekV41ForCausalLM(nn.Module):
         hidden = self.model.norm(collapse_streams(streams, pre))
         state.num_tokens += t
         return self.lm_head(hidden).float()
+
+
+def load_deepseek_v41(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16,
+                      device: str | torch.device = "cpu") -> DeepseekV41ForCausalLM:
+    """Build the text model ``config.json`` describes on ``device``, stream its weights in
+    (FP8/FP4 dequantized on the CPU to ``dtype``; engram tables keep their scale tensor) and,
+    when it has engram layers, bind the checkpoint's ``tokenizer.json``. Errors are one
+    :class:`model.loader.CheckpointError` line."""
+    config = read_v4_config(checkpoint_dir, ("deepseek_v41", "deepseek_v41_text"))
+    tokenizer = os.path.join(checkpoint_dir, "tokenizer.json")
+    if config.engram_layer_ids and not os.path.isfile(tokenizer):
+        raise CheckpointError(f"{checkpoint_dir!r} has engram layers but no tokenizer.json to hash tokens with")
+    with torch.device(device):
+        model = DeepseekV41ForCausalLM(config, dtype)
+    load_v4_into_module(model, checkpoint_dir, device=device)
+    if config.engram_layer_ids:
+        model.bind_tokenizer(tokenizer)
+    return model.eval()

@@ -6,6 +6,10 @@ the chosen ``s``, renormalized over the k (``+1e-20``, only when k > 1), times
 ``routed_scaling_factor``. Expert: GEMMs in the model dtype, then in fp32
 ``h = silu(min(g, L)) · clamp(u, -L, L) · weight``, cast back before ``w2``. One shared
 expert (same clamp, weight 1) runs on every token; outputs accumulate in fp32.
+
+V4's router and packed experts (``model.v4.moe``) are not reused as modules: V4.1 adds the
+gate temperature and ``bias_vl``, keeps HF-V4.1's per-expert ``w1``/``w2``/``w3`` tensors,
+weights an expert before ``w2`` rather than after, and runs the SwiGLU in fp32.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.v4.moe import clamped_swiglu, sqrt_softplus
+from model.v4.moe import clamped_swiglu, normalize_routing_weights, sqrt_softplus
 from model.v41.config import V41Config
 
 
@@ -37,10 +41,8 @@ class Router(nn.Module):
         if image_mask is not None and bool(image_mask.any()):
             bias = torch.where(image_mask.reshape(-1, 1), self.bias_vl, self.bias)
         ids = (scores + bias).topk(self.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if self.norm_topk_prob and self.top_k > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, ids
+        renormalize = self.norm_topk_prob and self.top_k > 1
+        return normalize_routing_weights(scores, ids, self.scaling, renormalize), ids
 
 
 class Expert(nn.Module):

@@ -5,13 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.microscaling import (
-    FP4_E2M1_GRID,
-    fake_quant_fp4,
-    fake_quant_fp8_ue8m0,
-    pow2_ceil,
-    round_to_e2m1,
-)
+from kernels.fp8 import pow2_ceil
+from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0, round_to_e2m1
+from kernels.weight_formats import E2M1_MAGNITUDES as FP4_E2M1_GRID
 
 
 def _random(shape, seed=0, scale=3.0):

@@ -267,6 +267,8 @@ def test_cli_flags_and_one_line_errors(tmp_path, capsys):
     assert err == "error: --num-layers must be between 1 and 8, got 99"
     assert run(p.parse_args(["--config", "tiny-v3", "--engram-rows", "5", "--out", str(tmp_path / "y")])) == 1
     assert "apply to DeepSeek-V4 / V4.1 configs only" in capsys.readouterr().err
+    assert run(p.parse_args(["--config", "tiny-v4", "--engram-rows", "5", "--out", str(tmp_path / "z")])) == 1
+    assert capsys.readouterr().err.strip() == "error: --engram-rows applies to DeepSeek-V4.1 (engram tables) only"
 
 
 def test_tensor_parallel_load_of_fp8_checkpoint(tiny_v41):

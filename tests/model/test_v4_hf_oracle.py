@@ -194,3 +194,24 @@ def test_load_weights_errors_name_the_tensor(pair, caplog):
         "skipped 2 MTP tensors (mtp.*): multi-token prediction is not loaded"]
     with pytest.raises(ValueError, match="token id 256 is outside the vocabulary"):
         fresh(torch.tensor([3, 256]), fresh.new_state())
+
+
+def test_hca_at_the_released_ratio_128_matches_hf():
+    """V4-Flash's HCA ratio (128) on a prompt holding two complete windows plus an open one,
+    one-shot and with chunks that end mid-window and at a window boundary."""
+    hf = build_hf_v4(seed=3, num_hidden_layers=2, layer_types=["sliding_attention", "heavily_compressed_attention"],
+                     mlp_layer_types=["moe", "moe"],
+                     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
+    ours = DeepseekV4ForCausalLM(parse_v4_config(hf.config.to_dict()))
+    ours.load_weights(hf.state_dict().items())
+    assert ours.config.compress_ratios == (0, 128)
+    ids = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(ids[None]).logits[0].float(), dim=-1)
+        one = torch.log_softmax(run_chunks(ours, ids, [300]), dim=-1)
+        state = ours.new_state()
+        ours(ids, state)
+        chunked = torch.log_softmax(run_chunks(ours, ids, [100, 28, 1, 127, 44]), dim=-1)
+    assert (one - ref).abs().max().item() < 1e-4
+    assert (chunked - one).abs().max().item() < 1e-4
+    assert state.layers[1].compressor.num_entries == 2  # windows 0..127 and 128..255; 256..299 open

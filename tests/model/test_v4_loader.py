@@ -219,14 +219,13 @@ def test_v4_stacked_experts_cut_by_expert_or_intermediate(expert_parallel):
         assert torch.equal(torch.cat([ranks[0][down], ranks[1][down]], 2), full[down])
 
 
-def test_v4_golden_through_the_loader_matches_golden_logprobs():
-    """The bundled dev-v4-s0 checkpoint (5.24's saved names) into mlaserve's V4 model."""
-    from model.config import load_model_config
-    from model.v4.model import DeepseekV4ForCausalLM
-    from model.v4_loader import iter_v4_weights
+def test_v4_golden_in_released_names_matches_golden_logprobs(tmp_path):
+    """dev-v4-s0 rewritten to DeepSeek's released names, loaded by load_deepseek_v4."""
+    from model.v4.model import load_deepseek_v4
 
-    model = DeepseekV4ForCausalLM(load_model_config(V4_DIR))
-    model.load_weights(iter_v4_weights(V4_DIR, model.state_dict()))
+    names = _json(os.path.join(V4_DIR, "release_names.json"))
+    released = _rewrite(V4_DIR, tmp_path / "rel", {names[k]: v for k, v in _read_all(V4_DIR).items()})
+    model = load_deepseek_v4(released, torch.float32)
     golden = _json(os.path.join(V4_DIR, "golden.json"))
     ids = torch.tensor(golden["prompt_ids"])
     with torch.no_grad():
