@@ -173,8 +173,13 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_triton_kernels_under_interpreter():
+    run_interpreted(_INTERPRET_SCRIPT)
+
+
+def run_interpreted(script: str) -> None:
+    """Run ``script`` (which prints "interpreter ok" at its end) in a TRITON_INTERPRET=1 subprocess."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=REPO, check=False,
+    res = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, check=False,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-3000:]
 
@@ -286,7 +291,7 @@ def test_gpu_gemm_matches_reference(shape):
     assert yb.dtype == torch.bfloat16 and rel_err(yb, ref) < 1e-2
 
 
-def _capture(fn):
+def capture(fn):
     """Warm up on a side stream, capture ``fn`` in a CUDA graph; returns (graph, outputs)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -330,8 +335,8 @@ def test_gpu_wo_a_epilogue_bytes_match_separate_quant(tokens):
         q, s = quantize_mxfp8_triton(static)
         return quantize_mxfp8_triton(mxfp8_gemm(q, s, w8, ws, groups=groups))
 
-    g_fused, (gz8, gzs) = _capture(fused)
-    g_sep, (gu8, gus) = _capture(separate)
+    g_fused, (gz8, gzs) = capture(fused)
+    g_sep, (gu8, gus) = capture(separate)
     for seed in (1, 2):
         static.copy_(activations(tokens, groups * kg, seed=seed + tokens, device="cuda"))
         g_fused.replay()

@@ -9,11 +9,7 @@ GPU (``-m gpu``): V4.1-Flash TP1 and TP8 shard shapes, eager and CUDA-graph repl
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,8 +18,8 @@ from kernels.mxfp8_o_proj import inverse_rope_reference, o_proj_reference
 from kernels.weight_formats import dequantize_fp8_blocks, quantize_fp8_blocks
 from model.v4.rope import apply_trailing_rope
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
+from tests.kernels.test_mxfp8_gemm import capture, run_interpreted
 
-REPO = Path(__file__).resolve().parents[2]
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -103,10 +99,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_fused_path_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=REPO, check=False,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-3000:]
+    run_interpreted(_INTERPRET_SCRIPT)
 
 
 # V4.1-Flash: 64 heads × 512 (rope 64) in 8 groups → 1024 each, hidden 5120; TP8 holds 8 heads, 1 group
@@ -132,14 +125,7 @@ def test_gpu_fused_o_proj_matches_reference(tp, tokens):
     assert out.dtype == torch.bfloat16 and rel_err(out, ref) < 1e-2
 
     static = [o.clone(), cos.clone(), sin.clone()]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        mxfp8_o_proj(*static, wa, wb, groups)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = mxfp8_o_proj(*static, wa, wb, groups)
+    graph, captured = capture(lambda: mxfp8_o_proj(*static, wa, wb, groups))
     o2, cos2, sin2, _, _ = make_case(tokens, heads, 512, 64, groups, 1024, 5120, seed=tokens + 1, device="cuda")
     for dst, src in zip(static, (o2, cos2, sin2)):
         dst.copy_(src)
