@@ -78,6 +78,9 @@ def _worker_main(fn: Callable, rank: int, world_size: int, local_rank: int,
     if "OMP_NUM_THREADS" in env and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
     _exit_with_parent()
+    # Ctrl-C reaches the whole process group: the launcher handles it (and a worker whose
+    # launcher is gone ends itself), so no worker prints a KeyboardInterrupt traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     fn(rank, world_size, local_rank, parallel_config, *args)
 
 

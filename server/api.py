@@ -14,6 +14,7 @@ and only real internal failures a 500. Every error body has the same shape.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import logging
 import re
@@ -26,7 +27,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from server.errors import EngineDeadError, InvalidRequestError
+from server.admission import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimit, check_text
+from server.errors import EngineDeadError, InvalidRequestError, ServerStoppingError
 from server.openai_serving import APIError, OpenAIServer, error_body, error_response
 from server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
@@ -36,7 +38,8 @@ from server.protocol import (
 logger = logging.getLogger(__name__)
 
 STATS_LOG_INTERVAL_S = 10.0
-ENGINE_WATCH_INTERVAL_S = 1.0
+ENGINE_WATCH_INTERVAL_S = 0.2
+GRACEFUL_SHUTDOWN_S = 3
 
 
 def _version() -> str:
@@ -91,7 +94,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(_req: Request, exc: InvalidRequestError):
-        return error_response(400, str(exc))
+        return error_response(400, str(exc), exc.param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_req: Request, exc: StarletteHTTPException):
@@ -99,6 +102,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_req: Request, exc: EngineDeadError):
+        if isinstance(exc, ServerStoppingError):
+            return error_response(503, str(exc))
         return error_response(500, f"The engine is not running: {exc}")
 
 
@@ -175,7 +180,7 @@ async def _log_stats_forever(engine, interval: float) -> None:
 
 
 def build_app(engine, *, api_key: str | None = None, log_requests: bool = False,
-              log_stats: bool = False) -> FastAPI:
+              log_stats: bool = False, max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """The FastAPI app for ``engine`` (anything with the AsyncEngine interface)."""
     srv = OpenAIServer(engine, log_requests=log_requests)
 
@@ -189,7 +194,8 @@ def build_app(engine, *, api_key: str | None = None, log_requests: bool = False,
     app = FastAPI(title="mlaserve", version=_version(), lifespan=lifespan)
     app.state.server = srv
     _install_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
+    if api_key:  # outside the body limit: an unauthenticated client's body is never read
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
     app.add_middleware(_InternalErrorMiddleware)  # added last: outermost
 
@@ -209,8 +215,9 @@ def build_app(engine, *, api_key: str | None = None, log_requests: bool = False,
 
     @app.get("/health")
     async def health():
-        if not engine.is_healthy:
-            return error_response(503, "The engine is not running.")
+        problem = engine.health_problem()
+        if problem is not None:
+            return error_response(503, problem)
         return Response(status_code=200)
 
     @app.get("/version")
@@ -228,6 +235,7 @@ def build_app(engine, *, api_key: str | None = None, log_requests: bool = False,
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "Give exactly one of `prompt` or `messages`.", "prompt")
         if body.prompt is not None:
+            check_text(body.prompt, "prompt")
             add_special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = srv.tokenizer.encode(body.prompt, add_special_tokens=add_special)
         else:
@@ -261,15 +269,38 @@ def build_app(engine, *, api_key: str | None = None, log_requests: bool = False,
 # ----------------------------------------------------------------------------- server
 
 
-async def _stop_when_engine_dies(engine, server) -> None:
+async def _watch_engine(engine, server) -> None:
+    """Shut the HTTP server down when the engine dies; when the server is asked to stop
+    (SIGTERM / SIGINT), fail the requests in flight at once (503), so that the shutdown
+    never waits on an engine that may be stuck."""
     while engine.is_healthy:
+        if server.should_exit:
+            engine.stop_accepting("The server is shutting down.")
+            return
         await asyncio.sleep(ENGINE_WATCH_INTERVAL_S)
     logger.error("the engine died; shutting the HTTP server down")
     server.should_exit = True
 
 
+def _uvicorn_server(config):
+    """A uvicorn server that, after a SIGTERM / SIGINT shutdown, leaves the process running so
+    that the engine is stopped cleanly: uvicorn itself re-raises the captured signal as soon
+    as serve() returns, which would end this process with its engine still running."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                self._captured_signals.clear()  # (uvicorn's own list of signals to re-raise)
+
+    return Server(config)
+
+
 async def run_server(config, host: str, port: int, api_key: str | None = None, *,
-                     uvicorn_log_level: str = "info", log_requests: bool = False, log_stats: bool = True) -> int:
+                     uvicorn_log_level: str = "info", log_requests: bool = False, log_stats: bool = True,
+                     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> int:
     """Start the engine, serve HTTP until interrupted or the engine dies; the exit code."""
     import uvicorn
 
@@ -277,9 +308,12 @@ async def run_server(config, host: str, port: int, api_key: str | None = None, *
 
     engine = await AsyncEngine.start(config)
     try:
-        app = build_app(engine, api_key=api_key, log_requests=log_requests, log_stats=log_stats)
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level))
-        watchdog = asyncio.create_task(_stop_when_engine_dies(engine, server))
+        app = build_app(engine, api_key=api_key, log_requests=log_requests, log_stats=log_stats,
+                        max_request_body_bytes=max_request_body_bytes)
+        # A bounded graceful shutdown: SIGTERM / SIGINT end the whole server within seconds, busy or not.
+        server = _uvicorn_server(uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
+                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        watchdog = asyncio.create_task(_watch_engine(engine, server))
         logger.info("serving %s on http://%s:%d", engine.served_model_name, host, port)
         await server.serve()
         watchdog.cancel()

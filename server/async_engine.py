@@ -9,6 +9,16 @@ msgpack messages (no pickle on the per-request path, so nothing received is ever
 
 If the engine process dies, every in-flight request fails with EngineDeadError and
 ``is_healthy`` turns False (the HTTP layer answers /health with 503 and exits).
+
+Liveness, both ways:
+
+* the engine loop stamps a shared-memory heartbeat every iteration; while there is work and
+  the stamp is older than ``MLASERVE_ENGINE_ITERATION_TIMEOUT_S`` (default 60 s, vLLM's
+  VLLM_ENGINE_ITERATION_TIMEOUT_S), ``health_problem()`` names the stall (/health: 503);
+* the engine process kills itself within ~1 s once the API process is gone (a watchdog
+  thread on its parent pid; its TP workers watch it the same way), so nothing outlives a
+  front end that was SIGKILLed; a clean shutdown that takes longer than
+  ``SHUTDOWN_GRACE_S`` ends it with SIGKILL.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -28,12 +39,16 @@ from model.config import ModelConfig, load_model_config
 from server import envs
 from server.config import EngineConfig
 from server.engine_core import RequestDelta, SeqDelta, validate_request
-from server.errors import EngineDeadError, EngineStartupError, InvalidRequestError
+from server.errors import EngineDeadError, EngineStartupError, InvalidRequestError, ServerStoppingError
 from server.outputs import OutputAccumulator, RequestOutput, TokenLogprob
 from server.sampling_params import SamplingParams
 from server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 3.0
+PARENT_WATCH_INTERVAL_S = 0.5
+
 
 # ---- message encoding (plain lists/dicts only) ------------------------------------------------
 def _lp_to_wire(lp: TokenLogprob | None):
@@ -52,11 +67,11 @@ def delta_to_wire(d: RequestDelta) -> list:
     seqs = [[s.index, s.text, s.token_ids, None if s.logprobs is None else [_lp_to_wire(x) for x in s.logprobs],
              s.finish_reason, s.stop_reason] for s in d.seqs]
     plp = None if d.prompt_logprobs is None else [_lp_to_wire(x) for x in d.prompt_logprobs]
-    return [d.request_id, seqs, d.finished, plp, d.num_cached_tokens, d.error]
+    return [d.request_id, seqs, d.finished, plp, d.num_cached_tokens, d.error, d.queue_time]
 
 
 def delta_from_wire(w) -> RequestDelta:
-    rid, seqs, finished, plp, cached, error = w
+    rid, seqs, finished, plp, cached, error, queue_time = w
     return RequestDelta(
         rid,
         [SeqDelta(i, t, list(ids), None if lps is None else [_lp_from_wire(x) for x in lps], fr, sr)
@@ -65,6 +80,7 @@ def delta_from_wire(w) -> RequestDelta:
         None if plp is None else [_lp_from_wire(x) for x in plp],
         cached,
         error,
+        queue_time,
     )
 
 
@@ -77,9 +93,27 @@ def _unpack(data: bytes):
 
 
 # ---- the engine process -----------------------------------------------------------------------
-def _engine_main(config: EngineConfig, model_dir: str, conn, dp_rank: int = 0) -> None:
+def _exit_with_parent(parent_pid: int) -> None:
+    """Kill this process (and so, through their own watchdogs, its TP workers) as soon as the
+    API process that started it is gone, whatever the main thread is doing."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(PARENT_WATCH_INTERVAL_S)
+            if os.getppid() != parent_pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _engine_main(config: EngineConfig, model_dir: str, conn, dp_rank: int = 0, heartbeat=None,
+                 parent_pid: int | None = None) -> None:
     """Entry point of an engine process: build the core, then serve the pipe until shutdown."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s engine{dp_rank} %(levelname)s %(message)s")
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
+    # Ctrl-C reaches the whole process group: the API process handles it and stops this one.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _limit_cpu_threads(config)
     try:
         from server.engine_core import EngineCore
@@ -91,8 +125,15 @@ def _engine_main(config: EngineConfig, model_dir: str, conn, dp_rank: int = 0) -
     conn.send_bytes(_pack(["ready", {"max_model_len": core.max_model_len, **core.stats()}]))
     last_stats = 0.0
     stop = False
+    stall_s = envs.MLASERVE_TEST_ENGINE_STALL_S
     while True:
+        if heartbeat is not None:
+            heartbeat.value = time.monotonic()
         busy = core.has_unfinished()
+        if busy and stall_s > 0:
+            logger.warning("test hook: stalling the engine loop for %.1f s", stall_s)
+            time.sleep(stall_s)
+            stall_s = 0.0
         if conn.poll(0 if busy else (0.005 if core.dp_sync else 1.0)):
             stop = _drain_messages(core, conn) or stop
         if core.dp_sync is not None:
@@ -179,8 +220,9 @@ def served_name_for(model_arg: str | None, model_dir: str) -> str:
 class _EngineProcess:
     """One engine process (one per DP rank) and the pipe to it."""
 
-    def __init__(self, dp_rank: int, proc, conn) -> None:
+    def __init__(self, dp_rank: int, proc, conn, heartbeat) -> None:
         self.dp_rank, self.proc, self.conn = dp_rank, proc, conn
+        self.heartbeat = heartbeat  # time.monotonic() of the loop's latest iteration (shared memory)
         self.stats: dict = {}
         self.inflight: set[str] = set()
         self.lock = threading.Lock()
@@ -204,6 +246,7 @@ class AsyncEngine:
         self._owner: dict[str, _EngineProcess] = {}
         self._engines: list[_EngineProcess] = []
         self._dead: str | None = None
+        self._stopping: str | None = None
         self._closing = False
 
     @classmethod
@@ -228,14 +271,22 @@ class AsyncEngine:
                 from distributed.launcher import find_free_port
 
                 config = dataclasses.replace(config, master_port=find_free_port(config.master_addr))
+        from server.runner_setup import resolve_max_model_len
+
+        try:  # here, before any process starts: a TP worker would print a traceback of its own
+            resolve_max_model_len(config, self.model_config)
+        except ValueError as exc:
+            raise EngineStartupError(str(exc)) from None
         ctx = mp.get_context("spawn")
         for dp_rank in range(config.data_parallel_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_engine_main, args=(config, self.model_dir, child, dp_rank),
+            heartbeat = ctx.RawValue("d", time.monotonic())
+            proc = ctx.Process(target=_engine_main,
+                               args=(config, self.model_dir, child, dp_rank, heartbeat, os.getpid()),
                                name=f"mlaserve-engine-{dp_rank}", daemon=False)  # it spawns TP workers
             proc.start()
             child.close()
-            self._engines.append(_EngineProcess(dp_rank, proc, parent))
+            self._engines.append(_EngineProcess(dp_rank, proc, parent, heartbeat))
         try:
             infos = [self._await_ready(e) for e in self._engines]
         except BaseException:
@@ -295,6 +346,15 @@ class AsyncEngine:
             except RuntimeError:
                 pass
 
+    def stop_accepting(self, reason: str) -> None:
+        """Refuse new requests and fail those in flight with ServerStoppingError(reason)."""
+        self._stopping = reason
+        for queue, loop in list(self._streams.values()):
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, ServerStoppingError(reason))
+            except RuntimeError:
+                pass
+
     def _send(self, e: _EngineProcess, msg) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -312,6 +372,21 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self._dead is None and bool(self._engines) and all(e.proc.is_alive() for e in self._engines)
 
+    def health_problem(self) -> str | None:
+        """None while the engine serves; else why not: it died, or it has work and its loop has
+        not completed an iteration within MLASERVE_ENGINE_ITERATION_TIMEOUT_S."""
+        if not self.is_healthy:
+            return self._dead or "the engine process is not running"
+        now = time.monotonic()
+        for e in self._engines:
+            busy = bool(e.inflight) or e.stats.get("num_running", 0) or e.stats.get("num_waiting", 0)
+            age = now - e.heartbeat.value
+            limit = envs.MLASERVE_ENGINE_ITERATION_TIMEOUT_S
+            if busy and age > limit:
+                return (f"engine {e.dp_rank} has work but its loop has not completed an iteration for {age:.0f} s "
+                        f"(limit {limit:g} s, MLASERVE_ENGINE_ITERATION_TIMEOUT_S)")
+        return None
+
     def stats(self) -> dict:
         keys = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prompt_tokens_total",
                 "generation_tokens_total", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
@@ -322,10 +397,14 @@ class AsyncEngine:
                 total["collectives"][k] = total["collectives"].get(k, 0) + v
         blocks = total["num_total_blocks"]
         total["kv_cache_usage"] = (1.0 - total["num_free_blocks"] / blocks) if blocks else 0.0
+        # The other numbers are the engine's latest report: this says how old it may be.
+        total["engine_heartbeat_age_s"] = max((time.monotonic() - e.heartbeat.value for e in self._engines),
+                                              default=0.0)
         return total
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len)
+        validate_request(prompt_token_ids, params, self.model_config.vocab_size, self.max_model_len,
+                         self.engine_config.max_logprobs)
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, prompt: str | None = None
@@ -334,6 +413,8 @@ class AsyncEngine:
         self.validate(prompt_token_ids, params)
         if self._dead is not None:
             raise EngineDeadError(self._dead)
+        if self._stopping is not None:
+            raise ServerStoppingError(self._stopping)
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
@@ -383,7 +464,11 @@ class AsyncEngine:
             except (OSError, ValueError):
                 pass
         loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
         for e in self._engines:
-            await loop.run_in_executor(None, e.proc.join, 15)
+            await loop.run_in_executor(None, e.proc.join, max(0.0, deadline - time.monotonic()))
             if e.proc.is_alive():
-                e.proc.kill()
+                logger.warning("engine process %d did not stop within %.0f s; killing it", e.dp_rank,
+                               SHUTDOWN_GRACE_S)
+                e.proc.kill()  # its TP workers follow it (they watch their parent)
+                await loop.run_in_executor(None, e.proc.join, 2.0)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from server import envs
 from server.config import EngineConfig, EngineConfigError
-from server.engine_args import CLIError, add_engine_arguments, engine_config_from_namespace, json_value
+from server.engine_args import CLIError, add_engine_arguments, engine_config_from_namespace, human_int, json_value
 
 logger = logging.getLogger("mlaserve")
 
@@ -126,6 +126,7 @@ class ServeArgs:
     uvicorn_log_level: str = "info"
     log_requests: bool = False
     log_stats: bool = True
+    max_request_body_bytes: int = 8 * 1024 * 1024
     notes: list[str] = field(default_factory=list)  # flags accepted that do not apply here
 
 
@@ -150,6 +151,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="(request logging is already off by default)")
     g.add_argument("--disable-log-stats", action="store_true", default=False,
                    help="no periodic throughput / queue / KV usage log line")
+    g.add_argument("--max-request-body-bytes", type=human_int, default=8 * 1024 * 1024,
+                   help="a larger request body is refused (413) before it is parsed (default 8M)")
     g.add_argument("--enable-tokenizer-info-endpoint", action="store_true", default=None,
                    help="(/tokenizer_info is always on)")
     add_engine_arguments(p, serve=True)
@@ -171,7 +174,8 @@ def serve_args_from_namespace(ns: argparse.Namespace) -> ServeArgs:
     api_key = ns.api_key or envs.MLASERVE_API_KEY or envs.VLLM_API_KEY
     return ServeArgs(engine_config=config, host=ns.host, port=ns.port, api_key=api_key,
                      uvicorn_log_level=ns.uvicorn_log_level, log_requests=ns.enable_log_requests,
-                     log_stats=not ns.disable_log_stats, notes=notes)
+                     log_stats=not ns.disable_log_stats, max_request_body_bytes=ns.max_request_body_bytes,
+                     notes=notes)
 
 
 def run_serve(args: ServeArgs) -> int:
@@ -196,7 +200,8 @@ def run_serve(args: ServeArgs) -> int:
     try:
         return asyncio.run(run_server(args.engine_config, args.host, args.port, args.api_key,
                                       uvicorn_log_level=args.uvicorn_log_level, log_requests=args.log_requests,
-                                      log_stats=args.log_stats))
+                                      log_stats=args.log_stats,
+                                      max_request_body_bytes=args.max_request_body_bytes))
     except (ConfigError, TokenizerLoadError, EngineStartupError) as exc:
         # A bad checkpoint or a failed start: one line naming the cause, no traceback wall.
         print(f"error: {exc}", file=sys.stderr)

@@ -37,6 +37,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0
+    max_logprobs: int = 20  # vLLM's --max-logprobs: logprobs / top_logprobs / prompt_logprobs cap
     # scheduling
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -101,6 +102,8 @@ class EngineConfig:
             bad("--device", f"must be auto, cpu or cuda, got {self.device!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             bad("--block-size", f"must be a power of two, got {self.block_size}")
+        if self.max_logprobs < 0:
+            bad("--max-logprobs", f"must be at least 0, got {self.max_logprobs}")
         if self.max_num_seqs < 1:
             bad("--max-num-seqs", f"must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -111,6 +111,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _flag("--kv-cache-dtype", group="model", choices=KV_CACHE_DTYPES),
     _flag("--device", group="model", choices=("auto", "cpu", "cuda")),
     _flag("--seed", group="model", type=int, serve_only=True),
+    _flag("--max-logprobs", group="model", type=int,
+          help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for (default 20, as vLLM)"),
     _flag("--trust-remote-code", group="model", boolean=True,
           help="accepted for vLLM compatibility; checkpoint code is never run"),
     _flag("--speculative-config", group="model", type=json_value, metavar="JSON",

@@ -25,7 +25,7 @@ from server.kv_cache import BlockManager
 from server.outputs import TokenLogprob
 from server.runner import PendingStep, StepResult
 from server.runner_setup import build_runner, resolve_device
-from server.sampling_params import SamplingParams
+from server.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.scheduler import Scheduler, SchedulerOutput
 from server.sequence import Sequence
 from server.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -54,6 +54,7 @@ class RequestDelta:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # sent once, complete
     num_cached_tokens: int = 0
     error: str | None = None
+    queue_time: float | None = None  # seconds from add_request to first scheduling; sent once
 
 
 @dataclass
@@ -66,10 +67,13 @@ class _RequestState:
     prompt_logprobs: list[TokenLogprob | None] | None
     prompt_logprobs_sent: bool = False
     num_unfinished: int = 0
+    arrival: float = 0.0
+    queue_time: float | None = None
+    queue_time_sent: bool = False
 
 
 def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_size: int,
-                     max_model_len: int) -> None:
+                     max_model_len: int, max_logprobs: int = MAX_LOGPROBS) -> None:
     """Raise InvalidRequestError for a request the engine can never serve (the API process
     checks this before sending; the engine checks again)."""
     if not prompt_token_ids:
@@ -77,7 +81,7 @@ def validate_request(prompt_token_ids: list[int], params: SamplingParams, vocab_
     for t in prompt_token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab_size:
             raise InvalidRequestError(f"Token id {t} is out of vocabulary (vocab size {vocab_size}).")
-    params.validate()
+    params.validate(max_logprobs)
     for t in params.logit_bias or ():
         if t >= vocab_size:
             raise InvalidRequestError(f"logit_bias token id {t} is out of vocabulary (vocab size {vocab_size}).")
@@ -159,7 +163,7 @@ class EngineCore:
         return self.model_config.vocab_size
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+        validate_request(prompt_token_ids, params, self.vocab_size, self.max_model_len, self.config.max_logprobs)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
@@ -186,7 +190,8 @@ class EngineCore:
         ]
         plp = [None] + [None] * (len(prompt_token_ids) - 1) if params.prompt_logprobs is not None else None
         self._requests[request_id] = _RequestState(
-            request_id, list(prompt_token_ids), params, seqs, detoks, plp, num_unfinished=len(seqs)
+            request_id, list(prompt_token_ids), params, seqs, detoks, plp, num_unfinished=len(seqs),
+            arrival=time.monotonic(),
         )
         self.prompt_tokens_total += len(prompt_token_ids)
 
@@ -216,10 +221,19 @@ class EngineCore:
         self.runner.step_profiler.end_engine_step(time.perf_counter() - t0)
         return deltas
 
+    def _note_first_scheduling(self, out: SchedulerOutput) -> None:
+        now = None
+        for entry in out.scheduled:
+            state = self._requests.get(entry.seq.request_id)
+            if state is not None and state.queue_time is None:
+                now = now or time.monotonic()
+                state.queue_time = now - state.arrival
+
     def _step(self) -> list[RequestDelta]:
         deltas, self._aborted = self._aborted, []
         if not self.config.async_scheduling:
             out = self.scheduler.schedule()
+            self._note_first_scheduling(out)
             self.ran_model = not out.is_empty
             result = self.runner.execute(out)  # an empty output just drops finished seqs' state
             return deltas + self._process(out, result) if not out.is_empty else deltas
@@ -228,6 +242,7 @@ class EngineCore:
         # with N+1) and apply them while N+1 runs. Steps that need host-side token history run
         # synchronously instead (ModelRunner.can_overlap).
         out = self.scheduler.schedule()
+        self._note_first_scheduling(out)
         self.ran_model = not out.is_empty
         prev = self._pending
         step = self.runner.launch(out, prev[1] if prev is not None else None)
@@ -245,6 +260,8 @@ class EngineCore:
                 d = touched[state.request_id] = RequestDelta(
                     state.request_id, [], num_cached_tokens=state.seqs[0].num_cached_tokens
                 )
+                if state.queue_time is not None and not state.queue_time_sent:
+                    d.queue_time, state.queue_time_sent = state.queue_time, True
             return d
 
         for seq_id, (first, entries) in result.prompt_logprobs.items():

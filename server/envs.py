@@ -19,6 +19,13 @@ def _flag(raw: str) -> bool:
     return raw.strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def _nonnegative_seconds(raw: str) -> float:
+    value = float(raw)
+    if not value >= 0:
+        raise ValueError("must be a number of seconds >= 0")
+    return value
+
+
 def _seconds(raw: str) -> float:
     value = float(raw)
     if not value > 0:
@@ -41,6 +48,11 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "the same, under vLLM's name (MLASERVE_API_KEY wins when both are set)"),
     EnvVar("MLASERVE_ENGINE_STARTUP_TIMEOUT", 600.0, _seconds,
            "seconds the API process waits for an engine process to load the model and report ready"),
+    EnvVar("MLASERVE_ENGINE_ITERATION_TIMEOUT_S", 60.0, _seconds,
+           "/health answers 503 when the engine has work and has not finished a loop iteration for "
+           "this many seconds (vLLM's VLLM_ENGINE_ITERATION_TIMEOUT_S)"),
+    EnvVar("MLASERVE_TEST_ENGINE_STALL_S", 0.0, _nonnegative_seconds,
+           "test hook: the engine loop sleeps this long once, in its first iteration with work"),
     EnvVar("MLASERVE_DIST_INIT_TIMEOUT", 120.0, _seconds,
            "seconds a rank waits at the torch.distributed rendezvous for its peers"),
     EnvVar("MLASERVE_STEP_PROFILE", False, _flag,

@@ -74,6 +74,9 @@ class _EngineStatsCollector:
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", s["prompt_tokens_total"])
         yield counter("vllm:generation_tokens", "Generation tokens produced.", s["generation_tokens_total"])
         yield counter("vllm:num_preemptions", "Cumulative preemptions.", s["num_preemptions"])
+        if "engine_heartbeat_age_s" in s:
+            yield gauge("mlaserve:engine_heartbeat_age_seconds", "Seconds since the engine loop last completed "
+                        "an iteration (the slowest engine).", s["engine_heartbeat_age_s"])
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       s.get("prefix_cache_queries", 0))
         yield counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -102,6 +105,9 @@ class ServerMetrics:
                               lbl, buckets=ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
                              lbl, buckets=E2E_BUCKETS, registry=r).labels(model_name)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Time a request waited in the engine's queue before it was first scheduled.",
+                                    lbl, buckets=E2E_BUCKETS, registry=r).labels(model_name)
         self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
 
@@ -124,6 +130,7 @@ class RequestTimer:
         self._first: float | None = None
         self._last: float | None = None
         self._done = False
+        self._queued = False
 
     def on_tokens(self, num_new_tokens: int) -> None:
         if num_new_tokens <= 0:
@@ -136,6 +143,11 @@ class RequestTimer:
             self._m.itl.observe(t - self._last)
             self._m.tpot.observe(t - self._last)
         self._last = t
+
+    def on_queue_time(self, seconds: float | None) -> None:
+        if seconds is not None and not self._queued:
+            self._queued = True
+            self._m.queue_time.observe(seconds)
 
     def on_finish(self, reasons: list[str]) -> None:
         """``reasons``: one finish reason per sequence of the request (``n`` of them)."""

@@ -18,7 +18,8 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from server.errors import EngineDeadError, InvalidRequestError
+from server.admission import AdmissionLimits, check_chat, check_completion, check_messages
+from server.errors import EngineDeadError, InvalidRequestError, ServerStoppingError
 from server.metrics import ServerMetrics
 from server.outputs import RequestOutput
 from server.protocol import (
@@ -27,7 +28,7 @@ from server.protocol import (
     CompletionResponse, CompletionResponseChoice, ErrorInfo, ErrorResponse, SamplingFields, UsageInfo, random_id,
 )
 from server.logprobs import chat_logprobs, completion_logprobs
-from server.sampling_params import MAX_LOGPROBS, SamplingParams
+from server.sampling_params import SamplingParams
 from server.streaming import ChatStreamFormatter, CompletionStreamFormatter, StreamFormatter
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class EngineRequest:
         except StopAsyncIteration:
             self.finished = True
             return None
+        self._timer.on_queue_time(out.queue_time)
         total = sum(len(o.token_ids) for o in out.outputs)
         self._timer.on_tokens(total - self._num_tokens)
         self._num_tokens = total
@@ -222,6 +224,7 @@ class OpenAIServer:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.model_config.vocab_size
         self.metrics = ServerMetrics(engine.stats, first)
+        self.limits = AdmissionLimits.for_engine(engine)
 
     # -- validation helpers
 
@@ -305,6 +308,7 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, raw: Request):
         model = self.check_model(body.model)
+        check_completion(body, self.limits)
         self.check_stream_options(body)
         if body.suffix:
             raise APIError(400, "suffix is not supported by this server.", "suffix")
@@ -371,6 +375,7 @@ class OpenAIServer:
                     add_special_tokens: bool) -> tuple[str, list[int]]:
         if not messages:
             raise APIError(400, "messages must contain at least one message.", "messages")
+        check_messages(messages)
         if not self.tokenizer.chat_template:
             raise APIError(400, "This model's tokenizer has no chat template; use /v1/completions.", "messages")
         conv = []
@@ -400,14 +405,9 @@ class OpenAIServer:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
         model = self.check_model(body.model)
+        check_chat(body, self.limits)
         self.check_stream_options(body)
         top = None
-        if body.top_logprobs is not None:
-            if not body.logprobs:
-                raise APIError(400, "top_logprobs requires logprobs to be true.", "top_logprobs")
-            if not 0 <= body.top_logprobs <= MAX_LOGPROBS:
-                raise APIError(400, f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got "
-                                    f"{body.top_logprobs}.", "top_logprobs")
         if body.logprobs:
             top = body.top_logprobs or 0
         text, ids = self.chat_prompt(body.messages, body.add_generation_prompt, body.add_special_tokens)
@@ -475,7 +475,8 @@ class OpenAIServer:
                 if errors:
                     i, err = errors[0]
                     logger.error("request %s failed mid-stream: %r", reqs[i].request_id, err)
-                    status = 400 if isinstance(err, InvalidRequestError) else 500
+                    status = 400 if isinstance(err, InvalidRequestError) else (
+                        503 if isinstance(err, ServerStoppingError) else 500)
                     yield _sse(error_body(status, str(err)))
                     break
                 if len(done) == len(tasks) and not latest:

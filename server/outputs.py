@@ -46,6 +46,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     last_token_time: float | None = None
+    queue_time: float | None = None  # seconds waiting before the engine first scheduled it
 
 
 class OutputAccumulator:
@@ -76,6 +77,8 @@ class OutputAccumulator:
                 if out.first_token_time is None:
                     out.first_token_time = now
                 out.last_token_time = now
+        if delta.queue_time is not None:
+            out.queue_time = delta.queue_time
         if delta.prompt_logprobs is not None:
             out.prompt_logprobs = list(delta.prompt_logprobs)
         out.num_cached_tokens = max(out.num_cached_tokens, delta.num_cached_tokens)

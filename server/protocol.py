@@ -1,9 +1,9 @@
 """OpenAI-compatible request/response bodies (pydantic v2), with vLLM's field names.
 
 Requests accept unknown fields (OpenAI clients send fields we do not use, such as ``user``);
-the API logs and ignores them, as vLLM does. Semantic checks (ranges, lengths) happen in
-``server.sampling_params`` and ``server.api`` so each rule lives in one place; these models
-only fix the JSON shapes and types.
+the API logs and ignores them, as vLLM does. Semantic checks (ranges, lengths, admission
+limits) happen in ``server.admission`` and ``server.sampling_params``; these models only fix
+the JSON shapes and types.
 
 Error body: vLLM's current nested shape ``{"error": {"message", "type", "param", "code"}}``
 where ``code`` is the HTTP status as an int (older vLLM used a flat ``{"object": "error",
@@ -69,6 +69,7 @@ class SamplingFields(OpenAIBaseModel):
 
     model: str | None = None
     n: int = 1
+    best_of: int | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
@@ -94,6 +95,11 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"prompt": "1+2=", "max_tokens": 4, "temperature": 0},
+        {"prompt": [[1, 2, 3]], "max_tokens": 2, "n": 2, "logprobs": 1, "echo": True},
+    ]})
+
     prompt: Prompt
     max_tokens: int | None = 16
     echo: bool | None = False
@@ -151,6 +157,11 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [
+        {"messages": [{"role": "user", "content": "1+2="}], "max_completion_tokens": 4, "logprobs": True,
+         "top_logprobs": 2},
+    ]})
+
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -258,6 +269,8 @@ class TokenizeResponse(OpenAIBaseModel):
 
 
 class DetokenizeRequest(OpenAIBaseModel):
+    model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [{"tokens": [1, 2, 3]}]})
+
     model: str | None = None
     tokens: list[int]
 

@@ -40,7 +40,9 @@ class SamplingParams:
             self.top_k = 0
         self.validate()
 
-    def validate(self) -> None:
+    def validate(self, max_logprobs: int | None = None) -> None:
+        """``max_logprobs``: the engine's --max-logprobs (None: only non-negative is checked)."""
+
         def bad(msg: str) -> None:
             raise InvalidRequestError(msg)
 
@@ -68,8 +70,9 @@ class SamplingParams:
             bad(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not 0 <= v <= MAX_LOGPROBS:
-                bad(f"{name} must be between 0 and {MAX_LOGPROBS}, got {v}.")
+            if v is not None and (v < 0 or (max_logprobs is not None and v > max_logprobs)):
+                bad(f"{name} must be between 0 and {max_logprobs if max_logprobs is not None else 'inf'}, "
+                    f"got {v}.")
         if any(not s for s in self.stop):
             bad("stop strings must not be empty.")
         if self.seed is not None and not isinstance(self.seed, int):

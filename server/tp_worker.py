@@ -38,9 +38,13 @@ def start_tp_workers(config, model_dir: str, dp_rank: int, on_failure):
 def tp_worker_main(rank: int, world_size: int, local_rank: int, pcfg: ParallelConfig, config, model_dir: str) -> None:
     """A TP rank > 0: load this rank's shard, then run every plan rank 0 sends until "stop"."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker{rank} %(levelname)s %(message)s")
-    init_engine_rank(config, rank, local_rank)
-    setup = build_runner(config, model_dir, engine_device(config, local_rank), par=parallel_context(config),
-                         agree_num_blocks=agree_num_blocks, progress=False)
+    try:
+        init_engine_rank(config, rank, local_rank)
+        setup = build_runner(config, model_dir, engine_device(config, local_rank), par=parallel_context(config),
+                             agree_num_blocks=agree_num_blocks, progress=False)
+    except Exception as exc:  # a bad checkpoint, too little memory...: the engine reports the same
+        logger.error("start-up failed: %s: %s", type(exc).__name__, exc)  # one line, no traceback
+        raise SystemExit(1) from None
     receive_plans(setup.runner)
     destroy_distributed()  # a clean exit (a process group left to the interpreter can abort)
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from model.checkpoint import write_random_checkpoint
-from tests.server.live_server import live_server_process
+from tests.server.live_server import descendants, listening_sockets, live_server_process
 
 pytestmark = pytest.mark.slow
 
@@ -80,10 +80,22 @@ def ckpt_and_ref(request, tmp_path_factory):
     return path, ref
 
 
+def _assert_internal_sockets_on_loopback(url: str, server_pid: int) -> None:
+    """The HTTP port is the only socket bound to --host (here loopback too); every other
+    listener (the TCP store, gloo's pairs) is on --master-addr (127.0.0.1), never a wildcard."""
+    pids = [server_pid] + descendants(server_pid)
+    found = listening_sockets(pids)
+    http_port = int(url.rsplit(":", 1)[1])
+    assert [(pid, port) for pid, _, port in found if port == http_port] == [(server_pid, http_port)]
+    assert len(found) > 1, "a TP2 server with no internal listener?"
+    assert all(addr == "127.0.0.1" for _, addr, _ in found), found
+
+
 def test_tp2_reduce_scatter_and_all_reduce_match_tp1(ckpt_and_ref):
     path, ref = ckpt_and_ref
-    with serve(path, "--tensor-parallel-size", "2") as (url, _):
+    with serve(path, "--tensor-parallel-size", "2") as (url, proc):
         rs = _query(url)
+        _assert_internal_sockets_on_loopback(url, proc.pid)
     with serve(path, "-tp", "2", "--tp-reduction", "all_reduce") as (url, _):
         ar = _query(url)
     _assert_same(rs, ref)
@@ -173,3 +185,19 @@ def test_seed_launch_line_starts_on_cpu(tmp_path):
             assert all(ch["finish_reason"] == "length" for ch in r.json()["choices"])
             coll = _query(url)["collectives"]
     assert coll.get("reduce_scatter_tensor", 0) > 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL-front-end"])
+def test_no_tp_process_outlives_the_server(tmp_path, sig):
+    """SIGTERM to a TP2 server, or SIGKILL to its front end alone: within 10 s neither its
+    engine nor its TP worker runs (the engine watches its parent, the worker its engine)."""
+    from tests.server.test_server_lifecycle import wait_gone
+
+    path = write_random_checkpoint("tiny-v2", str(tmp_path / "m"), seed=5)
+    with serve(path, "-tp", "2", may_exit=True) as (url, proc):
+        assert httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        pids = [proc.pid] + descendants(proc.pid)
+        assert len(pids) >= 4, pids  # front end, resource tracker, engine, TP worker (+ its tracker)
+        os.kill(proc.pid, sig)
+        left = wait_gone(pids, 10.0)
+        assert not left, f"still running 10 s after {sig.name}: {left}"

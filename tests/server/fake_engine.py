@@ -120,6 +120,9 @@ class FakeEngine:
     def is_healthy(self) -> bool:
         return self.healthy
 
+    def health_problem(self) -> str | None:
+        return None if self.healthy else "The fake engine is down."
+
     async def shutdown(self) -> None:
         self.healthy = False
 

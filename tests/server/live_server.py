@@ -22,6 +22,7 @@ lm-eval-like requests took 96-137 s (single requests up to 24 s) with 2 threads,
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import os
 import signal
 import socket
@@ -58,6 +59,79 @@ def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> str:
     except OSError as e:
         return f"(log unreadable: {e})"
     return "\n".join(text.replace("\r", "\n").splitlines()[-lines:])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), from /proc."""
+    parent_of: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent_of.items() if pp == p]
+        found += kids
+        frontier += kids
+    return found
+
+
+def _listening_inodes() -> dict[int, tuple[str, int]]:
+    """{socket inode: (address, port)} of every listening TCP socket on this host."""
+    out = {}
+    for path, family in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 6)):
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] != "0A":  # TCP_LISTEN
+                continue
+            addr_hex, port_hex = f[1].split(":")
+            raw = bytes.fromhex(addr_hex)
+            if family == 4:
+                addr = ".".join(str(b) for b in raw[::-1])
+            else:
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4))
+                addr = str(ipaddress.IPv6Address(words))
+            out[int(f[9])] = (addr, int(port_hex, 16))
+    return out
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _listening_unix_inodes() -> dict[int, tuple[str, int]]:
+    """{socket inode: ("unix:" + path, 0)} of every listening Unix-domain socket on this host."""
+    out = {}
+    with open("/proc/net/unix") as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[3], 16) & 0x10000:  # __SO_ACCEPTCON: listening
+                out[int(fields[6])] = ("unix:" + (fields[7] if len(fields) > 7 else ""), 0)
+    return out
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every listening TCP or Unix socket that one of ``pids`` holds
+    (Unix sockets as ("unix:PATH", 0))."""
+    listening = {**_listening_inodes(), **_listening_unix_inodes()}
+    return [(pid, *listening[inode]) for pid in pids for inode in _socket_inodes(pid) if inode in listening]
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:

@@ -15,9 +15,9 @@ from model.checkpoint import write_random_checkpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _serve(model_dir: str) -> subprocess.CompletedProcess:
+def _serve(model_dir: str, *flags: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server", "serve", model_dir, "--device", "cpu", "--port", "0"],
+        [sys.executable, "-m", "server", "serve", model_dir, "--device", "cpu", "--port", "0", *flags],
         capture_output=True, text=True, timeout=180, cwd=ROOT,
     )
 
@@ -34,7 +34,9 @@ def _assert_one_line_error(proc, pattern: str) -> None:
     assert len(errors) == 1 and pattern in errors[0], proc.stderr[-2000:]
 
 
-def test_missing_tensor(good, tmp_path):
+@pytest.mark.parametrize("flags", [(), ("-tp", "2")], ids=["tp1", "tp2"])
+def test_missing_tensor(good, tmp_path, flags):
+    """With -tp 2 the TP worker fails on the same tensor: it logs one line, no traceback."""
     bad = tmp_path / "bad"
     os.system(f"cp -r {good} {bad}")
     index = json.loads((bad / "model.safetensors.index.json").read_text())
@@ -44,7 +46,7 @@ def test_missing_tensor(good, tmp_path):
     del tensors[name]
     save_file(tensors, str(shard))
     (bad / "model.safetensors.index.json").write_text(json.dumps(index))
-    _assert_one_line_error(_serve(str(bad)), f"missing tensor '{name}'")
+    _assert_one_line_error(_serve(str(bad), *flags), f"missing tensor '{name}'")
 
 
 def test_unknown_model_type_and_missing_field(good, tmp_path):
@@ -68,3 +70,14 @@ def test_wrong_shape(good, tmp_path):
     tensors[name] = tensors[name][:, :-1].contiguous()
     save_file(tensors, str(shard))
     _assert_one_line_error(_serve(str(bad)), name)
+
+
+def test_r1_launch_line_on_the_bundled_model_is_one_line():
+    """vLLM's R1 launch line (-tp 8, --max-model-len 10240) on the bundled model (limit 512):
+    refused before any engine or TP worker starts, one line, no traceback per worker."""
+    from tests.distributed.test_parallel_server import SEED_LAUNCH_LINE
+
+    proc = subprocess.run([sys.executable, "-m", "server", "serve", *SEED_LAUNCH_LINE, "--device", "cpu",
+                           "--port", "0"], capture_output=True, text=True, timeout=180, cwd=ROOT)
+    _assert_one_line_error(proc, "--max-model-len: 10240 exceeds the model's max_position_embeddings (512)")
+    assert "worker" not in proc.stderr.lower()
