@@ -246,7 +246,10 @@ def describe_v4_capacity(groups: list[KVCacheGroup], max_model_len: int) -> str:
             fixed += g.spec.window_pages * g.spec.bytes_per_block
         elif isinstance(g.spec, PerRequestStateSpec):
             fixed += g.spec.state_bytes
-    concurrency = min(g.num_blocks // max(1, g.spec.max_blocks_per_seq(max_model_len - 1)) for g in groups)
+    # The window's pool is sized for every running request (SlidingWindowSpec), so the
+    # token-proportional pools and the per-request state pool (max_num_seqs) bound it.
+    concurrency = min(g.num_blocks // max(1, g.spec.max_blocks_per_seq(max_model_len - 1)) for g in groups
+                      if not isinstance(g.spec, SlidingWindowSpec))
     return (f"{per_token:g} bytes per token (compressed entries and indexer keys), {fixed} fixed bytes per request "
             f"(sliding window and compressor state); maximum concurrency at max_model_len {max_model_len}: "
             f"{concurrency} requests")

@@ -83,6 +83,7 @@ class V4FamilyRunner(ModelRunner):
         self.kv_cache_specs = kv_cache_specs
         self.states: dict[int, object] = {}  # seq_id -> the model's per-request state
         self._has_head = hasattr(model, "compute_logits")  # V4: hidden states out; V4.1: logits
+        self.num_shared_chunks = 0  # prompt chunks a sibling (n > 1) took from another's forward
 
     # ---- state lifetime ---------------------------------------------------------------------
     def release(self, seq_ids) -> None:
@@ -143,6 +144,7 @@ class V4FamilyRunner(ModelRunner):
             if done is not None and done[1] == rows and (start == 0 or sid in self.states):
                 self._state_at(sid, start)  # checks the position
                 self.states[sid] = done[0].clone()
+                self.num_shared_chunks += 1
                 logits = done[2]
             else:
                 state = self._state_at(sid, start)
