@@ -201,6 +201,7 @@ class EngineCore:
         if state is None:
             return
         self.scheduler.abort(request_id)
+        self.runner.release([s.seq_id for s in state.seqs])  # sampling state, V4 request states
         deltas = [SeqDelta(i, finish_reason="abort") for i, s in enumerate(state.seqs)
                   if s.finish_reason in (None, "abort")]
         self._aborted.append(RequestDelta(request_id, deltas, finished=True))

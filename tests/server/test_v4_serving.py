@@ -137,6 +137,31 @@ def test_batch_invariance_chunks_preemption_async(fixture, count, blocks, tokeni
         got = run(core, prompts, GREEDY)
         assert [got[str(i)] for i in range(count)] == ref, asynchronous
         assert core.scheduler.num_preemptions > 0
+        assert (core.runner.num_overlapped_steps > 0) == asynchronous
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_everything(tokenizer_dir):
+    core = make_core(V4, tokenizer_dir, max_num_batched_tokens=7, max_num_seqs=4)
+    prompts = prompts_for(V4, 3, seed=1)
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, GREEDY)
+    for _ in range(3):
+        core.step()
+    assert core.runner.states
+    for i in range(len(prompts)):
+        core.abort(str(i))
+    while core.has_unfinished():
+        core.step()
+    assert_no_leaks(core)
+
+
+def test_parallel_flags_are_one_error_line(tokenizer_dir):
+    from model.loader import CheckpointError
+    from server.runner_setup import check_v4_family_parallel
+
+    with pytest.raises(CheckpointError, match="--tensor-parallel-size"):
+        check_v4_family_parallel(EngineConfig(tensor_parallel_size=2), V41)
+    check_v4_family_parallel(EngineConfig(), V41)
 
 
 def test_n_greater_than_one_and_seeds(tokenizer_dir):
