@@ -56,11 +56,13 @@ def _pages(n: int, per_page: int) -> int:
 
 @dataclass(frozen=True)
 class SlidingWindowSpec(KVCacheSpec):
-    """``row_bytes`` per token per layer for the last ``window − 1`` positions.
+    """``row_bytes`` per token per layer for the last ``window − 1`` positions; pages wholly
+    before the window go back to the pool (at each step, ``BlockManager.release_dead_blocks``).
 
-    ``max_chunk_tokens`` (the step's token budget) sizes the pool so that a prefill chunk's new
-    rows always fit beside every running request's window: the window is never what makes a
-    request wait (the token-proportional specs are)."""
+    ``max_chunk_tokens`` (the step's token budget) sizes the pool: between steps a request holds
+    at most ``window_pages`` (+1 of rounding) and a step adds at most its chunks' pages (+1 per
+    request for a straddled page), so the window is never what makes a request wait (the
+    token-proportional specs are)."""
 
     window: int = 128
     row_bytes: int = 0
@@ -76,7 +78,7 @@ class SlidingWindowSpec(KVCacheSpec):
         return _pages(max(self.window - 1, 1), self.block_size) + 1
 
     def pool_blocks(self, num_blocks: int, max_num_seqs: int) -> int:
-        return max_num_seqs * (self.window_pages + 1) + _pages(self.max_chunk_tokens, self.block_size)
+        return max_num_seqs * (self.window_pages + 2) + _pages(self.max_chunk_tokens, self.block_size)
 
     def max_blocks_per_seq(self, num_tokens: int) -> int:
         return min(self.num_blocks_for(num_tokens), self.window_pages + _pages(self.max_chunk_tokens, self.block_size))

@@ -205,3 +205,21 @@ def test_record_sizes_of_the_released_shapes(preset, dtype, window, entry, key):
     assert ratios == ({4, 128} if "v4-" in preset else {1, 2})
     if "v41" in preset:  # compressed entries only on the KV-source layers
         assert sum(len(s.layer_ids) for s in specs if type(s) is CompressedSpec) == len(cfg.kv_source_layer_ids)
+
+
+def test_window_pages_behind_the_window_return_at_each_step():
+    from server.kv_cache import BlockManager
+    from server.kv_cache_spec import NULL_BLOCK
+    from server.sequence import Sequence
+
+    spec = SlidingWindowSpec(4, torch.uint8, (0,), window=8, row_bytes=2, max_chunk_tokens=16)
+    bm = BlockManager(10, 4, False, [spec], max_num_seqs=2)
+    assert bm.num_total_blocks == 2 * (spec.window_pages + 2) + 4
+    seq = Sequence(0, "r", list(range(30)), SamplingParams(max_tokens=1))
+    bm.allocate(seq, 16)
+    seq.num_computed_tokens = 16  # a prefill chunk ran; the request now waits for budget
+    bm.release_dead_blocks(seq)
+    assert seq.block_tables[0][:2] == [NULL_BLOCK] * 2  # positions 0..7 are outside the window of 16
+    assert bm.num_free_blocks == bm.num_total_blocks - 2
+    bm.free(seq)
+    assert bm.num_free_blocks == bm.num_total_blocks
