@@ -127,6 +127,11 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
         check_v4_family_parallel(config, model_dir)
     if config.load_format != "auto":
         raise CheckpointError("--load-format: DeepSeek-V4-family checkpoints load only from their files (auto)")
+    if config.kv_cache_dtype != "auto":
+        # The per-request states hold their rows in the model dtype; planning memory with the
+        # smaller FP8 records would admit more requests than the device holds.
+        raise CheckpointError("--kv-cache-dtype: DeepSeek-V4-family models keep their cache rows in the model "
+                              "dtype for now (auto); the FP8/FP4 records need the paged cache")
     if config.dtype == "auto":
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     else:

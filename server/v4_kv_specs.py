@@ -31,9 +31,12 @@ V4.1 indexer key       index_head_dim · elt              e2m1 in 32-blocks, ue8
 (the numbers in brackets: the released flash shapes, head_dim 512, rope 64, index 128).
 
 Storage: the rows themselves live in each request's state object on the device (the models'
-own per-request caches); these specs are the block manager's exact accounting of them, in the
-chosen record format, so capacity, admission and preemption follow the memory budget. Moving
-the rows into the paged pools is the paged-kernel work; the accounting does not change then.
+own per-request caches, in the model dtype: V4.1's values are already rounded to its FP8/FP4
+formats, QAT-style); these specs are the block manager's accounting of them, rounded up to
+whole pages, so capacity, admission and preemption follow the memory budget. The engine runs
+them with ``auto`` records only: FP8 records would plan for less memory than the states hold,
+until the rows move into paged pools in those formats (the fp8 sizes here are what that
+cache will take).
 
 Prefix caching: the compressor state and the window are overwritten as a request grows, so a
 cached prefix cannot restore them; :class:`PerRequestStateSpec` refuses every hit (and the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 
 import httpx
 import pytest
@@ -58,12 +59,17 @@ def golden(fixture: str) -> dict:
 
 
 @pytest.mark.parametrize("fixture", [V4, V41, V41_REL], ids=os.path.basename)
-def test_served_fixture_matches_golden(fixture, tokenizer_dir):
+def test_served_fixture_matches_golden(fixture, tokenizer_dir, tmp_path):
     g = golden(fixture)
     n = len(g["greedy_ids"])
+    log = tmp_path / "server.log"
     with live_server(fixture, "--device", "cpu", "--tokenizer", tokenizer_dir, "--served-model-name", "m",
                      "--block-size", "16", "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
-                     "--disable-log-stats") as url:
+                     "--disable-log-stats", log_path=str(log)) as url:
+        text = log.read_text()
+        assert re.search(r"bytes per token .* fixed bytes per request .* maximum concurrency at max_model_len "
+                         r"1024: 4 requests", text), text
+        assert text.count("prefix caching is off") == 1
         body = {"model": "m", "prompt": g["prompt_ids"], "max_tokens": n, "temperature": 0, "min_tokens": n,
                 "echo": True, "logprobs": 0}
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
@@ -155,13 +161,15 @@ def test_abort_mid_prefill_and_mid_decode_frees_everything(tokenizer_dir):
     assert_no_leaks(core)
 
 
-def test_parallel_flags_are_one_error_line(tokenizer_dir):
+def test_unsupported_flags_are_one_error_line(tokenizer_dir):
     from model.loader import CheckpointError
     from server.runner_setup import check_v4_family_parallel
 
     with pytest.raises(CheckpointError, match="--tensor-parallel-size"):
         check_v4_family_parallel(EngineConfig(tensor_parallel_size=2), V41)
     check_v4_family_parallel(EngineConfig(), V41)
+    with pytest.raises(CheckpointError, match="--kv-cache-dtype"):
+        make_core(V41, tokenizer_dir, kv_cache_dtype="fp8")
 
 
 def test_n_greater_than_one_and_seeds(tokenizer_dir):
