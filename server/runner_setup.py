@@ -144,9 +144,9 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
     if device.type == "cuda" and config.cudagraph_mode != "NONE":
         logger.info("CUDA graphs are not captured for DeepSeek-V4-family models: decode runs eagerly")
     max_model_len = resolve_max_model_len(config, model.config)
-    specs = v4_family_kv_cache_specs(model.config, config.block_size, config.kv_cache_dtype, dtype,
-                                     resolve_max_num_batched_tokens(config, max_model_len))
-    num_blocks = v4_num_blocks(config, specs, device)
+    step_tokens = resolve_max_num_batched_tokens(config, max_model_len)
+    specs = v4_family_kv_cache_specs(model.config, config.block_size, config.kv_cache_dtype, dtype, step_tokens)
+    num_blocks = v4_num_blocks(config, specs, device, model, min(step_tokens, max_model_len))
     groups = plan_groups(specs, num_blocks, config.max_num_seqs)
     max_model_len = fit_kv_capacity(config, max_model_len, max_tokens_per_seq(groups))
     logger.info("KV cache (%s, --kv-cache-dtype %s): %s", model.config.model_type, config.kv_cache_dtype,

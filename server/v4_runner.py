@@ -55,16 +55,37 @@ class V4StepPlan(StepPlan):
         return super().to_wire() + [self.seq_ids, self.share_keys]
 
 
-def v4_num_blocks(config: EngineConfig, specs: list[KVCacheSpec], device: torch.device) -> int:
+@torch.inference_mode()
+def profile_v4_activation_bytes(model, num_tokens: int) -> int:
+    """Peak memory of the largest step's forward: one ``num_tokens``-token prefill from an empty
+    state plus the last row's logits, measured by running it."""
+    device = next(model.parameters()).device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = model(torch.zeros(num_tokens, dtype=torch.long, device=device), model.new_state())
+    if hasattr(model, "compute_logits"):
+        model.compute_logits(out[-1:])
+    del out
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    torch.cuda.empty_cache()
+    return peak
+
+
+def v4_num_blocks(config: EngineConfig, specs: list[KVCacheSpec], device: torch.device, model=None,
+                  step_tokens: int = 0) -> int:
     """KV capacity in blocks: the override, else the byte budget (``--kv-cache-memory-bytes``,
-    else ``--gpu-memory-utilization`` of the device less what is allocated now) over all specs."""
+    else ``--gpu-memory-utilization`` of the device less the weights and a profiled largest
+    step of ``step_tokens``) over all specs."""
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
     if config.kv_cache_memory_bytes is not None:
         budget = config.kv_cache_memory_bytes
     elif device.type == "cuda":
+        peak = profile_v4_activation_bytes(model, step_tokens) if model is not None and step_tokens else 0
         total = torch.cuda.get_device_properties(device).total_memory
-        budget = int(total * config.gpu_memory_utilization) - torch.cuda.memory_allocated(device)
+        budget = int(total * config.gpu_memory_utilization) - torch.cuda.memory_allocated(device) - peak
     else:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = max_num_blocks(specs, budget, config.max_num_seqs)

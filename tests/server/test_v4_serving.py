@@ -231,3 +231,16 @@ def test_window_pages_behind_the_window_return_at_each_step():
     assert bm.num_free_blocks == bm.num_total_blocks - 2
     bm.free(seq)
     assert bm.num_free_blocks == bm.num_total_blocks
+
+
+@pytest.mark.gpu
+def test_cuda_engine_sizes_from_memory_and_matches_golden(tokenizer_dir):
+    """On a GPU: the budget from --gpu-memory-utilization after a profiled largest step, and
+    the fixture's greedy continuation (fp32 weights, so the golden ids hold)."""
+    g = golden(V41)
+    core = make_core(V41, tokenizer_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.5,
+                     max_model_len=1024)
+    assert core.block_manager.num_total_blocks > 0
+    n = len(g["greedy_ids"])
+    got = run(core, [g["prompt_ids"]], SamplingParams(max_tokens=n, temperature=0, min_tokens=n))
+    assert got["0"][0] == g["greedy_ids"]
