@@ -43,9 +43,15 @@ KERNEL_CUTS = {"wgmma": (mdc.SOURCES[0], CUTS), "narrow": (mdc.SOURCES[1], NARRO
 
 
 def build_variant(kernel: str, name: str, out: Path) -> Path:
-    source, cuts = KERNEL_CUTS[kernel]
+    return build_edited(kernel, name, KERNEL_CUTS[kernel][1][name], out)
+
+
+def build_edited(kernel: str, name: str, edits: list[tuple[str, str]], out: Path) -> Path:
+    """A library of ``kernel``'s .cu file with each (text, replacement) of ``edits`` applied to
+    every occurrence, under out/kernel/name."""
+    source = KERNEL_CUTS[kernel][0]
     src = source.read_text()
-    for line, replacement in cuts[name]:
+    for line, replacement in edits:
         assert line in src, f"{name}: the kernel no longer has {line.strip()!r}"
         src = src.replace(line, replacement)
     d = out / kernel / name

@@ -10,6 +10,10 @@ unquantized (fp32/bf16) run must apply them too, at the same places:
 * indexer queries and keys: FP4 e2m1 in blocks of 32 with UE8M0 scales
   (:func:`fake_quant_fp4`, ``scale_format="ue8m0"``).
 
+:func:`quantize_mxfp8` is the same FP8 rounding with its two outputs kept apart (e4m3 values
+and one UE8M0 exponent byte per 32), the operand format of the MXFP8 GEMMs
+(kernels/mxfp8_gemm.py); :func:`fake_quant_fp8_ue8m0` is its round trip.
+
 A power-of-two scale is ``2^ceil(log2(amax / qmax))``, exact from the fp32 bits
 (:func:`kernels.fp8.pow2_ceil`, the rule the weight codecs use); the e2m1 grid and its
 rounding are :mod:`kernels.weight_formats`'. A last dimension that is not a multiple of the
@@ -24,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8 import FP8_MAX, pow2_ceil
-from kernels.weight_formats import FP4_MAX, float_to_fp4_codes, fp4_codes_to_float
+from kernels.weight_formats import FP4_MAX, e8m0_to_float, float_to_e8m0, float_to_fp4_codes, fp4_codes_to_float
 
 # Smallest amax each quantizer accepts, so an all-zero block gets a finite, normal scale.
 _FP8_MIN_AMAX = 1e-4
@@ -40,6 +44,25 @@ def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+
+
+def quantize_mxfp8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] → (e4m3 [..., K], UE8M0 bytes uint8 [..., K/block]) with ``x ≈ q · 2^(byte−127)``.
+
+    The scale is ``pow2_ceil(max(amax, 1e-4) / 448)``: an all-zero block gets byte 105
+    (2^-22) and zero values, never a zero or subnormal scale.
+    """
+    if x.shape[-1] % block:
+        raise ValueError(f"MXFP8 needs the last dim ({x.shape[-1]}) to be a multiple of {block}")
+    b = _blocks(x, block)
+    scale = pow2_ceil(b.abs().amax(-1, keepdim=True).clamp_min(_FP8_MIN_AMAX) * (1.0 / FP8_MAX))
+    q = (b / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(x.shape), float_to_e8m0(scale.squeeze(-1)).view(torch.uint8)
+
+
+def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """fp32 ``q · 2^(byte−127)`` for e4m3 ``q`` [..., K] and UE8M0 bytes [..., K/block]."""
+    return (_blocks(q, block) * e8m0_to_float(scale).unsqueeze(-1)).reshape(q.shape)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -69,10 +92,7 @@ def fake_quant_fp8_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
 
 
 def _fp8_ue8m0(x: torch.Tensor, block: int) -> torch.Tensor:
-    b = _blocks(x, block)
-    scale = pow2_ceil(b.abs().amax(-1, keepdim=True).clamp_min(_FP8_MIN_AMAX) * (1.0 / FP8_MAX))
-    q = (b / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-    return (q * scale).reshape(x.shape).to(x.dtype)
+    return dequantize_mxfp8(*quantize_mxfp8(x, block), block).to(x.dtype)
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int, scale_format: str) -> torch.Tensor:

@@ -24,7 +24,7 @@ from server.errors import InvalidRequestError
 from server.kv_cache import BlockManager
 from server.outputs import TokenLogprob
 from server.runner import PendingStep, StepResult
-from server.runner_setup import build_runner, resolve_device
+from server.runner_setup import build_runner, check_v4_family_parallel, resolve_device
 from server.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.scheduler import Scheduler, SchedulerOutput
 from server.sequence import Sequence
@@ -105,6 +105,7 @@ class EngineCore:
         self.dp_sync = None
         agree = None
         if config.world_size > 1:
+            check_v4_family_parallel(config, model_dir)
             par = self._join_parallel_group(model_dir, dp_rank)
             agree = engine_parallel.agree_num_blocks
         setup = build_runner(config, model_dir, self.device, par=par, agree_num_blocks=agree, progress=True)
@@ -200,6 +201,7 @@ class EngineCore:
         if state is None:
             return
         self.scheduler.abort(request_id)
+        self.runner.release([s.seq_id for s in state.seqs])  # sampling state, V4 request states
         deltas = [SeqDelta(i, finish_reason="abort") for i, s in enumerate(state.seqs)
                   if s.finish_reason in (None, "abort")]
         self._aborted.append(RequestDelta(request_id, deltas, finished=True))

@@ -176,6 +176,7 @@ class BlockManager:
         self._pools = [BlockPool(g.num_blocks) for g in self.groups]
         # Every group's table covers block_size positions per entry (the base num_blocks_for).
         self._token_paged = all(type(s).num_blocks_for is KVCacheSpec.num_blocks_for for s in self._specs)
+        self._pages_die = any(type(s).first_live_block is not KVCacheSpec.first_live_block for s in self._specs)
         # Prefix-cache counters (tokens), for metrics: queried at admission, and hit.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -375,13 +376,25 @@ class BlockManager:
             raise RuntimeError(f"cached blocks can only start an empty block table: {seq!r}")
         computed = seq.num_computed_tokens
         for spec, pool, table in zip(self._specs, self._pools, seq.block_tables):
-            for i in range(min(spec.first_live_block(computed), len(table)) - 1, -1, -1):
-                if table[i] == NULL_BLOCK:
-                    break
-                pool.release(table[i])
-                table[i] = NULL_BLOCK
+            self._release_dead(spec, pool, table, computed)
             for _ in range(spec.num_blocks_for(computed + num_new_tokens) - len(table)):
                 table.append(pool.take_fresh())
+
+    @staticmethod
+    def _release_dead(spec: KVCacheSpec, pool, table: list[int], computed: int) -> None:
+        for i in range(min(spec.first_live_block(computed), len(table)) - 1, -1, -1):
+            if table[i] == NULL_BLOCK:
+                break
+            pool.release(table[i])
+            table[i] = NULL_BLOCK
+
+    def release_dead_blocks(self, seq: Sequence) -> None:
+        """Return the pages the specs declare dead (e.g. behind a sliding window) now, not at the
+        sequence's next allocation: a request that waits for budget mid-prefill then holds only
+        its window (the scheduler calls this for every running sequence once per step)."""
+        if self._pages_die and seq.block_tables:
+            for spec, pool, table in zip(self._specs, self._pools, seq.block_tables):
+                self._release_dead(spec, pool, table, seq.num_computed_tokens)
 
     def _take_cached(self, seq: Sequence, hit: PrefixHit) -> None:
         hashes = seq.block_hashes

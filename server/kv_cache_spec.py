@@ -61,7 +61,8 @@ How future specs plug in (nothing in the scheduler changes):
   prefix hit cannot restore it and is refused (unless the spec snapshots state at block
   boundaries and caches those snapshots as pages).
 
-tests/server/test_kv_cache.py defines a sliding-window spec in the test itself and runs it
+server/v4_kv_specs.py implements the sliding-window, compressed and per-request-state specs for
+the DeepSeek-V4 family. tests/server/test_kv_cache.py defines a sliding-window spec in the test itself and runs it
 through the same manager API.
 """
 

@@ -152,17 +152,26 @@ def determine_num_blocks(
 
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, config: EngineConfig, num_blocks: int, device: torch.device) -> None:
+        self._init_step_state(model, config, num_blocks, device)
+        cache_dtype = kv_cache_dtype(config, model.dtype)
+        self.kv_cache_specs = model_kv_cache_specs(self.model_config, config, model.dtype)
+        self.kv_caches = self._allocate_kv_caches(plan_groups(self.kv_cache_specs, num_blocks, config.max_num_seqs))
+        # Per-layer FP8 scale (k_scale). Checkpoints rarely carry one for MLA; 1.0 like vLLM's default.
+        self.kv_scales = [1.0] * len(model.layers)
+        # Chosen once for the runner's lifetime (the decode backend may hold workspaces).
+        spec = attention_spec(model, config, cache_dtype, device)
+        self.decode_backend = select_decode_backend(config.attention_backend, spec)
+        self.prefill_backend = select_prefill_backend("auto", spec)
+
+    def _init_step_state(self, model, config: EngineConfig, num_blocks: int, device: torch.device) -> None:
+        """What every runner has whatever the model: sampling, per-sequence generators, the
+        async-scheduling placeholders, profiling."""
         self.model = model
         self.config = config
         self.device = device
         self.model_config = model.config
         self.block_size = config.block_size
         self.num_blocks = num_blocks
-        cache_dtype = kv_cache_dtype(config, model.dtype)
-        self.kv_cache_specs = model_kv_cache_specs(self.model_config, config, model.dtype)
-        self.kv_caches = self._allocate_kv_caches(plan_groups(self.kv_cache_specs, num_blocks, config.max_num_seqs))
-        # Per-layer FP8 scale (k_scale). Checkpoints rarely carry one for MLA; 1.0 like vLLM's default.
-        self.kv_scales = [1.0] * len(model.layers)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = self.model_config.eos_token_ids
         self._generators: dict[int, torch.Generator | None] = {}
@@ -170,10 +179,6 @@ class ModelRunner:
         self._last_sampled: dict[int, int] = {}
         # Set when TP workers follow this runner: called with each step's plan before it runs.
         self.plan_broadcaster = None
-        # Chosen once for the runner's lifetime (the decode backend may hold workspaces).
-        spec = attention_spec(model, config, cache_dtype, device)
-        self.decode_backend = select_decode_backend(config.attention_backend, spec)
-        self.prefill_backend = select_prefill_backend("auto", spec)
         self.decode_graphs = None  # server.cuda_graphs.DecodeGraphs, once captured
         self.step_profiler = StepProfiler(device=device)  # off unless MLASERVE_STEP_PROFILE / enabled
         self.num_overlapped_steps = 0  # steps launched before the previous step's tokens were read
@@ -260,11 +265,7 @@ class ModelRunner:
             plan.block_tables, plan.context_lens, plan.query_lens, self.block_size,
             num_decode_seqs=plan.num_decodes, device=self.device,
         )
-        input_ids = to_device(plan.input_ids, torch.long, self.device)
-        if fills:
-            at, rows = zip(*fills)
-            src = pending.token_ids[to_device(rows, torch.long, self.device)]
-            input_ids[to_device(at, torch.long, self.device)] = src
+        input_ids = self._input_ids(plan, fills, pending)
         pos = to_device(plan.positions, torch.long, self.device)
         ctx = self.forward_context(md)
         if profile is not None:
@@ -275,6 +276,15 @@ class ModelRunner:
             hidden = self._forward_mixed(input_ids, pos, ctx)
         rows = to_device(plan.logit_rows, torch.long, self.device)
         return self.model.compute_logits(hidden[rows])
+
+    def _input_ids(self, plan: "StepPlan", fills, pending: PendingStep | None) -> torch.Tensor:
+        """The plan's token ids on the device, placeholders filled from ``pending.token_ids``."""
+        input_ids = to_device(plan.input_ids, torch.long, self.device)
+        if fills:
+            at, rows = zip(*fills)
+            src = pending.token_ids[to_device(rows, torch.long, self.device)]
+            input_ids[to_device(at, torch.long, self.device)] = src
+        return input_ids
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:

@@ -14,15 +14,19 @@ from dataclasses import dataclass
 import torch
 
 from kernels import mla_decode_cuda
-from model.config import ModelConfig
+from model.config import ModelConfig, load_model_config
 from model.deepseek import DeepseekForCausalLM
-from model.loader import load_model
+from model.loader import DTYPE_NAMES, CheckpointError, load_model
 from model.parallel import ParallelContext
+from model.v4_family import V4_FAMILY_MODEL_TYPES, load_v4_family
 from server import envs
 from server.config import EngineConfig
 from server.cuda_graphs import maybe_capture
 from server.kv_cache_spec import max_tokens_per_seq, plan_groups
 from server.runner import ModelRunner, determine_num_blocks, model_kv_cache_specs
+from server.scheduler import resolve_max_num_batched_tokens
+from server.v4_kv_specs import describe_v4_capacity, v4_family_kv_cache_specs
+from server.v4_runner import V4FamilyRunner, v4_num_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +89,8 @@ def build_runner(config: EngineConfig, model_dir: str, device: torch.device, par
     so every rank sizes its cache, context length and graphs the same.
     """
     mla_decode_cuda.set_cache_dir(envs.MLASERVE_KERNEL_CACHE)
+    if is_v4_family(model_dir):
+        return build_v4_family_runner(config, model_dir, device, par)
     model = load_model(model_dir, dtype=config.dtype, device=device, par=par, progress=progress,
                        load_format=config.load_format, seed=config.seed)
     max_model_len = resolve_max_model_len(config, model.config)
@@ -95,4 +101,55 @@ def build_runner(config: EngineConfig, model_dir: str, device: torch.device, par
     max_model_len = fit_kv_capacity(config, max_model_len, kv_capacity_tokens(config, model, num_blocks))
     runner = ModelRunner(model, config, num_blocks, device)
     runner.decode_graphs = maybe_capture(runner, config, max_model_len)
+    return RunnerSetup(model, runner, num_blocks, max_model_len)
+
+
+def is_v4_family(model_dir: str) -> bool:
+    """Whether ``model_dir`` holds a DeepSeek-V4 / V4.1 checkpoint (False when unreadable: the
+    R1 loader reports that)."""
+    try:
+        return load_model_config(model_dir).model_type in V4_FAMILY_MODEL_TYPES
+    except (OSError, ValueError):
+        return False
+
+
+def check_v4_family_parallel(config: EngineConfig, model_dir: str) -> None:
+    if config.world_size > 1 and is_v4_family(model_dir):
+        raise CheckpointError("--tensor-parallel-size / --data-parallel-size: DeepSeek-V4-family models are "
+                              "served on one GPU for now (TP and DP are not implemented for them)")
+
+
+def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.device,
+                           par: ParallelContext | None) -> RunnerSetup:
+    """V4 / V4.1: the model with its per-request states, the cache specs of server/v4_kv_specs.py
+    sized from the byte budget, no prefix caching, no decode graphs."""
+    if par is not None:
+        check_v4_family_parallel(config, model_dir)
+    if config.load_format != "auto":
+        raise CheckpointError("--load-format: DeepSeek-V4-family checkpoints load only from their files (auto)")
+    if config.kv_cache_dtype != "auto":
+        # The per-request states hold their rows in the model dtype; planning memory with the
+        # smaller FP8 records would admit more requests than the device holds.
+        raise CheckpointError("--kv-cache-dtype: DeepSeek-V4-family models keep their cache rows in the model "
+                              "dtype for now (auto); the FP8/FP4 records need the paged cache")
+    if config.dtype == "auto":
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    else:
+        dtype = DTYPE_NAMES[config.dtype]
+    model = load_v4_family(model_dir, dtype, device)
+    if config.enable_prefix_caching:
+        logger.info("prefix caching is off for %s: a cached prefix cannot restore the compressor state and "
+                    "sliding window", model.config.model_type)
+        config.enable_prefix_caching = False
+    if device.type == "cuda" and config.cudagraph_mode != "NONE":
+        logger.info("CUDA graphs are not captured for DeepSeek-V4-family models: decode runs eagerly")
+    max_model_len = resolve_max_model_len(config, model.config)
+    step_tokens = resolve_max_num_batched_tokens(config, max_model_len)
+    specs = v4_family_kv_cache_specs(model.config, config.block_size, config.kv_cache_dtype, dtype, step_tokens)
+    num_blocks = v4_num_blocks(config, specs, device, model, min(step_tokens, max_model_len))
+    groups = plan_groups(specs, num_blocks, config.max_num_seqs)
+    max_model_len = fit_kv_capacity(config, max_model_len, max_tokens_per_seq(groups))
+    logger.info("KV cache (%s, --kv-cache-dtype %s): %s", model.config.model_type, config.kv_cache_dtype,
+                describe_v4_capacity(groups, max_model_len))
+    runner = V4FamilyRunner(model, config, num_blocks, device, specs)
     return RunnerSetup(model, runner, num_blocks, max_model_len)

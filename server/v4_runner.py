@@ -1,0 +1,193 @@
+"""The model runner of the DeepSeek-V4 family (V4, V4.1): per-request state objects instead of
+paged MLA tensors, under the same scheduler, sampler and engine as R1.
+
+Each step runs every scheduled sequence's chunk (a prefill chunk or one decode token) through
+the model with that sequence's state (``model.new_state()``, model/v4/state.py and
+model/v41/state.py), one request after the other, and takes logits at the rows the step
+needs (prompt-logprob positions and the sampled row); sampling, logprobs, prompt logprobs,
+seeded generators and async-scheduling placeholders are :class:`server.runner.ModelRunner`'s.
+
+Chunked prefill carries the state. A chunk continues from the state the previous chunk left
+(the open compressor windows, the CSA overlap half, the window rows, the emitted entries) at
+any boundary, including boundaries inside a compressor window; the models are built so that
+one-shot, chunked and token-by-token runs leave the same state (their golden tests check it).
+Recomputing from cached rows instead would mean rerunning the open window's tokens through
+the projections every chunk — the same result at extra cost, and it needs paged rows the
+state objects do not have yet.
+
+State lifetime: created at a sequence's first chunk (position 0), advanced in place by every
+step, dropped when the sequence finishes or is aborted (``release``) and when it is preempted
+(recompute: its next chunk starts at position 0 again with a fresh state). The ``n``
+sequences of one request that run the same prompt chunk in the same step compute it once:
+the others get a clone of the resulting state and the same logits (they sample with their
+own generators).
+
+The block manager accounts each state's rows in the specs of server/v4_kv_specs.py.
+Tensor parallelism and CUDA graphs are not implemented for these models yet (one error line
+and one log line at start-up).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from model.upload import to_device
+from server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from server.kv_cache_spec import KVCacheSpec, max_num_blocks, plan_groups
+from server.runner import ModelRunner, PendingStep, StepPlan, StepResult
+from server.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class V4StepPlan(StepPlan):
+    """:class:`StepPlan` plus which sequence each chunk belongs to and, for a prompt chunk, a key
+    that names identical work (same request, start and length) so siblings share it."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    share_keys: list[str | None] = field(default_factory=list)
+
+    def to_wire(self) -> list:
+        return super().to_wire() + [self.seq_ids, self.share_keys]
+
+
+@torch.inference_mode()
+def profile_v4_activation_bytes(model, num_tokens: int) -> int:
+    """Peak memory of the largest step's forward: one ``num_tokens``-token prefill from an empty
+    state plus the last row's logits, measured by running it."""
+    device = next(model.parameters()).device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    out = model(torch.zeros(num_tokens, dtype=torch.long, device=device), model.new_state())
+    if hasattr(model, "compute_logits"):
+        model.compute_logits(out[-1:])
+    del out
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    torch.cuda.empty_cache()
+    return peak
+
+
+def v4_num_blocks(config: EngineConfig, specs: list[KVCacheSpec], device: torch.device, model=None,
+                  step_tokens: int = 0) -> int:
+    """KV capacity in blocks: the override, else the byte budget (``--kv-cache-memory-bytes``,
+    else ``--gpu-memory-utilization`` of the device less the weights and a profiled largest
+    step of ``step_tokens``) over all specs."""
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    if config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        peak = profile_v4_activation_bytes(model, step_tokens) if model is not None and step_tokens else 0
+        total = torch.cuda.get_device_properties(device).total_memory
+        budget = int(total * config.gpu_memory_utilization) - torch.cuda.memory_allocated(device) - peak
+    else:
+        budget = DEFAULT_CPU_KV_CACHE_BYTES
+    num_blocks = max_num_blocks(specs, budget, config.max_num_seqs)
+    if num_blocks < 1:
+        need = sum(g.num_bytes for g in plan_groups(specs, 1, config.max_num_seqs))
+        raise RuntimeError(f"not enough memory for even one KV block ({need} bytes with the fixed per-request "
+                           f"state of --max-num-seqs {config.max_num_seqs}, budget {budget}); raise "
+                           "--gpu-memory-utilization / --kv-cache-memory-bytes or lower --max-num-seqs")
+    return num_blocks
+
+
+class V4FamilyRunner(ModelRunner):
+    def __init__(self, model, config: EngineConfig, num_blocks: int, device: torch.device,
+                 kv_cache_specs: list[KVCacheSpec]) -> None:
+        self._init_step_state(model, config, num_blocks, device)
+        self.kv_cache_specs = kv_cache_specs
+        self.states: dict[int, object] = {}  # seq_id -> the model's per-request state
+        self._has_head = hasattr(model, "compute_logits")  # V4: hidden states out; V4.1: logits
+        self.num_shared_chunks = 0  # prompt chunks a sibling (n > 1) took from another's forward
+
+    # ---- state lifetime ---------------------------------------------------------------------
+    def release(self, seq_ids) -> None:
+        super().release(seq_ids)
+        for sid in seq_ids:
+            self.states.pop(sid, None)
+
+    def _drop_preempted(self, out: SchedulerOutput) -> None:
+        for sid in out.preempted_seq_ids:
+            self.states.pop(sid, None)
+
+    def _state_at(self, seq_id: int, start: int):
+        if start == 0:
+            state = self.states[seq_id] = self.model.new_state()
+            return state
+        state = self.states.get(seq_id)
+        if state is None or state.num_tokens != start:
+            have = None if state is None else state.num_tokens
+            raise RuntimeError(f"sequence {seq_id}: a chunk at position {start}, its state is at {have}")
+        return state
+
+    # ---- step -------------------------------------------------------------------------------
+    def plan(self, out: SchedulerOutput, pending: PendingStep | None = None) -> tuple[V4StepPlan, list]:
+        plan, fills = super().plan(out, pending)
+        keys = []
+        for entry in out.scheduled:
+            seq = entry.seq
+            in_prompt = entry.start_pos + entry.num_new_tokens <= seq.num_prompt_tokens
+            keys.append(f"{seq.request_id}\0{entry.start_pos}\0{entry.num_new_tokens}"
+                        if in_prompt and not entry.num_placeholder_tokens and seq.sampling_params.n > 1 else None)
+        fields = {k: getattr(plan, k) for k in StepPlan.__dataclass_fields__}
+        return V4StepPlan(**fields, seq_ids=[e.seq.seq_id for e in out.scheduled], share_keys=keys), fills
+
+    def _forward(self, ids: torch.Tensor, state, rows: list[int]) -> torch.Tensor | None:
+        """Advance ``state`` by ``ids``; float32 logits of chunk rows ``rows`` (None if none)."""
+        out = self.model(ids, state)
+        if not rows:
+            return None
+        sel = out[to_device(rows, torch.long, out.device)]
+        return self.model.compute_logits(sel) if self._has_head else sel
+
+    @torch.inference_mode()
+    def run_plan(self, plan: V4StepPlan, profile=None, fills=None, pending: PendingStep | None = None) -> torch.Tensor:
+        """Every chunk through its sequence's state; float32 logits of ``plan.logit_rows``."""
+        input_ids = self._input_ids(plan, fills, pending)
+        if profile is not None:
+            self.step_profiler.mark(profile, "plan")
+        wanted, j = plan.logit_rows, 0
+        parts: list[torch.Tensor] = []
+        shared: dict[str, tuple[object, list[int], torch.Tensor | None]] = {}
+        offset = 0
+        for sid, start, q, key in zip(plan.seq_ids, plan.context_lens, plan.query_lens, plan.share_keys):
+            rows = []
+            while j < len(wanted) and wanted[j] < offset + q:
+                rows.append(wanted[j] - offset)
+                j += 1
+            done = shared.get(key) if key is not None else None
+            if done is not None and done[1] == rows and (start == 0 or sid in self.states):
+                self._state_at(sid, start)  # checks the position
+                self.states[sid] = done[0].clone()
+                self.num_shared_chunks += 1
+                logits = done[2]
+            else:
+                state = self._state_at(sid, start)
+                logits = self._forward(input_ids[offset:offset + q], state, rows)
+                if key is not None:
+                    shared[key] = (state, rows, logits)
+            if logits is not None:
+                parts.append(logits)
+            offset += q
+        if not parts:
+            return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32, device=self.device)
+        return torch.cat(parts)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        self._drop_preempted(out)
+        return super().execute(out)
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, pending: PendingStep | None = None) -> PendingStep:
+        self._drop_preempted(out)
+        return super().launch(out, pending)
+
+    def dummy_step(self) -> None:
+        raise NotImplementedError("data parallelism is not implemented for DeepSeek-V4-family models")

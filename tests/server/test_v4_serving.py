@@ -1,0 +1,246 @@
+"""DeepSeek-V4 / V4.1 served by the engine: the golden fixtures through the HTTP server, and
+batch invariance under chunked prefill, preemption, async scheduling and n > 1 in process.
+
+Golden values come from Hugging Face's modeling code (tests/fixtures/*/golden.json): prompt
+logprobs and a 12-token greedy continuation with EOS masked as ``min_tokens`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+
+import httpx
+import pytest
+import torch
+
+from model.config import parse_model_config
+from server.config import EngineConfig
+from server.engine_core import EngineCore
+from server.sampling_params import SamplingParams
+from server.tokenizer import Tokenizer
+from server.v4_kv_specs import (
+    CompressedSpec,
+    IndexerKeySpec,
+    PerRequestStateSpec,
+    SlidingWindowSpec,
+    v4_family_kv_cache_specs,
+)
+from tests.server.live_server import ROOT, live_server
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures")
+V4, V41, V41_REL = (os.path.join(FIXTURES, f) for f in ("dev-v4-s0", "dev-v41-s0", "dev-v41-s1-rel"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """The fixtures' 320-token vocabulary as a servable tokenizer directory (dev-v4-s0 has none)."""
+    d = tmp_path_factory.mktemp("v4-tokenizer")
+    with open(os.path.join(V41, "tokenizer.json"), encoding="utf-8") as src:
+        (d / "tokenizer.json").write_text(src.read(), encoding="utf-8")
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
+    return str(d)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """One intra-op thread, as the live servers run (a busy 2-core box stalls torch's pool)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def golden(fixture: str) -> dict:
+    with open(os.path.join(fixture, "golden.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("fixture", [V4, V41, V41_REL], ids=os.path.basename)
+def test_served_fixture_matches_golden(fixture, tokenizer_dir, tmp_path):
+    g = golden(fixture)
+    n = len(g["greedy_ids"])
+    log = tmp_path / "server.log"
+    with live_server(fixture, "--device", "cpu", "--tokenizer", tokenizer_dir, "--served-model-name", "m",
+                     "--block-size", "16", "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
+                     "--disable-log-stats", log_path=str(log)) as url:
+        text = log.read_text()
+        assert re.search(r"bytes per token .* fixed bytes per request .* maximum concurrency at max_model_len "
+                         r"1024: 4 requests", text), text
+        assert text.count("prefix caching is off") == 1
+        body = {"model": "m", "prompt": g["prompt_ids"], "max_tokens": n, "temperature": 0, "min_tokens": n,
+                "echo": True, "logprobs": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        lps = choice["logprobs"]["token_logprobs"]
+        prompt_len = len(g["prompt_ids"])
+        assert lps[0] is None and len(lps) == prompt_len + n
+        assert max(abs(a - b) for a, b in zip(lps[1:prompt_len], g["prompt_logprobs"])) < 2e-3
+        assert max(abs(a - b) for a, b in zip(lps[prompt_len:], g["greedy_logprobs"])) < 2e-3
+        tok = Tokenizer.from_pretrained(tokenizer_dir)
+        assert choice["text"] == tok.decode(g["prompt_ids"], False) + tok.decode(g["greedy_ids"])
+        assert choice["logprobs"]["tokens"][prompt_len:] == [tok.decode([i]) for i in g["greedy_ids"]]
+
+
+# ---- in-process: batch invariance, preemption, async, n > 1, no leaks ---------------------------
+def make_core(fixture: str, tokenizer_dir: str, **overrides) -> EngineCore:
+    cfg = dict(device="cpu", tokenizer=tokenizer_dir, block_size=16, max_num_seqs=16)
+    cfg.update(overrides)
+    return EngineCore(EngineConfig(**cfg), fixture)
+
+
+def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[list[int]]]:
+    """Submit every prompt at once, step to the end; {request id: [token ids per sequence]}."""
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, params)
+    out: dict[str, list[list[int]]] = {str(i): [[] for _ in range(params.n)] for i in range(len(prompts))}
+    while core.has_unfinished():
+        for delta in core.step():
+            for sd in delta.seqs:
+                out[delta.request_id][sd.index] += sd.token_ids
+        core.scheduler.check_invariants()
+    assert_no_leaks(core)
+    return out
+
+
+def assert_no_leaks(core: EngineCore) -> None:
+    bm = core.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks, bm.describe()
+    assert not core.runner.states
+
+
+def prompts_for(fixture: str, count: int, seed: int = 0) -> list[list[int]]:
+    base = golden(fixture)["prompt_ids"]
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        length = rng.randint(3, 28)
+        out.append(base[:length] if i % 2 else [0] + [rng.randrange(2, 320) for _ in range(length - 1)])
+    return out
+
+
+GREEDY = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+
+
+def alone(fixture: str, tokenizer_dir: str, prompts, params) -> list:
+    core = make_core(fixture, tokenizer_dir)
+    return [run(core, [p], params)["0"] for p in prompts]
+
+
+@pytest.mark.parametrize("fixture,count,blocks", [(V41, 16, 3), (V4, 6, 3)], ids=["v41", "v4"])
+def test_batch_invariance_chunks_preemption_async(fixture, count, blocks, tokenizer_dir):
+    prompts = prompts_for(fixture, count)
+    ref = alone(fixture, tokenizer_dir, prompts, GREEDY)
+    # Chunks of at most 11 tokens split prompts inside compressor windows (m = 1, 2, 4, 8); a
+    # few blocks of 16 tokens hold only some requests' compressed entries at a time, so
+    # requests wait and running ones are preempted (recompute) as they grow.
+    for asynchronous in (False, True):
+        core = make_core(fixture, tokenizer_dir, max_num_batched_tokens=11, max_num_seqs=8,
+                         num_gpu_blocks_override=blocks, async_scheduling=asynchronous)
+        got = run(core, prompts, GREEDY)
+        assert [got[str(i)] for i in range(count)] == ref, asynchronous
+        assert core.scheduler.num_preemptions > 0
+        assert (core.runner.num_overlapped_steps > 0) == asynchronous
+
+
+def test_abort_mid_prefill_and_mid_decode_frees_everything(tokenizer_dir):
+    core = make_core(V4, tokenizer_dir, max_num_batched_tokens=7, max_num_seqs=4)
+    prompts = prompts_for(V4, 3, seed=1)
+    for i, p in enumerate(prompts):
+        core.add_request(str(i), p, GREEDY)
+    for _ in range(3):
+        core.step()
+    assert core.runner.states
+    for i in range(len(prompts)):
+        core.abort(str(i))
+    while core.has_unfinished():
+        core.step()
+    assert_no_leaks(core)
+
+
+def test_unsupported_flags_are_one_error_line(tokenizer_dir):
+    from model.loader import CheckpointError
+    from server.runner_setup import check_v4_family_parallel
+
+    with pytest.raises(CheckpointError, match="--tensor-parallel-size"):
+        check_v4_family_parallel(EngineConfig(tensor_parallel_size=2), V41)
+    check_v4_family_parallel(EngineConfig(), V41)
+    with pytest.raises(CheckpointError, match="--kv-cache-dtype"):
+        make_core(V41, tokenizer_dir, kv_cache_dtype="fp8")
+
+
+def test_n_greater_than_one_and_seeds(tokenizer_dir):
+    prompt = golden(V41)["prompt_ids"][:21]
+    greedy = alone(V41, tokenizer_dir, [prompt], GREEDY)[0][0]
+    forked = SamplingParams(n=3, max_tokens=5, temperature=0, ignore_eos=True)
+    core = make_core(V41, tokenizer_dir)
+    assert run(core, [prompt], forked)["0"] == [greedy] * 3
+    assert core.runner.num_shared_chunks == 2  # one prefill, cloned for two siblings
+    chunked = make_core(V41, tokenizer_dir, max_num_batched_tokens=9, max_num_seqs=8)
+    assert run(chunked, [prompt], forked)["0"] == [greedy] * 3
+    seeded = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=7, ignore_eos=True)
+    a = run(chunked, [prompt], seeded)["0"]
+    b = run(core, [prompt], seeded)["0"]
+    assert a == b and len({tuple(s) for s in a}) > 1
+
+
+def test_prefix_caching_is_off_and_specs_are_sized(tokenizer_dir, caplog):
+    core = make_core(V41, tokenizer_dir, enable_prefix_caching=True)
+    assert not core.block_manager.enable_prefix_caching and not core.config.enable_prefix_caching
+    prompt = golden(V41)["prompt_ids"]
+    first = run(core, [prompt], GREEDY)
+    assert run(core, [prompt], GREEDY) == first and core.block_manager.prefix_cache_hits == 0
+    kinds = [type(g.spec) for g in core.block_manager.groups]
+    assert kinds[0] is SlidingWindowSpec and kinds[-1] is PerRequestStateSpec and CompressedSpec in kinds
+
+
+@pytest.mark.parametrize("preset,dtype,window,entry,key", [
+    ("deepseek-v4-flash", "fp8", 584, 584, 132), ("deepseek-v4-flash", "auto", 1024, 1024, 256),
+    ("deepseek-v41-flash", "fp8", 528, 288, 68), ("deepseek-v41-flash", "auto", 1024, 1024, 256),
+])
+def test_record_sizes_of_the_released_shapes(preset, dtype, window, entry, key):
+    """Bytes per window row, compressed entry and indexer key at the flash shapes (bf16 model)."""
+    with open(os.path.join(ROOT, "configs", f"{preset}.json"), encoding="utf-8") as f:
+        cfg = parse_model_config(json.load(f))
+    specs = v4_family_kv_cache_specs(cfg, 64, dtype, torch.bfloat16, 8192)
+    assert [s.row_bytes for s in specs if type(s) is SlidingWindowSpec] == [window]
+    assert {s.entry_bytes for s in specs if type(s) is CompressedSpec} == {entry}
+    assert {s.entry_bytes for s in specs if type(s) is IndexerKeySpec} == {key}
+    ratios = {s.ratio for s in specs if type(s) is CompressedSpec}
+    assert ratios == ({4, 128} if "v4-" in preset else {1, 2})
+    if "v41" in preset:  # compressed entries only on the KV-source layers
+        assert sum(len(s.layer_ids) for s in specs if type(s) is CompressedSpec) == len(cfg.kv_source_layer_ids)
+
+
+def test_window_pages_behind_the_window_return_at_each_step():
+    from server.kv_cache import BlockManager
+    from server.kv_cache_spec import NULL_BLOCK
+    from server.sequence import Sequence
+
+    spec = SlidingWindowSpec(4, torch.uint8, (0,), window=8, row_bytes=2, max_chunk_tokens=16)
+    bm = BlockManager(10, 4, False, [spec], max_num_seqs=2)
+    assert bm.num_total_blocks == 2 * (spec.window_pages + 2) + 4
+    seq = Sequence(0, "r", list(range(30)), SamplingParams(max_tokens=1))
+    bm.allocate(seq, 16)
+    seq.num_computed_tokens = 16  # a prefill chunk ran; the request now waits for budget
+    bm.release_dead_blocks(seq)
+    assert seq.block_tables[0][:2] == [NULL_BLOCK] * 2  # positions 0..7 are outside the window of 16
+    assert bm.num_free_blocks == bm.num_total_blocks - 2
+    bm.free(seq)
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+@pytest.mark.gpu
+def test_cuda_engine_sizes_from_memory_and_matches_golden(tokenizer_dir):
+    """On a GPU: the budget from --gpu-memory-utilization after a profiled largest step, and
+    the fixture's greedy continuation (fp32 weights, so the golden ids hold)."""
+    g = golden(V41)
+    core = make_core(V41, tokenizer_dir, device="cuda", dtype="float32", gpu_memory_utilization=0.5,
+                     max_model_len=1024)
+    assert core.block_manager.num_total_blocks > 0
+    n = len(g["greedy_ids"])
+    got = run(core, [g["prompt_ids"]], SamplingParams(max_tokens=n, temperature=0, min_tokens=n))
+    assert got["0"][0] == g["greedy_ids"]
