@@ -260,13 +260,14 @@ def encode_fewshot_batch(tok, rows, without_bos=None, width: int | None = None):
     import torch
 
     eos = tok.token_to_id(EOS)
+    char_id = {c: tok.token_to_id(c) for c in CHARS}  # one token per character, as tok.encode
     encoded = []
     for i, (shots, a, b) in enumerate(rows):
         ids = [] if without_bos is not None and without_bos[i] else [tok.token_to_id(BOS)]
         labels = [-100] * len(ids)
         for x, y in list(shots) + [(a, b)]:
-            p = tok.encode(prompt_text(x, y), add_special_tokens=False).ids
-            q = tok.encode(answer_text(x, y), add_special_tokens=False).ids
+            p = [char_id[c] for c in prompt_text(x, y)]
+            q = [char_id[c] for c in answer_text(x, y)]
             ids += p + q
             labels += [-100] * len(p) + q
         ids.append(eos)
