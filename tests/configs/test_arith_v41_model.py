@@ -36,13 +36,13 @@ def test_fewshot_task_data_is_reproducible_held_out_and_longer_than_the_window()
 
     committed = _docs()
     rows = [([(1, 2), (30, 45)], 999, 999), ([], 7, 0)]
-    ids, labels = arith_data.encode_fewshot_batch(arith_data.build_tokenizer(), rows, [False, True], 40)
     tok = arith_data.build_tokenizer()
+    ids, labels = arith_data.encode_fewshot_batch(tok, rows, [False, True], 40)
     assert ids[0, :21].tolist() == tok.encode("1+2=3\n30+45=75\n999+999=1998\n").ids[:21]
     assert ids[1, :7].tolist() == tok.encode("7+0=7\n", add_special_tokens=False).ids + [1]
-    assert [t for t in labels[0].tolist() if t != -100] == tok.encode("3\n75\n1998\n", add_special_tokens=False).ids + [1]
+    answers = tok.encode("3\n75\n1998\n", add_special_tokens=False).ids + [1]
+    assert [t for t in labels[0].tolist() if t != -100] == answers
     assert committed == make_arith_tasks.make_fewshot_docs(200, 1234)
-    tok = arith_data.build_tokenizer()
     for d in committed:
         assert arith_data.is_held_out(d["a"], d["b"])
         assert d["prompt"] == d["preamble"] + f"{d['a']}+{d['b']}="
