@@ -229,6 +229,10 @@ def run(argv=None):
         load = update_router_biases(model, out.expert_ids, args.bias_update_speed)
         step += 1
         if step % args.log_every == 0:
+            if not math.isfinite(lm_loss.item()):
+                write_log(args.out, {"args": vars(args), "steps": step, "loss_curve": losses, "history": history})
+                raise RuntimeError(f"the loss is {lm_loss.item()} at step {step}: training diverged "
+                                   f"(try a lower --lr than {args.lr})")
             max_load = max(float(f.max()) for f in load) if load else float("nan")
             losses.append([step, round(lm_loss.item(), 5)])
             print(f"step {step:5d}  loss {lm_loss.item():.4f}  indexer KL {indexer_loss.item():.4f}  "
