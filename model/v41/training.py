@@ -44,7 +44,7 @@ class _Sequences:
     window mask, each KV source's entries and index keys, the top-k picks and candidate mask."""
 
     def __init__(self, model: DeepseekV41ForCausalLM, b: int, t: int, device, dtype) -> None:
-        self.b, self.t, self.dtype = b, t, dtype
+        self.b, self.t = b, t
         self.positions = torch.arange(t, device=device)
         self.window = window_bias(self.positions, self.positions, model.config.sliding_window)
         self._rope = {}
