@@ -80,13 +80,14 @@ def model_args(served_name: str, base_url: str, tokenized_requests: bool) -> str
     ])
 
 
-def lm_eval_command(served_name: str, base_url: str, tokenized_requests: bool, output_path: str) -> list[str]:
+def lm_eval_command(served_name: str, base_url: str, tokenized_requests: bool, output_path: str,
+                    tasks=TASK_METRICS, limit: int = LIMIT) -> list[str]:
     return [
         lm_eval_executable(), "--model", "local-completions",
-        "--tasks", ",".join(TASK_METRICS),
+        "--tasks", ",".join(tasks),
         "--include_path", TASKS_DIR,
         "--model_args", model_args(served_name, base_url, tokenized_requests),
-        "--limit", str(LIMIT),
+        "--limit", str(limit),
         "--output_path", output_path,
     ]
 
@@ -102,8 +103,9 @@ def engine_gauges(base_url: str) -> str:
 
 
 def run_lm_eval(kv_cache_dtype: str, tokenized_requests: bool, served_name: str, base_url: str,
-                output_path: str) -> LmEvalRun:
-    cmd = lm_eval_command(served_name, base_url, tokenized_requests, output_path)
+                output_path: str, tasks=TASK_METRICS, limit: int = LIMIT) -> LmEvalRun:
+    """One ``lm_eval`` CLI run against the live server; ``tasks`` maps task name -> metric key."""
+    cmd = lm_eval_command(served_name, base_url, tokenized_requests, output_path, tasks, limit)
     env = {**os.environ, **LM_EVAL_ENV}
     t0 = time.monotonic()
     try:
@@ -121,8 +123,8 @@ def run_lm_eval(kv_cache_dtype: str, tokenized_requests: bool, served_name: str,
     assert len(found) == 1, f"expected one results JSON under {output_path}, found {found}\n{stderr_tail}"
     with open(found[0], encoding="utf-8") as f:
         results = json.load(f)
-    scores = {task: float(results["results"][task][metric]) for task, metric in TASK_METRICS.items()}
-    n_samples = {task: int(results["n-samples"][task]["effective"]) for task in TASK_METRICS}
+    scores = {task: float(results["results"][task][metric]) for task, metric in tasks.items()}
+    n_samples = {task: int(results["n-samples"][task]["effective"]) for task in tasks}
     return LmEvalRun(kv_cache_dtype, tokenized_requests, cmd, scores, n_samples, proc.stdout.strip(), wall_s)
 
 
