@@ -151,6 +151,8 @@ def determine_num_blocks(
 
 
 class ModelRunner:
+    plan_class = StepPlan  # what the TP workers decode the engine's plans into
+
     def __init__(self, model: DeepseekForCausalLM, config: EngineConfig, num_blocks: int, device: torch.device) -> None:
         self._init_step_state(model, config, num_blocks, device)
         cache_dtype = kv_cache_dtype(config, model.dtype)
