@@ -131,8 +131,8 @@ class V4MoE(nn.Module):
             self.gate = TopKRouter(hidden, num_experts, top_k, scaling, dtype)
         ids, inter_local = local_experts(num_experts, inter, par)
         self.experts = PackedExperts(len(ids), hidden, inter_local, limit, dtype, ids.start)
-        self.shared_experts = ClampedSwiGLU(hidden, divide(shared_inter, par.tp_size, "shared expert intermediate size"),
-                                            limit, dtype)
+        shared_local = divide(shared_inter, par.tp_size, "shared expert intermediate size")
+        self.shared_experts = ClampedSwiGLU(hidden, shared_local, limit, dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None,
                 rows: StepRows | None = None) -> torch.Tensor:

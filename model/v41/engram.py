@@ -213,7 +213,8 @@ class EngramEmbedding(nn.Module):
 
 
 class Engram(nn.Module):
-    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype, par: ParallelContext | None = None) -> None:
+    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype,
+                 par: ParallelContext | None = None) -> None:
         super().__init__()
         c = config
         self.par = par = par or ParallelContext()
