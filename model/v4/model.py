@@ -15,6 +15,9 @@ hash-routed layers) → expand. The HyperHead collapses the streams, then ``norm
 ``lm_head``. Norms, mHC parameters, sinks and position biases stay float32 whatever the
 model dtype, as HF keeps them.
 
+Under TP / DP / EP (``par``, model/v4_parallel.py) a rank holds its heads, output groups,
+vocab rows and experts, and its token rows of the streams under the reduce-scatter mode.
+
 MTP weights (``mtp.*``) are not part of this model: :meth:`load_weights` skips them.
 A checkpoint directory (released, 5.24-saved or HF names; FP8/MXFP4 or BF16) loads with
 :func:`load_deepseek_v4`.
