@@ -9,7 +9,8 @@ Design (why, and the numbers it is expected to reach: benchmarks/KERNEL_NOTES.md
 - Dequantization is the bound FlashMLA's Hopper kernel fights (its bf16 path converts
   e4m3 → f16 → f32 → bf16); here the products run in fp16, so an e4m3 byte pair is one
   ``cvt.f16x2.e4m3x2`` and its power-of-two scale one packed multiply. The query is kept
-  16-bit (converted bf16 → fp16 once): the per-64-dim record scales lie on Q·Kᵀ's reduction
+  16-bit (converted bf16 → fp16 by one pass before the launch, so the kernel reads it into
+  shared memory as an MMA operand rather than keeping it in registers): the per-64-dim record scales lie on Q·Kᵀ's reduction
   axis and, for P·V, on the token axis, so an FP8 product would need seven rescaled partial
   products (QK) or seven rescaled copies of P (PV) — more CUDA-core work than it saves, and
   the dequantized tile is needed for P·V anyway. fp16 holds every e4m3 × UE8M0 value of a
@@ -48,15 +49,18 @@ class SparseDecodeConfig:
     num_warps: int | None = None
     num_stages: int = 1
     num_splits: int | None = None
-    block_n: int = 64  # records per tile
+    block_n: int = 32  # records per tile
 
 
 def default_config(heads: int) -> SparseDecodeConfig:
+    """Per heads per GPU; checked offline for sm_90a (registers, spills: KERNEL_NOTES.md)."""
     if heads <= 16:
         return SparseDecodeConfig(block_h=16, dv_split=1, num_warps=4)
     if heads <= 32:
         return SparseDecodeConfig(block_h=32, dv_split=1, num_warps=4)
-    return SparseDecodeConfig(block_h=64, dv_split=2, num_warps=4)
+    if heads <= 64:
+        return SparseDecodeConfig(block_h=64, dv_split=2, num_warps=4)
+    return SparseDecodeConfig(block_h=128, dv_split=2, num_warps=8)
 
 
 @triton.jit
@@ -201,10 +205,11 @@ def _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K
     """One program's work for output PART (see _attend_tile)."""
     q_rows = Q + b.to(tl.int64) * q_sb + tq * q_ss + heads * q_sh
     qm = row_ok[:, None]
-    qa = tl.load(q_rows[:, None] + tl.arange(0, 256)[None, :], mask=qm, other=0.0).to(tl.float16)
-    qb = tl.load(q_rows[:, None] + 256 + tl.arange(0, 128)[None, :], mask=qm, other=0.0).to(tl.float16)
-    qc = tl.load(q_rows[:, None] + 384 + tl.arange(0, 64)[None, :], mask=qm, other=0.0).to(tl.float16)
-    qd = tl.load(q_rows[:, None] + 448 + tl.arange(0, 64)[None, :], mask=qm, other=0.0).to(tl.float16)
+    # fp16 as stored: a converted operand would stay in registers (wgmma's A from registers)
+    qa = tl.load(q_rows[:, None] + tl.arange(0, 256)[None, :], mask=qm, other=0.0)
+    qb = tl.load(q_rows[:, None] + 256 + tl.arange(0, 128)[None, :], mask=qm, other=0.0)
+    qc = tl.load(q_rows[:, None] + 384 + tl.arange(0, 64)[None, :], mask=qm, other=0.0)
+    qd = tl.load(q_rows[:, None] + 448 + tl.arange(0, 64)[None, :], mask=qm, other=0.0)
     WA: tl.constexpr = 256 if PART != 2 else 16
     WB: tl.constexpr = 128 if PART != 1 else 16
     WC: tl.constexpr = 64 if PART != 1 else 16
@@ -316,6 +321,7 @@ def v4_sparse_decode_triton(
         raise TypeError(f"q must be bf16 or fp16, got {q.dtype}")
     if q.stride(-1) != 1:
         raise ValueError("q must have a unit last stride")
+    q = q.to(torch.float16)  # one pass over q (the products run in fp16: module docstring)
     bsz, s_q, heads, _ = q.shape
     base = default_config(heads)
     cfg = config or base
