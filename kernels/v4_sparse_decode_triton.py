@@ -9,12 +9,13 @@ Design (why, and the numbers it is expected to reach: benchmarks/KERNEL_NOTES.md
 - Dequantization is the bound FlashMLA's Hopper kernel fights (its bf16 path converts
   e4m3 → f16 → f32 → bf16); here the products run in fp16, so an e4m3 byte pair is one
   ``cvt.f16x2.e4m3x2`` and its power-of-two scale one packed multiply. The query is kept
-  16-bit (converted bf16 → fp16 by one pass before the launch, so the kernel reads it into
-  shared memory as an MMA operand rather than keeping it in registers): the per-64-dim record scales lie on Q·Kᵀ's reduction
-  axis and, for P·V, on the token axis, so an FP8 product would need seven rescaled partial
-  products (QK) or seven rescaled copies of P (PV) — more CUDA-core work than it saves, and
-  the dequantized tile is needed for P·V anyway. fp16 holds every e4m3 × UE8M0 value of a
-  latent exactly (|x| < 65504, normal above 2^-14) and gives P 11 mantissa bits.
+  16-bit (bf16 → fp16 in one pass before the launch, so the kernel reads it into shared
+  memory as an MMA operand instead of holding it in registers). Why not FP8 products: the
+  per-64-dim record scales lie on Q·Kᵀ's reduction axis and, for P·V, on the token axis, so
+  FP8 would need seven rescaled partial products (QK) or seven rescaled copies of P (PV):
+  more CUDA-core work than it saves, and P·V needs the dequantized tile anyway. fp16 holds
+  every e4m3 × UE8M0 value of a latent exactly (|x| < 65504, normal above 2^-14) and gives
+  P 11 mantissa bits.
 - 512 dims = four pieces (256 | 128 | 64 | 64, the last the V4 record's bf16 rotated dims);
   ``dv_split=2`` gives each of two programs half of the output dims (accumulator 256 wide,
   Q·Kᵀ done by both): what keeps 64+ heads per program from spilling.

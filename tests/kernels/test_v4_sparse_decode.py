@@ -234,3 +234,19 @@ def test_triton_kernel_v41_formats_and_graph_replay():
     want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
     assert rel_err(out, want) <= 2e-2
     assert (lse.double() - want_lse).abs().max().item() < 5e-3
+
+
+def test_v4_backend_registry_picks_torch_on_cpu_and_names_the_flag():
+    from kernels.attention import BackendUnavailable, AttentionSpec, TritonV4SparseDecode, select_v4_decode_backend
+
+    spec = AttentionSpec(torch.device("cpu"), torch.uint8, 16, 512, 64, 64, SCALE, torch.bfloat16, 2)
+    backend = select_v4_decode_backend("auto", spec, ("v4",))
+    assert backend.name == "torch"
+    q, scopes, sinks = make_case(1, 2, 16, [(8, "v4", 4, False)], seed=3)
+    out, _ = backend.decode(q, scopes, sinks, SCALE)
+    assert rel_err(out, float64_loop(q, scopes, sinks, SCALE)[0]) < 5e-3
+    with pytest.raises(BackendUnavailable, match="--attention-backend triton"):
+        select_v4_decode_backend("triton", spec)
+    assert "v41_entry" in TritonV4SparseDecode.record_formats
+    with pytest.raises(BackendUnavailable, match="unknown"):
+        select_v4_decode_backend("flashmla", spec)
