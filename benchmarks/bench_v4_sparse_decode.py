@@ -25,8 +25,8 @@ import sys
 
 import torch
 
-from kernels.v4_cache_formats import V4_RECORD_BYTES, pack_v4_records
-from kernels.v4_sparse_decode import SparseKV, v4_sparse_decode_reference
+from kernels.v4_cache_formats import V4_RECORD_BYTES
+from kernels.v4_sparse_decode import SparseKV, pack_v4_cache, v4_sparse_decode_reference
 from kernels.v4_sparse_decode_triton import SparseDecodeConfig, default_config, v4_sparse_decode_triton
 
 WINDOW = 128
@@ -61,8 +61,8 @@ def build_case(bsz: int, s_q: int, heads: int, topk: int, seed: int = 0):
     dev = "cuda"
     w_pages = -(-bsz * WINDOW // PAGE)
     e_pages = -(-bsz * ENTRIES_PER_REQUEST // PAGE)
-    window = pack_v4_records(torch.randn(w_pages, PAGE, 512, device=dev, generator=gen))
-    entries = pack_v4_records(torch.randn(e_pages, PAGE, 512, device=dev, generator=gen))
+    window = pack_v4_cache(torch.randn(w_pages, PAGE, 512, device=dev, generator=gen))
+    entries = pack_v4_cache(torch.randn(e_pages, PAGE, 512, device=dev, generator=gen))
     w_idx = (torch.arange(bsz, device=dev).view(-1, 1, 1) * WINDOW + torch.arange(WINDOW, device=dev)).expand(
         bsz, s_q, WINDOW).to(torch.int32).contiguous()
     picks = torch.rand(bsz, s_q, ENTRIES_PER_REQUEST, device=dev, generator=gen).argsort(-1)[..., :topk]

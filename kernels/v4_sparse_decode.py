@@ -25,11 +25,49 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.v4_cache_formats import (HEAD_DIM, RECORD_BYTES, V4_DATA_BYTES, unpack_v41_entries,
-                                      unpack_v41_window_rows, v4_cache_parts)
+from kernels.v4_cache_formats import (V4_DATA_BYTES, V4_NUM_SCALES, V4_RECORD_BYTES, V4_SCALE_BYTES,
+                                      pack_v4_records, unpack_v41_entries, unpack_v41_window_rows)
 from kernels.weight_formats import e8m0_to_float
 
 MAX_SCOPES = 2
+HEAD_DIM = 512
+RECORD_BYTES = {"v4": V4_RECORD_BYTES, "v41_window": 512 + 16, "v41_entry": 256 + 32}
+
+
+def v4_cache_view(pages: torch.Tensor, page_size: int) -> torch.Tensor:
+    """MODEL1 pages (``pack_v4_records``) as the uint8 [num_pages, page_size, 584] cache view
+    a scope takes (the page stride stays the padded page; FlashMLA gets ``.unsqueeze(2)``)."""
+    return pages[:, : page_size * V4_RECORD_BYTES].view(pages.shape[0], page_size, V4_RECORD_BYTES)
+
+
+def pack_v4_cache(rows: torch.Tensor) -> torch.Tensor:
+    """Rows [num_pages, page_size, 512] → the V4 cache view (:func:`v4_cache_view`)."""
+    return v4_cache_view(pack_v4_records(rows), rows.shape[1])
+
+
+def v4_cache_parts(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data uint8 [pages, page_size, 576], exponents uint8 [pages, page_size, 7]) of a V4 cache view."""
+    pages, page_size, _ = cache.shape
+    flat = cache.as_strided((pages, page_size * V4_RECORD_BYTES), (cache.stride(0), 1))
+    data = flat[:, : page_size * V4_DATA_BYTES].reshape(pages, page_size, V4_DATA_BYTES)
+    scales = flat[:, page_size * V4_DATA_BYTES:].reshape(pages, page_size, V4_SCALE_BYTES)
+    return data, scales[..., :V4_NUM_SCALES]
+
+
+def unpack_records(cache: torch.Tensor, record: str) -> torch.Tensor:
+    """A scope's cache [pages, page_size, bytes] → float32 rows [pages, page_size, 512]."""
+    if record == "v4":
+        data, exps = v4_cache_parts(cache)
+        return _dequant_v4(data, exps)
+    if record == "v41_window":
+        return unpack_v41_window_rows(cache)
+    return unpack_v41_entries(cache)
+
+
+def _dequant_v4(data: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
+    nope = data[..., :448].contiguous().view(torch.float8_e4m3fn).float()
+    nope = (nope.unflatten(-1, (7, 64)) * e8m0_to_float(exps).unsqueeze(-1)).flatten(-2)
+    return torch.cat([nope, data[..., 448:].contiguous().view(torch.bfloat16).float()], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -80,10 +118,7 @@ def gather_records(scope: SparseKV, flat: torch.Tensor) -> torch.Tensor:
     cache = scope.cache
     if scope.record == "v4":
         data, exps = v4_cache_parts(cache)
-        data, exps = data.reshape(-1, V4_DATA_BYTES)[flat], exps.reshape(-1, exps.shape[-1])[flat]
-        nope = data[..., :448].contiguous().view(torch.float8_e4m3fn).float()
-        nope = (nope.unflatten(-1, (7, 64)) * e8m0_to_float(exps).unsqueeze(-1)).flatten(-2)
-        return torch.cat([nope, data[..., 448:].contiguous().view(torch.bfloat16).float()], dim=-1)
+        return _dequant_v4(data.reshape(-1, V4_DATA_BYTES)[flat], exps.reshape(-1, exps.shape[-1])[flat])
     pages, page_size, nbytes = cache.shape
     rows = cache.as_strided((pages, page_size, nbytes), cache.stride()).reshape(-1, nbytes)[flat]
     return unpack_v41_window_rows(rows) if scope.record == "v41_window" else unpack_v41_entries(rows)

@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.v4_cache_formats import HEAD_DIM, RECORD_BYTES, V4_DATA_BYTES
-from kernels.v4_sparse_decode import SparseKV, check_inputs
+from kernels.v4_cache_formats import V4_DATA_BYTES
+from kernels.v4_sparse_decode import HEAD_DIM, RECORD_BYTES, SparseKV, check_inputs
 
 LOG2E = 1.4426950408889634
 FORMATS = {"v4": 0, "v41_window": 1, "v41_entry": 2}

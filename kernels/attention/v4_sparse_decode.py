@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from kernels.attention.base import AttentionSpec, BackendSupport, BackendUnavailable, missing_module_reason
-from kernels.v4_cache_formats import RECORD_BYTES
+from kernels.v4_sparse_decode import RECORD_BYTES
 
 logger = logging.getLogger(__name__)
 V4_CACHE_DTYPE = torch.uint8  # records are bytes; ``record_formats`` says which layout

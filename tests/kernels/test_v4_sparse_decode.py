@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.v4_cache_formats import (RECORD_BYTES, V4_NOPE, pack_v4_records, pack_v41_entries, pack_v41_window_rows,
-                                      unpack_records, v4_cache_parts)
-from kernels.v4_sparse_decode import SparseKV, check_inputs, v4_sparse_decode_reference
+from kernels.v4_cache_formats import V4_NOPE_DIMS as V4_NOPE
+from kernels.v4_cache_formats import pack_v41_entries, pack_v41_window_rows
+from kernels.v4_sparse_decode import (RECORD_BYTES, SparseKV, check_inputs, pack_v4_cache, unpack_records,
+                                      v4_cache_parts, v4_sparse_decode_reference)
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ SCALE = 512**-0.5
 
 def _pack(rows: torch.Tensor, record: str) -> torch.Tensor:
     if record == "v4":
-        return pack_v4_records(rows)
+        return pack_v4_cache(rows)
     return (pack_v41_window_rows if record == "v41_window" else pack_v41_entries)(rows)
 
 
@@ -121,12 +122,12 @@ def test_codecs_round_trip_the_model_rounding():
     from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
 
     x = torch.randn(2, 3, 512) * 4
-    v4 = unpack_records(pack_v4_records(x), "v4")
+    v4 = unpack_records(pack_v4_cache(x), "v4")
     assert torch.equal(v4[..., V4_NOPE:], x[..., V4_NOPE:].bfloat16().float())
     assert rel_err(v4[..., :V4_NOPE], x[..., :V4_NOPE]) < 0.05
     assert torch.equal(unpack_records(pack_v41_window_rows(x), "v41_window"), fake_quant_fp8_ue8m0(x, 32))
     assert torch.equal(unpack_records(pack_v41_entries(x), "v41_entry"), fake_quant_fp4(x, 16, "e4m3"))
-    assert pack_v4_records(x).shape[-1] == RECORD_BYTES["v4"] and pack_v4_records(x).stride(0) % 576 == 0
+    assert pack_v4_cache(x).shape[-1] == RECORD_BYTES["v4"] and pack_v4_cache(x).stride(0) % 576 == 0
 
 
 @pytest.mark.parametrize("case", range(len(CPU_CASES)))
