@@ -152,4 +152,5 @@ REFERENCE_DECODE = TorchDecode()  # what a forward context without a chosen back
 __all__ = ["DECODE_BACKENDS", "PREFILL_BACKENDS", "REFERENCE_DECODE", "AttentionSpec", "BackendSupport",
            "BackendUnavailable", "CudaDecode", "DecodeBackend", "DecodeMetadata", "FlashInferDecode",
            "FlashInferPrefill", "PrefillBackend", "PrefillMetadata", "SdpaPrefill", "TorchDecode", "TorchPrefill",
-           "TritonDecode", "TrtllmDecode", "auto_decode_backend", "auto_prefill_backend", "default_prefill_backend", "select_decode_backend", "select_prefill_backend"]
+           "TritonDecode", "TrtllmDecode", "auto_decode_backend", "auto_prefill_backend", "default_prefill_backend",
+           "select_decode_backend", "select_prefill_backend"]
