@@ -17,6 +17,7 @@ from kernels.attention import BackendSupport, BackendUnavailable, FlashInferDeco
 from kernels.mla_decode import mla_decode_reference
 from model.checkpoint import write_random_checkpoint
 from server import LLM, SamplingParams
+from tests.kernels.fake_flashinfer import FakeRaggedPrefillWrapper, install_fake_flashinfer
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 PROMPTS = [[3, 7, 9, 11, 5], [4, 8] * 9, [6] * 30]
@@ -111,6 +112,25 @@ def test_flashinfer_plans_once_per_step_and_allocates_one_workspace(ckpt, fake_f
     num_layers = len(runner.model.layers)
     assert num_layers > 1
     assert wrapper.runs_per_plan == [num_layers] * decode_steps  # one plan per step, one run per layer
+
+
+def test_flashinfer_prefill_plans_once_per_prefill_step_and_serves_the_same_tokens(ckpt, fake_flashinfer,
+                                                                                  monkeypatch):
+    """Chunked prefill (16 tokens a step, prompts of 5-30 tokens: chunks with and without cached
+    prefixes, mixed with decodes) through the ragged prefill backend: the same tokens and
+    logprobs as the torch reference, one plan per prefill-carrying step, one run per layer."""
+    install_fake_flashinfer(monkeypatch, sys.modules["flashinfer"])
+    args = dict(dtype="bfloat16", block_size=16, num_gpu_blocks_override=64, max_num_batched_tokens=16,
+                max_num_seqs=4)
+    want = _outputs(LLM(ckpt, **args))
+    llm = LLM(ckpt, prefill_attention_backend="flashinfer", attention_backend="flashinfer", **args)
+    runner = llm.engine.runner
+    assert runner.prefill_backend.name == "flashinfer"
+    assert runner.prefill_backend.workspace is runner.decode_backend.workspace  # one shared workspace
+    assert _outputs(llm) == want
+    (wrapper,) = FakeRaggedPrefillWrapper.created
+    assert len(wrapper.plans) >= 3 and wrapper.runs_per_plan == [len(runner.model.layers)] * len(wrapper.plans)
+    assert any(p["kv_indptr"] != p["qo_indptr"] for p in wrapper.plans)  # some chunks had cached prefixes
 
 
 def test_backends_are_chosen_at_startup_and_never_again(ckpt, monkeypatch):
