@@ -28,6 +28,9 @@ is not installed, a library that does not build).
 The cuda backend's kernels run P.V in FP8 (P as e4m3): 1.5e-2 relative error against float64
 on the same FP8 inputs, vs 2e-3 for Triton, which keeps P in fp16 (``--attention-backend triton``).
 
+V4 / V4.1 sparse decode (window rows ‖ selected compressed entries, quantized records) has its
+own registry (``kernels/attention/v4_sparse_decode.py``: triton on SM90, else torch).
+
 Prefill (the non-absorbed causal attention of a step's prompt chunks, each over its cached
 prefix and itself; ``--prefill-attention-backend``) is chosen separately
 (``select_prefill_backend``). The MLA layer gathers every chunk's cached latents in one pass,
@@ -58,6 +61,8 @@ from kernels.attention.prefill import SdpaPrefill, TorchPrefill
 from kernels.attention.torch_decode import TorchDecode
 from kernels.attention.triton_decode import TritonDecode
 from kernels.attention.trtllm_decode import TrtllmDecode
+from kernels.attention.v4_sparse_decode import (V4_DECODE_BACKENDS, TorchV4SparseDecode, TritonV4SparseDecode,
+                                               V4SparseDecodeBackend, select_v4_decode_backend)
 
 logger = logging.getLogger(__name__)
 
@@ -152,5 +157,6 @@ REFERENCE_DECODE = TorchDecode()  # what a forward context without a chosen back
 __all__ = ["DECODE_BACKENDS", "PREFILL_BACKENDS", "REFERENCE_DECODE", "AttentionSpec", "BackendSupport",
            "BackendUnavailable", "CudaDecode", "DecodeBackend", "DecodeMetadata", "FlashInferDecode",
            "FlashInferPrefill", "PrefillBackend", "PrefillMetadata", "SdpaPrefill", "TorchDecode", "TorchPrefill",
-           "TritonDecode", "TrtllmDecode", "auto_decode_backend", "auto_prefill_backend", "default_prefill_backend",
-           "select_decode_backend", "select_prefill_backend"]
+           "TritonDecode", "TrtllmDecode", "V4_DECODE_BACKENDS", "TorchV4SparseDecode", "TritonV4SparseDecode",
+           "V4SparseDecodeBackend", "select_v4_decode_backend", "auto_decode_backend", "auto_prefill_backend",
+           "default_prefill_backend", "select_decode_backend", "select_prefill_backend"]
