@@ -95,7 +95,7 @@ def bench_tokens(t: int, shape: dict, w, sweep: bool) -> list[dict]:
         out = moe_mxfp4_triton(x, *w, wts, ids, limit, mode=mode)
         ref = moe_mxfp4_reference(x[:n], *w, wts[:n], ids[:n], limit, mode)
         err = rel_err(out[:n], ref)
-        ok = err < (3e-3 if mode == "w4a8" else 1e-2)
+        ok = err < (5e-3 if mode == "w4a8" else 1e-2)
         err_bf16 = rel_err(out[:n], bf16_ref)
         configs = sweep_configs(t, k, e) if sweep else [None]
         best = None

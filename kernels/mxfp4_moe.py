@@ -1,4 +1,4 @@
-"""MXFP4 routed experts (DeepSeek-V4.1): torch references, the e2m1 → e4m3 scale fold, dispatch.
+"""MXFP4 routed experts (DeepSeek-V4.1): torch references and the e2m1 → e4m3 scale fold.
 
 Weights: per expert ``w13`` = gate rows then up rows [E, 2I, D] and ``w2`` [E, D, I], stored as
 MXFP4 (e2m1 codes, two per byte, one E8M0 scale per 32 along K; ``kernels.weight_formats``).
@@ -31,8 +31,6 @@ group is below shift −8), products in fp32, h quantized per 128, y cast to x's
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 import torch.nn.functional as F
 
@@ -47,8 +45,6 @@ from kernels.weight_formats import (
 
 SPAN = 128  # K span of one promotion = activation scale group
 EXACT_MIN_SHIFT = -8  # folds with s_i - s_max >= this are exact in e4m3
-BACKENDS = ("auto", "w4a8", "w4a16", "reference")
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -180,52 +176,14 @@ def moe_mxfp4_reference(
     return out
 
 
-def mxfp4_backend(device: torch.device, inter: int, dim: int, backend: str = "auto") -> str:
-    """``auto``: ``w4a8`` on SM90 (FP8 tensor cores), ``w4a16`` on other CUDA GPUs, the torch
-    ``reference`` on CPU or without Triton, or when D or I is not a multiple of 128."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown MXFP4 MoE backend {backend!r}; one of {', '.join(BACKENDS)}")
-    if backend != "auto":
-        return backend
-    if device.type != "cuda" or not _HAS_TRITON or inter % SPAN or dim % SPAN:
-        return "reference"
-    return "w4a8" if torch.cuda.get_device_capability(device)[0] == 9 else "w4a16"
-
-
-def moe_experts_mxfp4(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    limit: float,
-    expert_offset: int = 0,
-    backend: str = "auto",
-) -> torch.Tensor:
-    """Routed MXFP4 experts → fp32 [T, D] (the caller adds the shared expert and casts)."""
-    path = mxfp4_backend(x.device, w13.shape[1] // 2, x.shape[-1], backend)
-    if path == "reference":
-        return moe_mxfp4_reference(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit,
-                                   "w4a16", expert_offset)
-    from kernels.mxfp4_moe_triton import moe_mxfp4_triton
-
-    return moe_mxfp4_triton(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit,
-                            expert_offset, mode=path)
-
-
 __all__ = [
-    "BACKENDS",
     "EXACT_MIN_SHIFT",
     "SPAN",
     "check_mxfp4_experts",
     "fold_mxfp4_to_e4m3",
     "fold_shifts",
     "fold_underflow_fraction",
-    "moe_experts_mxfp4",
     "moe_mxfp4_reference",
-    "mxfp4_backend",
     "pair_columns",
     "swiglu",
     "unpair_columns",

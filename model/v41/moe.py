@@ -12,7 +12,7 @@ gate temperature and ``bias_vl``, keeps HF-V4.1's per-expert ``w1``/``w2``/``w3`
 weights an expert before ``w2`` rather than after, and runs the SwiGLU in fp32.
 
 Routed experts can also run from stacked MXFP4 weights (:meth:`MoE.use_mxfp4_experts`, or
-:meth:`MoE.pack_experts_mxfp4` from the loaded ones) through ``kernels.mxfp4_moe``: W4A8 on
+:meth:`MoE.pack_experts_mxfp4` from the loaded ones) through ``kernels.mxfp4_experts``: W4A8 on
 SM90, W4A16 on other GPUs, and on CPU the torch reference, which is this module's own math on
 the dequantized weights (the same results as the per-expert modules).
 """
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.mxfp4_moe import BACKENDS, moe_experts_mxfp4
+from kernels.mxfp4_experts import BACKENDS, moe_experts_mxfp4
 from kernels.weight_formats import MXFP4, MXFP4_GROUP, QuantizedWeight, quantize
 from model.v4.moe import clamped_swiglu, normalize_routing_weights, sqrt_softplus
 from model.v41.config import V41Config

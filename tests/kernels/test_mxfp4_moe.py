@@ -1,4 +1,5 @@
-"""MXFP4 routed experts (kernels/mxfp4_moe.py, kernels/mxfp4_moe_triton.py) and their wiring
+"""MXFP4 routed experts (kernels/mxfp4_moe.py, kernels/mxfp4_moe_triton.py, the dispatch in
+kernels/mxfp4_experts.py) and their wiring
 into V4.1's MoE (model/v41/moe.py).
 
 CPU: the scale fold (exact down to shift −8, nearest-even below, zero groups exact), the column
@@ -23,13 +24,12 @@ from kernels.fp8 import FP8_DTYPE
 from kernels.mxfp4_moe import (
     fold_mxfp4_to_e4m3,
     fold_underflow_fraction,
-    moe_experts_mxfp4,
     moe_mxfp4_reference,
-    mxfp4_backend,
     pair_columns,
     unpair_columns,
     w4a8_weight_reference,
 )
+from kernels.mxfp4_experts import moe_experts_mxfp4, mxfp4_backend
 from kernels.weight_formats import E8M0_BIAS, MXFP4, dequantize_mxfp4, quantize, quantize_mxfp4
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
 from tests.kernels.test_mxfp8_gemm import _PTXAS, _compile_sm90, rel_err, run_interpreted
@@ -247,6 +247,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
     from kernels.mxfp4_moe import moe_mxfp4_reference, pair_columns
     from kernels.mxfp4_moe_triton import MXFP4MoEConfig, moe_mxfp4_triton, quantize_paired_triton
     from tests.kernels.test_mxfp4_moe import experts, rel_err, routing
+    torch.manual_seed(0)
     binades = torch.exp2(torch.randint(-6, 6, (37, 3, 1)).float())
     x = torch.randn(37, 384) * binades.repeat_interleave(128, 1).reshape(37, 384)
     for ue8m0 in (False, True):
@@ -268,16 +269,19 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
         wts, ids = routing(t, k, e + offset, seed=t, only=only)
         xb = torch.randn(t, d).bfloat16()
         local = [wi[offset:] if offset else wi for wi in w]
-        for mode, tol in (("w4a8", 3e-3), ("w4a16", 1e-2)):
+        unquantized = moe_mxfp4_reference(xb.float(), *local, wts, ids, limit, "w4a16", offset)
+        for mode, tol in (("w4a8", 1e-2), ("w4a16", 1e-2)):
             out = moe_mxfp4_triton(xb, *local, wts, ids, limit, offset, mode=mode, config=cfg)
             ref = moe_mxfp4_reference(xb, *local, wts, ids, limit, mode, offset)
             assert out.dtype == torch.float32 and not out.isnan().any()
             err = rel_err(out, ref)
-            # W4A8: same operands and fp32 sums, but silu differs from torch's by an ulp, which
-            # can move h's amax (its scale) or a value across an e4m3 rounding boundary (a 2^-4
-            # step): a few such flips on these tiny shapes. W4A16: the reference rounds
-            # gate/up to bf16 as the model does, the kernel keeps them in fp32.
+            # W4A8: same operands, but fp32 sums in another order and silu an ulp off torch's
+            # move a few h values across an e4m3 rounding boundary (a 2^-4 step each): 1e-4 ..
+            # 4e-3 on these few rows, always far below the quantization error itself (~4 %).
+            # W4A16: the reference rounds gate/up to bf16 as the model does, the kernel not.
             assert err < tol, (mode, t, k, only, err)
+            if mode == "w4a8":
+                assert err < 0.25 * rel_err(ref, unquantized), (t, k, only, err)
     print("interpreter ok")
     """
 )
@@ -325,7 +329,7 @@ def test_gpu_kernels_match_references(mode):
         pytest.skip("e4m3 MMA needs SM89+")
     e, d, inter = 16, 1024, 512
     w = experts(e, d, inter, seed=7, device="cuda", spread=12)  # folds past shift -8: cvt.rn rounding
-    tol = 3e-3 if mode == "w4a8" else 1e-2  # as in the interpreted test
+    tol = 5e-3 if mode == "w4a8" else 1e-2  # see the interpreted test; more rows average here
     for t, k, only in [(1, 6, None), (4, 6, None), (64, 6, list(range(0, 16, 2))), (300, 1, [5]),
                        (513, 6, list(range(6, 16)))]:
         wts, ids = routing(t, k, e, seed=t, device="cuda", only=only)
