@@ -22,6 +22,11 @@ sequences of one request that run the same prompt chunk in the same step compute
 the others get a clone of the resulting state and the same logits (they sample with their
 own generators).
 
+Prefix caching restores whole states from snapshots taken at block boundaries
+(server/v4_prefix_cache.py): each step's ``SchedulerOutput.prefix_snapshots`` says which
+snapshots to drop, which sequences start from which snapshot, and where a chunk's state is
+cloned (the chunk's forward is split there).
+
 The block manager accounts each state's rows in the specs of server/v4_kv_specs.py.
 Tensor parallelism and CUDA graphs are not implemented for these models yet (one error line
 and one log line at start-up).
@@ -39,6 +44,7 @@ from server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from server.kv_cache_spec import KVCacheSpec, max_num_blocks, plan_groups
 from server.runner import ModelRunner, PendingStep, StepPlan, StepResult
 from server.scheduler import SchedulerOutput
+from server.v4_prefix_cache import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
@@ -46,13 +52,17 @@ logger = logging.getLogger(__name__)
 @dataclass
 class V4StepPlan(StepPlan):
     """:class:`StepPlan` plus which sequence each chunk belongs to and, for a prompt chunk, a key
-    that names identical work (same request, start and length) so siblings share it."""
+    that names identical work (same request, start and length) so siblings share it; the
+    prefix-cache snapshots to restore before the step (seq_id, key) and to take in each chunk
+    ([(position, key)])."""
 
     seq_ids: list[int] = field(default_factory=list)
     share_keys: list[str | None] = field(default_factory=list)
+    restores: list[tuple[int, str]] = field(default_factory=list)
+    takes: list[list[tuple[int, str]]] = field(default_factory=list)
 
     def to_wire(self) -> list:
-        return super().to_wire() + [self.seq_ids, self.share_keys]
+        return super().to_wire() + [self.seq_ids, self.share_keys, self.restores, self.takes]
 
 
 @torch.inference_mode()
@@ -105,6 +115,7 @@ class V4FamilyRunner(ModelRunner):
         self.states: dict[int, object] = {}  # seq_id -> the model's per-request state
         self._has_head = hasattr(model, "compute_logits")  # V4: hidden states out; V4.1: logits
         self.num_shared_chunks = 0  # prompt chunks a sibling (n > 1) took from another's forward
+        self.snapshots = SnapshotStore()  # prefix-cache state snapshots
 
     # ---- state lifetime ---------------------------------------------------------------------
     def release(self, seq_ids) -> None:
@@ -115,6 +126,8 @@ class V4FamilyRunner(ModelRunner):
     def _drop_preempted(self, out: SchedulerOutput) -> None:
         for sid in out.preempted_seq_ids:
             self.states.pop(sid, None)
+        if out.prefix_snapshots is not None:
+            self.snapshots.drop(out.prefix_snapshots.drops)
 
     def _state_at(self, seq_id: int, start: int):
         if start == 0:
@@ -136,7 +149,11 @@ class V4FamilyRunner(ModelRunner):
             keys.append(f"{seq.request_id}\0{entry.start_pos}\0{entry.num_new_tokens}"
                         if in_prompt and not entry.num_placeholder_tokens and seq.sampling_params.n > 1 else None)
         fields = {k: getattr(plan, k) for k in StepPlan.__dataclass_fields__}
-        return V4StepPlan(**fields, seq_ids=[e.seq.seq_id for e in out.scheduled], share_keys=keys), fills
+        ops = out.prefix_snapshots
+        seq_ids = [e.seq.seq_id for e in out.scheduled]
+        restores = sorted(ops.restores.items()) if ops is not None else []
+        takes = [ops.takes.get(sid, []) for sid in seq_ids] if ops is not None else [[] for _ in seq_ids]
+        return V4StepPlan(**fields, seq_ids=seq_ids, share_keys=keys, restores=restores, takes=takes), fills
 
     def _forward(self, ids: torch.Tensor, state, rows: list[int]) -> torch.Tensor | None:
         """Advance ``state`` by ``ids``; float32 logits of chunk rows ``rows`` (None if none)."""
@@ -155,21 +172,28 @@ class V4FamilyRunner(ModelRunner):
         wanted, j = plan.logit_rows, 0
         parts: list[torch.Tensor] = []
         shared: dict[str, tuple[object, list[int], torch.Tensor | None]] = {}
+        for sid, snapshot in plan.restores:
+            self.states[sid] = self.snapshots.restore(snapshot)
         offset = 0
-        for sid, start, q, key in zip(plan.seq_ids, plan.context_lens, plan.query_lens, plan.share_keys):
+        for sid, start, q, key, takes in zip(plan.seq_ids, plan.context_lens, plan.query_lens, plan.share_keys,
+                                             plan.takes):
             rows = []
             while j < len(wanted) and wanted[j] < offset + q:
                 rows.append(wanted[j] - offset)
                 j += 1
             done = shared.get(key) if key is not None else None
-            if done is not None and done[1] == rows and (start == 0 or sid in self.states):
+            if done is not None and done[1] == rows and not takes and (start == 0 or sid in self.states):
                 self._state_at(sid, start)  # checks the position
                 self.states[sid] = done[0].clone()
                 self.num_shared_chunks += 1
                 logits = done[2]
             else:
                 state = self._state_at(sid, start)
-                logits = self._forward(input_ids[offset:offset + q], state, rows)
+                if takes:
+                    logits = self.snapshots.forward(self._forward, input_ids[offset:offset + q], state, rows,
+                                                    start, takes)
+                else:
+                    logits = self._forward(input_ids[offset:offset + q], state, rows)
                 if key is not None:
                     shared[key] = (state, rows, logits)
             if logits is not None:
