@@ -96,7 +96,6 @@ class _Snapshot:
     num_tokens: int
     pages: list[list[int]]  # per group, the page ids it holds
     pinned: bool = True  # not evictable (restored or planned in the current pass)
-    ready: bool = False  # its step has been handed out: later passes may hit it
 
 
 class PrefixSnapshots:
@@ -125,14 +124,14 @@ class PrefixSnapshots:
 
     # ---- admission ---------------------------------------------------------------------------
     def find(self, seq: Sequence, max_blocks: int) -> tuple[int, bytes | None]:
-        """(tokens, key) of the longest ready snapshot at a boundary of at most ``max_blocks``
+        """(tokens, key) of the longest snapshot at a boundary of at most ``max_blocks``
         blocks of ``seq``; (0, None) when there is none."""
         if not self._index or max_blocks <= 0:
             return 0, None
         hashes = self._hash_upto(seq, max_blocks)
         for n in range(max_blocks, 0, -1):
             snap = self._index.get(hashes[n - 1])
-            if snap is not None and snap.ready:
+            if snap is not None:
                 return n * self.block_size, hashes[n - 1]
         return 0, None
 
@@ -148,7 +147,7 @@ class PrefixSnapshots:
             seq.block_tables = [[] for _ in self._pools]
             return
         snap = self._index.get(hit.snapshot)
-        if snap is None or not snap.ready or snap.num_tokens != hit.num_tokens:
+        if snap is None or snap.num_tokens != hit.num_tokens:
             raise RuntimeError(f"snapshot for {seq!r} is no longer cached; look it up again")
         self._pin(hit.snapshot, snap)
         self._index.move_to_end(hit.snapshot)
@@ -181,7 +180,8 @@ class PrefixSnapshots:
 
     # ---- the end of a scheduling pass -------------------------------------------------------
     def end_pass(self, entries) -> SnapshotOps:
-        """Plan the snapshots the scheduled chunks cross, unpin, and hand out the step's ops."""
+        """Plan the snapshots the scheduled chunks cross, unpin, and hand out the step's ops. The
+        planned ones enter the index only now, so only later passes can hit them."""
         bs = self.block_size
         for entry in entries:
             seq = entry.seq
@@ -193,7 +193,7 @@ class PrefixSnapshots:
         for key in self._pinned:
             snap = self._index.get(key)
             if snap is not None and snap.pinned:
-                snap.pinned, snap.ready = False, True
+                snap.pinned = False
                 for pool, pages in zip(self._pools, snap.pages):
                     pool.num_reclaimable += len(pages)
         self._pinned.clear()
