@@ -17,9 +17,11 @@ from server.sampling_params import SamplingParams
 from server.scheduler import ScheduledSeq
 from server.sequence import Sequence
 from server.v4_kv_specs import v4_family_kv_cache_specs
-from tests.server.test_v4_serving import (  # noqa: F401  (fixtures)
-    V4, V41, assert_no_leaks, golden, make_core, one_torch_thread, run, tokenizer_dir,
-)
+from tests.server import test_v4_serving as serving
+from tests.server.test_v4_serving import V4, V41, assert_no_leaks, golden, make_core, run
+
+tokenizer_dir = serving.tokenizer_dir  # the fixtures' servable tokenizer (a pytest fixture)
+one_torch_thread = serving.one_torch_thread
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 ARITH = os.path.join(ROOT, "configs", "arith-v41")
@@ -132,7 +134,7 @@ def test_batch_invariance_with_prefix_hits(fixture, count, blocks, tokenizer_dir
         assert (core.runner.num_overlapped_steps > 0) == asynchronous
 
 
-def test_bundled_arith_v41_hits_match_cold(tokenizer_dir):
+def test_bundled_arith_v41_hits_match_cold():
     """configs/arith-v41 (real weights, its own tokenizer): few-shot prompts sharing their shots."""
     from server.config import EngineConfig
     from server.engine_core import EngineCore
@@ -167,7 +169,7 @@ def schedule_prefill(bm: BlockManager, seq: Sequence, hit=None):
 
 
 def test_snapshot_pages_are_free_evictable_and_pinned_while_restored():
-    bm = BlockManager(4, 16, True, v41_specs(16, slots=2), max_num_seqs=2)
+    bm = BlockManager(8, 16, True, v41_specs(16, slots=2), max_num_seqs=2)
     total = bm.num_total_blocks
     a = Sequence(0, "a", list(range(40)), SamplingParams(max_tokens=1))
     _, ops = schedule_prefill(bm, a)
@@ -188,10 +190,10 @@ def test_snapshot_pages_are_free_evictable_and_pinned_while_restored():
     bm.check_invariants([b])
     bm.free(b)
     # A request that needs every page evicts the snapshot whole; the runner is told to drop it.
-    c = Sequence(2, "c", [7] * 64, SamplingParams(max_tokens=1))
-    assert bm.can_allocate(c, 64)
-    bm.allocate(c, 64)
-    _, ops = bm.find_prefix(c), bm.end_snapshot_pass([])
+    c = Sequence(2, "c", [7] * 128, SamplingParams(max_tokens=1))
+    assert bm.can_allocate(c, 128)
+    bm.allocate(c, 128)
+    ops = bm.end_snapshot_pass([])
     assert len(ops.drops) == 1 and len(bm.snapshots) == 0
     bm.check_invariants([c])
     bm.free(c)
