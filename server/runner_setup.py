@@ -27,6 +27,7 @@ from server.kv_cache_spec import max_tokens_per_seq, plan_groups
 from server.runner import ModelRunner, determine_num_blocks, model_kv_cache_specs
 from server.scheduler import resolve_max_num_batched_tokens
 from server.v4_kv_specs import describe_v4_capacity, v4_family_kv_cache_specs
+from server.v4_prefix_cache import describe_snapshot_policy
 from server.v4_runner import V4FamilyRunner, v4_num_blocks
 
 logger = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
                            agree_num_blocks: Callable[[int], int] | None = None) -> RunnerSetup:
     """V4 / V4.1: the model with its per-request states (this rank's shard under ``par``), the
     cache specs of server/v4_kv_specs.py sized from the byte budget (the TP group's minimum),
-    no prefix caching, no decode graphs."""
+    prefix caching by state snapshots (server/v4_prefix_cache.py), no decode graphs."""
     if par is not None:
         check_v4_family_parallel(config, model_dir)
     if config.load_format != "auto":
@@ -167,15 +168,19 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
     else:
         dtype = DTYPE_NAMES[config.dtype]
     model = load_v4_family(model_dir, dtype, device, par)
+    # Prefix caching: room for one snapshot per running request in the fixed-size pools.
+    slots = config.max_num_seqs if config.enable_prefix_caching else 0
     if config.enable_prefix_caching:
-        logger.info("prefix caching is off for %s: a cached prefix cannot restore the compressor state and "
-                    "sliding window", model.config.model_type)
-        config.enable_prefix_caching = False
+        logger.info("prefix caching is on for %s: %s", model.config.model_type,
+                    describe_snapshot_policy(envs.MLASERVE_V4_PREFIX_SNAPSHOT_INTERVAL, config.block_size, slots))
+    else:
+        logger.info("prefix caching is off for %s (--no-enable-prefix-caching)", model.config.model_type)
     if device.type == "cuda" and config.cudagraph_mode != "NONE":
         logger.info("CUDA graphs are not captured for DeepSeek-V4-family models: decode runs eagerly")
     max_model_len = resolve_max_model_len(config, model.config)
     step_tokens = resolve_max_num_batched_tokens(config, max_model_len)
-    specs = v4_family_kv_cache_specs(model.config, config.block_size, config.kv_cache_dtype, dtype, step_tokens)
+    specs = v4_family_kv_cache_specs(model.config, config.block_size, config.kv_cache_dtype, dtype, step_tokens,
+                                     snapshot_slots=slots)
     num_blocks = v4_num_blocks(config, specs, device, model, min(step_tokens, max_model_len))
     if agree_num_blocks is not None:
         num_blocks = agree_num_blocks(num_blocks)

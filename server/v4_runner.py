@@ -22,6 +22,11 @@ sequences of one request that run the same prompt chunk in the same step compute
 the others get a clone of the resulting state and the same logits (they sample with their
 own generators).
 
+Prefix caching restores whole states from snapshots taken at block boundaries
+(server/v4_prefix_cache.py): each step's ``SchedulerOutput.prefix_snapshots`` says which
+snapshots to drop, which sequences start from which snapshot, and where a chunk's state is
+cloned (the chunk's forward is split there).
+
 The block manager accounts each state's rows in the specs of server/v4_kv_specs.py.
 
 Tensor / data parallelism (model/v4_parallel.py): every TP rank keeps its own copy of every
@@ -45,6 +50,7 @@ from server.kv_cache_spec import KVCacheSpec, max_num_blocks, plan_groups
 from server.runner import ModelRunner, PendingStep, StepPlan, StepResult
 from server.scheduler import SchedulerOutput
 from server.v4_dp_lockstep import ForwardLockstep
+from server.v4_prefix_cache import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +58,20 @@ logger = logging.getLogger(__name__)
 @dataclass
 class V4StepPlan(StepPlan):
     """:class:`StepPlan` plus which sequence each chunk belongs to and, for a prompt chunk, a key
-    that names identical work (same request, start and length) so siblings share it."""
+    that names identical work (same request, start and length) so siblings share it; the
+    prefix-cache snapshots to restore before the step (seq_id, key) and to take in each chunk
+    ([(position, key)]), so TP workers keep the same snapshots."""
 
     seq_ids: list[int] = field(default_factory=list)
     share_keys: list[str | None] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # states to drop before this step (TP workers)
+    snapshot_drops: list[str] = field(default_factory=list)  # evicted snapshots to drop first (TP workers)
+    restores: list[tuple[int, str]] = field(default_factory=list)
+    takes: list[list[tuple[int, str]]] = field(default_factory=list)
 
     def to_wire(self) -> list:
-        return super().to_wire() + [self.seq_ids, self.share_keys, self.released]
+        return super().to_wire() + [self.seq_ids, self.share_keys, self.released, self.snapshot_drops,
+                                    self.restores, self.takes]
 
 
 @torch.inference_mode()
@@ -116,6 +128,8 @@ class V4FamilyRunner(ModelRunner):
         self.num_shared_chunks = 0  # prompt chunks a sibling (n > 1) took from another's forward
         self._released: list[int] = []  # dropped since the last plan, for the TP workers
         self.lockstep = ForwardLockstep(model.par, self._dummy_forward)
+        self.snapshots = SnapshotStore()  # prefix-cache state snapshots
+        self._dropped_snapshots: list[str] = []  # evicted since the last plan, for the TP workers
 
     # ---- state lifetime ---------------------------------------------------------------------
     def release(self, seq_ids) -> None:
@@ -124,6 +138,10 @@ class V4FamilyRunner(ModelRunner):
 
     def _drop_preempted(self, out: SchedulerOutput) -> None:
         self._drop_states(out.preempted_seq_ids)
+        if out.prefix_snapshots is not None and out.prefix_snapshots.drops:
+            self.snapshots.drop(out.prefix_snapshots.drops)
+            if self.plan_broadcaster is not None:
+                self._dropped_snapshots += out.prefix_snapshots.drops
 
     def _drop_states(self, seq_ids) -> None:
         for sid in seq_ids:
@@ -150,9 +168,14 @@ class V4FamilyRunner(ModelRunner):
             keys.append(f"{seq.request_id}\0{entry.start_pos}\0{entry.num_new_tokens}"
                         if in_prompt and not entry.num_placeholder_tokens and seq.sampling_params.n > 1 else None)
         fields = {k: getattr(plan, k) for k in StepPlan.__dataclass_fields__}
+        ops = out.prefix_snapshots
+        seq_ids = [e.seq.seq_id for e in out.scheduled]
+        restores = sorted(ops.restores.items()) if ops is not None else []
+        takes = [ops.takes.get(sid, []) for sid in seq_ids] if ops is not None else [[] for _ in seq_ids]
         released, self._released = self._released, []
-        return V4StepPlan(**fields, seq_ids=[e.seq.seq_id for e in out.scheduled], share_keys=keys,
-                          released=released), fills
+        dropped, self._dropped_snapshots = self._dropped_snapshots, []
+        return V4StepPlan(**fields, seq_ids=seq_ids, share_keys=keys, released=released, snapshot_drops=dropped,
+                          restores=restores, takes=takes), fills
 
     def _forward(self, ids: torch.Tensor, state, rows: list[int]) -> torch.Tensor | None:
         """Advance ``state`` by ``ids``; float32 logits of chunk rows ``rows`` (None if none)."""
@@ -168,27 +191,35 @@ class V4FamilyRunner(ModelRunner):
         """Every chunk through its sequence's state; float32 logits of ``plan.logit_rows``."""
         for sid in plan.released:  # a TP worker: the engine dropped these states
             self.states.pop(sid, None)
+        self.snapshots.drop(plan.snapshot_drops)  # a TP worker: and evicted these snapshots
         input_ids = self._input_ids(plan, fills, pending)
         if profile is not None:
             self.step_profiler.mark(profile, "plan")
         wanted, j = plan.logit_rows, 0
         parts: list[torch.Tensor] = []
         shared: dict[str, tuple[object, list[int], torch.Tensor | None]] = {}
+        for sid, snapshot in plan.restores:
+            self.states[sid] = self.snapshots.restore(snapshot)
         offset = 0
-        for sid, start, q, key in zip(plan.seq_ids, plan.context_lens, plan.query_lens, plan.share_keys):
+        for sid, start, q, key, takes in zip(plan.seq_ids, plan.context_lens, plan.query_lens, plan.share_keys,
+                                             plan.takes):
             rows = []
             while j < len(wanted) and wanted[j] < offset + q:
                 rows.append(wanted[j] - offset)
                 j += 1
             done = shared.get(key) if key is not None else None
-            if done is not None and done[1] == rows and (start == 0 or sid in self.states):
+            if done is not None and done[1] == rows and not takes and (start == 0 or sid in self.states):
                 self._state_at(sid, start)  # checks the position
                 self.states[sid] = done[0].clone()
                 self.num_shared_chunks += 1
                 logits = done[2]
             else:
                 state = self._state_at(sid, start)
-                logits = self._forward(input_ids[offset:offset + q], state, rows)
+                if takes:
+                    logits = self.snapshots.forward(self._forward, input_ids[offset:offset + q], state, rows,
+                                                    start, takes)
+                else:
+                    logits = self._forward(input_ids[offset:offset + q], state, rows)
                 if key is not None:
                     shared[key] = (state, rows, logits)
             if logits is not None:
