@@ -18,7 +18,7 @@ from model.config import ModelConfig, load_model_config
 from model.deepseek import DeepseekForCausalLM
 from model.loader import DTYPE_NAMES, CheckpointError, load_model
 from model.parallel import ParallelContext
-from model.v4_family import V4_FAMILY_MODEL_TYPES, load_v4_family
+from model.v4_family import V4_FAMILY_MODEL_TYPES, load_v4_family, random_v4_family
 from server import envs
 from server.config import EngineConfig
 from server.cuda_graphs import maybe_capture
@@ -121,12 +121,11 @@ def check_v4_family_parallel(config: EngineConfig, model_dir: str) -> None:
 
 def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.device,
                            par: ParallelContext | None) -> RunnerSetup:
-    """V4 / V4.1: the model with its per-request states, the cache specs of server/v4_kv_specs.py
-    sized from the byte budget, no prefix caching, no decode graphs."""
+    """V4 / V4.1: the model (``--load-format dummy``: random weights made on the device) with its
+    per-request states, the cache specs of server/v4_kv_specs.py sized from the byte budget, no
+    prefix caching, no decode graphs."""
     if par is not None:
         check_v4_family_parallel(config, model_dir)
-    if config.load_format != "auto":
-        raise CheckpointError("--load-format: DeepSeek-V4-family checkpoints load only from their files (auto)")
     if config.kv_cache_dtype != "auto":
         # The per-request states hold their rows in the model dtype; planning memory with the
         # smaller FP8 records would admit more requests than the device holds.
@@ -136,7 +135,10 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     else:
         dtype = DTYPE_NAMES[config.dtype]
-    model = load_v4_family(model_dir, dtype, device)
+    if config.load_format == "dummy":
+        model = random_v4_family(model_dir, dtype, device, config.seed)
+    else:
+        model = load_v4_family(model_dir, dtype, device)
     if config.enable_prefix_caching:
         logger.info("prefix caching is off for %s: a cached prefix cannot restore the compressor state and "
                     "sliding window", model.config.model_type)
