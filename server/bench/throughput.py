@@ -90,7 +90,8 @@ def v4_preset_config(config: dict, num_layers: int | None) -> dict:
     per-layer lists cut, V4.1's KV / index / candidate source and engram layer ids kept only
     below the cut (the candidate source becomes -1, none, when cut away), MTP / DSpark layers
     dropped, engram tables capped at :data:`PRESET_ENGRAM_ROWS` rows (one log line). A cut
-    that is no valid model is one :class:`ModelSpecError` line."""
+    that is no valid model, or has no compressed layer to size the KV cache by, is one
+    :class:`ModelSpecError` line."""
     from model.config import ConfigError, parse_model_config
     from model.v4_checkpoint import slice_config
     from model.v4_layout import text_config
@@ -99,11 +100,17 @@ def v4_preset_config(config: dict, num_layers: int | None) -> dict:
     flag = "--num-layers" if num_layers is None else f"--num-layers {num_layers}"
     try:
         out = slice_config(config, num_layers, engram_rows=PRESET_ENGRAM_ROWS if rows else None, with_mtp=False)
-        parse_model_config(out)
+        cut = parse_model_config(out)
     except ConfigError as exc:
         raise ModelSpecError(f"{flag}: the cut preset is not a valid model: {exc}") from None
     except ValueError as exc:
         raise ModelSpecError(str(exc) if str(exc).startswith("--") else f"{flag}: {exc}") from None
+    if not any(cut.compress_ratios):
+        ratios = [int(r) for r in text_config(config).get("compress_ratios") or []]
+        first = next((i for i, r in enumerate(ratios) if r), None)
+        hint = f"; use at least {first + 1}" if first is not None else ""
+        raise ModelSpecError(f"{flag}: the cut has sliding-window layers only, and the V4-family engine sizes its "
+                             f"KV cache from the compressed layers{hint}")
     kept = [r for r, layer in zip(rows, text_config(config).get("engram_layer_ids") or [])
             if layer in (text_config(out).get("engram_layer_ids") or [])]
     if kept and max(kept) > PRESET_ENGRAM_ROWS:
