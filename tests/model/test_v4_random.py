@@ -92,3 +92,16 @@ def test_synthetic_token_map_covers_the_compressed_vocabulary():
     ids, _ = hasher(torch.arange(cfg.vocab_size), [])
     for j, rows in enumerate(cfg.engram_num_embeddings):
         assert 0 <= ids[:, j].min() and ids[:, j].max() < rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,cls", PRESETS)
+def test_random_model_is_made_on_the_gpu(preset, cls, tmp_path):
+    write_checkpoint_metadata(load_config_dict(preset), str(tmp_path))
+    model = random_v4_family(str(tmp_path), torch.bfloat16, "cuda", seed=0)
+    assert all(t.is_cuda for t in (*model.parameters(), *model.buffers()))
+    again = random_v4_family(str(tmp_path), torch.bfloat16, "cuda", seed=0)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in model.state_dict().items())
+    out = model(torch.arange(1, 21, device="cuda"), model.new_state())
+    logits = model.compute_logits(out) if hasattr(model, "compute_logits") else out
+    assert torch.isfinite(logits).all()
