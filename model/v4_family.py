@@ -11,6 +11,7 @@ import torch
 
 from model.config import V41_MODEL_TYPES
 from model.loader import CheckpointError
+from model.parallel import ParallelContext
 from model.v4.model import DeepseekV4ForCausalLM, load_deepseek_v4
 from model.v4_loader import read_config_json, read_v4_config
 from model.v4_random import init_random_weights, initializer_std
@@ -22,24 +23,27 @@ logger = logging.getLogger(__name__)
 V4_FAMILY_MODEL_TYPES = ("deepseek_v4", *V41_MODEL_TYPES)
 
 
-def load_v4_family(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16,
-                   device: str | torch.device = "cpu") -> DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
+def load_v4_family(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                   par: ParallelContext | None = None) -> DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
     """The V4 or V4.1 model of ``checkpoint_dir``, weights loaded (and, for V4.1, the tokenizer
-    bound). Both take one request's next tokens and a ``new_state()``; V4's forward returns
-    hidden states (``compute_logits`` makes logits), V4.1's returns float32 logits."""
+    bound); ``par``: this rank's shard under TP / DP / EP. Both take one request's next tokens
+    and a ``new_state()``; V4's forward returns hidden states (``compute_logits`` makes logits),
+    V4.1's returns float32 logits."""
     model_type = read_config_json(checkpoint_dir).get("model_type")
     if model_type == "deepseek_v4":
-        return load_deepseek_v4(checkpoint_dir, dtype, device)
+        return load_deepseek_v4(checkpoint_dir, dtype, device, par)
     if model_type in V41_MODEL_TYPES:
-        return load_deepseek_v41(checkpoint_dir, dtype, device)
+        return load_deepseek_v41(checkpoint_dir, dtype, device, par)
     raise CheckpointError(f"{checkpoint_dir!r} holds model_type {model_type!r}, not one of the "
                           f"DeepSeek-V4 family ({', '.join(V4_FAMILY_MODEL_TYPES)})")
 
 
 def random_v4_family(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                     seed: int = 0) -> DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
-    """The model ``config.json`` describes, built on ``device`` with random weights
-    (model/v4_random.py; the same ``seed`` gives the same weights); no weight files are read.
+                     seed: int = 0, par: ParallelContext | None = None,
+                     ) -> DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
+    """The model ``config.json`` describes (this rank's shard under ``par``), built on ``device``
+    with random weights (model/v4_random.py; the same ``seed`` gives the same weights, and the
+    ranks of a group the same replicated tensors); no weight files are read.
 
     V4.1's engram hasher takes the directory's ``tokenizer.json`` when its compressed vocabulary
     has the config's size, else the synthetic ``id mod engram_compressed_vocab_size`` map (one
@@ -47,7 +51,7 @@ def random_v4_family(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16, d
     config = read_v4_config(checkpoint_dir, V4_FAMILY_MODEL_TYPES)
     cls = DeepseekV4ForCausalLM if config.model_type == "deepseek_v4" else DeepseekV41ForCausalLM
     with torch.device(device):
-        model = cls(config, dtype)
+        model = cls(config, dtype, par)
     init_random_weights(model, seed, initializer_std(config), config.n_routed_experts)
     if cls is DeepseekV41ForCausalLM and config.engram_layer_ids:
         tokenizer = os.path.join(checkpoint_dir, "tokenizer.json")

@@ -46,6 +46,8 @@ from model.v41.mhc import (
 )
 from model.v41.moe import MoE
 from model.v41.state import RequestState
+from model.parallel import ParallelContext, StepRows
+from model.v4_parallel import final_rows, first_rows, row_parallel_site, shard_spec, vocab_embedding
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +69,18 @@ def split_unused_weights(names) -> tuple[list[str], list[str]]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype,
+                 par: ParallelContext | None = None) -> None:
         super().__init__()
         c = config
         self.layer_idx = layer_idx
+        self.par = par = par or ParallelContext()
         self.norm_eps, self.hc_eps, self.sinkhorn_iters = c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters
-        self.attn = Attention(c, layer_idx, dtype)
-        self.ffn = MoE(c, dtype)
+        self.attn = Attention(c, layer_idx, dtype, par.tp_size)
+        self.ffn = MoE(c, dtype, par)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
-        self.engram = Engram(c, layer_idx, dtype) if layer_idx in c.engram_layer_ids else None
+        self.engram = Engram(c, layer_idx, dtype, par) if layer_idx in c.engram_layer_ids else None
         mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size
         for site in ("attn", "ffn"):
             setattr(self, f"hc_{site}_fn", nn.Parameter(torch.empty(mix, width, dtype=torch.float32)))
@@ -88,10 +92,13 @@ class DecoderLayer(nn.Module):
                                 getattr(self, f"hc_{site}_scale"), hc_eps=self.hc_eps,
                                 sinkhorn_iters=self.sinkhorn_iters, norm_eps=self.norm_eps)
 
-    def forward(self, streams, pre, hash_ids, positions, rope, state, step):
-        """streams [T, hc, D], pre [T, hc] from the previous site -> (streams, this FFN site's pre)."""
-        return self.run_sites(streams, pre, hash_ids,
-                              lambda x: self.attn(x, positions, rope, state, step), self.ffn)
+    def forward(self, streams, pre, hash_ids, positions, rope, state, step, rows: StepRows | None = None):
+        """streams [T, hc, D], pre [T, hc] from the previous site -> (streams, this FFN site's pre).
+        Under TP the streams are this rank's rows of the step's ``positions`` (model/v4_parallel.py)."""
+        n = positions.shape[0]
+        attend = row_parallel_site(self.par, n, lambda x: self.attn(x, positions, rope, state, step))
+        feed_forward = row_parallel_site(self.par, n, lambda x: self.ffn(x, rows=rows))
+        return self.run_sites(streams, pre, hash_ids, attend, feed_forward)
 
     def run_sites(self, streams, pre, hash_ids, attend, feed_forward):
         """The layer's schedule with the attention and FFN given as functions of their normed
@@ -107,22 +114,25 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, config: V41Config, dtype: torch.dtype) -> None:
+    def __init__(self, config: V41Config, dtype: torch.dtype, par: ParallelContext) -> None:
         super().__init__()
         c = config
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers))
+        self.embed = vocab_embedding(c.vocab_size, c.hidden_size, par, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, par) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.main_rope = RotaryTable(c.qk_rope_head_dim, c.main_rope)
         self.compress_rope = RotaryTable(c.qk_rope_head_dim, c.compress_rope)
 
 
 class DeepseekV41ForCausalLM(nn.Module):
-    def __init__(self, config: V41Config, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, config: V41Config, dtype: torch.dtype = torch.bfloat16,
+                 par: ParallelContext | None = None) -> None:
+        """``par``: this rank's place in TP / DP / EP (model/v4_parallel.py); None: one device."""
         super().__init__()
         self.config = config
-        self.model = TextModel(config, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.par = par = par or ParallelContext()
+        self.model = TextModel(config, dtype, par)
+        self.lm_head = nn.Linear(config.hidden_size, -(-config.vocab_size // par.tp_size), bias=False, dtype=dtype)
         self.hasher: EngramHasher | None = None
 
     def bind_tokenizer(self, tokenizer_json_path: str) -> DeepseekV41ForCausalLM:
@@ -177,30 +187,35 @@ class DeepseekV41ForCausalLM(nn.Module):
             if self.hasher is None:
                 raise RuntimeError("this checkpoint has engram layers: call bind_tokenizer(tokenizer.json) first")
             hash_ids, state.engram_history = self.hasher(input_ids, state.engram_history)
-        streams = self.model.embed(input_ids).unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        pre = one_hot_pre(t, c.hc_mult, input_ids.device)
+        par = self.par
+        rows = par.step_rows(t, input_ids.device)
+        x = first_rows(par, t)(self.model.embed(input_ids))
+        streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        pre = one_hot_pre(x.shape[0], c.hc_mult, input_ids.device)
         step: dict = {}
         for layer in self.model.layers:
             rope = self.model.compress_rope if layer.attn.ratio else self.model.main_rope
-            streams, pre = layer(streams, pre, hash_ids, positions, rope, state, step)
-        hidden = self.model.norm(collapse_streams(streams, pre))
+            streams, pre = layer(streams, pre, hash_ids, positions, rope, state, step, rows)
+        hidden = final_rows(par, self.model.norm(collapse_streams(streams, pre)), t)
         state.num_tokens += t
-        return self.lm_head(hidden).float()
+        return par.gather_vocab(self.lm_head(hidden).float())[..., : c.vocab_size]
 
 
 def load_deepseek_v41(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16,
-                      device: str | torch.device = "cpu") -> DeepseekV41ForCausalLM:
+                      device: str | torch.device = "cpu", par: ParallelContext | None = None) -> DeepseekV41ForCausalLM:
     """Build the text model ``config.json`` describes on ``device``, stream its weights in
     (FP8/FP4 dequantized on the CPU to ``dtype``; engram tables keep their scale tensor) and,
     when it has engram layers, bind the checkpoint's ``tokenizer.json``. Errors are one
-    :class:`model.loader.CheckpointError` line."""
+    :class:`model.loader.CheckpointError` line. ``par``: load this rank's shard
+    (model/v4_parallel.py)."""
     config = read_v4_config(checkpoint_dir, ("deepseek_v41", "deepseek_v41_text"))
+    par = par or ParallelContext()
     tokenizer = os.path.join(checkpoint_dir, "tokenizer.json")
     if config.engram_layer_ids and not os.path.isfile(tokenizer):
         raise CheckpointError(f"{checkpoint_dir!r} has engram layers but no tokenizer.json to hash tokens with")
     with torch.device(device):
-        model = DeepseekV41ForCausalLM(config, dtype)
-    load_v4_into_module(model, checkpoint_dir, device=device)
+        model = DeepseekV41ForCausalLM(config, dtype, par)
+    load_v4_into_module(model, checkpoint_dir, device=device, shard_spec=shard_spec(par))
     if config.engram_layer_ids:
         model.bind_tokenizer(tokenizer)
     return model.eval()

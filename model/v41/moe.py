@@ -10,6 +10,11 @@ expert (same clamp, weight 1) runs on every token; outputs accumulate in fp32.
 V4's router and packed experts (``model.v4.moe``) are not reused as modules: V4.1 adds the
 gate temperature and ``bias_vl``, keeps HF-V4.1's per-expert ``w1``/``w2``/``w3`` tensors,
 weights an expert before ``w2`` rather than after, and runs the SwiGLU in fp32.
+
+Under a ParallelContext (model/v4_parallel.py) ``experts`` holds this rank's experts (another
+rank's index is an empty placeholder, so tensor names keep their global expert id) or a slice
+of every expert's intermediate dim, the shared expert its intermediate slice, and the block
+returns this rank's partial sum.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.v4.moe import clamped_swiglu, normalize_routing_weights, sqrt_softplus
+from model.layers.linear import divide
+from model.parallel import ParallelContext, StepRows
 from model.v41.config import V41Config
+from model.v4_parallel import local_experts, routed_experts
 
 
 class Router(nn.Module):
@@ -62,22 +70,39 @@ class Expert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: V41Config, dtype: torch.dtype) -> None:
+    def __init__(self, config: V41Config, dtype: torch.dtype, par: ParallelContext | None = None) -> None:
         super().__init__()
         c = config
+        self.par = par = par or ParallelContext()
         self.num_experts = c.n_routed_experts
         self.gate = Router(c, dtype)
+        local, inter = local_experts(c.n_routed_experts, c.moe_intermediate_size, par)
+        self.local_experts = local
         self.experts = nn.ModuleList(
-            Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype) for _ in range(c.n_routed_experts)
+            Expert(c.hidden_size, inter, c.swiglu_limit, dtype) if e in local else nn.Identity()
+            for e in range(c.n_routed_experts)
         )
-        self.shared_experts = Expert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, dtype)
+        shared = divide(c.moe_intermediate_size * c.n_shared_experts, par.tp_size, "shared expert intermediate size")
+        self.shared_experts = Expert(c.hidden_size, shared, c.swiglu_limit, dtype)
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
-        weights, ids = self.gate(x, image_mask)
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Σ of this rank's chosen experts, fp32 [N, hidden]."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(ids).tolist():
+            if e not in self.local_experts:
+                continue  # another rank's expert
             rows, slot = torch.where(ids == e)
             out[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()
+        return out
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,
+                rows: StepRows | None = None) -> torch.Tensor:
+        """x [N, hidden] → [N, hidden] (this rank's partial sum under TP / EP; ``rows``: the
+        step's layout under DP)."""
+        def route(xr, start, stop):
+            return self.gate(xr, None if image_mask is None else image_mask[start:stop])
+
+        out = routed_experts(self.par, rows, x, route, self.routed)
         out += self.shared_experts(x).float()
         return out.to(x.dtype)
 

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 
 from torch import nn
 
+from model.v4.moe import PackedExperts
+
 H200_HBM_BYTES_PER_S = 4.8e12
 
 
@@ -56,18 +58,21 @@ def _nbytes(module: nn.Module) -> int:
 
 
 def decode_weights(model: nn.Module) -> DecodeWeights:
-    """Split a V4 / V4.1 model's tensors into what every step reads, what each request's token
-    reads (its embedding row, its engram rows) and the routed experts (``mlp.experts`` in V4,
-    ``ffn.experts`` in V4.1)."""
+    """Split a V4 / V4.1 model's tensors (this rank's shard) into what every step reads, what
+    each request's token reads (its embedding row, its engram rows) and the routed experts
+    (``mlp.experts`` in V4, ``ffn.experts`` in V4.1)."""
     c = model.config
     layers = model.model.layers
     embed = model.model.embed_tokens if hasattr(model.model, "embed_tokens") else model.model.embed
     routed = 0
     per_request = embed.weight.shape[1] * embed.weight.element_size()
     skipped = _nbytes(embed) if embed.weight is not model.lm_head.weight else 0
+    local = 0  # routed experts this rank holds, over all layers (all of them unless expert parallel)
     for layer in layers:
         moe = layer.mlp if hasattr(layer, "mlp") else layer.ffn
         routed += _nbytes(moe.experts)
+        local += (moe.experts.num_experts if isinstance(moe.experts, PackedExperts)
+                  else sum(1 for e in moe.experts if any(True for _ in e.parameters())))
         engram = getattr(layer, "engram", None)
         if engram is not None:
             table = engram.embed
@@ -76,7 +81,7 @@ def decode_weights(model: nn.Module) -> DecodeWeights:
             skipped += _nbytes(table)
     total = _nbytes(model)
     return DecodeWeights(dense_bytes=total - routed - skipped, per_request_bytes=per_request,
-                         expert_bytes=routed // (len(layers) * c.n_routed_experts), num_experts=c.n_routed_experts,
+                         expert_bytes=routed // max(local, 1), num_experts=c.n_routed_experts,
                          top_k=c.num_experts_per_tok, moe_layers=len(layers))
 
 
