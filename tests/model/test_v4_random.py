@@ -105,3 +105,27 @@ def test_random_model_is_made_on_the_gpu(preset, cls, tmp_path):
     out = model(torch.arange(1, 21, device="cuda"), model.new_state())
     logits = model.compute_logits(out) if hasattr(model, "compute_logits") else out
     assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("preset,cls", PRESETS)
+def test_a_ranks_shard_gets_values_and_its_replicated_tensors_match_the_other_rank(preset, cls, tmp_path):
+    """TP2 with expert parallelism, built per rank (no process groups needed to build): the
+    same seed gives both ranks the same replicated tensors, and each rank half the experts."""
+    from model.parallel import ParallelContext
+    from server.bench.roofline import decode_weights
+
+    write_checkpoint_metadata(load_config_dict(preset), str(tmp_path))
+    ranks = [random_v4_family(str(tmp_path), torch.float32, "cpu", seed=0,
+                              par=ParallelContext(tp_rank=r, tp_size=2, ep_rank=r, ep_size=2)) for r in (0, 1)]
+    states = [m.state_dict() for m in ranks]
+    for name, t in states[0].items():
+        assert torch.isfinite(t.float()).all(), name
+        if name.endswith(("norm.weight", "_fn", "gate.weight")):  # replicated on every rank
+            assert torch.equal(t, states[1][name]), name
+    full_model = random_v4_family(str(tmp_path), torch.float32, "cpu", seed=0)
+    full = decode_weights(full_model)
+    shard = decode_weights(ranks[0])
+    assert shard.expert_bytes == full.expert_bytes  # whole experts per rank, half as many
+    routed = [sum(p.numel() for n, p in m.named_parameters() if ".experts." in n) for m in (ranks[0], full_model)]
+    assert 2 * routed[0] == routed[1]
+
