@@ -53,6 +53,9 @@ class DecodeWeights:
     moe_layers: int
 
 
+_MXFP4_EXPERTS = ("w13_mxfp4", "w13_mxfp4_scale", "w2_mxfp4", "w2_mxfp4_scale")
+
+
 def _nbytes(module: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
@@ -60,7 +63,8 @@ def _nbytes(module: nn.Module) -> int:
 def decode_weights(model: nn.Module) -> DecodeWeights:
     """Split a V4 / V4.1 model's tensors (this rank's shard) into what every step reads, what
     each request's token reads (its embedding row, its engram rows) and the routed experts
-    (``mlp.experts`` in V4, ``ffn.experts`` in V4.1)."""
+    (``mlp.experts`` in V4, ``ffn.experts`` in V4.1, or V4.1's stacked MXFP4 experts when it runs
+    from those: then the per-expert copies are not read)."""
     c = model.config
     layers = model.model.layers
     embed = model.model.embed_tokens if hasattr(model.model, "embed_tokens") else model.model.embed
@@ -70,9 +74,15 @@ def decode_weights(model: nn.Module) -> DecodeWeights:
     local = 0  # routed experts this rank holds, over all layers (all of them unless expert parallel)
     for layer in layers:
         moe = layer.mlp if hasattr(layer, "mlp") else layer.ffn
-        routed += _nbytes(moe.experts)
-        local += (moe.experts.num_experts if isinstance(moe.experts, PackedExperts)
-                  else sum(1 for e in moe.experts if any(True for _ in e.parameters())))
+        stacked = [getattr(moe, n, None) for n in _MXFP4_EXPERTS]
+        if all(t is not None for t in stacked):  # V4.1 running stacked MXFP4 experts: those are read
+            routed += sum(t.numel() * t.element_size() for t in stacked)
+            skipped += _nbytes(moe.experts)
+            local += stacked[0].shape[0]
+        else:
+            routed += _nbytes(moe.experts)
+            local += (moe.experts.num_experts if isinstance(moe.experts, PackedExperts)
+                      else sum(1 for e in moe.experts if any(True for _ in e.parameters())))
         engram = getattr(layer, "engram", None)
         if engram is not None:
             table = engram.embed

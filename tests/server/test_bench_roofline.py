@@ -78,3 +78,15 @@ def test_decode_roofline_against_a_step_profile():
     assert r["fraction_of_roofline"] == pytest.approx(r["roofline_ms"] / 8.0)
     assert "ms per decode step" in format_roofline(r)
     assert decode_roofline(model, {"kinds": {"prefill": profile["kinds"]["prefill"]}}, 0.0) is None
+
+
+def test_decode_weights_count_stacked_mxfp4_experts_when_the_model_runs_them():
+    cfg = parse_model_config(load_config_dict("tiny-v41"))
+    model = DeepseekV41ForCausalLM(cfg, torch.bfloat16)
+    bf16 = decode_weights(model)
+    for layer in model.model.layers:
+        layer.ffn.pack_experts_mxfp4(backend="reference")
+    w = decode_weights(model)
+    # 4-bit codes (two per byte) plus one E8M0 byte per 32 values: 17/64 of the bf16 bytes
+    assert w.expert_bytes == bf16.expert_bytes * 17 // 64
+    assert w.dense_bytes == bf16.dense_bytes  # the per-expert bf16 copies are not read
