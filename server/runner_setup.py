@@ -18,7 +18,7 @@ from model.config import ModelConfig, load_model_config
 from model.deepseek import DeepseekForCausalLM
 from model.loader import DTYPE_NAMES, CheckpointError, load_model
 from model.parallel import ParallelContext
-from model.v4_family import V4_FAMILY_MODEL_TYPES, load_v4_family
+from model.v4_family import V4_FAMILY_MODEL_TYPES, load_v4_family, random_v4_family
 from model.v4_loader import read_v4_config
 from server import envs
 from server.config import EngineConfig
@@ -151,13 +151,12 @@ def v4_layout_problem(c, tp: int, dp: int, expert_parallel: bool) -> str | None:
 def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.device,
                            par: ParallelContext | None,
                            agree_num_blocks: Callable[[int], int] | None = None) -> RunnerSetup:
-    """V4 / V4.1: the model with its per-request states (this rank's shard under ``par``), the
-    cache specs of server/v4_kv_specs.py sized from the byte budget (the TP group's minimum),
-    prefix caching by state snapshots (server/v4_prefix_cache.py), no decode graphs."""
+    """V4 / V4.1: the model with its per-request states (this rank's shard under ``par``;
+    ``--load-format dummy``: random weights made on the device), the cache specs of
+    server/v4_kv_specs.py sized from the byte budget (the TP group's minimum), prefix caching
+    by state snapshots (server/v4_prefix_cache.py), no decode graphs."""
     if par is not None:
         check_v4_family_parallel(config, model_dir)
-    if config.load_format != "auto":
-        raise CheckpointError("--load-format: DeepSeek-V4-family checkpoints load only from their files (auto)")
     if config.kv_cache_dtype != "auto":
         # The per-request states hold their rows in the model dtype; planning memory with the
         # smaller FP8 records would admit more requests than the device holds.
@@ -167,7 +166,10 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     else:
         dtype = DTYPE_NAMES[config.dtype]
-    model = load_v4_family(model_dir, dtype, device, par)
+    if config.load_format == "dummy":
+        model = random_v4_family(model_dir, dtype, device, config.seed, par)
+    else:
+        model = load_v4_family(model_dir, dtype, device, par)
     # Prefix caching: room for one snapshot per running request in the fixed-size pools.
     slots = config.max_num_seqs if config.enable_prefix_caching else 0
     if config.enable_prefix_caching:

@@ -253,8 +253,10 @@ def v4_family_kv_cache_specs(model_config, block_size: int, kv_cache_dtype: str,
     return specs
 
 
-def describe_v4_capacity(groups: list[KVCacheGroup], max_model_len: int) -> str:
-    """Bytes per token, fixed bytes per request and the concurrency at ``max_model_len``."""
+def v4_capacity(groups: list[KVCacheGroup], max_model_len: int) -> dict:
+    """``bytes_per_token`` (compressed entries and indexer keys, all layers),
+    ``fixed_bytes_per_request`` (sliding-window pages and compressor state) and
+    ``max_concurrency`` at ``max_model_len``, of the planned layer groups."""
     per_token = sum(g.spec.bytes_per_token for g in groups if isinstance(g.spec, CompressedSpec))
     fixed = 0
     for g in groups:
@@ -267,6 +269,13 @@ def describe_v4_capacity(groups: list[KVCacheGroup], max_model_len: int) -> str:
     concurrency = min((g.num_blocks - getattr(g.spec, "snapshot_slots", 0))
                       // max(1, g.spec.max_blocks_per_seq(max_model_len - 1))
                       for g in groups if not isinstance(g.spec, SlidingWindowSpec))
-    return (f"{per_token:g} bytes per token (compressed entries and indexer keys), {fixed} fixed bytes per request "
-            f"(sliding window and compressor state); maximum concurrency at max_model_len {max_model_len}: "
-            f"{concurrency} requests")
+    return {"bytes_per_token": per_token, "fixed_bytes_per_request": fixed, "max_concurrency": concurrency,
+            "max_model_len": max_model_len}
+
+
+def describe_v4_capacity(groups: list[KVCacheGroup], max_model_len: int) -> str:
+    """Bytes per token, fixed bytes per request and the concurrency at ``max_model_len``."""
+    c = v4_capacity(groups, max_model_len)
+    return (f"{c['bytes_per_token']:g} bytes per token (compressed entries and indexer keys), "
+            f"{c['fixed_bytes_per_request']} fixed bytes per request (sliding window and compressor state); "
+            f"maximum concurrency at max_model_len {max_model_len}: {c['max_concurrency']} requests")
