@@ -265,10 +265,8 @@ def test_triton_kernel_on_gpu(bsz, s_q, heads, topk, page):
     assert (lse.double() - want_lse).abs().max().item() < 5e-3
 
 
-GPU_VARIANTS = [  # (heads, config fields): the benchmark's sweep shapes, each checked once
-    (16, dict(num_stages=1, heads_first=False)), (16, dict(tokens_major=True)), (16, dict(dv_split=2, block_n=64)),
-    (64, dict(num_warps=4, num_stages=2)), (64, dict(block_h=128)), (64, dict(block_h=16, dv_split=1, num_warps=4)),
-    (128, dict(num_stages=3)), (128, dict(block_h=64)), (128, dict(num_stages=1, heads_first=False)),
+GPU_VARIANTS = [  # (heads, config fields): the sweep shapes no default runs (the bench checks the rest)
+    (16, dict(tokens_major=True)), (16, dict(dv_split=2, block_n=64)), (64, dict(block_h=128)), (128, dict(block_h=64)),
 ]
 
 
@@ -276,7 +274,7 @@ GPU_VARIANTS = [  # (heads, config fields): the benchmark's sweep shapes, each c
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("heads,fields", GPU_VARIANTS)
 def test_triton_kernel_variants_on_gpu(heads, fields):
-    """Every launch variant on the GPU, with per-block scales spread over 12 binades."""
+    """Launch variants on the GPU, with per-block scales spread over 12 binades."""
     from kernels.v4_sparse_decode_triton import SparseDecodeConfig, v4_sparse_decode_triton
 
     q, scopes, sinks = make_case(3, 2, heads, [(128, "v4", 64, False), (512, "v4", 61, True)], seed=heads,
