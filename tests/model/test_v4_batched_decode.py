@@ -61,7 +61,11 @@ def test_batched_decode_equals_per_request_decode(name):
             ids = torch.randint(2, model.config.vocab_size, (len(states),), generator=g)
             batched = _logits(model, model.decode(ids, states))
             single = torch.cat([_logits(model, model(ids[b:b + 1], refs[b])) for b in range(len(refs))])
-            assert (batched - single).abs().max().item() < 1e-4
+            diff = (batched - single).abs().amax(-1)
+            # fp32 GEMMs over B rows round differently from one row (~1e-6). V4.1 rounds its cache
+            # rows to FP8/FP4, so once in a while such a difference flips one stored value by a
+            # grid step (seen: one e4m3 step in one window row, 4e-4 in that request's logits).
+            assert diff.median().item() < 2e-5 and diff.max().item() < (1e-4 if name == "dev-v4-s0" else 2e-3)
             assert torch.equal(batched.argmax(-1), single.argmax(-1))
     assert [s.num_tokens for s in states] == [n + 9 for n in LENGTHS]
 
