@@ -137,6 +137,7 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
     else:
         dtype = DTYPE_NAMES[config.dtype]
     model = load_v4_family(model_dir, dtype, device)
+    model.configure_cache(config.kv_cache_dtype, page_rows=config.block_size)
     if config.enable_prefix_caching:
         logger.info("prefix caching is off for %s: a cached prefix cannot restore the compressor state and "
                     "sliding window", model.config.model_type)

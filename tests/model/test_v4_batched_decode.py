@@ -1,8 +1,14 @@
 """The batched decode of the DeepSeek-V4 family (``model.decode(ids [B], states)``) gives what B
 per-request one-token forwards give, for requests at different lengths and compressor phases
 (windows that close in the step, requests without entries yet, a request at position 0), on
-the bundled V4 / V4.1 fixtures and the trained arith-v41 (fp32 CPU); and the states' pools
-grow in place and keep ``clone()`` an independent snapshot."""
+the bundled V4 / V4.1 fixtures and the trained arith-v41 (CPU); and the states' pools grow in
+place and keep ``clone()`` an independent snapshot.
+
+fp32 GEMMs over B rows round differently from one row (~1e-6). V4.1 rounds its cache rows and
+index queries to FP8/FP4 grids, so now and then such a difference flips one rounded value by a
+grid step and that request's logits move by more (seen: 4e-4 on dev-v41-s0, 0.2 on a trained
+arith-v41 request, argmax unchanged). In float64 the flips vanish and the paths agree to fp32
+noise, which is the tight check; the fp32 runs check that nearly every row agrees as closely."""
 
 from __future__ import annotations
 
@@ -27,10 +33,10 @@ LENGTHS = [0, 1, 3, 6, 7, 12, 15, 16, 23, 31, 40]
 _MODELS: dict = {}
 
 
-def _model(name: str, page_rows: int = 4):
-    key = (name, page_rows)
+def _model(name: str, page_rows: int = 4, dtype: torch.dtype = torch.float32):
+    key = (name, page_rows, dtype)
     if key not in _MODELS:
-        model = load_v4_family(FIXTURES[name], torch.float32, "cpu")
+        model = load_v4_family(FIXTURES[name], dtype, "cpu")
         model.configure_cache("auto", page_rows=page_rows)  # small pages: entries span several
         _MODELS[key] = model
     return _MODELS[key]
@@ -46,9 +52,10 @@ def _prompts(model, seed: int) -> list[torch.Tensor]:
     return [torch.randint(2, vocab, (n,), generator=g) for n in LENGTHS]
 
 
-@pytest.mark.parametrize("name", sorted(FIXTURES))
-def test_batched_decode_equals_per_request_decode(name):
-    model = _model(name)
+@pytest.mark.parametrize("name,dtype", [(n, torch.float32) for n in sorted(FIXTURES)]
+                         + [("dev-v41-s0", torch.float64), ("arith-v41", torch.float64)])
+def test_batched_decode_equals_per_request_decode(name, dtype):
+    model = _model(name, dtype=dtype)
     prompts = _prompts(model, 0)
     states = [model.new_state() for _ in prompts]
     with torch.no_grad():
@@ -62,11 +69,12 @@ def test_batched_decode_equals_per_request_decode(name):
             batched = _logits(model, model.decode(ids, states))
             single = torch.cat([_logits(model, model(ids[b:b + 1], refs[b])) for b in range(len(refs))])
             diff = (batched - single).abs().amax(-1)
-            # fp32 GEMMs over B rows round differently from one row (~1e-6). V4.1 rounds its cache
-            # rows to FP8/FP4, so once in a while such a difference flips one stored value by a
-            # grid step (seen: one e4m3 step in one window row, 4e-4 in that request's logits).
-            assert diff.median().item() < 2e-5 and diff.max().item() < (1e-4 if name == "dev-v4-s0" else 2e-3)
-            assert torch.equal(batched.argmax(-1), single.argmax(-1))
+            if dtype == torch.float64 or name == "dev-v4-s0":  # no FP8/FP4 roundings to flip
+                assert diff.max().item() < 5e-5
+                assert torch.equal(batched.argmax(-1), single.argmax(-1))
+            else:  # see the module doc: a rare rounding flip moves one request
+                assert (diff < 5e-5).float().mean().item() >= 0.8
+                assert (batched.argmax(-1) == single.argmax(-1)).float().mean().item() >= 0.8
     assert [s.num_tokens for s in states] == [n + 9 for n in LENGTHS]
 
 

@@ -144,6 +144,7 @@ def test_batch_invariance_chunks_preemption_async(fixture, count, blocks, tokeni
         assert [got[str(i)] for i in range(count)] == ref, asynchronous
         assert core.scheduler.num_preemptions > 0
         assert (core.runner.num_overlapped_steps > 0) == asynchronous
+        assert core.runner.num_batched_decodes > 0
 
 
 def test_abort_mid_prefill_and_mid_decode_frees_everything(tokenizer_dir):
