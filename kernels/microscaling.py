@@ -108,12 +108,26 @@ def fake_quant_fp4(x: torch.Tensor, block: int, scale_format: str) -> torch.Tens
     return _straight_through(_fp4, x, block, scale_format)
 
 
-def _fp4(x: torch.Tensor, block: int, scale_format: str) -> torch.Tensor:
+def quantize_fp4_blocks(x: torch.Tensor, block: int, scale_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] → (e2m1 codes uint8 [..., K], float32 scales [..., K/block]) with
+    ``x ≈ decode(code) · scale``: the rounding of :func:`fake_quant_fp4` with its parts kept
+    apart (what a packed cache stores)."""
+    if scale_format not in ("ue8m0", "e4m3"):
+        raise ValueError(f"unknown FP4 scale format {scale_format!r} (expected 'ue8m0' or 'e4m3')")
     b = _blocks(x, block)
     amax = b.abs().amax(-1, keepdim=True)
     if scale_format == "ue8m0":
         scale = pow2_ceil(amax.clamp_min(_FP4_UE8M0_MIN_AMAX) * (1.0 / FP4_MAX))
     else:
         scale = (amax.clamp_min(_FP4_E4M3_MIN_AMAX) / FP4_MAX).to(torch.float8_e4m3fn).float()
-    q = round_to_e2m1((b / scale).clamp(-FP4_MAX, FP4_MAX))
-    return (q * scale).reshape(x.shape).to(x.dtype)
+    codes = float_to_fp4_codes((b / scale).clamp(-FP4_MAX, FP4_MAX))
+    return codes.reshape(x.shape), scale.squeeze(-1)
+
+
+def dequantize_fp4_blocks(codes: torch.Tensor, scale: torch.Tensor, block: int) -> torch.Tensor:
+    """float32 ``decode(code) · scale`` for e2m1 codes [..., K] and float32 scales [..., K/block]."""
+    return (_blocks(fp4_codes_to_float(codes), block) * scale.unsqueeze(-1)).reshape(codes.shape)
+
+
+def _fp4(x: torch.Tensor, block: int, scale_format: str) -> torch.Tensor:
+    return dequantize_fp4_blocks(*quantize_fp4_blocks(x, block, scale_format), block).to(x.dtype)

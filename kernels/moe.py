@@ -108,7 +108,10 @@ def moe_experts_grouped(
 
     No host synchronization and fixed shapes (T·k rows), so it can be captured in a CUDA
     graph; each used expert's weights are read once. Choices of experts another rank owns
-    are sorted last, fall outside the offsets and contribute exactly zero.
+    are sorted last, fall outside the offsets (rows the GEMMs leave unwritten) and contribute
+    exactly zero. The routing weight scales each sorted row of the down GEMM's input (the
+    narrower side), the output rows go back to slot order in one copy and the k slots of a
+    token are summed in float32: deterministic (no atomic adds), like the Triton kernels.
     """
     t, k = topk_ids.shape
     n_local = w13.shape[0]
@@ -116,18 +119,36 @@ def moe_experts_grouped(
     owned = (local >= 0) & (local < n_local)
     group = torch.where(owned, local, n_local)  # foreign choices go to a virtual last group
     order = torch.argsort(group, stable=True)
-    token = order // k
     counts = torch.zeros(n_local + 1, dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, group, torch.ones_like(group, dtype=torch.int32))
     offs = torch.cumsum(counts[:n_local], 0, dtype=torch.int32)
-    xs = x[token]
+    xs = x.index_select(0, order // k)
     h = silu_and_mul(torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs))
+    h = h * topk_weights.flatten()[order].unsqueeze(-1).to(h.dtype)  # down is linear: weight its input rows
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
-    keep = owned[order].unsqueeze(-1)
-    y = torch.where(keep, y.float() * topk_weights.flatten()[order].unsqueeze(-1), 0.0)
-    out = torch.zeros(t, w2.shape[1], dtype=torch.float32, device=x.device)
-    out.index_add_(0, token, y)
-    return out.to(x.dtype)
+    y = torch.where(owned[order].unsqueeze(-1), y, 0.0)
+    y_slots = torch.empty_like(y).index_copy_(0, order, y)
+    return y_slots.view(t, k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+# Average routed rows per local expert from which ``auto`` takes the grouped GEMMs over the
+# fused Triton kernels for bf16 experts: prefill-sized steps (8192 tokens x 6 of 64 experts is
+# 768), where cuBLAS/CUTLASS's grouped wgmma tiles fill; the Triton kernels win below (decode,
+# benchmarks/RESULTS.md). ``benchmarks/bench_prefill.py`` measures both at prefill sizes.
+GROUPED_MIN_ROWS_PER_EXPERT = 256
+
+
+def bf16_experts_backend(x: torch.Tensor, n_local: int, num_slots: int, backend: str = "auto") -> str:
+    """``auto`` on CUDA: grouped GEMMs for bf16 at >= ``GROUPED_MIN_ROWS_PER_EXPERT`` rows per
+    local expert, else the fused Triton kernels when installed (bf16/fp16), else grouped GEMMs;
+    the per-expert reference off CUDA."""
+    if backend != "auto":
+        return backend
+    if not x.is_cuda:
+        return "reference"
+    if x.dtype == torch.bfloat16 and num_slots >= GROUPED_MIN_ROWS_PER_EXPERT * n_local:
+        return "grouped"
+    return "triton" if _HAS_TRITON and x.dtype in (torch.bfloat16, torch.float16) else "grouped"
 
 
 def moe_experts(
@@ -139,11 +160,11 @@ def moe_experts(
     expert_offset: int = 0,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """``auto``: the fused Triton kernels on CUDA when Triton is installed (measured 1.1-1.8x
-    faster than grouped GEMMs at the V2-Lite and R1 shapes on the H200, benchmarks/RESULTS.md),
-    else grouped GEMMs; the per-expert reference on CPU. ``triton`` / ``grouped`` force one."""
-    if backend == "auto" and x.is_cuda:
-        backend = "triton" if _HAS_TRITON and x.dtype in (torch.bfloat16, torch.float16) else "grouped"
+    """``auto`` (``bf16_experts_backend``): grouped GEMMs at prefill sizes, the fused Triton
+    kernels below (measured 1.1-1.8x faster than grouped GEMMs at decode sizes on the H200,
+    benchmarks/RESULTS.md), the per-expert reference on CPU. ``triton`` / ``grouped`` force one.
+    The choice depends on shapes only, so a captured decode graph keeps its path."""
+    backend = bf16_experts_backend(x, w13.shape[0], topk_ids.numel(), backend)
     if backend == "triton":
         from kernels.moe_triton import moe_experts_triton
 

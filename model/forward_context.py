@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels.attention import REFERENCE_DECODE, DecodeBackend, DecodeMetadata, PrefillBackend
+from kernels.attention import (REFERENCE_DECODE, DecodeBackend, DecodeMetadata, PrefillBackend, PrefillMetadata,
+                               default_prefill_backend)
 from model.upload import numpy_to_device, to_device
 
 
@@ -47,9 +48,9 @@ class AttentionMetadata:
 
 @dataclass
 class ForwardContext:
-    """One step's attention inputs. The decode metadata is built here, once per step for every
-    layer, by the step's decode backend (FlashInfer plans then); without a backend the torch
-    reference decodes and prefill takes the device's default (tests, tools)."""
+    """One step's attention inputs. The decode and prefill metadata are built here, once per
+    step for every layer, and handed to the step's backends (FlashInfer plans then); without
+    backends the torch reference decodes and prefill takes the device's default (tests, tools)."""
 
     attn: AttentionMetadata | None = None
     kv_caches: list[torch.Tensor] | None = None  # per layer [num_blocks, block_size, 576]
@@ -57,6 +58,7 @@ class ForwardContext:
     decode_backend: DecodeBackend | None = None  # the runner's, chosen at start-up
     prefill_backend: PrefillBackend | None = None
     decode_metadata: DecodeMetadata | None = field(default=None, init=False)
+    prefill_metadata: PrefillMetadata | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.decode_backend is None:
@@ -66,6 +68,56 @@ class ForwardContext:
             b = md.num_decode_seqs
             self.decode_metadata = self.decode_backend.build_metadata(md.block_tables[:b], md.seq_lens[:b],
                                                                       md.decode_query_len)
+        if md is not None and md.num_seqs > md.num_decode_seqs:
+            pm = build_prefill_metadata(md, self.kv_caches[0].shape[1] if self.kv_caches else 1)
+            if pm is not None:
+                if self.prefill_backend is None:
+                    self.prefill_backend = default_prefill_backend(md.slot_mapping.device.type)
+                self.prefill_metadata = self.prefill_backend.plan(pm)
+
+
+def _ragged_rows(lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``total = sum(lens)`` rows laid out segment after segment: (segment of each row,
+    row within its segment), on the device without a host sync."""
+    seg = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), lens, output_size=total)
+    starts = torch.cumsum(lens, 0) - lens
+    return seg, torch.arange(total, device=lens.device) - starts[seg]
+
+
+def build_prefill_metadata(md: AttentionMetadata, page_size: int) -> PrefillMetadata | None:
+    """The step's prefill chunks (sequences after the decodes with at least one new token) as
+    ``PrefillMetadata``: indptrs from the host lengths, the prefix gather and key layout
+    indices computed on the device from the block tables (no per-sequence work, no sync).
+    None when the step has no prefill rows."""
+    nd = md.num_decode_seqs
+    row_start = sum(md.query_lens_cpu[:nd])
+    seqs = [i for i in range(nd, md.num_seqs) if md.query_lens_cpu[i]]
+    if not seqs:
+        return None
+    q_lens = [md.query_lens_cpu[i] for i in seqs]
+    c_lens = [md.seq_lens_cpu[i] - md.query_lens_cpu[i] for i in seqs]
+    kv_lens = [c + q for c, q in zip(c_lens, q_lens)]
+    device = md.slot_mapping.device
+    n = len(seqs)
+    # One upload: sequence index, q len, cached len, q start, prefix start (5 x n int64).
+    q_start, p_start = [0] * n, [0] * n
+    for i in range(1, n):
+        q_start[i], p_start[i] = q_start[i - 1] + q_lens[i - 1], p_start[i - 1] + c_lens[i - 1]
+    packed = to_device([seqs, q_lens, c_lens, q_start, p_start], torch.long, device)
+    seq_t, q_t, c_t, qs_t, ps_t = packed.unbind(0)
+    indptrs = to_device([[0, *np.cumsum(q_lens).tolist()], [0, *np.cumsum(kv_lens).tolist()]], torch.int32, device)
+    prefix_slots = kv_order = None
+    total_prefix = sum(c_lens)
+    if total_prefix:
+        chunk, pos = _ragged_rows(c_t, total_prefix)
+        pages = md.block_tables[seq_t[chunk], pos // page_size].long()
+        prefix_slots = pages * page_size + pos % page_size
+        chunk, j = _ragged_rows(q_t + c_t, sum(kv_lens))
+        c = c_t[chunk]
+        # Key row j of a chunk: its j-th cached row while j < cached len, else its (j - cached)-th new row.
+        kv_order = torch.where(j < c, ps_t[chunk] + j, total_prefix + qs_t[chunk] + j - c)
+    return PrefillMetadata(row_start=row_start, query_lens=q_lens, context_lens=c_lens, qo_indptr=indptrs[0],
+                           kv_indptr=indptrs[1], prefix_slots=prefix_slots, kv_order=kv_order)
 
 
 _CONTEXT: ForwardContext | None = None

@@ -79,10 +79,26 @@ _DTYPES = {
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """This rank's place in the tensor-parallel (or expert-parallel) group."""
+    """This rank's place in the tensor-parallel group (``rank``/``world_size``: heads, output
+    groups, vocab rows, shared experts) and in the routed experts' group (``expert_rank``/
+    ``expert_world``, default the same): under data parallelism the routed experts are cut over
+    every DP × TP rank while attention is cut over one TP group."""
 
     rank: int = 0
     world_size: int = 1
+    expert_rank: int | None = None
+    expert_world: int | None = None
+
+    @property
+    def experts(self) -> tuple[int, int]:
+        """(rank, world) the routed experts are cut over."""
+        if self.expert_world is None:
+            return self.rank, self.world_size
+        return self.expert_rank or 0, self.expert_world
+
+    def for_tensor(self, hf_name: str) -> tuple[int, int]:
+        """(rank, world) that cuts ``hf_name``: the experts' pair for routed experts, else TP."""
+        return self.experts if ".experts." in hf_name else (self.rank, self.world_size)
 
 
 @dataclass
@@ -232,7 +248,7 @@ def plan_v4_checkpoint(model_dir: str, expected: Mapping, shard_spec: ShardSpec 
             scales[_weight_key_of_scale(key)] = key
             continue
         if ref.name not in targets:
-            if spec.world_size > 1 and sharding_rule(ref.name) is not None and ".experts." in ref.name:
+            if spec.experts[1] > 1 and sharding_rule(ref.name) is not None and ".experts." in ref.name:
                 foreign_experts.add(key)  # another rank's expert (EP)
             else:
                 unknown.append(key)
@@ -282,7 +298,7 @@ def _check_complete(targets: dict[str, _Target], arch: str, spec: ShardSpec) -> 
         halves = 2 if t.name.endswith("gate_up_proj") else 1
         have = {(s.expert, s.half) for s in t.sources}
         experts = 1 + max(s.expert for s in t.sources)
-        if spec.world_size == 1 and len(t.shape) == 3:
+        if spec.experts[1] == 1 and len(t.shape) == 3:
             experts = max(experts, t.shape[0])  # a missing last expert is missing, not a shape error
         for e in range(experts):
             for h in range(halves):
@@ -315,7 +331,7 @@ def _check_target(t: _Target, spec: ShardSpec) -> None:
         if len(per) > 1:
             raise CheckpointError(f"experts of model tensor {t.name!r} have different shapes: {sorted(per)}")
     try:
-        shard(torch.empty(full, device="meta"), t.name, t.shape, spec.rank, spec.world_size)
+        shard(torch.empty(full, device="meta"), t.name, t.shape, *spec.for_tensor(t.name))
     except ShardingError as exc:
         where = t.sources[0].key if len(t.sources) == 1 else f"{len(t.sources)} expert tensors"
         raise CheckpointError(f"{exc} (checkpoint: {where})") from None
@@ -382,9 +398,10 @@ def _materialize(plan: V4CheckpointPlan, files: CheckpointFiles, t: _Target, kee
         return _finish(t, pad_rows(value, t.shape[0]), keep_quantized), False  # already this rank's rows
     full = _target_full_shape(t)
     experts = range(full[0])
-    if spec.world_size > 1 and t.shape[0] != full[0]:  # EP: read only this rank's experts
-        n = full[0] // spec.world_size
-        experts = range(spec.rank * n, (spec.rank + 1) * n)
+    rank, world = spec.experts
+    if world > 1 and t.shape[0] != full[0]:  # EP: read only this rank's experts
+        n = full[0] // world
+        experts = range(rank * n, (rank + 1) * n)
     by_key = {(s.expert, s.half): s for s in t.sources}
     halves = 1 + max(s.half for s in t.sources)
     stacked = []
@@ -452,7 +469,7 @@ def iter_v4_weights(
             value, cut = _materialize(plan, files, t, keep_quantized)
             try:
                 if cut:
-                    value = shard(value, t.name, t.shape, plan.shard.rank, plan.shard.world_size)
+                    value = shard(value, t.name, t.shape, *plan.shard.for_tensor(t.name))
                 elif tuple(value.shape) != tuple(t.shape):
                     raise ShardingError(f"tensor {t.name!r}: expected shape {list(t.shape)}, found {list(value.shape)}")
             except ShardingError as exc:

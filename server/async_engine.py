@@ -271,10 +271,11 @@ class AsyncEngine:
                 from distributed.launcher import find_free_port
 
                 config = dataclasses.replace(config, master_port=find_free_port(config.master_addr))
-        from server.runner_setup import resolve_max_model_len
+        from server.runner_setup import check_v4_family_parallel, resolve_max_model_len
 
         try:  # here, before any process starts: a TP worker would print a traceback of its own
             resolve_max_model_len(config, self.model_config)
+            check_v4_family_parallel(config, self.model_dir)
         except ValueError as exc:
             raise EngineStartupError(str(exc)) from None
         ctx = mp.get_context("spawn")

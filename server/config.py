@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from kernels.attention import DECODE_BACKENDS
+from kernels.attention import DECODE_BACKENDS, PREFILL_BACKENDS
 from server.errors import InvalidRequestError
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -17,6 +17,7 @@ DTYPES = ("auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
 OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # vLLM's -O0..-O3; here they only set the CUDA-graph default
 ATTENTION_BACKENDS = ("auto", *DECODE_BACKENDS)  # kernels/attention/ documents each and the auto policy
+PREFILL_ATTENTION_BACKENDS = ("auto", *PREFILL_BACKENDS)
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 
@@ -58,6 +59,7 @@ class EngineConfig:
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # decode batch sizes to capture (None: the default list)
     max_cudagraph_capture_size: int | None = None
     attention_backend: str = "auto"
+    prefill_attention_backend: str = "auto"
     # parallelism
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -122,6 +124,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             bad("--attention-backend",
                 f"must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.prefill_attention_backend not in PREFILL_ATTENTION_BACKENDS:
+            bad("--prefill-attention-backend", f"must be one of {', '.join(PREFILL_ATTENTION_BACKENDS)}, "
+                f"got {self.prefill_attention_backend!r}")
         if self.tensor_parallel_size < 1:
             bad("--tensor-parallel-size", f"must be at least 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from server.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, EngineConfig
+from server.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREFILL_ATTENTION_BACKENDS, EngineConfig
 
 
 class CLIError(ValueError):
@@ -146,6 +146,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _flag("--max-cudagraph-capture-size", group="execution", type=int,
           help="the largest decode batch captured (default: min(512, --max-num-seqs))"),
     _flag("--attention-backend", group="execution", choices=ATTENTION_BACKENDS),
+    _flag("--prefill-attention-backend", group="execution", choices=PREFILL_ATTENTION_BACKENDS,
+          help="the prompt-chunk attention (auto: FlashInfer's ragged fa3 on Hopper when installed, else sdpa on "
+               "CUDA, torch on CPU)"),
     # parallelism
     _flag("--tensor-parallel-size", "-tp", group="parallelism", type=int),
     _flag("--data-parallel-size", "-dp", group="parallelism", type=int),

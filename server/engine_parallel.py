@@ -27,7 +27,6 @@ from distributed.parallel_state import (
 )
 from model.parallel import ParallelContext
 from server import envs
-from server.runner import StepPlan
 from server.runner_setup import resolve_device
 
 
@@ -108,7 +107,7 @@ def receive_plans(runner) -> None:
         if msg[0] == "dummy":
             runner.dummy_step()
         else:
-            runner.run_plan(StepPlan.from_wire(msg[1]))
+            runner.run_plan(runner.plan_class.from_wire(msg[1]))
 
 
 class DPSync:

@@ -89,7 +89,8 @@ def attention_spec(model: DeepseekForCausalLM, config: EngineConfig, cache_dtype
     attn = model.layers[0].self_attn
     return AttentionSpec(device=device, cache_dtype=cache_dtype, num_heads=attn.num_local_heads,
                          kv_lora_rank=attn.kv_lora_rank, rope_dim=attn.rope_dim, page_size=config.block_size,
-                         softmax_scale=attn.softmax_scale, compute_dtype=attn.compute_dtype)
+                         softmax_scale=attn.softmax_scale, compute_dtype=attn.compute_dtype,
+                         qk_head_dim=attn.qk_dim, v_head_dim=attn.v_dim)
 
 
 def model_kv_cache_specs(model_config: ModelConfig, config: EngineConfig,
@@ -151,6 +152,8 @@ def determine_num_blocks(
 
 
 class ModelRunner:
+    plan_class = StepPlan  # what the TP workers decode the engine's plans into
+
     def __init__(self, model: DeepseekForCausalLM, config: EngineConfig, num_blocks: int, device: torch.device) -> None:
         self._init_step_state(model, config, num_blocks, device)
         cache_dtype = kv_cache_dtype(config, model.dtype)
@@ -161,7 +164,7 @@ class ModelRunner:
         # Chosen once for the runner's lifetime (the decode backend may hold workspaces).
         spec = attention_spec(model, config, cache_dtype, device)
         self.decode_backend = select_decode_backend(config.attention_backend, spec)
-        self.prefill_backend = select_prefill_backend("auto", spec)
+        self.prefill_backend = select_prefill_backend(config.prefill_attention_backend, spec)
 
     def _init_step_state(self, model, config: EngineConfig, num_blocks: int, device: torch.device) -> None:
         """What every runner has whatever the model: sampling, per-sequence generators, the

@@ -19,6 +19,7 @@ from model.deepseek import DeepseekForCausalLM
 from model.loader import DTYPE_NAMES, CheckpointError, load_model
 from model.parallel import ParallelContext
 from model.v4_family import V4_FAMILY_MODEL_TYPES, load_v4_family
+from model.v4_loader import read_v4_config
 from server import envs
 from server.config import EngineConfig
 from server.cuda_graphs import maybe_capture
@@ -90,7 +91,7 @@ def build_runner(config: EngineConfig, model_dir: str, device: torch.device, par
     """
     mla_decode_cuda.set_cache_dir(envs.MLASERVE_KERNEL_CACHE)
     if is_v4_family(model_dir):
-        return build_v4_family_runner(config, model_dir, device, par)
+        return build_v4_family_runner(config, model_dir, device, par, agree_num_blocks)
     model = load_model(model_dir, dtype=config.dtype, device=device, par=par, progress=progress,
                        load_format=config.load_format, seed=config.seed)
     max_model_len = resolve_max_model_len(config, model.config)
@@ -114,15 +115,44 @@ def is_v4_family(model_dir: str) -> bool:
 
 
 def check_v4_family_parallel(config: EngineConfig, model_dir: str) -> None:
+    """A V4-family checkpoint must split evenly over the parallel layout (checked before any
+    worker starts); an uneven split is one line naming the flag."""
     if config.world_size > 1 and is_v4_family(model_dir):
-        raise CheckpointError("--tensor-parallel-size / --data-parallel-size: DeepSeek-V4-family models are "
-                              "served on one GPU for now (TP and DP are not implemented for them)")
+        problem = v4_layout_problem(read_v4_config(model_dir, V4_FAMILY_MODEL_TYPES), config.tensor_parallel_size,
+                                    config.data_parallel_size, config.enable_expert_parallel)
+        if problem:
+            raise CheckpointError(problem)
+
+
+def v4_layout_problem(c, tp: int, dp: int, expert_parallel: bool) -> str | None:
+    """Why the V4 / V4.1 config ``c`` cannot split over TP ``tp`` × DP ``dp`` (None if it can):
+    heads and output groups over the TP ranks; routed experts (whole, or their intermediate
+    dim) over the MoE group: every DP × TP rank under DP, the TP ranks without."""
+    name = "DeepSeek-V4.1" if c.model_type != "deepseek_v4" else "DeepSeek-V4"
+    if c.num_attention_heads % tp or c.o_groups % tp:
+        return (f"--tensor-parallel-size {tp}: {name} splits its {c.num_attention_heads} attention heads and "
+                f"{c.o_groups} output groups (o_groups) over the TP ranks; use a size that divides both")
+    shared = c.moe_intermediate_size * c.n_shared_experts
+    if shared % tp:
+        return (f"--tensor-parallel-size {tp}: the shared expert's intermediate size {shared} does not split "
+                f"over {tp} ranks")
+    moe_world = tp * dp
+    flags = "--tensor-parallel-size x --data-parallel-size" if dp > 1 else "--tensor-parallel-size"
+    if expert_parallel and c.n_routed_experts % moe_world:
+        return (f"--enable-expert-parallel: {c.n_routed_experts} routed experts do not split over {moe_world} "
+                f"ranks ({flags})")
+    if not expert_parallel and c.moe_intermediate_size % moe_world:
+        return (f"{flags} = {moe_world}: the experts' intermediate size {c.moe_intermediate_size} does not split "
+                f"over {moe_world} ranks (--enable-expert-parallel splits whole experts instead)")
+    return None
 
 
 def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.device,
-                           par: ParallelContext | None) -> RunnerSetup:
-    """V4 / V4.1: the model with its per-request states, the cache specs of server/v4_kv_specs.py
-    sized from the byte budget, no prefix caching, no decode graphs."""
+                           par: ParallelContext | None,
+                           agree_num_blocks: Callable[[int], int] | None = None) -> RunnerSetup:
+    """V4 / V4.1: the model with its per-request states (this rank's shard under ``par``), the
+    cache specs of server/v4_kv_specs.py sized from the byte budget (the TP group's minimum),
+    no prefix caching, no decode graphs."""
     if par is not None:
         check_v4_family_parallel(config, model_dir)
     if config.load_format != "auto":
@@ -136,7 +166,7 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     else:
         dtype = DTYPE_NAMES[config.dtype]
-    model = load_v4_family(model_dir, dtype, device)
+    model = load_v4_family(model_dir, dtype, device, par)
     model.configure_cache(config.kv_cache_dtype, page_rows=config.block_size)
     if config.enable_prefix_caching:
         logger.info("prefix caching is off for %s: a cached prefix cannot restore the compressor state and "
@@ -148,6 +178,8 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
     step_tokens = resolve_max_num_batched_tokens(config, max_model_len)
     specs = v4_family_kv_cache_specs(model.config, config.block_size, config.kv_cache_dtype, dtype, step_tokens)
     num_blocks = v4_num_blocks(config, specs, device, model, min(step_tokens, max_model_len))
+    if agree_num_blocks is not None:
+        num_blocks = agree_num_blocks(num_blocks)
     groups = plan_groups(specs, num_blocks, config.max_num_seqs)
     max_model_len = fit_kv_capacity(config, max_model_len, max_tokens_per_seq(groups))
     logger.info("KV cache (%s, --kv-cache-dtype %s): %s", model.config.model_type, config.kv_cache_dtype,

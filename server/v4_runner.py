@@ -34,9 +34,16 @@ the others get a clone of the resulting state and the same logits (they sample w
 own generators).
 
 The block manager accounts each state's rows in the specs of server/v4_kv_specs.py (record
-sizes per cache dtype). Tensor parallelism and CUDA graphs are not implemented for these
-models yet (one error line and one log line at start-up); the batched decode's index
-tensors and padded gathers are the shapes a captured graph would replay.
+sizes per cache dtype).
+
+Tensor / data parallelism (model/v4_parallel.py): every TP rank keeps its own copy of every
+state (the latent rows are replicated work). The engine's plan carries the sequence ids, the
+share keys and the sequences whose states were dropped since the last plan (finished,
+aborted, preempted), so a TP worker creates, shares and drops states exactly as the engine
+does. Under DP the forwards of a step (each prompt chunk's and the one batched decode) are
+kept in lockstep (server/v4_dp_lockstep.py). CUDA graphs are not captured for these models
+(one log line at start-up); the batched decode's index tensors and padded gathers are the
+shapes a captured graph would replay.
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ from server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from server.kv_cache_spec import KVCacheSpec, max_num_blocks, plan_groups
 from server.runner import ModelRunner, PendingStep, StepPlan, StepResult
 from server.scheduler import SchedulerOutput
+from server.v4_dp_lockstep import ForwardLockstep
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +70,10 @@ class V4StepPlan(StepPlan):
 
     seq_ids: list[int] = field(default_factory=list)
     share_keys: list[str | None] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)  # states to drop before this step (TP workers)
 
     def to_wire(self) -> list:
-        return super().to_wire() + [self.seq_ids, self.share_keys]
+        return super().to_wire() + [self.seq_ids, self.share_keys, self.released]
 
 
 @torch.inference_mode()
@@ -110,6 +119,8 @@ def v4_num_blocks(config: EngineConfig, specs: list[KVCacheSpec], device: torch.
 
 
 class V4FamilyRunner(ModelRunner):
+    plan_class = V4StepPlan
+
     def __init__(self, model, config: EngineConfig, num_blocks: int, device: torch.device,
                  kv_cache_specs: list[KVCacheSpec]) -> None:
         self._init_step_state(model, config, num_blocks, device)
@@ -118,16 +129,21 @@ class V4FamilyRunner(ModelRunner):
         self._has_head = hasattr(model, "compute_logits")  # V4: hidden states out; V4.1: logits
         self.num_shared_chunks = 0  # prompt chunks a sibling (n > 1) took from another's forward
         self.num_batched_decodes = 0  # one-token chunks that ran in a step's batched decode
+        self._released: list[int] = []  # dropped since the last plan, for the TP workers
+        self.lockstep = ForwardLockstep(model.par, self._dummy_forward)
 
     # ---- state lifetime ---------------------------------------------------------------------
     def release(self, seq_ids) -> None:
         super().release(seq_ids)
-        for sid in seq_ids:
-            self.states.pop(sid, None)
+        self._drop_states(seq_ids)
 
     def _drop_preempted(self, out: SchedulerOutput) -> None:
-        for sid in out.preempted_seq_ids:
-            self.states.pop(sid, None)
+        self._drop_states(out.preempted_seq_ids)
+
+    def _drop_states(self, seq_ids) -> None:
+        for sid in seq_ids:
+            if self.states.pop(sid, None) is not None and self.plan_broadcaster is not None:
+                self._released.append(sid)
 
     def _state_at(self, seq_id: int, start: int):
         if start == 0:
@@ -149,10 +165,13 @@ class V4FamilyRunner(ModelRunner):
             keys.append(f"{seq.request_id}\0{entry.start_pos}\0{entry.num_new_tokens}"
                         if in_prompt and not entry.num_placeholder_tokens and seq.sampling_params.n > 1 else None)
         fields = {k: getattr(plan, k) for k in StepPlan.__dataclass_fields__}
-        return V4StepPlan(**fields, seq_ids=[e.seq.seq_id for e in out.scheduled], share_keys=keys), fills
+        released, self._released = self._released, []
+        return V4StepPlan(**fields, seq_ids=[e.seq.seq_id for e in out.scheduled], share_keys=keys,
+                          released=released), fills
 
     def _forward(self, ids: torch.Tensor, state, rows: list[int]) -> torch.Tensor | None:
         """Advance ``state`` by ``ids``; float32 logits of chunk rows ``rows`` (None if none)."""
+        self.lockstep.before_forward()
         out = self.model(ids, state)
         if not rows:
             return None
@@ -163,6 +182,8 @@ class V4FamilyRunner(ModelRunner):
     def run_plan(self, plan: V4StepPlan, profile=None, fills=None, pending: PendingStep | None = None) -> torch.Tensor:
         """Prompt chunks through their sequences' states one by one, every one-token chunk of the
         step in one batched forward (``model.decode``); float32 logits of ``plan.logit_rows``."""
+        for sid in plan.released:  # a TP worker: the engine dropped these states
+            self.states.pop(sid, None)
         input_ids = self._input_ids(plan, fills, pending)
         if profile is not None:
             self.step_profiler.mark(profile, "plan")
@@ -194,6 +215,7 @@ class V4FamilyRunner(ModelRunner):
             offset += q
         if decode:
             self._decode(input_ids, decode, parts)
+        self.lockstep.finish()
         parts = [p for p in parts if p is not None]
         if not parts:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32, device=self.device)
@@ -203,6 +225,7 @@ class V4FamilyRunner(ModelRunner):
                 parts: list[torch.Tensor | None]) -> None:
         """Advance every one-token chunk's state in one forward; logits into ``parts`` where wanted."""
         rows = to_device([d[2] for d in decode], torch.long, input_ids.device)
+        self.lockstep.before_forward()
         out = self.model.decode(input_ids[rows], [d[1] for d in decode])
         self.num_batched_decodes += len(decode)
         need = [k for k, d in enumerate(decode) if d[3]]
@@ -223,5 +246,13 @@ class V4FamilyRunner(ModelRunner):
         self._drop_preempted(out)
         return super().launch(out, pending)
 
+    @torch.inference_mode()
     def dummy_step(self) -> None:
-        raise NotImplementedError("data parallelism is not implemented for DeepSeek-V4-family models")
+        """An idle DP rank's step: no request of its own, throwaway forwards while a peer still
+        runs its chunks (its TP workers do the same, told by a "dummy" message)."""
+        if self.plan_broadcaster is not None:
+            self.plan_broadcaster.dummy()
+        self.lockstep.finish()
+
+    def _dummy_forward(self) -> None:
+        self.model(torch.zeros(1, dtype=torch.long, device=self.device), self.model.new_state())

@@ -28,10 +28,21 @@ is not installed, a library that does not build).
 The cuda backend's kernels run P.V in FP8 (P as e4m3): 1.5e-2 relative error against float64
 on the same FP8 inputs, vs 2e-3 for Triton, which keeps P in fp16 (``--attention-backend triton``).
 
-Prefill (the non-absorbed causal attention of prompt chunks) is chosen separately
-(``select_prefill_backend``): ``sdpa`` (torch's fused kernels) on CUDA, ``torch`` (float32
-reference) elsewhere. Decode backends cannot prefill and prefill backends cannot decode: the
-two registries are disjoint.
+V4 / V4.1 sparse decode (window rows ‖ selected compressed entries, quantized records) has its
+own registry (``kernels/attention/v4_sparse_decode.py``: triton on SM90, else torch).
+
+Prefill (the non-absorbed causal attention of a step's prompt chunks, each over its cached
+prefix and itself; ``--prefill-attention-backend``) is chosen separately
+(``select_prefill_backend``). The MLA layer gathers every chunk's cached latents in one pass,
+up-projects all of them with one ``kv_b_proj`` GEMM and hands the backend the ragged q/k/v:
+
+    torch       float32 reference, one chunk at a time; CPU or CUDA
+    sdpa        torch's fused SDPA kernels, one launch per chunk; CUDA
+    flashinfer  FlashInfer's ragged prefill (fa3), one launch per layer for all chunks; SM90,
+                bf16/fp16 model, q/k 192 + v 128 heads (or equal 64/128/256), flashinfer-python
+
+``auto``: flashinfer where it runs, else sdpa on CUDA; torch elsewhere. Decode backends cannot
+prefill and prefill backends cannot decode: the two registries are disjoint.
 """
 
 from __future__ import annotations
@@ -42,20 +53,25 @@ import logging
 import torch
 
 from kernels.attention.base import (FP8_E4M3, AttentionSpec, BackendSupport, BackendUnavailable, DecodeBackend,
-                                    DecodeMetadata, PrefillBackend, dtype_name)
+                                    DecodeMetadata, PrefillBackend, PrefillMetadata, dtype_name)
 from kernels.attention.cuda_decode import CudaDecode
 from kernels.attention.flashinfer_decode import FlashInferDecode
+from kernels.attention.flashinfer_prefill import FlashInferPrefill
 from kernels.attention.prefill import SdpaPrefill, TorchPrefill
 from kernels.attention.torch_decode import TorchDecode
 from kernels.attention.triton_decode import TritonDecode
 from kernels.attention.trtllm_decode import TrtllmDecode
+from kernels.attention.v4_sparse_decode import (V4_DECODE_BACKENDS, TorchV4SparseDecode, TritonV4SparseDecode,
+                                               V4SparseDecodeBackend, select_v4_decode_backend)
 
 logger = logging.getLogger(__name__)
 
 DECODE_BACKENDS: dict[str, type[DecodeBackend]] = {
     cls.name: cls for cls in (CudaDecode, TritonDecode, FlashInferDecode, TrtllmDecode, TorchDecode)
 }
-PREFILL_BACKENDS: dict[str, type[PrefillBackend]] = {cls.name: cls for cls in (SdpaPrefill, TorchPrefill)}
+PREFILL_BACKENDS: dict[str, type[PrefillBackend]] = {
+    cls.name: cls for cls in (FlashInferPrefill, SdpaPrefill, TorchPrefill)
+}
 
 
 def _describe_gpu(spec: AttentionSpec) -> str:
@@ -107,30 +123,40 @@ def select_decode_backend(requested: str, spec: AttentionSpec) -> DecodeBackend:
     return backend
 
 
-def auto_prefill_backend(device_type: str) -> type[PrefillBackend]:
-    return SdpaPrefill if device_type == "cuda" else TorchPrefill
+def auto_prefill_backend(spec: AttentionSpec) -> tuple[type[PrefillBackend], str]:
+    """The prefill ``auto`` policy of the module docstring: (backend class, why)."""
+    if spec.device.type != "cuda":
+        return TorchPrefill, f"{spec.device.type} device, the torch reference"
+    reason = FlashInferPrefill.unsupported_reason(spec)
+    if reason is None:
+        return FlashInferPrefill, f"{_describe_gpu(spec)}: one ragged fa3 launch per layer"
+    return SdpaPrefill, f"one fused SDPA launch per chunk; flashinfer {reason}"
 
 
 def select_prefill_backend(requested: str, spec: AttentionSpec) -> PrefillBackend:
-    """The prefill backend a runner holds: ``auto`` is sdpa on CUDA, torch elsewhere."""
+    """The prefill backend a runner holds; logs one line naming it and why. An explicit
+    request that cannot run here raises ``BackendUnavailable`` naming the flag."""
     if requested == "auto":
-        cls = auto_prefill_backend(spec.device.type)
+        cls, why = auto_prefill_backend(spec)
+        why = f"auto: {why}"
     else:
-        cls = requested_backend(PREFILL_BACKENDS, requested, spec, "prefill backend")
-    logger.info("prefill attention backend: %s (%s)", cls.name, "auto" if requested == "auto" else "requested")
-    return cls()
+        cls, why = requested_backend(PREFILL_BACKENDS, requested, spec, "--prefill-attention-backend"), "requested"
+    logger.info("prefill attention backend: %s (%s)", cls.name, why)
+    return cls(spec)
 
 
 @functools.cache
 def default_prefill_backend(device_type: str) -> PrefillBackend:
     """What a forward without a runner's context prefills with (whole-prompt calls: HF
-    comparisons, the start-up activation profile): the ``auto`` choice for the device type."""
-    return auto_prefill_backend(device_type)()
+    comparisons, the start-up activation profile, tests): sdpa on CUDA, torch elsewhere."""
+    return SdpaPrefill() if device_type == "cuda" else TorchPrefill()
 
 
 REFERENCE_DECODE = TorchDecode()  # what a forward context without a chosen backend decodes with
 
 __all__ = ["DECODE_BACKENDS", "PREFILL_BACKENDS", "REFERENCE_DECODE", "AttentionSpec", "BackendSupport",
-           "BackendUnavailable", "CudaDecode", "DecodeBackend", "DecodeMetadata", "FlashInferDecode", "PrefillBackend",
-           "SdpaPrefill", "TorchDecode", "TorchPrefill", "TritonDecode", "TrtllmDecode", "auto_decode_backend",
-           "auto_prefill_backend", "default_prefill_backend", "select_decode_backend", "select_prefill_backend"]
+           "BackendUnavailable", "CudaDecode", "DecodeBackend", "DecodeMetadata", "FlashInferDecode",
+           "FlashInferPrefill", "PrefillBackend", "PrefillMetadata", "SdpaPrefill", "TorchDecode", "TorchPrefill",
+           "TritonDecode", "TrtllmDecode", "V4_DECODE_BACKENDS", "TorchV4SparseDecode", "TritonV4SparseDecode",
+           "V4SparseDecodeBackend", "select_v4_decode_backend", "auto_decode_backend", "auto_prefill_backend",
+           "default_prefill_backend", "select_decode_backend", "select_prefill_backend"]

@@ -36,6 +36,8 @@ class AttentionSpec:
     softmax_scale: float
     compute_dtype: torch.dtype
     query_len: int = 1  # query tokens per decode request (s_q; > 1 for MTP)
+    qk_head_dim: int = 0  # prefill's per-head q/k width (nope + rope); 0: not given
+    v_head_dim: int = 0  # prefill's per-head value width; 0: not given
 
 
 def device_capability(device: torch.device) -> tuple[int, int]:
@@ -171,13 +173,73 @@ class DecodeBackend:
         raise NotImplementedError
 
 
+@dataclass
+class PrefillMetadata:
+    """One step's prefill chunks, shared by every layer (built once per step by the forward
+    context, then handed to the prefill backend's ``plan``).
+
+    The chunks' query rows are consecutive in the step's flattened tokens, from ``row_start``.
+    Each chunk attends causally to [its cached prefix ‖ its own rows]; the layer lays those
+    keys/values out ragged, chunk after chunk (``kv_indptr``). ``prefix_slots`` lists the flat
+    cache rows (page · page_size + offset) of every chunk's cached prefix, chunk after chunk, so
+    one gather reads them all; ``kv_order[r]`` is the row of [gathered prefixes ‖ chunk rows]
+    that lands at ragged key row r. Both are None when no chunk has a cached prefix."""
+
+    row_start: int
+    query_lens: list[int]  # per chunk, > 0
+    context_lens: list[int]  # cached prefix per chunk
+    qo_indptr: torch.Tensor  # [N+1] int32, device
+    kv_indptr: torch.Tensor  # [N+1] int32, device
+    prefix_slots: torch.Tensor | None  # [sum context_lens] int64, device
+    kv_order: torch.Tensor | None  # [sum kv lens] int64, device
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def qo_indptr_cpu(self) -> list[int]:
+        return _cumsum(self.query_lens)
+
+    @property
+    def kv_indptr_cpu(self) -> list[int]:
+        return _cumsum([c + q for c, q in zip(self.context_lens, self.query_lens)])
+
+    @property
+    def row_end(self) -> int:
+        return self.row_start + sum(self.query_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens)
+
+    @property
+    def max_kv_len(self) -> int:
+        return max(c + q for c, q in zip(self.context_lens, self.query_lens))
+
+
+def _cumsum(values: list[int]) -> list[int]:
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
 class PrefillBackend:
-    """Causal attention of a query block over its (up-projected) context, one sequence at a
-    time: q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] → [Tq, H, Dv]; the query block holds
-    the last Tq positions of the Tk-long context (contract: ``kernels.mla_prefill``)."""
+    """Causal attention of prompt chunks over their (up-projected) context.
+
+    ``forward`` runs one sequence: q [Tq, H, Dqk], k [Tk, H, Dqk], v [Tk, H, Dv] → [Tq, H, Dv];
+    the query block holds the last Tq positions of the Tk-long context (contract:
+    ``kernels.mla_prefill``). ``forward_varlen`` runs every chunk of a step in one call, q and
+    k/v ragged by the step's ``PrefillMetadata``; the base class loops ``forward`` over the
+    chunks (the reference form), backends with a varlen kernel override it. ``plan`` runs once
+    per step, before the first layer (FlashInfer plans there)."""
 
     name: ClassVar[str]
     support: ClassVar[BackendSupport]
+
+    def __init__(self, spec: AttentionSpec | None = None) -> None:
+        self.spec = spec
 
     @classmethod
     def unsupported_reason(cls, spec: AttentionSpec) -> str | None:
@@ -185,3 +247,18 @@ class PrefillBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
         raise NotImplementedError
+
+    def plan(self, metadata: PrefillMetadata) -> PrefillMetadata:
+        return metadata
+
+    def forward_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: PrefillMetadata,
+                       softmax_scale: float) -> torch.Tensor:
+        """q [sum q_i, H, Dqk], k [sum kv_i, H, Dqk], v [sum kv_i, H, Dv] → [sum q_i, H, Dv]."""
+        qo, kv = metadata.qo_indptr_cpu, metadata.kv_indptr_cpu
+        if metadata.num_chunks == 1:
+            return self.forward(q, k, v, softmax_scale)
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        for i in range(metadata.num_chunks):
+            out[qo[i] : qo[i + 1]] = self.forward(q[qo[i] : qo[i + 1]], k[kv[i] : kv[i + 1]], v[kv[i] : kv[i + 1]],
+                                                  softmax_scale)
+        return out

@@ -15,6 +15,7 @@ slower than its bf16 mode, because it widens the cache to bf16 inside the kernel
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,13 @@ from kernels.attention.base import (FP8_E4M3, AttentionSpec, BackendSupport, Dec
                                     missing_module_reason)
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+
+
+@functools.cache
+def shared_workspace(device: torch.device) -> torch.Tensor:
+    """The float workspace every FlashInfer wrapper of a device shares (decode and prefill run
+    one after the other on one stream, so one scratch buffer serves both)."""
+    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
 def import_flashinfer():
@@ -68,7 +76,8 @@ class FlashInferDecode(DecodeBackend):
     def __init__(self, spec: AttentionSpec, workspace_bytes: int = WORKSPACE_BYTES) -> None:
         super().__init__(spec)
         self._fi = import_flashinfer()
-        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=spec.device)
+        self.workspace = (shared_workspace(spec.device) if workspace_bytes == WORKSPACE_BYTES
+                          else torch.empty(workspace_bytes, dtype=torch.uint8, device=spec.device))
         self.wrapper = self._fi.mla.BatchMLAPagedAttentionWrapper(self.workspace, backend="fa3")
         self._plan_id = 0
 

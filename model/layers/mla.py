@@ -99,7 +99,7 @@ class MLAAttention(nn.Module):
         if ctx is None or ctx.attn is None:
             kv_c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
             k_pe = self.rotary(positions, kv[:, self.kv_lora_rank :].unsqueeze(1)).squeeze(1)
-            out = self._prefill_one(q_nope, self.rotary(positions, q_pe), kv_c, k_pe, None, None)
+            out = self._prefill_one(q_nope, self.rotary(positions, q_pe), kv_c, k_pe)
         else:
             out = self._forward_paged(positions, q_nope, q_pe, kv, ctx)
         return self.o_proj(out.reshape(t, self.num_local_heads * self.v_dim))
@@ -117,46 +117,45 @@ class MLAAttention(nn.Module):
         nd = attn.num_decode_tokens
         if nd:
             out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], positions[:nd], cache, ctx, k_scale)
-        # Row offsets from the host copy of the query lengths: reading query_start_loc (a device
-        # tensor) would synchronize the host with the GPU once per layer.
-        end = sum(attn.query_lens_cpu[: attn.num_decode_seqs])
-        for i in range(attn.num_decode_seqs, attn.num_seqs):
-            start, end = end, end + attn.query_lens_cpu[i]
-            if end == start:
-                continue
-            context = self._gather_context(cache, attn, i, attn.seq_lens_cpu[i] - (end - start), k_scale)
-            q_pe_rot = self.rotary(positions[start:end], q_pe[start:end])
-            out[start:end] = self._prefill_one(q_nope[start:end], q_pe_rot, kv_c[start:end], k_pe[start:end], context,
-                                               ctx.prefill_backend)
+        pm = ctx.prefill_metadata
+        if pm is not None:
+            out[pm.row_start : pm.row_end] = self._prefill_chunks(q_nope, q_pe, positions, kv_c, k_pe, cache, ctx,
+                                                                  k_scale)
         return out
 
-    def _gather_context(self, cache, attn: AttentionMetadata, seq: int, n: int, k_scale: float):
-        """The first ``n`` cached latents of sequence ``seq`` as ([n, kv_lora], [n, rope])."""
-        if n == 0:
-            return None
-        block_size = cache.shape[1]
-        nblocks = -(-n // block_size)
-        pages = attn.block_tables[seq, :nblocks].long()
-        entries = cache[pages].reshape(nblocks * block_size, -1)[:n]
-        if entries.dtype == FP8_DTYPE:
-            entries = dequantize_per_tensor(entries, k_scale, self.compute_dtype)
-        else:
-            entries = entries.to(self.compute_dtype)
-        return entries[:, : self.kv_lora_rank], entries[:, self.kv_lora_rank :]
+    def _prefill_chunks(self, q_nope, q_pe, positions, kv_c, k_pe, cache, ctx, k_scale: float) -> torch.Tensor:
+        """Every prefill chunk of the step at once: one gather of all chunks' cached latents,
+        one ``kv_b_proj`` over [prefixes ‖ chunks] laid out ragged (chunk after chunk, see
+        ``PrefillMetadata``), one call of the step's prefill backend."""
+        pm = ctx.prefill_metadata
+        s, e = pm.row_start, pm.row_end
+        q = torch.cat([q_nope[s:e], self.rotary(positions[s:e], q_pe[s:e])], dim=-1)
+        latent = torch.cat([kv_c[s:e], k_pe[s:e]], dim=-1)
+        if pm.prefix_slots is not None:
+            rows = cache.view(-1, cache.shape[-1])
+            if rows.dtype == FP8_DTYPE:  # gather the bytes, then widen only the rows read
+                prefix = rows.view(torch.uint8).index_select(0, pm.prefix_slots).view(FP8_DTYPE)
+                prefix = dequantize_per_tensor(prefix, k_scale, latent.dtype)
+            else:
+                prefix = rows.index_select(0, pm.prefix_slots)
+            latent = torch.cat([prefix.to(latent.dtype), latent]).index_select(0, pm.kv_order)
+        k, v = self._up_project(latent[:, : self.kv_lora_rank], latent[:, self.kv_lora_rank :])
+        return ctx.prefill_backend.forward_varlen(q, k, v, pm, self.softmax_scale)
 
-    def _prefill_one(self, q_nope, q_pe, kv_c, k_pe, context, backend) -> torch.Tensor:
-        """Causal attention of the query block over [cached context ‖ the block's own latents],
-        on the step's prefill backend (without one, the device's default)."""
-        if context is not None:
-            kv_c = torch.cat([context[0], kv_c], dim=0)
-            k_pe = torch.cat([context[1], k_pe], dim=0)
+    def _up_project(self, kv_c, k_pe) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [T, kv_lora] and rotated k_pe [T, rope] → per-head k [T, H, nope + rope], v [T, H, v]."""
         tk = kv_c.shape[0]
         kv = self.kv_b_proj(kv_c).view(tk, self.num_local_heads, self.nope_dim + self.v_dim)
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_local_heads, -1)], dim=-1)
+        return k, v
+
+    def _prefill_one(self, q_nope, q_pe, kv_c, k_pe) -> torch.Tensor:
+        """Causal attention of a whole sequence without a cache (no forward context), on the
+        device's default prefill backend."""
+        k, v = self._up_project(kv_c, k_pe)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        backend = backend or default_prefill_backend(q.device.type)
-        return backend.forward(q, k, v, self.softmax_scale)
+        return default_prefill_backend(q.device.type).forward(q, k, v, self.softmax_scale)
 
     def _decode(self, q_nope, q_pe, positions, cache, ctx, k_scale: float) -> torch.Tensor:
         """Absorbed decode on the step's backend and metadata (built once for all layers)."""

@@ -39,18 +39,21 @@ from model.v4.norm import unweighted_rms_norm
 from model.v4.output_proj import GroupedLinear, grouped_output_projection
 from model.v4.rope import RotaryTable, apply_trailing_rope
 from model.v4.cache_pool import BatchIndex, CachePools, RowLease
+from model.v4_parallel import local_heads_and_groups
 
 QUERY_BLOCK = 256  # queries per attention block in a long chunk (bounds the transient logits)
 
 
 class V4Attention(nn.Module):
-    def __init__(self, config: V4Config, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: V4Config, layer_idx: int, dtype: torch.dtype, tp_size: int = 1) -> None:
+        """``tp_size`` > 1: this rank's heads and output groups (the output is a partial sum)."""
         super().__init__()
         c = config
         self.layer_idx = layer_idx
         self.kind = c.layer_kinds[layer_idx]
         self.ratio = c.compress_ratios[layer_idx]
-        self.num_heads, self.head_dim = c.num_attention_heads, c.head_dim
+        self.head_dim = c.head_dim
+        self.num_heads, o_groups = local_heads_and_groups(c.num_attention_heads, c.o_groups, tp_size)
         self.sliding_window, self.eps = c.sliding_window, c.rms_norm_eps
         self.scale = c.head_dim**-0.5
         self.query_block = QUERY_BLOCK
@@ -60,8 +63,8 @@ class V4Attention(nn.Module):
         self.q_b_proj = nn.Linear(c.q_lora_rank, self.num_heads * d, bias=False, dtype=dtype)
         self.kv_proj = nn.Linear(h, d, bias=False, dtype=dtype)
         self.kv_norm = RMSNorm(d, c.rms_norm_eps, torch.float32)
-        self.o_a_proj = GroupedLinear(self.num_heads * d // c.o_groups, c.o_lora_rank, c.o_groups, dtype)
-        self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, h, bias=False, dtype=dtype)
+        self.o_a_proj = GroupedLinear(c.num_attention_heads * d // c.o_groups, c.o_lora_rank, o_groups, dtype)
+        self.o_b_proj = nn.Linear(o_groups * c.o_lora_rank, h, bias=False, dtype=dtype)
         self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32), requires_grad=False)
         self.compressor: WindowCompressor | None = None
         if self.kind == "csa":

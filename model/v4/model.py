@@ -18,6 +18,9 @@ hash-routed layers) → expand. The HyperHead collapses the streams, then ``norm
 ``lm_head``. Norms, mHC parameters, sinks and position biases stay float32 whatever the
 model dtype, as HF keeps them.
 
+Under TP / DP / EP (``par``, model/v4_parallel.py) a rank holds its heads, output groups,
+vocab rows and experts, and its token rows of the streams under the reduce-scatter mode.
+
 MTP weights (``mtp.*``) are not part of this model: :meth:`load_weights` skips them.
 A checkpoint directory (released, 5.24-saved or HF names; FP8/MXFP4 or BF16) loads with
 :func:`load_deepseek_v4`.
@@ -37,60 +40,71 @@ from model.v4.config import V4Config
 from model.v4.mhc import HyperConnection, HyperHead, collapse_streams, expand_streams
 from model.v4.moe import V4MoE
 from model.v4.rope import RotaryTable
+from model.parallel import ParallelContext, StepRows
 from model.v4.cache_pool import BatchIndex, CachePools, RowPool, plain_codec
 from model.v4.state import V4RequestState
 from model.v4_loader import load_v4_into_module, read_v4_config
+from model.v4_parallel import final_rows, first_rows, row_parallel_site, shard_spec, vocab_embedding
 
 logger = logging.getLogger(__name__)
 
 
 class V4DecoderLayer(nn.Module):
-    def __init__(self, config: V4Config, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: V4Config, layer_idx: int, dtype: torch.dtype, par: ParallelContext) -> None:
         super().__init__()
         c = config
         self.layer_idx = layer_idx
+        self.par = par
         self.uses_compress_rope = c.layer_kinds[layer_idx] != "sliding"
         hc_args = (c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
         self.attn_hc = HyperConnection(*hc_args)
         self.ffn_hc = HyperConnection(*hc_args)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, torch.float32)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, torch.float32)
-        self.self_attn = V4Attention(c, layer_idx, dtype)
+        self.self_attn = V4Attention(c, layer_idx, dtype, par.tp_size)
         self.mlp = V4MoE(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
                          c.moe_intermediate_size * c.n_shared_experts, c.swiglu_limit, c.routed_scaling_factor,
-                         c.hash_layers[layer_idx], c.vocab_size, dtype)
+                         c.hash_layers[layer_idx], c.vocab_size, dtype, par)
 
-    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, attend) -> torch.Tensor:
-        """streams [T, hc, D] → [T, hc, D]; ``attend`` runs the attention on its normed input
-        (one request's chunk or a batch of decode rows)."""
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, attend,
+                rows: StepRows | None = None) -> torch.Tensor:
+        """streams [T, hc, D] → [T, hc, D] (this rank's rows of the step's ``input_ids``);
+        ``attend`` runs the attention on all valid rows of its normed input (one request's
+        chunk, or one decode token of each of B requests)."""
+        n = input_ids.shape[0]
+        attend = row_parallel_site(self.par, n, attend)
+        feed_forward = row_parallel_site(self.par, n, lambda x: self.mlp(x, input_ids, rows))
         pre, post, comb = self.attn_hc(streams)
         attn = attend(self.input_layernorm(collapse_streams(streams, pre)))
         streams = expand_streams(streams, attn, post, comb)
         pre, post, comb = self.ffn_hc(streams)
-        ffn = self.mlp(self.post_attention_layernorm(collapse_streams(streams, pre)), input_ids)
+        ffn = feed_forward(self.post_attention_layernorm(collapse_streams(streams, pre)))
         return expand_streams(streams, ffn, post, comb)
 
 
 class V4Backbone(nn.Module):
     """HF's ``model.``: ``embed_tokens``, ``layers``, ``norm``, ``hc_head``."""
 
-    def __init__(self, config: V4Config, dtype: torch.dtype) -> None:
+    def __init__(self, config: V4Config, dtype: torch.dtype, par: ParallelContext) -> None:
         super().__init__()
         c = config
         self.hc_mult = c.hc_mult
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.embed_tokens = vocab_embedding(c.vocab_size, c.hidden_size, par, dtype)
         self.embed_tokens.requires_grad_(False)
-        self.layers = nn.ModuleList(V4DecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(V4DecoderLayer(c, i, dtype, par) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, torch.float32)
         self.hc_head = HyperHead(c.hidden_size, c.hc_mult, c.hc_eps, c.rms_norm_eps)
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    def __init__(self, config: V4Config, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: V4Config, dtype: torch.dtype = torch.float32,
+                 par: ParallelContext | None = None) -> None:
+        """``par``: this rank's place in TP / DP / EP (model/v4_parallel.py); None: one device."""
         super().__init__()
         self.config, self.dtype = config, dtype
-        self.model = V4Backbone(config, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.par = par = par or ParallelContext()
+        self.model = V4Backbone(config, dtype, par)
+        self.lm_head = nn.Linear(config.hidden_size, -(-config.vocab_size // par.tp_size), bias=False, dtype=dtype)
         self.lm_head.requires_grad_(False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -162,17 +176,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Final-normed hidden states [T, D] of one request's next T tokens ``input_ids`` [T]."""
         self._check_ids(input_ids)
         self._check_state(state)
-        t, pools = input_ids.shape[0], self.cache_pools()
+        t, par, pools = input_ids.shape[0], self.par, self.cache_pools()
         self._reserve(state, state.num_tokens + t)
         positions = torch.arange(state.num_tokens, state.num_tokens + t, device=input_ids.device)
-        x = self.model.embed_tokens(input_ids)
-        streams = x.unsqueeze(1).expand(t, self.model.hc_mult, x.shape[-1]).contiguous()
+        rows = par.step_rows(t, input_ids.device)
+        x = first_rows(par, t)(self.model.embed_tokens(input_ids))
+        streams = x.unsqueeze(1).expand(x.shape[0], self.model.hc_mult, x.shape[-1]).contiguous()
         for layer in self.model.layers:
             rope = self.compress_rope if layer.uses_compress_rope else self.main_rope
             streams = layer(streams, input_ids,
-                            lambda h, a=layer.self_attn, r=rope: a(h, positions, state.lease, pools, r))
+                            lambda h, a=layer.self_attn, r=rope: a(h, positions, state.lease, pools, r), rows)
         state.num_tokens += t
-        return self.model.norm(self.model.hc_head(streams))
+        return final_rows(par, self.model.norm(self.model.hc_head(streams)), t)
 
     def decode(self, input_ids: torch.Tensor, states: list[V4RequestState]) -> torch.Tensor:
         """Final-normed hidden states [B, D] of one new token per request: ``input_ids[b]`` at
@@ -188,18 +203,21 @@ class DeepseekV4ForCausalLM(nn.Module):
             self._reserve(s, s.num_tokens + 1)
         batch = BatchIndex.build(pools, [s.lease for s in states], [s.num_tokens for s in states],
                                  input_ids.device)
-        x = self.model.embed_tokens(input_ids)
-        streams = x.unsqueeze(1).expand(-1, self.model.hc_mult, x.shape[-1]).contiguous()
+        n, par = input_ids.shape[0], self.par
+        rows = par.step_rows(n, input_ids.device)
+        x = first_rows(par, n)(self.model.embed_tokens(input_ids))
+        streams = x.unsqueeze(1).expand(x.shape[0], self.model.hc_mult, x.shape[-1]).contiguous()
         for layer in self.model.layers:
             rope = self.compress_rope if layer.uses_compress_rope else self.main_rope
-            streams = layer(streams, input_ids, lambda h, a=layer.self_attn, r=rope: a.decode(h, batch, pools, r))
+            streams = layer(streams, input_ids, lambda h, a=layer.self_attn, r=rope: a.decode(h, batch, pools, r),
+                            rows)
         for s in states:
             s.num_tokens += 1
-        return self.model.norm(self.model.hc_head(streams))
+        return final_rows(par, self.model.norm(self.model.hc_head(streams)), n)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [T, vocab] for hidden rows [T, D]."""
-        return self.lm_head(hidden).float()
+        return self.par.gather_vocab(self.lm_head(hidden).float())[..., : self.config.vocab_size]
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy in-memory HF-named tensors (the names of ``state_dict()``) in; every model tensor
@@ -242,14 +260,16 @@ def v4_row_codecs(config: V4Config, kv_cache_dtype: str, dtype: torch.dtype):
 
 
 def load_deepseek_v4(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16,
-                     device: str | torch.device = "cpu") -> DeepseekV4ForCausalLM:
+                     device: str | torch.device = "cpu", par: ParallelContext | None = None) -> DeepseekV4ForCausalLM:
     """Build the model ``config.json`` describes on ``device`` and stream its weights in.
 
     Any name spelling :mod:`model.v4_loader` reads; FP8 / MXFP4 tensors are dequantized on
     the CPU to ``dtype`` one at a time. MTP tensors are skipped with one log line. Errors are
-    one :class:`model.loader.CheckpointError` line naming the file or tensor."""
+    one :class:`model.loader.CheckpointError` line naming the file or tensor. ``par``: load
+    this rank's shard (model/v4_parallel.py)."""
     config = read_v4_config(checkpoint_dir, ("deepseek_v4",))
+    par = par or ParallelContext()
     with torch.device(device):
-        model = DeepseekV4ForCausalLM(config, dtype)
-    load_v4_into_module(model, checkpoint_dir, device=device)
+        model = DeepseekV4ForCausalLM(config, dtype, par)
+    load_v4_into_module(model, checkpoint_dir, device=device, shard_spec=shard_spec(par))
     return model.eval()

@@ -9,6 +9,10 @@ Experts (routed and shared alike) are SwiGLU with a clamp: ``silu(min(g, L)) · 
 with ``L = swiglu_limit``. Routed experts are packed as HF stores them: ``gate_up_proj``
 [E, 2I, D] (gate rows, then up rows) and ``down_proj`` [E, D, I]; the routing weight
 multiplies the expert's output (after ``down_proj``). ``moe(x) = Σ routed + shared(x)``.
+
+Under a ParallelContext (model/v4_parallel.py) the packed experts hold this rank's experts
+(ids from ``expert_offset``) or slice of every expert's intermediate dim, the shared expert its
+intermediate slice, and the block returns this rank's partial sum.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from model.layers.linear import divide
+from model.parallel import ParallelContext, StepRows
+from model.v4_parallel import local_experts, routed_experts
 
 
 def sqrt_softplus(logits: torch.Tensor) -> torch.Tensor:
@@ -70,20 +78,25 @@ class HashRouter(nn.Module):
 
 
 class PackedExperts(nn.Module):
-    """Routed experts, torch reference: one gather/GEMM pair per expert that has tokens."""
+    """Routed experts, torch reference: one gather/GEMM pair per expert that has tokens.
+    Holds experts ``expert_offset …`` (all of them unless expert parallel)."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
+    def __init__(self, num_experts: int, hidden: int, inter: int, limit: float, dtype: torch.dtype,
+                 expert_offset: int = 0) -> None:
         super().__init__()
-        self.num_experts, self.limit = num_experts, limit
+        self.num_experts, self.limit, self.expert_offset = num_experts, limit, expert_offset
         self.gate_up_proj = nn.Parameter(torch.zeros(num_experts, 2 * inter, hidden, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e in torch.unique(indices).tolist():
+            j = e - self.expert_offset
+            if not 0 <= j < self.num_experts:
+                continue  # another rank's expert
             token, slot = torch.where(indices == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e]) * weights[token, slot, None]
+            gate, up = F.linear(x[token], self.gate_up_proj[j]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[j]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
         return out
 
@@ -107,17 +120,28 @@ class V4MoE(nn.Module):
     """``gate`` (TopKRouter or HashRouter), ``experts`` (PackedExperts), ``shared_experts``."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, inter: int, shared_inter: int, limit: float,
-                 scaling: float, hash_routed: bool, vocab: int, dtype: torch.dtype) -> None:
+                 scaling: float, hash_routed: bool, vocab: int, dtype: torch.dtype,
+                 par: ParallelContext | None = None) -> None:
         super().__init__()
         self.hash_routed = hash_routed
+        self.par = par = par or ParallelContext()
         if hash_routed:
             self.gate = HashRouter(hidden, num_experts, top_k, scaling, vocab, dtype)
         else:
             self.gate = TopKRouter(hidden, num_experts, top_k, scaling, dtype)
-        self.experts = PackedExperts(num_experts, hidden, inter, limit, dtype)
-        self.shared_experts = ClampedSwiGLU(hidden, shared_inter, limit, dtype)
+        ids, inter_local = local_experts(num_experts, inter, par)
+        self.experts = PackedExperts(len(ids), hidden, inter_local, limit, dtype, ids.start)
+        shared_local = divide(shared_inter, par.tp_size, "shared expert intermediate size")
+        self.shared_experts = ClampedSwiGLU(hidden, shared_local, limit, dtype)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, D] (post-attention-normed), input_ids [T] (needed by hash layers) → [T, D]."""
-        weights, indices = self.gate(x, input_ids)
-        return self.experts(x, indices, weights) + self.shared_experts(x)
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None,
+                rows: StepRows | None = None) -> torch.Tensor:
+        """x [T, D] (post-attention-normed), input_ids [T] (needed by hash layers) → [T, D]
+        (this rank's partial sum under TP / EP; ``rows``: the step's layout under DP)."""
+        def route(xr, start, stop):
+            return self.gate(xr, None if input_ids is None else input_ids[start:stop])
+
+        def experts(xr, weights, indices):
+            return self.experts(xr, indices, weights)
+
+        return routed_experts(self.par, rows, x, route, experts) + self.shared_experts(x)

@@ -35,17 +35,19 @@ from model.v41.compressor import Compressor
 from model.v41.config import V41Config
 from model.v41.indexer import QUERY_BLOCK, Indexer
 from model.v41.state import RequestState
+from model.v4_parallel import local_heads_and_groups
 
 
 class Attention(nn.Module):
-    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype, tp_size: int = 1) -> None:
+        """``tp_size`` > 1: this rank's heads and output groups (the output is a partial sum)."""
         super().__init__()
         c = config
         self.layer_idx = layer_idx
         self.ratio = c.compress_ratios[layer_idx]
-        self.num_heads, self.head_dim = c.num_attention_heads, c.head_dim
+        self.head_dim = c.head_dim
+        self.num_heads, self.o_groups = local_heads_and_groups(c.num_attention_heads, c.o_groups, tp_size)
         self.window = c.sliding_window
-        self.o_groups = c.o_groups
         self.scale = c.head_dim**-0.5
         self.kv_source = c.kv_source_of(layer_idx)
         self.index_source = c.index_source_of(layer_idx)
@@ -56,8 +58,9 @@ class Attention(nn.Module):
         self.wq_b = nn.Linear(c.q_lora_rank, self.num_heads * self.head_dim, bias=False, dtype=dtype)
         self.wkv = nn.Linear(c.hidden_size, self.head_dim, bias=False, dtype=dtype)
         self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype, weight_after_cast=True)
-        self.wo_a = GroupedLinear(self.num_heads * self.head_dim // c.o_groups, c.o_lora_rank, c.o_groups, dtype)
-        self.wo_b = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False, dtype=dtype)
+        self.wo_a = GroupedLinear(c.num_attention_heads * self.head_dim // c.o_groups, c.o_lora_rank, self.o_groups,
+                                  dtype)
+        self.wo_b = nn.Linear(self.o_groups * c.o_lora_rank, c.hidden_size, bias=False, dtype=dtype)
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
         self.compressor = Compressor(c, layer_idx, dtype) if self.kv_source == layer_idx else None
         self.indexer = Indexer(c, layer_idx, dtype) if self.index_source == layer_idx else None

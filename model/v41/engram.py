@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.parallel import ParallelContext
 from model.v41.config import V41Config
 from model.v41.state import DEAD
+from model.v4_parallel import first_rows, owned_lookup, vocab_rows
 
 _SPACE_SENTINEL = "\ue000"  # private-use: keeps a lone-space token from stripping to ""
 
@@ -204,37 +206,53 @@ class EngramEmbedding(nn.Module):
     The checkpoint stores FP8 rows plus E8M0 scales; the row is ``value · scale`` per block.
     ``weight`` may hold the FP8 values themselves or the same values in a float dtype (the
     loader delivers values and scales unmultiplied); a float checkpoint has unit scales.
+    Under TP a rank holds its vocab-parallel rows and returns zeros for the others' ids.
     """
 
-    def __init__(self, rows: int, dim: int, dtype: torch.dtype, block: int = 32) -> None:
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype, block: int = 32,
+                 par: ParallelContext | None = None) -> None:
         super().__init__()
+        par = par or ParallelContext()
         self.block = min(block, dim)
-        self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype))
-        self.scale = nn.Parameter(torch.ones(rows, dim // self.block, dtype=torch.float32))
+        self.start, local = vocab_rows(rows, par) if par.tp_size > 1 else (0, rows)
+        self.vocab_parallel = par.tp_size > 1
+        self.weight = nn.Parameter(torch.empty(local, dim, dtype=dtype))
+        self.scale = nn.Parameter(torch.ones(local, dim // self.block, dtype=torch.float32))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        owned = None
+        if self.vocab_parallel:
+            ids, owned = owned_lookup(ids, self.start, self.weight.shape[0])
         values = F.embedding(ids, self.weight).float().unflatten(-1, (-1, self.block))
         scales = F.embedding(ids, self.scale).float()
-        return (values * scales.unsqueeze(-1)).flatten(-2)
+        out = (values * scales.unsqueeze(-1)).flatten(-2)
+        return out if owned is None else out * owned.unsqueeze(-1)
 
 
 class Engram(nn.Module):
-    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype,
+                 par: ParallelContext | None = None) -> None:
         super().__init__()
         c = config
+        self.par = par = par or ParallelContext()
         self.table_index = c.engram_layer_ids.index(layer_idx)
         self.hidden = c.hidden_size
         self.hc = c.hc_mult
         self.eps = c.rms_norm_eps
         cols = (c.engram_max_ngram_size - 1) * c.engram_n_heads
-        self.embed = EngramEmbedding(c.engram_num_embeddings[self.table_index], c.engram_head_dim, dtype)
+        self.embed = EngramEmbedding(c.engram_num_embeddings[self.table_index], c.engram_head_dim, dtype, par=par)
         self.wkv = nn.Linear(cols * c.engram_head_dim, c.hidden_size * (c.hc_mult + 1), bias=False, dtype=dtype)
         self.q_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size, dtype=dtype))
 
     def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor) -> torch.Tensor:
-        """streams [T, hc, D], hash_ids [T, cols] (this layer's) -> updated streams."""
-        kv = self.wkv(self.embed(hash_ids).flatten(-2).to(self.wkv.weight.dtype))
+        """streams [T, hc, D], hash_ids [T, cols] (this layer's) -> updated streams. Under TP,
+        ``hash_ids`` are the step's n valid rows and ``streams`` this rank's rows: the partial
+        lookups are reduced to this rank's rows first (model/v4_parallel.py)."""
+        rows = self.embed(hash_ids)
+        if self.par.tp_size > 1:
+            rows = first_rows(self.par, hash_ids.shape[0])(rows)
+        kv = self.wkv(rows.flatten(-2).to(self.wkv.weight.dtype))
         key, value = kv.split([self.hc * self.hidden, self.hidden], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.hidden))
         weight = self.q_weight.float() * self.k_weight.float()

@@ -51,6 +51,8 @@ from model.v41.mhc import (
 from model.v41.moe import MoE
 from model.v4.cache_pool import BatchIndex, CachePools, RowPool, plain_codec
 from model.v41.state import RequestState
+from model.parallel import ParallelContext, StepRows
+from model.v4_parallel import final_rows, first_rows, row_parallel_site, shard_spec, vocab_embedding
 
 logger = logging.getLogger(__name__)
 
@@ -72,16 +74,18 @@ def split_unused_weights(names) -> tuple[list[str], list[str]]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype,
+                 par: ParallelContext | None = None) -> None:
         super().__init__()
         c = config
         self.layer_idx = layer_idx
+        self.par = par = par or ParallelContext()
         self.norm_eps, self.hc_eps, self.sinkhorn_iters = c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters
-        self.attn = Attention(c, layer_idx, dtype)
-        self.ffn = MoE(c, dtype)
+        self.attn = Attention(c, layer_idx, dtype, par.tp_size)
+        self.ffn = MoE(c, dtype, par)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
-        self.engram = Engram(c, layer_idx, dtype) if layer_idx in c.engram_layer_ids else None
+        self.engram = Engram(c, layer_idx, dtype, par) if layer_idx in c.engram_layer_ids else None
         mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size
         for site in ("attn", "ffn"):
             setattr(self, f"hc_{site}_fn", nn.Parameter(torch.empty(mix, width, dtype=torch.float32)))
@@ -93,10 +97,14 @@ class DecoderLayer(nn.Module):
                                 getattr(self, f"hc_{site}_scale"), hc_eps=self.hc_eps,
                                 sinkhorn_iters=self.sinkhorn_iters, norm_eps=self.norm_eps)
 
-    def forward(self, streams, pre, hash_ids, positions, rope, state, step):
-        """streams [T, hc, D], pre [T, hc] from the previous site -> (streams, this FFN site's pre)."""
-        return self.run_sites(streams, pre, hash_ids,
-                              lambda x: self.attn(x, positions, rope, state, step), self.ffn)
+    def forward(self, streams, pre, hash_ids, n: int, attend, rows: StepRows | None = None):
+        """streams [T, hc, D], pre [T, hc] from the previous site -> (streams, this FFN site's pre);
+        ``attend`` runs the attention on the normed input of the step's ``n`` valid rows (one
+        request's chunk, or one decode token of each of B requests). Under TP the streams are
+        this rank's rows (model/v4_parallel.py)."""
+        attend = row_parallel_site(self.par, n, attend)
+        feed_forward = row_parallel_site(self.par, n, lambda x: self.ffn(x, rows=rows))
+        return self.run_sites(streams, pre, hash_ids, attend, feed_forward)
 
     def run_sites(self, streams, pre, hash_ids, attend, feed_forward):
         """The layer's schedule with the attention and FFN given as functions of their normed
@@ -112,22 +120,25 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, config: V41Config, dtype: torch.dtype) -> None:
+    def __init__(self, config: V41Config, dtype: torch.dtype, par: ParallelContext) -> None:
         super().__init__()
         c = config
-        self.embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype) for i in range(c.num_hidden_layers))
+        self.embed = vocab_embedding(c.vocab_size, c.hidden_size, par, dtype)
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, par) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.main_rope = RotaryTable(c.qk_rope_head_dim, c.main_rope)
         self.compress_rope = RotaryTable(c.qk_rope_head_dim, c.compress_rope)
 
 
 class DeepseekV41ForCausalLM(nn.Module):
-    def __init__(self, config: V41Config, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, config: V41Config, dtype: torch.dtype = torch.bfloat16,
+                 par: ParallelContext | None = None) -> None:
+        """``par``: this rank's place in TP / DP / EP (model/v4_parallel.py); None: one device."""
         super().__init__()
         self.config = config
-        self.model = TextModel(config, dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.par = par = par or ParallelContext()
+        self.model = TextModel(config, dtype, par)
+        self.lm_head = nn.Linear(config.hidden_size, -(-config.vocab_size // par.tp_size), bias=False, dtype=dtype)
         self.hasher: EngramHasher | None = None
 
     def bind_tokenizer(self, tokenizer_json_path: str) -> DeepseekV41ForCausalLM:
@@ -220,15 +231,19 @@ class DeepseekV41ForCausalLM(nn.Module):
         self._begin(input_ids, state, t)
         positions = torch.arange(state.num_tokens, state.num_tokens + t, device=input_ids.device)
         hash_ids, (state.engram_history,) = self._hash_ids(input_ids, [state.engram_history])
-        streams = self.model.embed(input_ids).unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        pre = one_hot_pre(t, c.hc_mult, input_ids.device)
+        par = self.par
+        rows = par.step_rows(t, input_ids.device)
+        x = first_rows(par, t)(self.model.embed(input_ids))
+        streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        pre = one_hot_pre(x.shape[0], c.hc_mult, input_ids.device)
         step: dict = {}
         for layer in self.model.layers:
             rope = self.model.compress_rope if layer.attn.ratio else self.model.main_rope
-            streams, pre = layer(streams, pre, hash_ids, positions, rope, state, step)
-        hidden = self.model.norm(collapse_streams(streams, pre))
+            streams, pre = layer(streams, pre, hash_ids, t,
+                                 lambda h, a=layer.attn, r=rope: a(h, positions, r, state, step), rows)
+        hidden = final_rows(par, self.model.norm(collapse_streams(streams, pre)), t)
         state.num_tokens += t
-        return self.lm_head(hidden).float()
+        return par.gather_vocab(self.lm_head(hidden).float())[..., : c.vocab_size]
 
     @torch.no_grad()
     def decode(self, input_ids: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
@@ -243,19 +258,21 @@ class DeepseekV41ForCausalLM(nn.Module):
         pools = self.cache_pools()
         batch = BatchIndex.build(pools, [s.lease for s in states], [s.num_tokens for s in states], input_ids.device)
         hash_ids, histories = self._hash_ids(input_ids, [s.engram_history for s in states])
-        streams = self.model.embed(input_ids).unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        pre = one_hot_pre(len(states), c.hc_mult, input_ids.device)
+        n, par = len(states), self.par
+        rows = par.step_rows(n, input_ids.device)
+        x = first_rows(par, n)(self.model.embed(input_ids))
+        streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        pre = one_hot_pre(x.shape[0], c.hc_mult, input_ids.device)
         step: dict = {}
         for layer in self.model.layers:
             rope = self.model.compress_rope if layer.attn.ratio else self.model.main_rope
-            streams, pre = layer.run_sites(streams, pre, hash_ids,
-                                           lambda h, a=layer.attn, r=rope: a.decode(h, batch, r, step, pools),
-                                           layer.ffn)
-        hidden = self.model.norm(collapse_streams(streams, pre))
+            streams, pre = layer(streams, pre, hash_ids, n,
+                                 lambda h, a=layer.attn, r=rope: a.decode(h, batch, r, step, pools), rows)
+        hidden = final_rows(par, self.model.norm(collapse_streams(streams, pre)), n)
         for s, history in zip(states, histories):
             s.num_tokens += 1
             s.engram_history = history
-        return self.lm_head(hidden).float()
+        return par.gather_vocab(self.lm_head(hidden).float())[..., : c.vocab_size]
 
 
 def v41_row_codecs(config: V41Config, kv_cache_dtype: str, dtype: torch.dtype):
@@ -272,18 +289,20 @@ def v41_row_codecs(config: V41Config, kv_cache_dtype: str, dtype: torch.dtype):
 
 
 def load_deepseek_v41(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16,
-                      device: str | torch.device = "cpu") -> DeepseekV41ForCausalLM:
+                      device: str | torch.device = "cpu", par: ParallelContext | None = None) -> DeepseekV41ForCausalLM:
     """Build the text model ``config.json`` describes on ``device``, stream its weights in
     (FP8/FP4 dequantized on the CPU to ``dtype``; engram tables keep their scale tensor) and,
     when it has engram layers, bind the checkpoint's ``tokenizer.json``. Errors are one
-    :class:`model.loader.CheckpointError` line."""
+    :class:`model.loader.CheckpointError` line. ``par``: load this rank's shard
+    (model/v4_parallel.py)."""
     config = read_v4_config(checkpoint_dir, ("deepseek_v41", "deepseek_v41_text"))
+    par = par or ParallelContext()
     tokenizer = os.path.join(checkpoint_dir, "tokenizer.json")
     if config.engram_layer_ids and not os.path.isfile(tokenizer):
         raise CheckpointError(f"{checkpoint_dir!r} has engram layers but no tokenizer.json to hash tokens with")
     with torch.device(device):
-        model = DeepseekV41ForCausalLM(config, dtype)
-    load_v4_into_module(model, checkpoint_dir, device=device)
+        model = DeepseekV41ForCausalLM(config, dtype, par)
+    load_v4_into_module(model, checkpoint_dir, device=device, shard_spec=shard_spec(par))
     if config.engram_layer_ids:
         model.bind_tokenizer(tokenizer)
     return model.eval()

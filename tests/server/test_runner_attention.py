@@ -17,6 +17,7 @@ from kernels.attention import BackendSupport, BackendUnavailable, FlashInferDeco
 from kernels.mla_decode import mla_decode_reference
 from model.checkpoint import write_random_checkpoint
 from server import LLM, SamplingParams
+from tests.kernels.fake_flashinfer import FakeRaggedPrefillWrapper, install_fake_flashinfer
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
 PROMPTS = [[3, 7, 9, 11, 5], [4, 8] * 9, [6] * 30]
@@ -113,6 +114,25 @@ def test_flashinfer_plans_once_per_step_and_allocates_one_workspace(ckpt, fake_f
     assert wrapper.runs_per_plan == [num_layers] * decode_steps  # one plan per step, one run per layer
 
 
+def test_flashinfer_prefill_plans_once_per_prefill_step_and_serves_the_same_tokens(ckpt, fake_flashinfer,
+                                                                                  monkeypatch):
+    """Chunked prefill (16 tokens a step, prompts of 5-30 tokens: chunks with and without cached
+    prefixes, mixed with decodes) through the ragged prefill backend: the same tokens and
+    logprobs as the torch reference, one plan per prefill-carrying step, one run per layer."""
+    install_fake_flashinfer(monkeypatch, sys.modules["flashinfer"])
+    args = dict(dtype="bfloat16", block_size=16, num_gpu_blocks_override=64, max_num_batched_tokens=16,
+                max_num_seqs=4)
+    want = _outputs(LLM(ckpt, **args))
+    llm = LLM(ckpt, prefill_attention_backend="flashinfer", attention_backend="flashinfer", **args)
+    runner = llm.engine.runner
+    assert runner.prefill_backend.name == "flashinfer"
+    assert runner.prefill_backend.workspace is runner.decode_backend.workspace  # one shared workspace
+    assert _outputs(llm) == want
+    (wrapper,) = FakeRaggedPrefillWrapper.created
+    assert len(wrapper.plans) >= 3 and wrapper.runs_per_plan == [len(runner.model.layers)] * len(wrapper.plans)
+    assert any(p["kv_indptr"] != p["qo_indptr"] for p in wrapper.plans)  # some chunks had cached prefixes
+
+
 def test_backends_are_chosen_at_startup_and_never_again(ckpt, monkeypatch):
     llm = LLM(ckpt, block_size=16, num_gpu_blocks_override=64)
     runner = llm.engine.runner
@@ -158,4 +178,31 @@ def test_engine_with_real_flashinfer_matches_the_triton_backend(tmp_path):
     for (tok_a, lp_a), (tok_b, lp_b) in zip(runs["flashinfer"], runs["triton"]):
         n = next((i for i, (x, y) in enumerate(zip(tok_a, tok_b)) if x != y), len(tok_a))
         assert n >= 3, (tok_a, tok_b)  # the same greedy path for a while (bf16 kernels differ in rounding)
+        assert max(abs(x - y) for x, y in zip(lp_a[:n], lp_b[:n])) < 5e-2
+
+
+@pytest.mark.gpu
+def test_engine_with_flashinfer_prefill_matches_sdpa(tmp_path):
+    """FlashInfer's ragged fa3 prefill through the engine (chunked prefill: chunks with cached
+    prefixes) against the per-chunk SDPA path: the same greedy tokens for a while."""
+    import importlib.util
+
+    from model.checkpoint import load_config_dict
+
+    if importlib.util.find_spec("flashinfer") is None or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs flashinfer on a Hopper GPU")
+    cfg = dict(load_config_dict("tiny-v3"), kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+               v_head_dim=128, hidden_size=256)
+    path = write_random_checkpoint(cfg, str(tmp_path / "m"), seed=9)
+    prompts = [[3, 7, 9] * 40, [4, 8] * 90, [6] * 300]
+    runs = {}
+    for backend in ("flashinfer", "sdpa"):
+        llm = LLM(path, device="cuda", dtype="bfloat16", num_gpu_blocks_override=64, block_size=64,
+                  max_num_batched_tokens=128, max_num_seqs=8, prefill_attention_backend=backend)
+        assert llm.engine.runner.prefill_backend.name == backend
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+        runs[backend] = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+    for (tok_a, lp_a), (tok_b, lp_b) in zip(runs["flashinfer"], runs["sdpa"]):
+        n = next((i for i, (x, y) in enumerate(zip(tok_a, tok_b)) if x != y), len(tok_a))
+        assert n >= 3, (tok_a, tok_b)
         assert max(abs(x - y) for x, y in zip(lp_a[:n], lp_b[:n])) < 5e-2

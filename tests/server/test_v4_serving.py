@@ -166,9 +166,14 @@ def test_unsupported_flags_are_one_error_line(tokenizer_dir):
     from model.loader import CheckpointError
     from server.runner_setup import check_v4_family_parallel
 
-    with pytest.raises(CheckpointError, match="--tensor-parallel-size"):
-        check_v4_family_parallel(EngineConfig(tensor_parallel_size=2), V41)
-    check_v4_family_parallel(EngineConfig(), V41)
+    # TP / DP layouts that split the fixture evenly pass; 4 heads and 2 output groups do not
+    # split over 4 TP ranks, 4 experts not over 8 DEP ranks.
+    for ok in (dict(), dict(tensor_parallel_size=2), dict(data_parallel_size=2, enable_expert_parallel=True)):
+        check_v4_family_parallel(EngineConfig(**ok), V41)
+    with pytest.raises(CheckpointError, match="--tensor-parallel-size 4: .* 2 output groups"):
+        check_v4_family_parallel(EngineConfig(tensor_parallel_size=4), V41)
+    with pytest.raises(CheckpointError, match="--enable-expert-parallel: 4 routed experts do not split over 8"):
+        check_v4_family_parallel(EngineConfig(data_parallel_size=8, enable_expert_parallel=True), V4)
     with pytest.raises(CheckpointError, match="--kv-cache-dtype"):
         make_core(V41, tokenizer_dir, kv_cache_dtype="fp8")
 

@@ -1,0 +1,209 @@
+"""V4 sparse FP8 decode: our Triton kernel vs FlashMLA's SM90 sparse decode on the same MODEL1
+tensors, in one process.
+
+Each case: B requests x s_q query tokens x H heads; per query token 128 window rows (a cache
+of 64-record pages) plus top-k compressed entries picked at random from 4096 per request (a
+second cache). Both kernels are first checked against the float64 reference on the first
+requests (relative error of out, max |Δ lse|), then timed as CUDA-graph replays with the L2
+emptied before each (a 256 MB write), median of ``--reps``. FLOPs = 2·B·s_q·H·(128 + k)·1024
+(FlashMLA's count); bytes = the records each query token gathers (584 B each) + q + out.
+FlashMLA takes 64 or 128 heads: at 8 and 16 heads it runs padded to 64 (its time is what a
+server would pay). FlashMLA is used when its build is at ``.flashmla/`` (or importable), else
+skipped.
+
+    python3 benchmarks/bench_v4_sparse_decode.py [--quick] [--sweep] [--reps 30]
+
+Prints a table last; with $OUT set, writes $OUT/bench_v4_sparse_decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from kernels.v4_cache_formats import V4_RECORD_BYTES
+from kernels.v4_sparse_decode import SparseKV, pack_v4_cache, v4_sparse_decode_reference
+from kernels.v4_sparse_decode_triton import SparseDecodeConfig, default_config, v4_sparse_decode_triton
+
+WINDOW = 128
+ENTRIES_PER_REQUEST = 4096
+PAGE = 64
+REF_REQUESTS = 2
+HBM_PEAK = 4.8e12  # H200 spec sheet
+SCALE = 512**-0.5
+SWEEP = {  # alternatives to default_config, by heads
+    8: [SparseDecodeConfig(block_h=16, dv_split=1, num_warps=4, block_n=64)],
+    16: [SparseDecodeConfig(block_h=16, dv_split=1, num_warps=4, block_n=64)],
+    64: [SparseDecodeConfig(block_h=64, dv_split=1, num_warps=8)],
+    128: [SparseDecodeConfig(block_h=64, dv_split=2, num_warps=4)],
+}
+
+
+def import_flashmla():
+    for path in (".flashmla/src", ".flashmla/src/tests"):
+        if os.path.isdir(path) and path not in sys.path:
+            sys.path.insert(0, path)
+    try:
+        import flash_mla
+
+        return flash_mla
+    except Exception as exc:  # noqa: BLE001 — any import failure means "skip FlashMLA"
+        print(f"FlashMLA not importable ({type(exc).__name__}: {exc}); timing ours only")
+        return None
+
+
+def build_case(bsz: int, s_q: int, heads: int, topk: int, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = "cuda"
+    w_pages = -(-bsz * WINDOW // PAGE)
+    e_pages = -(-bsz * ENTRIES_PER_REQUEST // PAGE)
+    window = pack_v4_cache(torch.randn(w_pages, PAGE, 512, device=dev, generator=gen))
+    entries = pack_v4_cache(torch.randn(e_pages, PAGE, 512, device=dev, generator=gen))
+    w_idx = (torch.arange(bsz, device=dev).view(-1, 1, 1) * WINDOW + torch.arange(WINDOW, device=dev)).expand(
+        bsz, s_q, WINDOW).to(torch.int32).contiguous()
+    picks = torch.rand(bsz, s_q, ENTRIES_PER_REQUEST, device=dev, generator=gen).argsort(-1)[..., :topk]
+    e_idx = (torch.arange(bsz, device=dev).view(-1, 1, 1) * ENTRIES_PER_REQUEST + picks).to(torch.int32).contiguous()
+    q = torch.randn(bsz, s_q, heads, 512, device=dev, generator=gen).to(torch.bfloat16)
+    sinks = torch.randn(heads, device=dev, generator=gen)
+    return q, [SparseKV(window, w_idx, "v4"), SparseKV(entries, e_idx, "v4")], sinks
+
+
+def flashmla_call(flash_mla, q, scopes, sinks):
+    """A closure running FlashMLA on our tensors (heads padded to 64 when fewer)."""
+    heads = q.shape[2]
+    pad = 64 if heads < 64 else heads
+    if pad != heads:
+        q = torch.cat([q, q.new_zeros(*q.shape[:2], pad - heads, 512)], dim=2).contiguous()
+        sinks = torch.cat([sinks, sinks.new_full((pad - heads,), float("-inf"))])
+    sched, _ = flash_mla.get_mla_metadata()
+    w, e = scopes
+
+    def run():
+        out, lse = flash_mla.flash_mla_with_kvcache(
+            q, w.cache.unsqueeze(2), None, None, 512, sched, None, SCALE, False, True, w.indices, sinks,
+            e.cache.unsqueeze(2), e.indices, None, None)
+        return out[:, :, :heads], lse
+
+    return run
+
+
+def rel_err(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def timed_median(fn, reps: int) -> float:
+    """µs: median CUDA-graph replay, the L2 emptied (256 MB written) before each."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def check(out, lse, want, want_lse) -> dict:
+    n = want.shape[0]
+    lse = lse[:n]
+    if lse.shape != want_lse.shape:  # FlashMLA may return [B, H, s_q]
+        lse = lse.transpose(1, 2)
+    return {"rel_err": rel_err(out[:n], want), "lse_err": (lse.double() - want_lse).abs().max().item()}
+
+
+def bench_case(bsz, s_q, heads, topk, flash_mla, sweep: bool, reps: int) -> dict:
+    q, scopes, sinks = build_case(bsz, s_q, heads, topk, seed=bsz + s_q + heads + topk)
+    n = REF_REQUESTS
+    sub = [SparseKV(s.cache, s.indices[:n], s.record) for s in scopes]
+    want, want_lse = v4_sparse_decode_reference(q[:n], sub, sinks, SCALE, compute_dtype=torch.float64)
+    keys = WINDOW + topk
+    flops = 2 * bsz * s_q * heads * keys * 1024
+    nbytes = bsz * s_q * keys * V4_RECORD_BYTES + q.numel() * 2 * 2
+    row = {"B": bsz, "s_q": s_q, "H": heads, "topk": topk, "ours": []}
+    out = torch.empty(bsz, s_q, heads, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(bsz, s_q, heads, device="cuda")
+    for cfg in [default_config(heads)] + (SWEEP.get(heads, []) if sweep else []):
+        def ours(cfg=cfg):
+            return v4_sparse_decode_triton(q, scopes, sinks, SCALE, config=cfg, out=out, lse=lse)
+        ours()
+        acc = check(out, lse, want, want_lse)
+        us = timed_median(ours, reps)
+        row["ours"].append({"config": cfg.__dict__, "us": us, **acc})
+    best = min(row["ours"], key=lambda r: r["us"])
+    row.update(us=best["us"], tflops=flops / best["us"] * 1e-6, hbm_pct=100 * nbytes / (best["us"] * 1e-6) / HBM_PEAK,
+               rel_err=best["rel_err"], lse_err=best["lse_err"])
+    if flash_mla is not None:
+        fm = flashmla_call(flash_mla, q, scopes, sinks)
+        fo, fl = fm()
+        row["flashmla"] = {"us": timed_median(fm, reps), **check(fo, fl, want, want_lse)}
+        row["flashmla"]["tflops"] = flops / row["flashmla"]["us"] * 1e-6
+        row["speedup"] = row["flashmla"]["us"] / row["us"]
+    return row
+
+
+def cases(quick: bool):
+    for heads in (64, 128):
+        for topk in ((512, 2048) if quick else (512, 1024, 2048)):
+            for bsz in ((128,) if quick else (64, 128)):
+                for s_q in (1, 2):
+                    yield bsz, s_q, heads, topk
+    for heads in (8, 16):
+        for topk in (512, 2048):
+            for bsz in ((128,) if quick else (64, 128)):
+                for s_q in (1, 2):
+                    yield bsz, s_q, heads, topk
+
+
+def fmt(r: dict) -> str:
+    fm = r.get("flashmla")
+    fm_s = "-"
+    if fm:
+        fm_s = f"{fm['us']:8.1f} {fm['tflops']:6.1f} {fm['rel_err']:.1e} {r['speedup']:5.2f}x"
+    return (f"{r['H']:4d} {r['topk']:5d} {r['B']:4d} {r['s_q']:3d} | {r['us']:8.1f} {r['tflops']:6.1f} "
+            f"{r['hbm_pct']:5.1f}% {r['rel_err']:.1e} {r['lse_err']:.1e} | {fm_s}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="B=128 and top-k 512/2048 only")
+    ap.add_argument("--sweep", action="store_true", help="also time the alternative launch configs")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-flashmla", action="store_true")
+    args = ap.parse_args()
+    flash_mla = None if args.no_flashmla else import_flashmla()
+    rows = []
+    for bsz, s_q, heads, topk in cases(args.quick):
+        try:
+            rows.append(bench_case(bsz, s_q, heads, topk, flash_mla, args.sweep, args.reps))
+        except Exception as exc:  # noqa: BLE001 — one failing case must not lose the others
+            rows.append({"B": bsz, "s_q": s_q, "H": heads, "topk": topk, "error": f"{type(exc).__name__}: {exc}"})
+            print("case failed:", rows[-1], flush=True)
+            continue
+        print(json.dumps(rows[-1]), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_v4_sparse_decode.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    print("\n   H  topk    B s_q |  ours µs TFLOP/s  HBM%  rel.err  lse.err | FlashMLA µs TFLOP/s rel.err  speedup")
+    for r in rows:
+        print(fmt(r) if "error" not in r else f"{r['H']:4d} {r['topk']:5d} {r['B']:4d} {r['s_q']:3d} | {r['error']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""V4 / V4.1 sparse decode backends (contract: ``kernels.v4_sparse_decode``): a registry of
+its own, since the call differs from MLA decode's (key scopes of quantized records and
+per-request picks, not a block table over one latent cache).
+
+    torch   the float32 reference; any device; eager only (gathers on the host's terms)
+    triton  our Triton kernel (kernels/v4_sparse_decode_triton.py); SM90, every record format,
+            8..128 heads per GPU, CUDA graphs
+
+``auto`` (:func:`select_v4_decode_backend`): triton on a GPU it runs on, else torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import ClassVar
+
+import torch
+
+from kernels.attention.base import AttentionSpec, BackendSupport, BackendUnavailable, missing_module_reason
+from kernels.v4_sparse_decode import RECORD_BYTES
+
+logger = logging.getLogger(__name__)
+V4_CACHE_DTYPE = torch.uint8  # records are bytes; ``record_formats`` says which layout
+
+
+class V4SparseDecodeBackend:
+    """One layer's sparse decode: ``decode(q, scopes, sinks, softmax_scale) -> (out, lse)``."""
+
+    name: ClassVar[str]
+    support: ClassVar[BackendSupport]
+    record_formats: ClassVar[tuple[str, ...]] = tuple(RECORD_BYTES)
+
+    def __init__(self, spec: AttentionSpec | None = None) -> None:
+        self.spec = spec
+
+    @classmethod
+    def unsupported_reason(cls, spec: AttentionSpec, formats: tuple[str, ...] = ()) -> str | None:
+        reason = cls.support.unsupported_reason(spec)
+        if reason is None:
+            missing = [f for f in formats if f not in cls.record_formats]
+            if missing:
+                reason = f"does not read cache records {missing}; reads {list(cls.record_formats)}"
+        return reason
+
+    def decode(self, q, scopes, sinks, softmax_scale):
+        raise NotImplementedError
+
+
+class TorchV4SparseDecode(V4SparseDecodeBackend):
+    name = "torch"
+    support = BackendSupport(devices=("cpu", "cuda"), cache_dtypes=(V4_CACHE_DTYPE,), kv_lora_ranks=(512,))
+
+    def decode(self, q, scopes, sinks, softmax_scale):
+        from kernels.v4_sparse_decode import v4_sparse_decode_reference
+
+        return v4_sparse_decode_reference(q, scopes, sinks, softmax_scale)
+
+
+class TritonV4SparseDecode(V4SparseDecodeBackend):
+    """fp16 products on records dequantized once per program, split-KV + LSE merge; launch
+    shapes from tensor shapes only (CUDA-graph safe with preallocated out/lse)."""
+
+    name = "triton"
+    support = BackendSupport(devices=("cuda",), cache_dtypes=(V4_CACHE_DTYPE,), capability_majors=(9,),
+                             kv_lora_ranks=(512,), max_heads=128, max_query_len=4, cuda_graph_safe=True)
+
+    @classmethod
+    def unsupported_reason(cls, spec, formats=()):
+        return super().unsupported_reason(spec, formats) or missing_module_reason("triton", "triton")
+
+    def decode(self, q, scopes, sinks, softmax_scale, out=None, lse=None):
+        from kernels.v4_sparse_decode_triton import v4_sparse_decode_triton
+
+        return v4_sparse_decode_triton(q, scopes, sinks, softmax_scale, out=out, lse=lse)
+
+
+V4_DECODE_BACKENDS: dict[str, type[V4SparseDecodeBackend]] = {
+    cls.name: cls for cls in (TritonV4SparseDecode, TorchV4SparseDecode)
+}
+
+
+def select_v4_decode_backend(requested: str, spec: AttentionSpec, formats: tuple[str, ...] = ()
+                             ) -> V4SparseDecodeBackend:
+    """``auto``: the first of triton, torch that runs ``spec`` and ``formats`` here; an explicit
+    request that cannot run raises ``BackendUnavailable`` naming the flag."""
+    if requested == "auto":
+        for cls in V4_DECODE_BACKENDS.values():
+            if cls.unsupported_reason(spec, formats) is None:
+                logger.info("V4 sparse decode backend: %s (auto)", cls.name)
+                return cls(spec)
+        raise BackendUnavailable(f"--attention-backend auto: no V4 sparse decode backend runs {spec}")
+    cls = V4_DECODE_BACKENDS.get(requested)
+    if cls is None:
+        raise BackendUnavailable(f"--attention-backend: unknown V4 backend {requested!r}; one of auto, "
+                                 f"{', '.join(V4_DECODE_BACKENDS)}")
+    reason = cls.unsupported_reason(spec, formats)
+    if reason is not None:
+        raise BackendUnavailable(f"--attention-backend {requested}: {reason}")
+    logger.info("V4 sparse decode backend: %s (requested)", cls.name)
+    return cls(spec)

@@ -1,0 +1,337 @@
+"""Fused MXFP4 routed experts in Triton: W4A8 (e4m3 MMA, SM90) and W4A16 (bf16 MMA, any GPU).
+
+Same contract as ``kernels.mxfp4_moe.moe_mxfp4_reference`` (its ``w4a8`` / ``w4a16`` modes);
+graph-safe: the token-slots are sorted into BLOCK_M-aligned per-expert blocks on the device by
+``kernels.moe_triton.align_slots_to_blocks`` (fixed-shape metadata, no host sync), then
+
+1. (W4A8) x is quantized per token per 128 columns to e4m3 (one fp32 scale per span), written
+   in *paired* column order (each span's even columns, then its odd ones); W4A16 pairs x's bf16
+   columns with one copy. The GEMMs gather rows by token, so x is quantized once per token.
+2. gate/up GEMM: per K span of 128 the program loads the packed bytes [BLOCK_N, 64] of the gate
+   and of the up rows and their four E8M0 bytes, turns the low nibbles into the operand for the
+   span's even columns and the high nibbles into the one for its odd columns (two K = 64 dots
+   chained into one fp32 partial, so no nibble interleaving), and, for W4A8, promotes that
+   partial once: ``acc += p · sa[row] · 2^(s_max[col] − 127)``. Epilogue: V4.1's clamped SwiGLU,
+   times the slot's routing weight, then (W4A8) quantized per row per 128 in the same integer
+   RNE as the reference (one program owns one 128-column span: BLOCK_N = 128), or rounded to
+   bf16; stored in paired order so the down GEMM reads it like x.
+3. down GEMM, same loop over I, y rounded to bf16 into the slot's row of [T·k, D].
+4. ``kernels.moe_triton``'s per-token sum of the k rows (fp32 out, deterministic).
+
+Nibble → operand in registers: ``(c & 7) << 9 | (c & 8) << 12`` is the fp16 of e2m1 code c times
+2^−14 (e2m1 has one exponent bias bit fewer, and its one subnormal maps onto fp16's). W4A8
+multiplies by the fp16 ``2^(14 + shift)`` (shift = s_i − s_max clamped at −14, where every value
+already flushes to zero in e4m3) and converts to e4m3 (``cvt.rn`` on the GPU: exact down to
+shift −8, round-to-nearest-even below). W4A16 widens to fp32, multiplies by ``2^(s_i − 113)``
+and converts to bf16 (exact for every scale byte ≤ 240).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.fp8 import FP8_DTYPE
+from kernels.moe_triton import align_slots_to_blocks
+from kernels.mxfp4_moe import SPAN, check_mxfp4_experts, pair_columns
+
+try:
+    import triton
+    import triton.language as tl
+
+    from kernels.moe_triton import _sum_slots_kernel, _tile
+    from kernels.mxfp8_quant_triton import e4m3_rne_bits, round_to_bf16
+except ImportError:  # pragma: no cover - CPU-only installs
+    triton = None
+
+MODES = ("w4a8", "w4a16")
+
+
+@dataclass(frozen=True)
+class MXFP4MoEConfig:
+    block_m: int = 16
+    block_n: int = 128  # gate/up: intermediate columns per program (W4A8: must be 128)
+    block_n_down: int = 128
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# (max average rows per local expert, config). Decode reads weights: small M, many programs.
+# Compiled offline for sm_90 (Triton 3.6): all three use 8 warps because the gate and up byte
+# tiles, their folds and two accumulators need it (4 warps: 255 registers and a 296 B stack at
+# 32 and 64 rows); 8 warps: 164 / 247 / 251 registers and no W4A8 stack. 64 rows issue wgmma,
+# 16 and 32 rows mma.sync. 128 rows spill (240 B) in the W4A8 gate/up.
+CONFIG_TABLE = (
+    (16, MXFP4MoEConfig(16, 128, 128, 8, 8, 4)),
+    (48, MXFP4MoEConfig(32, 128, 128, 8, 8, 4)),
+    (None, MXFP4MoEConfig(64, 128, 128, 8, 8, 3)),
+)
+
+
+def default_config(num_slots: int, n_local: int) -> MXFP4MoEConfig:
+    rows = num_slots / max(n_local, 1)
+    for limit, cfg in CONFIG_TABLE:
+        if limit is None or rows <= limit:
+            return cfg
+    raise AssertionError("unreachable")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _e2m1_fp16(code):
+        """int32 e2m1 codes 0..15 → fp16 values times 2^-14 (exact)."""
+        bits = ((code & 7) << 9) | ((code & 8) << 12)
+        return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+
+    @triton.jit
+    def _load_span(W, S, rn, n_ok, kb, stride_wn, stride_sn, BLOCK_N: tl.constexpr):
+        """Packed bytes [4 groups, 16, BLOCK_N] and E8M0 bytes [4, BLOCK_N] of span kb (int32)."""
+        g = tl.arange(0, 4)
+        j = tl.arange(0, 16)
+        w_ptr = W + rn.to(tl.int64)[None, None, :] * stride_wn + kb * 64 + g[:, None, None] * 16 + j[None, :, None]
+        b = tl.load(w_ptr, mask=n_ok[None, None, :], other=0).to(tl.int32) & 0xFF
+        s_ptr = S + rn.to(tl.int64)[None, :] * stride_sn + kb * 4 + g[:, None]
+        s = tl.load(s_ptr, mask=n_ok[None, :], other=0).to(tl.int32) & 0xFF
+        return b, s
+
+    @triton.jit
+    def _fold_e4m3(b, s, BLOCK_N: tl.constexpr):
+        """→ (even-column e4m3 [64, N], odd-column e4m3 [64, N], span scale fp32 [N])."""
+        smax = tl.max(s, 0)
+        shift = tl.maximum(s - smax[None, :], -14)
+        f = ((29 + shift) << 10).to(tl.uint16).to(tl.float16, bitcast=True)[:, None, :]  # 2^(14+shift)
+        lo = (_e2m1_fp16(b & 15) * f).to(tl.float8e4nv)
+        hi = (_e2m1_fp16(b >> 4) * f).to(tl.float8e4nv)
+        scale = (smax << 23).to(tl.float32, bitcast=True)  # 2^(smax-127)
+        return tl.reshape(lo, (64, BLOCK_N)), tl.reshape(hi, (64, BLOCK_N)), scale
+
+    @triton.jit
+    def _fold_bf16(b, s, BLOCK_N: tl.constexpr):
+        """→ (even-column bf16 [64, N], odd-column bf16 [64, N]), scales applied."""
+        f = ((tl.minimum(s, 240) + 14) << 23).to(tl.float32, bitcast=True)[:, None, :]  # 2^(s-113)
+        lo = (_e2m1_fp16(b & 15).to(tl.float32) * f).to(tl.bfloat16)
+        hi = (_e2m1_fp16(b >> 4).to(tl.float32) * f).to(tl.bfloat16)
+        return tl.reshape(lo, (64, BLOCK_N)), tl.reshape(hi, (64, BLOCK_N))
+
+    @triton.jit
+    def _span_product(acc, a_lo, a_hi, sa, W, S, rn, n_ok, kb, stride_wn, stride_sn,
+                      A8: tl.constexpr, BLOCK_N: tl.constexpr):
+        """acc + the span kb's contribution of one weight matrix."""
+        b, s = _load_span(W, S, rn, n_ok, kb, stride_wn, stride_sn, BLOCK_N)
+        if A8:
+            w_lo, w_hi, ws = _fold_e4m3(b, s, BLOCK_N)
+            p = tl.dot(a_lo, w_lo)
+            p = tl.dot(a_hi, w_hi, p)
+            acc += p * sa[:, None] * ws[None, :]
+        else:
+            w_lo, w_hi = _fold_bf16(b, s, BLOCK_N)
+            acc = tl.dot(a_lo, w_lo, acc)
+            acc = tl.dot(a_hi, w_hi, acc)
+        return acc
+
+    @triton.jit
+    def _paired(c):
+        """Natural column c → its position in paired order."""
+        return (c // 128) * 128 + (c % 2) * 64 + (c % 128) // 2
+
+    @triton.jit
+    def _quantize_rows(h, UE8M0: tl.constexpr):
+        """fp32 [M, 128] → (e4m3 bytes int32, fp32 scale [M]): amax/448, IEEE division, RNE."""
+        scale = tl.maximum(tl.max(tl.abs(h), 1), 1e-12) / 448.0
+        if UE8M0:  # round up to a power of two from the bits (kernels.fp8.pow2_ceil)
+            bits = scale.to(tl.int32, bitcast=True)
+            e = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+            scale = (e << 23).to(tl.float32, bitcast=True)
+        return e4m3_rne_bits(tl.clamp(tl.math.div_rn(h, scale[:, None]), -448.0, 448.0)), scale
+
+    @triton.jit
+    def _quant_pairs_kernel(X, Y, S, K, stride_xm, stride_ym, stride_sm, UE8M0: tl.constexpr,
+                            SPANS: tl.constexpr):
+        """Y = e4m3(X / scale) per row per 128 columns, in paired order; S the fp32 scales."""
+        row = tl.program_id(0).to(tl.int64)
+        spans = tl.program_id(1) * SPANS + tl.arange(0, SPANS)
+        c = spans[:, None] * 128 + tl.arange(0, 128)[None, :]
+        ok = c < K
+        x = tl.load(X + row * stride_xm + c, mask=ok, other=0.0).to(tl.float32)
+        q, scale = _quantize_rows(x, UE8M0)
+        tl.store(Y + row * stride_ym + _paired(c), q.to(tl.uint8), mask=ok)
+        tl.store(S + row * stride_sm + spans, scale, mask=spans < K // 128)
+
+    @triton.jit
+    def _gate_up_kernel(
+        A, SA, W, SW, H, SH, SLOTS, BLOCK_EXPERT, TOPK_W,
+        n_slots, K, inter, top_k, grid_m, limit,
+        stride_am, stride_sam, stride_we, stride_wn, stride_swe, stride_swn, stride_hm, stride_shm,
+        A8: tl.constexpr, CLAMP: tl.constexpr, UE8M0: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """H[r] = weight · swiglu(gateₑ · x[tok(r)], upₑ · x[tok(r)]) for one block (expert e)."""
+        grid_n = tl.cdiv(inter, BLOCK_N)
+        pid_m, pid_n = _tile(tl.program_id(0), grid_m, grid_n, GROUP_M)
+        e = tl.load(BLOCK_EXPERT + pid_m)
+        if e < 0:
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(SLOTS + rows)
+        row_ok = slot < n_slots
+        tok = (slot // top_k).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < inter
+        a_ptr = A + tok[:, None] * stride_am + tl.arange(0, 64)[None, :]
+        wg = W + e.to(tl.int64) * stride_we
+        wu = wg + inter * stride_wn
+        sg = SW + e.to(tl.int64) * stride_swe
+        su = sg + inter * stride_swn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sa = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for kb in range(0, K // 128):
+            a_lo = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+            a_hi = tl.load(a_ptr + 64, mask=row_ok[:, None], other=0.0)
+            if A8:
+                sa = tl.load(SA + tok * stride_sam + kb, mask=row_ok, other=0.0)
+            acc_g = _span_product(acc_g, a_lo, a_hi, sa, wg, sg, rn, n_ok, kb, stride_wn, stride_swn, A8, BLOCK_N)
+            acc_u = _span_product(acc_u, a_lo, a_hi, sa, wu, su, rn, n_ok, kb, stride_wn, stride_swn, A8, BLOCK_N)
+            a_ptr += 128
+        if CLAMP:
+            acc_g = tl.minimum(acc_g, limit)
+            acc_u = tl.clamp(acc_u, -limit, limit)
+        wt = tl.load(TOPK_W + slot, mask=row_ok, other=0.0)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * wt[:, None]
+        # Every row of a used block is written (padding rows are zeros): the down GEMM reads them.
+        h_ptr = H + rows.to(tl.int64)[:, None] * stride_hm + _paired(rn)[None, :]
+        if A8:  # BLOCK_N == 128 and inter % 128 == 0: this program owns one whole span
+            q, scale = _quantize_rows(h, UE8M0)
+            tl.store(h_ptr, q.to(tl.uint8), mask=n_ok[None, :])
+            tl.store(SH + rows.to(tl.int64) * stride_shm + pid_n, scale)
+        else:
+            tl.store(h_ptr, round_to_bf16(h).to(tl.bfloat16), mask=n_ok[None, :])
+
+    @triton.jit
+    def _down_kernel(
+        A, SA, W, SW, Y, SLOTS, BLOCK_EXPERT,
+        n_slots, N, K, grid_m,
+        stride_am, stride_sam, stride_we, stride_wn, stride_swe, stride_swn, stride_ym,
+        A8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    ):
+        """Y[slot(r)] = bf16(downₑ · H[r]) for the real rows r of one block."""
+        grid_n = tl.cdiv(N, BLOCK_N)
+        pid_m, pid_n = _tile(tl.program_id(0), grid_m, grid_n, GROUP_M)
+        e = tl.load(BLOCK_EXPERT + pid_m)
+        if e < 0:
+            return
+        rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        slot = tl.load(SLOTS + rows)
+        row_ok = slot < n_slots
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        a_ptr = A + rows[:, None] * stride_am + tl.arange(0, 64)[None, :]
+        w = W + e.to(tl.int64) * stride_we
+        s = SW + e.to(tl.int64) * stride_swe
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sa = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for kb in range(0, K // 128):
+            a_lo = tl.load(a_ptr)
+            a_hi = tl.load(a_ptr + 64)
+            if A8:
+                sa = tl.load(SA + rows * stride_sam + kb)
+            acc = _span_product(acc, a_lo, a_hi, sa, w, s, rn, n_ok, kb, stride_wn, stride_swn, A8, BLOCK_N)
+            a_ptr += 128
+        y_ptr = Y + slot.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        tl.store(y_ptr, round_to_bf16(acc).to(tl.bfloat16), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def quantize_paired_triton(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (K % 128 == 0) → (e4m3 [T, K] in paired order, fp32 scales [T, K/128]); equals
+    ``pair_columns`` of ``kernels.fp8.quantize_per_token_group(x, 128)`` byte for byte."""
+    t, k = x.shape
+    y = torch.empty(t, k, dtype=torch.uint8, device=x.device)
+    s = torch.empty(t, k // SPAN, dtype=torch.float32, device=x.device)
+    if t:
+        spans = min(8, triton.next_power_of_2(k // SPAN))
+        xc = x if x.stride(-1) == 1 else x.contiguous()
+        _quant_pairs_kernel[(t, triton.cdiv(k // SPAN, spans))](
+            xc, y, s, k, xc.stride(0), y.stride(0), s.stride(0), UE8M0=ue8m0, SPANS=spans, num_warps=4)
+    return y.view(FP8_DTYPE), s
+
+
+def moe_mxfp4_triton(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    limit: float,
+    expert_offset: int = 0,
+    mode: str = "w4a8",
+    config: MXFP4MoEConfig | None = None,
+    ue8m0: bool = False,
+) -> torch.Tensor:
+    """Routed MXFP4 experts: x [T, D] (bf16/fp16/fp32), w13 [E, 2I, D/2] + [E, 2I, D/32],
+    w2 [E, D, I/2] + [E, D, I/32] (int8 + E8M0/uint8) → fp32 [T, D]. D and I multiples of 128."""
+    if triton is None:
+        raise RuntimeError("the MXFP4 MoE kernels need the triton package")
+    if mode not in MODES:
+        raise ValueError(f"unknown MXFP4 MoE mode {mode!r}; one of {', '.join(MODES)}")
+    n_local, d, inter = check_mxfp4_experts(x, w13, w13_scale, w2, w2_scale)
+    if d % SPAN or inter % SPAN:
+        raise ValueError(f"the MXFP4 kernels need D ({d}) and I ({inter}) to be multiples of {SPAN}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T={x.shape[0]}, k]")
+    for name, w in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+        if w.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along its last dim")
+    t, k = topk_ids.shape
+    n_slots = t * k
+    dev = x.device
+    out = torch.empty(t, d, dtype=torch.float32, device=dev)
+    if t == 0:
+        return out
+    cfg = config or default_config(n_slots, n_local)
+    a8 = mode == "w4a8"
+    if a8 and cfg.block_n != SPAN:
+        raise ValueError(f"the W4A8 gate/up epilogue quantizes one {SPAN}-column span per program: block_n "
+                         f"must be {SPAN}, got {cfg.block_n}")
+    slots, block_expert = align_slots_to_blocks(topk_ids, n_local, expert_offset, cfg.block_m)
+    rows, grid_m = slots.shape[0], block_expert.shape[0]
+    s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+    if a8:
+        a, sa = quantize_paired_triton(x, ue8m0)
+        hid = torch.empty(rows, inter, dtype=torch.uint8, device=dev)
+        sh = torch.empty(rows, inter // SPAN, dtype=torch.float32, device=dev)
+    else:
+        a = pair_columns(x.to(torch.bfloat16))
+        sa = a  # unused scale pointers
+        hid = torch.empty(rows, inter, dtype=torch.bfloat16, device=dev)
+        sh = hid
+    wts = topk_weights.reshape(-1).float().contiguous()
+    _gate_up_kernel[(grid_m * triton.cdiv(inter, cfg.block_n),)](
+        a, sa, w13, s13, hid, sh, slots, block_expert, wts,
+        n_slots, d, inter, k, grid_m, float(limit),
+        a.stride(0), sa.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
+        hid.stride(0), sh.stride(0),
+        A8=a8, CLAMP=limit > 0, UE8M0=ue8m0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    h = hid.view(FP8_DTYPE) if a8 else hid
+    y = torch.empty(n_slots, d, dtype=torch.bfloat16, device=dev)
+    _down_kernel[(grid_m * triton.cdiv(d, cfg.block_n_down),)](
+        h, sh, w2, s2, y, slots, block_expert,
+        n_slots, d, inter, grid_m,
+        h.stride(0), sh.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
+        A8=a8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    sum_block = min(1024, triton.next_power_of_2(d))
+    _sum_slots_kernel[(t, triton.cdiv(d, sum_block))](
+        y, topk_ids.contiguous(), out, d, k, expert_offset, n_local, y.stride(0), out.stride(0),
+        BLOCK_N=sum_block, num_warps=4)
+    return out
+
+
+__all__ = ["CONFIG_TABLE", "MODES", "MXFP4MoEConfig", "default_config", "moe_mxfp4_triton",
+           "quantize_paired_triton"]

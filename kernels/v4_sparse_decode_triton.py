@@ -1,0 +1,394 @@
+"""Triton sparse decode for DeepSeek-V4 / V4.1 (contract: ``kernels.v4_sparse_decode``).
+
+Design (why, and the numbers it is expected to reach: benchmarks/KERNEL_NOTES.md):
+
+- A program owns one query token of one request, ``block_h`` of its heads (16..128: M of
+  the MMAs; 8 heads pad to 16) and one split of its key tiles (64 picked records each, the
+  window scope's tiles first, then the entries'). Records are gathered by pointer (any page
+  size) and dequantized once per program into fp16 tiles that serve both products (K = V).
+- Dequantization is the bound FlashMLA's Hopper kernel fights (its bf16 path converts
+  e4m3 → f16 → f32 → bf16); here the products run in fp16, so an e4m3 byte pair is one
+  ``cvt.f16x2.e4m3x2`` and its power-of-two scale one packed multiply. The query is kept
+  16-bit (bf16 → fp16 in one pass before the launch, so the kernel reads it into shared
+  memory as an MMA operand instead of holding it in registers). Why not FP8 products: the
+  per-64-dim record scales lie on Q·Kᵀ's reduction axis and, for P·V, on the token axis, so
+  FP8 would need seven rescaled partial products (QK) or seven rescaled copies of P (PV):
+  more CUDA-core work than it saves, and P·V needs the dequantized tile anyway. fp16 holds
+  every e4m3 × UE8M0 value of a latent exactly (|x| < 65504, normal above 2^-14) and gives
+  P 11 mantissa bits.
+- 512 dims = four pieces (256 | 128 | 64 | 64, the last the V4 record's bf16 rotated dims);
+  ``dv_split=2`` gives each of two programs half of the output dims (accumulator 256 wide,
+  Q·Kᵀ done by both): what keeps 64+ heads per program from spilling.
+- Split-KV when B·s_q·head blocks cannot fill the SMs: normalized partials + LSE, merged by
+  ``_combine_kernel`` (which applies the sink). Launch shapes depend on tensor shapes only
+  (never on index values or lengths): capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.v4_cache_formats import V4_DATA_BYTES
+from kernels.v4_sparse_decode import HEAD_DIM, RECORD_BYTES, SparseKV, check_inputs
+
+LOG2E = 1.4426950408889634
+FORMATS = {"v4": 0, "v41_window": 1, "v41_entry": 2}
+DATA_BYTES = {"v4": V4_DATA_BYTES, "v41_window": 512, "v41_entry": 256}  # offset of a record's scales
+
+
+@dataclass(frozen=True)
+class SparseDecodeConfig:
+    """Launch shape; ``None`` fields are chosen from the shapes (:func:`default_config`)."""
+
+    block_h: int | None = None  # heads per program: 16, 32, 64 or 128
+    dv_split: int | None = None  # 1: a program writes all 512 output dims; 2: half
+    num_warps: int | None = None
+    num_stages: int = 1
+    num_splits: int | None = None
+    block_n: int = 32  # records per tile
+
+
+def default_config(heads: int) -> SparseDecodeConfig:
+    """Per heads per GPU; checked offline for sm_90a (registers, spills: KERNEL_NOTES.md)."""
+    if heads <= 16:
+        return SparseDecodeConfig(block_h=16, dv_split=1, num_warps=4)
+    if heads <= 32:
+        return SparseDecodeConfig(block_h=32, dv_split=1, num_warps=4)
+    if heads <= 64:
+        return SparseDecodeConfig(block_h=64, dv_split=2, num_warps=4)
+    return SparseDecodeConfig(block_h=128, dv_split=2, num_warps=8)
+
+
+@triton.jit
+def _ue8m0_to_f16(e):
+    return (e.to(tl.int32) << 23).to(tl.float32, bitcast=True).to(tl.float16)
+
+
+@triton.jit
+def _e2m1_to_f16(n):
+    """e2m1 codes (uint8 0..15) → fp16 values: the code's bits placed in an fp16 with an
+    exponent 14 short (exact, subnormal code included), times 2^14."""
+    bits = ((n & 8).to(tl.uint16) << 12) | ((n & 7).to(tl.uint16) << 9)
+    return bits.to(tl.float16, bitcast=True) * 16384.0
+
+
+@triton.jit
+def _piece(cache, cache16, drow, srow, valid, D0: tl.constexpr, W: tl.constexpr, FMT: tl.constexpr,
+           BN: tl.constexpr):
+    """fp16 [BN, W]: dims D0..D0+W of the records whose data starts at byte ``drow`` and
+    scales at ``srow`` (int64 [BN]); invalid records read as zeros (never loaded)."""
+    m3 = valid[:, None, None]
+    if FMT == 0 and D0 >= 448:  # V4: the rotated dims, bf16 after the 448 e4m3 bytes
+        ptr = cache16 + ((drow + 448) // 2)[:, None] + (D0 - 448 + tl.arange(0, W))[None, :]
+        x = tl.load(ptr, mask=valid[:, None], other=0.0).to(tl.float16)
+    elif FMT == 2:  # V4.1 entry: packed e2m1 pairs, an e4m3 scale per 16 values
+        NB: tl.constexpr = W // 16
+        nb = tl.arange(0, NB)[None, :, None]
+        j = tl.arange(0, 8)[None, None, :]
+        b = tl.load(cache + drow[:, None, None] + (D0 // 2 + nb * 8 + j), mask=m3, other=0)
+        s = tl.load(cache + srow[:, None, None] + (D0 // 16 + nb), mask=m3, other=0)
+        s = s.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        x = tl.join(_e2m1_to_f16(b & 15) * s, _e2m1_to_f16(b >> 4) * s)  # [BN, NB, 8, 2]
+        x = tl.reshape(x, [BN, W])
+    else:  # e4m3 with a UE8M0 exponent per 64 (V4) or 32 (V4.1 window) dims
+        BLK: tl.constexpr = 64 if FMT == 0 else 32
+        NB: tl.constexpr = W // BLK
+        nb = tl.arange(0, NB)[None, :, None]
+        j = tl.arange(0, BLK)[None, None, :]
+        b = tl.load(cache + drow[:, None, None] + (D0 + nb * BLK + j), mask=m3, other=0)
+        e = tl.load(cache + srow[:, None, None] + (D0 // BLK + nb), mask=m3, other=0)
+        x = b.to(tl.float8e4nv, bitcast=True).to(tl.float16) * _ue8m0_to_f16(e)
+        x = tl.reshape(x, [BN, W])
+    return x
+
+
+@triton.jit
+def _attend_tile(acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd,
+                 cache, cache16, page_stride, page_size, idx_row, K, length, t, sm_log2,
+                 FMT: tl.constexpr, REC: tl.constexpr, DATA: tl.constexpr, PART: tl.constexpr, BN: tl.constexpr):
+    """One tile of BN picks of one scope: online softmax and P·V into the accumulators of PART
+    (0: all dims, 1: dims 0..255, 2: dims 256..511)."""
+    offs = t * BN + tl.arange(0, BN)
+    idx = tl.load(idx_row + offs, mask=offs < K, other=-1)
+    valid = (idx >= 0) & (offs < length)
+    idx = tl.where(valid, idx, 0)
+    page = (idx // page_size).to(tl.int64)
+    slot = (idx % page_size).to(tl.int64)
+    if FMT == 0:  # V4: data rows, then the page's scale rows
+        drow = page * page_stride + slot * DATA
+        srow = page * page_stride + slot * 8 + page_size * DATA
+    else:
+        drow = page * page_stride + slot * REC
+        srow = drow + DATA
+    ka = _piece(cache, cache16, drow, srow, valid, 0, 256, FMT, BN)
+    kb = _piece(cache, cache16, drow, srow, valid, 256, 128, FMT, BN)
+    kc = _piece(cache, cache16, drow, srow, valid, 384, 64, FMT, BN)
+    kd = _piece(cache, cache16, drow, srow, valid, 448, 64, FMT, BN)
+    s = tl.dot(qa, tl.trans(ka))
+    s = tl.dot(qb, tl.trans(kb), s)
+    s = tl.dot(qc, tl.trans(kc), s)
+    s = tl.dot(qd, tl.trans(kd), s)
+    s = tl.where(valid[None, :], s * sm_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p16 = p.to(tl.float16)
+    if PART != 2:
+        acc_a = tl.dot(p16, ka, acc_a * alpha[:, None])
+    if PART != 1:
+        acc_b = tl.dot(p16, kb, acc_b * alpha[:, None])
+        acc_c = tl.dot(p16, kc, acc_c * alpha[:, None])
+        acc_d = tl.dot(p16, kd, acc_d * alpha[:, None])
+    return acc_a, acc_b, acc_c, acc_d, m_new, l_i
+
+
+@triton.jit
+def _store_piece(acc, scale_rows, dst, row_ok, D0: tl.constexpr, W: tl.constexpr, TO_BF16: tl.constexpr):
+    vals = acc * scale_rows[:, None]
+    cols = D0 + tl.arange(0, W)
+    if TO_BF16:
+        vals = vals.to(tl.bfloat16)
+    tl.store(dst[:, None] + cols[None, :], vals, mask=row_ok[:, None])
+
+
+@triton.jit
+def _split_kernel(
+    Q, q_sb, q_ss, q_sh,
+    C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
+    C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1,
+    SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss, l_sh, PO, PL,
+    S_Q, H, num_splits, tiles_per_split, sm_log2,
+    FMT0: tl.constexpr, REC0: tl.constexpr, DATA0: tl.constexpr, HAS_L0: tl.constexpr,
+    FMT1: tl.constexpr, REC1: tl.constexpr, DATA1: tl.constexpr, HAS_L1: tl.constexpr, HAS_SCOPE1: tl.constexpr,
+    HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, DV_SPLIT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+):
+    bt = tl.program_id(0)
+    b = bt // S_Q
+    tq = bt % S_Q
+    split = tl.program_id(2)
+    if DV_SPLIT == 1:
+        heads = tl.program_id(1) * BH + tl.arange(0, BH)
+        row_ok = heads < H
+        _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
+                 C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss,
+                 l_sh, PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
+                 FMT0, REC0, DATA0, HAS_L0, FMT1, REC1, DATA1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 0, BH, BN)
+    else:
+        heads = (tl.program_id(1) // 2) * BH + tl.arange(0, BH)
+        row_ok = heads < H
+        if tl.program_id(1) % 2 == 0:
+            _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
+                 C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss,
+                 l_sh, PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
+                 FMT0, REC0, DATA0, HAS_L0, FMT1, REC1, DATA1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 1, BH, BN)
+        else:
+            _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
+                 C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss,
+                 l_sh, PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
+                 FMT0, REC0, DATA0, HAS_L0, FMT1, REC1, DATA1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 2, BH, BN)
+
+
+@triton.jit
+def _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
+         C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss, l_sh,
+         PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
+         FMT0: tl.constexpr, REC0: tl.constexpr, DATA0: tl.constexpr, HAS_L0: tl.constexpr,
+         FMT1: tl.constexpr, REC1: tl.constexpr, DATA1: tl.constexpr, HAS_L1: tl.constexpr,
+         HAS_SCOPE1: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, PART: tl.constexpr,
+         BH: tl.constexpr, BN: tl.constexpr):
+    """One program's work for output PART (see _attend_tile)."""
+    q_rows = Q + b.to(tl.int64) * q_sb + tq * q_ss + heads * q_sh
+    qm = row_ok[:, None]
+    # fp16 as stored: a converted operand would stay in registers (wgmma's A from registers)
+    qa = tl.load(q_rows[:, None] + tl.arange(0, 256)[None, :], mask=qm, other=0.0)
+    qb = tl.load(q_rows[:, None] + 256 + tl.arange(0, 128)[None, :], mask=qm, other=0.0)
+    qc = tl.load(q_rows[:, None] + 384 + tl.arange(0, 64)[None, :], mask=qm, other=0.0)
+    qd = tl.load(q_rows[:, None] + 448 + tl.arange(0, 64)[None, :], mask=qm, other=0.0)
+    WA: tl.constexpr = 256 if PART != 2 else 16
+    WB: tl.constexpr = 128 if PART != 1 else 16
+    WC: tl.constexpr = 64 if PART != 1 else 16
+    acc_a = tl.zeros([BH, WA], dtype=tl.float32)
+    acc_b = tl.zeros([BH, WB], dtype=tl.float32)
+    acc_c = tl.zeros([BH, WC], dtype=tl.float32)
+    acc_d = tl.zeros([BH, WC], dtype=tl.float32)
+    m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BH], dtype=tl.float32)
+
+    tiles0 = tl.cdiv(K0, BN)
+    t_begin = split * tiles_per_split
+    t_end = t_begin + tiles_per_split
+    if HAS_L0:
+        len0 = tl.load(L0 + b)
+    else:
+        len0 = K0
+    idx0 = I0 + b.to(tl.int64) * i0_sb + tq * i0_ss
+    for t in range(t_begin, tl.minimum(t_end, tiles0)):
+        acc_a, acc_b, acc_c, acc_d, m_i, l_i = _attend_tile(
+            acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd, C0, C0_16, c0_ps, c0_page, idx0, K0, len0, t,
+            sm_log2, FMT0, REC0, DATA0, PART, BN)
+    if HAS_SCOPE1:
+        tiles1 = tl.cdiv(K1, BN)
+        if HAS_L1:
+            len1 = tl.load(L1 + b)
+        else:
+            len1 = K1
+        idx1 = I1 + b.to(tl.int64) * i1_sb + tq * i1_ss
+        for t in range(tl.maximum(t_begin, tiles0) - tiles0, tl.minimum(t_end - tiles0, tiles1)):
+            acc_a, acc_b, acc_c, acc_d, m_i, l_i = _attend_tile(
+                acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd, C1, C1_16, c1_ps, c1_page, idx1, K1, len1, t,
+                sm_log2, FMT1, REC1, DATA1, PART, BN)
+
+    lonely = l_i == 0.0
+    lse = tl.where(lonely, float("-inf"), (m_i + tl.log2(tl.where(lonely, 1.0, l_i))) * 0.6931471805599453)
+    inv = tl.where(lonely, 0.0, 1.0 / tl.where(lonely, 1.0, l_i))
+    if SPLIT:  # normalized partials; the combine applies the sink
+        flat = bt.to(tl.int64) * num_splits + split
+        dst = PO + (flat * H + heads) * 512
+        if PART != 1:
+            tl.store(PL + flat * H + heads, lse, mask=row_ok)
+    else:
+        if HAS_SINK:
+            sink = tl.load(SINK + heads, mask=row_ok, other=float("-inf"))
+            inv = inv / (1.0 + tl.exp(sink - lse))
+        dst = OUT + b.to(tl.int64) * o_sb + tq * o_ss + heads * o_sh
+        if PART != 1:
+            tl.store(LSE + b * l_sb + tq * l_ss + heads * l_sh, tl.where(lonely, float("inf"), lse), mask=row_ok)
+    if PART != 2:
+        _store_piece(acc_a, inv, dst, row_ok, 0, 256, not SPLIT)
+    if PART != 1:
+        _store_piece(acc_b, inv, dst, row_ok, 256, 128, not SPLIT)
+        _store_piece(acc_c, inv, dst, row_ok, 384, 64, not SPLIT)
+        _store_piece(acc_d, inv, dst, row_ok, 448, 64, not SPLIT)
+
+
+@triton.jit
+def _combine_kernel(PO, PL, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss, l_sh, S_Q, H, num_splits,
+                    HAS_SINK: tl.constexpr, SPLITS_P2: tl.constexpr, BH: tl.constexpr):
+    """One program per (request, query token, head block): merge the splits by their LSE,
+    apply the sink, write bf16 out and lse (+inf for a query with no valid key)."""
+    bt = tl.program_id(0)
+    b, tq = bt // S_Q, bt % S_Q
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    ok = heads < H
+    sp = tl.arange(0, SPLITS_P2)
+    base = bt.to(tl.int64) * num_splits
+    lses = tl.load(PL + (base + sp[None, :]) * H + heads[:, None], mask=ok[:, None] & (sp[None, :] < num_splits),
+                   other=float("-inf"))  # [BH, SPLITS_P2]
+    m = tl.max(lses, 1)
+    lonely = m == float("-inf")
+    m = tl.where(lonely, 0.0, m)
+    w = tl.exp(lses - m[:, None])
+    total = tl.sum(w, 1)
+    lse = m + tl.log(tl.where(lonely, 1.0, total))
+    scale = tl.where(lonely, 0.0, 1.0 / tl.where(lonely, 1.0, total))
+    if HAS_SINK:
+        sink = tl.load(SINK + heads, mask=ok, other=float("-inf"))
+        scale = scale / (1.0 + tl.exp(sink - lse))
+    d = tl.arange(0, 512)
+    acc = tl.zeros([BH, 512], dtype=tl.float32)
+    for s in range(num_splits):
+        ws = tl.sum(tl.where(sp[None, :] == s, w, 0.0), 1)
+        acc += ws[:, None] * tl.load(PO + ((base + s) * H + heads[:, None]) * 512 + d[None, :], mask=ok[:, None],
+                                     other=0.0)
+    out = (acc * scale[:, None]).to(tl.bfloat16)
+    tl.store(OUT + b.to(tl.int64) * o_sb + tq * o_ss + heads[:, None] * o_sh + d[None, :], out, mask=ok[:, None])
+    tl.store(LSE + b * l_sb + tq * l_ss + heads * l_sh, tl.where(lonely, float("inf"), lse), mask=ok)
+
+
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def choose_num_splits(programs: int, tiles: int, sms: int) -> int:
+    """About two programs per SM; from shapes only (never index values)."""
+    return max(1, min(tiles, (2 * sms) // max(programs, 1), 32))
+
+
+def v4_sparse_decode_triton(
+    q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.Tensor | None, softmax_scale: float,
+    config: SparseDecodeConfig | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, s_q, H, 512] bf16, lse [B, s_q, H] float32); no host sync (CUDA-graph safe
+    with ``out``/``lse`` passed in)."""
+    check_inputs(q, scopes, sinks)
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"q must be bf16 or fp16, got {q.dtype}")
+    if q.stride(-1) != 1:
+        raise ValueError("q must have a unit last stride")
+    q = q.to(torch.float16)  # one pass over q (the products run in fp16: module docstring)
+    bsz, s_q, heads, _ = q.shape
+    base = default_config(heads)
+    cfg = config or base
+    block_h = cfg.block_h or base.block_h
+    dv_split = cfg.dv_split or base.dv_split
+    num_warps = cfg.num_warps or base.num_warps
+    bn = cfg.block_n
+    if out is None:
+        out = torch.empty(bsz, s_q, heads, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
+    if lse is None:
+        lse = torch.empty(bsz, s_q, heads, dtype=torch.float32, device=q.device)
+    if out.shape != (bsz, s_q, heads, HEAD_DIM) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
+        raise ValueError(f"out must be bf16 [{bsz}, {s_q}, {heads}, {HEAD_DIM}] with a unit last stride")
+    if lse.shape != (bsz, s_q, heads) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 [{bsz}, {s_q}, {heads}]")
+    if bsz == 0:
+        return out, lse
+    sc = list(scopes)
+    tiles = sum(-(-s.indices.shape[-1] // bn) for s in sc)
+    head_blocks = -(-heads // block_h)
+    programs = bsz * s_q * head_blocks * dv_split
+    splits = cfg.num_splits or choose_num_splits(programs, tiles, num_sms(q.device))
+    splits = max(1, min(splits, tiles))
+    tiles_per_split = -(-tiles // splits)
+    splits = -(-tiles // tiles_per_split)  # no empty trailing split
+    part_o = part_l = None
+    if splits > 1:
+        part_o = torch.empty(bsz * s_q * splits, heads, HEAD_DIM, dtype=torch.float32, device=q.device)
+        part_l = torch.empty(bsz * s_q * splits, heads, dtype=torch.float32, device=q.device)
+
+    def scope_args(s: SparseKV | None):
+        if s is None:  # a second scope that is absent: any valid pointers, never read
+            return (q, q, 0, 1, q, 0, 0, q, 0)
+        c = s.cache
+        return (c, c.view(torch.bfloat16), c.stride(0), c.shape[1], s.indices, s.indices.stride(0),
+                s.indices.stride(1), s.lengths if s.lengths is not None else s.indices, s.indices.shape[-1])
+
+    def scope_consts(s: SparseKV | None):
+        if s is None:
+            return dict(FMT=0, REC=584, DATA=576, HAS_L=False)
+        return dict(FMT=FORMATS[s.record], REC=RECORD_BYTES[s.record], DATA=DATA_BYTES[s.record],
+                    HAS_L=s.lengths is not None)
+
+    for s in sc:
+        if s.indices.stride(-1) != 1:
+            raise ValueError("indices must have a unit last stride")
+    s0, s1 = sc[0], (sc[1] if len(sc) > 1 else None)
+    k0, k1 = scope_consts(s0), scope_consts(s1)
+    dummy = lse
+    _split_kernel[(bsz * s_q, head_blocks * dv_split, splits)](
+        q, q.stride(0), q.stride(1), q.stride(2),
+        *scope_args(s0), *scope_args(s1),
+        sinks if sinks is not None else dummy, out, out.stride(0), out.stride(1), out.stride(2),
+        lse, lse.stride(0), lse.stride(1), lse.stride(2),
+        part_o if part_o is not None else dummy, part_l if part_l is not None else dummy,
+        s_q, heads, splits, tiles_per_split, float(softmax_scale) * LOG2E,
+        FMT0=k0["FMT"], REC0=k0["REC"], DATA0=k0["DATA"], HAS_L0=k0["HAS_L"],
+        FMT1=k1["FMT"], REC1=k1["REC"], DATA1=k1["DATA"], HAS_L1=k1["HAS_L"], HAS_SCOPE1=s1 is not None,
+        HAS_SINK=sinks is not None, SPLIT=splits > 1, DV_SPLIT=dv_split, BH=block_h, BN=bn,
+        num_warps=num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        ch = 16
+        _combine_kernel[(bsz * s_q, -(-heads // ch))](
+            part_o, part_l, sinks if sinks is not None else dummy, out, out.stride(0), out.stride(1), out.stride(2),
+            lse, lse.stride(0), lse.stride(1), lse.stride(2), s_q, heads, splits,
+            HAS_SINK=sinks is not None, SPLITS_P2=triton.next_power_of_2(splits), BH=ch, num_warps=4,
+        )
+    return out, lse

@@ -1,0 +1,107 @@
+"""DeepSeek-V4 served on CPU (gloo, fp32) with ``-tp 2`` and ``-dp 2 --enable-expert-parallel``
+answers like ``-tp 1`` through the HTTP server: greedy texts, sampled-token logprobs and prompt
+logprobs, under chunked prefill (11-token steps), preemption (3 KV blocks), n = 2 siblings
+sharing a prompt chunk, and an unbalanced DEP step (one request alone: the other DP rank runs
+dummy forwards). A TP size that does not split the heads / output groups is one error line.
+
+The bundled tiny fixture tests/fixtures/dev-v4-s0 (4 heads, 2 output groups, 4 experts);
+model-level TP / DP of V4 and V4.1 is tests/distributed/test_v4_model_parallel.py. Tolerance
+5e-5 on logprobs: fp32, only the order of the partial sums differs (see that module).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.server.live_server import live_server
+
+pytestmark = pytest.mark.slow
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures")
+V4, V41 = os.path.join(FIXTURES, "dev-v4-s0"), os.path.join(FIXTURES, "dev-v41-s0")
+FLAGS = ("--device", "cpu", "--served-model-name", "m", "--block-size", "16", "--max-num-batched-tokens", "11",
+         "--max-num-seqs", "8", "--num-gpu-blocks-override", "3", "--disable-log-stats")
+TOL = 5e-5
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    """The fixtures' 320-token vocabulary as a servable tokenizer directory (dev-v4-s0 has none)."""
+    d = tmp_path_factory.mktemp("v4-tokenizer")
+    with open(os.path.join(V41, "tokenizer.json"), encoding="utf-8") as src:
+        (d / "tokenizer.json").write_text(src.read(), encoding="utf-8")
+    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
+    return str(d)
+
+
+def _prompts() -> list[list[int]]:
+    with open(os.path.join(V4, "golden.json"), encoding="utf-8") as f:
+        base = json.load(f)["prompt_ids"]
+    rng = random.Random(3)
+    return [base[:n] if i % 2 else [0] + [rng.randrange(2, 320) for _ in range(n - 1)]
+            for i, n in enumerate((27, 9, 19, 14, 23, 5))]
+
+
+def _query(url: str) -> dict:
+    prompts = _prompts()
+    greedy = {"model": "m", "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    with httpx.Client(base_url=url, timeout=120) as c:
+        batch = c.post("/v1/completions", json={**greedy, "prompt": prompts, "max_tokens": 6}).json()
+        echo = c.post("/v1/completions", json={**greedy, "prompt": prompts[0], "max_tokens": 1, "echo": True}).json()
+        pair = c.post("/v1/completions", json={**greedy, "prompt": prompts[2], "max_tokens": 4, "n": 2}).json()
+        alone = c.post("/v1/completions", json={**greedy, "prompt": prompts[4], "max_tokens": 5}).json()
+        metrics = c.get("/metrics").text
+    choices = [ch for r in (batch, echo, pair, alone) for ch in sorted(r["choices"], key=lambda ch: ch["index"])]
+    return {
+        "texts": [ch["text"] for ch in choices],
+        "logprobs": [ch["logprobs"]["token_logprobs"] for ch in choices],
+        "preemptions": sum(float(m.group(1)) for m in re.finditer(r"vllm:num_preemptions_total\{[^}]*\} ([\d.e+]+)",
+                                                                  metrics)),
+    }
+
+
+def _serve_and_query(tokenizer_dir: str, *flags: str) -> dict:
+    with live_server(V4, *FLAGS, "--tokenizer", tokenizer_dir, *flags, timeout_s=180) as url:
+        return _query(url)
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer_dir) -> dict:
+    return _serve_and_query(tokenizer_dir)
+
+
+def _assert_same(got: dict, ref: dict) -> None:
+    assert got["texts"] == ref["texts"]
+    assert len(got["logprobs"]) == len(ref["logprobs"])
+    for a, b in zip(got["logprobs"], ref["logprobs"]):
+        assert len(a) == len(b)
+        diffs = [abs(x - y) for x, y in zip(a, b) if x is not None or y is not None]
+        assert max(diffs) < TOL, max(diffs)
+
+
+def test_tp2_matches_tp1(reference, tokenizer_dir):
+    assert reference["preemptions"] > 0  # the 3-block cache preempts and recomputes
+    got = _serve_and_query(tokenizer_dir, "-tp", "2")
+    _assert_same(got, reference)
+    assert got["preemptions"] == reference["preemptions"]  # the same schedule, states dropped alike
+
+
+def test_dep2_matches_tp1(reference, tokenizer_dir):
+    _assert_same(_serve_and_query(tokenizer_dir, "-dp", "2", "--enable-expert-parallel"), reference)
+
+
+def test_tp_size_that_does_not_split_the_heads_is_one_line(tokenizer_dir):
+    r = subprocess.run([sys.executable, "-m", "server", "serve", V4, "--device", "cpu", "--tokenizer", tokenizer_dir,
+                        "-tp", "4"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "--tensor-parallel-size 4" in ln]
+    assert len(lines) == 1 and "4 attention heads and 2 output groups" in lines[0], r.stderr

@@ -1,0 +1,70 @@
+"""GPU checks of the prefill-sized paths against their torch references: FlashInfer's ragged
+fa3 prefill (q/k 192, v 128; several chunks, with and without cached prefixes) against the
+per-chunk float32 reference, and the grouped-GEMM MoE at prefill sizes against the per-expert
+reference (``auto`` picking it there)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from kernels.attention import AttentionSpec, FlashInferPrefill, PrefillMetadata, TorchPrefill
+from kernels.moe import bf16_experts_backend, moe_experts, moe_experts_grouped, moe_experts_reference
+
+pytestmark = pytest.mark.gpu
+
+
+def _needs_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+
+
+def _ragged(q_lens, c_lens, heads, gen):
+    kv_lens = [c + q for c, q in zip(c_lens, q_lens)]
+    q = torch.randn(sum(q_lens), heads, 192, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(sum(kv_lens), heads, 192, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(sum(kv_lens), heads, 128, device="cuda", generator=gen, dtype=torch.bfloat16)
+    cum = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32, device="cuda")  # noqa: E731
+    md = PrefillMetadata(row_start=0, query_lens=list(q_lens), context_lens=list(c_lens), qo_indptr=cum(q_lens),
+                         kv_indptr=cum(kv_lens), prefix_slots=None, kv_order=None)
+    return q, k, v, md
+
+
+@pytest.mark.parametrize("q_lens,c_lens", [([8192], [0]), ([1000, 17, 2048, 1], [0, 300, 4096, 77]),
+                                           ([512] * 16, [4096] * 16)])
+def test_flashinfer_ragged_prefill_matches_reference(q_lens, c_lens):
+    _needs_cuda()
+    if importlib.util.find_spec("flashinfer") is None or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs flashinfer on a Hopper GPU")
+    heads = 16
+    spec = AttentionSpec(torch.device("cuda"), torch.bfloat16, heads, 512, 64, 64, 192 ** -0.5, torch.bfloat16,
+                         qk_head_dim=192, v_head_dim=128)
+    assert FlashInferPrefill.unsupported_reason(spec) is None
+    backend = FlashInferPrefill(spec)
+    q, k, v, md = _ragged(q_lens, c_lens, heads, torch.Generator(device="cuda").manual_seed(0))
+    got = backend.forward_varlen(q, k, v, backend.plan(md), spec.softmax_scale)
+    want = TorchPrefill().forward_varlen(q, k, v, md, spec.softmax_scale)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("t,e,k,offset", [(4096, 64, 6, 0), (2048, 32, 8, 32)])
+def test_grouped_moe_at_prefill_sizes_matches_reference(t, e, k, offset):
+    """V2-Lite-like experts (H 2048, I 1408), bf16; the second case is EP rank 1 of 2."""
+    _needs_cuda()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    h, inter = 2048, 1408
+    x = torch.randn(t, h, device="cuda", generator=g, dtype=torch.bfloat16)
+    w13 = (torch.randn(e, 2 * inter, h, device="cuda", generator=g) * h ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, inter, device="cuda", generator=g) * inter ** -0.5).to(torch.bfloat16)
+    ids = torch.rand(t, e * (2 if offset else 1), device="cuda", generator=g).topk(k, dim=-1).indices
+    wts = torch.rand(t, k, device="cuda", generator=g)
+    ref = moe_experts_reference(x.float(), w13.float(), w2.float(), wts, ids, offset)
+    assert bf16_experts_backend(x, e, ids.numel()) == "grouped"
+    for out in (moe_experts_grouped(x, w13, w2, wts, ids, offset), moe_experts(x, w13, w2, wts, ids, offset)):
+        assert torch.isfinite(out).all()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, err

@@ -1,0 +1,253 @@
+"""V4 / V4.1 sparse decode: the cache codecs, the torch reference against a float64 loop on
+dequantized records, the Triton kernel under TRITON_INTERPRET=1 on tiny shapes (a subprocess:
+the interpreter is chosen at import), and the kernel on the GPU at serving shapes.
+
+Every case poisons what the kernel must not read: unreferenced records are 0xFF bytes (NaN as
+e4m3, bf16 and UE8M0), indices past a scope's length point at poisoned records, and −1 picks
+are mixed in.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.v4_cache_formats import V4_NOPE_DIMS as V4_NOPE
+from kernels.v4_cache_formats import pack_v41_entries, pack_v41_window_rows
+from kernels.v4_sparse_decode import (RECORD_BYTES, SparseKV, check_inputs, pack_v4_cache, unpack_records,
+                                      v4_cache_parts, v4_sparse_decode_reference)
+from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
+
+REPO = Path(__file__).resolve().parents[2]
+SCALE = 512**-0.5
+
+
+def _pack(rows: torch.Tensor, record: str) -> torch.Tensor:
+    if record == "v4":
+        return pack_v4_cache(rows)
+    return (pack_v41_window_rows if record == "v41_window" else pack_v41_entries)(rows)
+
+
+def make_scope(bsz: int, s_q: int, k: int, record: str, page_size: int, with_lengths: bool, gen: torch.Generator,
+               device: str = "cpu", invalid_frac: float = 0.15) -> SparseKV:
+    """A cache whose only finite records are the picked ones, picks with −1s, and maybe lengths."""
+    pages = -(-(bsz * s_q * k + 7) // page_size) + 1
+    n = pages * page_size
+    rows = torch.randn(pages, page_size, 512, generator=gen) * (1 + 3 * torch.rand(pages, page_size, 1, generator=gen))
+    packed = _pack(rows, record)
+    cache = _pack(torch.zeros(pages, page_size, 512), record)
+    cache.as_strided((pages, cache.stride(0)), (cache.stride(0), 1)).fill_(0xFF)  # pads included
+    perm = torch.randperm(n, generator=gen)
+    picked, poisoned = perm[: bsz * s_q * k], perm[bsz * s_q * k:]
+    idx = picked.view(bsz, s_q, k).clone()
+    idx[torch.rand(bsz, s_q, k, generator=gen) < invalid_frac] = -1
+    lengths = None
+    if with_lengths:
+        lengths = torch.randint(1, k + 1, (bsz,), generator=gen, dtype=torch.int32)
+        lengths[0] = k  # one full list
+        past = torch.arange(k).view(1, 1, k) >= lengths.view(-1, 1, 1)
+        idx = torch.where(past, poisoned[0].expand_as(idx), idx)  # past the length: poison
+    live = idx[idx >= 0]
+    if with_lengths:
+        live = idx[(idx >= 0) & ~past]
+    _copy_records(cache, packed, live.unique(), record)
+    return SparseKV(cache.to(device), idx.to(torch.int32).to(device), record,
+                    None if lengths is None else lengths.to(device))
+
+
+def _copy_records(dst: torch.Tensor, src: torch.Tensor, flat: torch.Tensor, record: str) -> None:
+    page, slot = flat // dst.shape[1], flat % dst.shape[1]
+    if record == "v4":
+        (dd, de), (sd, se) = v4_cache_parts(dst), v4_cache_parts(src)
+        dd[page, slot] = sd[page, slot]
+        de[page, slot] = se[page, slot]
+    else:
+        dst[page, slot] = src[page, slot]
+
+
+def make_case(bsz, s_q, heads, specs, seed=0, device="cpu"):
+    """q, scopes, sinks for scope ``specs`` [(k, record, page_size, with_lengths)]."""
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(bsz, s_q, heads, 512, generator=gen) * 2).to(torch.bfloat16)
+    scopes = [make_scope(bsz, s_q, k, rec, ps, wl, gen, device) for k, rec, ps, wl in specs]
+    sinks = torch.randn(heads, generator=gen) * 3
+    return q.to(device), scopes, sinks.to(device)
+
+
+def float64_loop(q, scopes, sinks, scale):
+    """The contract written out per request, token and head, on fully dequantized caches."""
+    bsz, s_q, heads, _ = q.shape
+    tables = [unpack_records(s.cache.cpu(), s.record).reshape(-1, 512).double() for s in scopes]
+    out = torch.zeros(bsz, s_q, heads, 512, dtype=torch.float64)
+    lse = torch.zeros(bsz, s_q, heads, dtype=torch.float64)
+    for b in range(bsz):
+        for t in range(s_q):
+            keys = []
+            for s, table in zip(scopes, tables):
+                n = s.indices.shape[-1] if s.lengths is None else int(s.lengths[b])
+                keys += [table[int(i)] for i in s.indices[b, t, :n].cpu() if int(i) >= 0]
+            if not keys:
+                lse[b, t] = math.inf
+                continue
+            kv = torch.stack(keys)
+            for h in range(heads):
+                logits = kv @ q[b, t, h].cpu().double() * scale
+                m = logits.max()
+                w = torch.exp(logits - m)
+                lse[b, t, h] = m + torch.log(w.sum())
+                denom = w.sum() + (torch.exp(sinks[h].double().cpu() - m) if sinks is not None else 0.0)
+                out[b, t, h] = (w / denom) @ kv
+    return out, lse
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm().clamp_min(1e-30)).item()
+
+
+CPU_CASES = [  # (B, s_q, H, scopes)
+    (2, 1, 4, [(7, "v4", 4, False), (20, "v4", 5, True)]),
+    (2, 2, 3, [(9, "v41_window", 3, False), (12, "v41_entry", 4, True)]),
+    (1, 2, 2, [(10, "v41_entry", 64, False)]),
+]
+
+
+def test_codecs_round_trip_the_model_rounding():
+    from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
+
+    x = torch.randn(2, 3, 512) * 4
+    v4 = unpack_records(pack_v4_cache(x), "v4")
+    assert torch.equal(v4[..., V4_NOPE:], x[..., V4_NOPE:].bfloat16().float())
+    assert rel_err(v4[..., :V4_NOPE], x[..., :V4_NOPE]) < 0.05
+    assert torch.equal(unpack_records(pack_v41_window_rows(x), "v41_window"), fake_quant_fp8_ue8m0(x, 32))
+    assert torch.equal(unpack_records(pack_v41_entries(x), "v41_entry"), fake_quant_fp4(x, 16, "e4m3"))
+    assert pack_v4_cache(x).shape[-1] == RECORD_BYTES["v4"] and pack_v4_cache(x).stride(0) % 576 == 0
+
+
+@pytest.mark.parametrize("case", range(len(CPU_CASES)))
+def test_reference_matches_float64_loop(case):
+    bsz, s_q, heads, specs = CPU_CASES[case]
+    q, scopes, sinks = make_case(bsz, s_q, heads, specs, seed=case)
+    out, lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE)
+    want, want_lse = float64_loop(q, scopes, sinks, SCALE)
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert rel_err(out, want) < 5e-3
+    assert torch.allclose(lse.double(), want_lse, atol=1e-4, rtol=0)
+
+
+def test_reference_lonely_query_and_infinite_sink():
+    q, scopes, sinks = make_case(2, 1, 2, [(6, "v4", 4, False)], seed=5)
+    scopes[0].indices[1] = -1  # request 1 has no key
+    sinks[1] = math.inf  # head 1's sink takes all the mass
+    out, lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE)
+    assert (out[1] == 0).all() and (lse[1] == math.inf).all()
+    assert (out[0, :, 1] == 0).all() and torch.isfinite(lse[0]).all() and out[0, :, 0].abs().sum() > 0
+
+
+def test_bad_inputs_name_the_tensor():
+    q, scopes, sinks = make_case(1, 1, 2, [(4, "v4", 4, False)], seed=1)
+    with pytest.raises(ValueError, match="indices"):
+        check_inputs(q, [SparseKV(scopes[0].cache, scopes[0].indices.long(), "v4")], sinks)
+    with pytest.raises(ValueError, match="cache"):
+        check_inputs(q, [SparseKV(scopes[0].cache, scopes[0].indices, "v41_window")], sinks)
+    with pytest.raises(ValueError, match="sinks"):
+        check_inputs(q, scopes, sinks[:1])
+
+
+_INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
+    """
+    import torch
+    from tests.kernels.test_v4_sparse_decode import make_case, float64_loop, rel_err, SCALE
+    from kernels.v4_sparse_decode_triton import SparseDecodeConfig as C, v4_sparse_decode_triton
+    cases = [  # (B, s_q, H, scopes, config)
+        (2, 2, 8, [(70, "v4", 16, False), (130, "v4", 5, True)], C()),
+        (1, 2, 16, [(64, "v4", 64, True), (70, "v4", 3, False)], C(block_h=16, dv_split=2, num_splits=3)),
+        (2, 1, 5, [(40, "v41_window", 7, False), (100, "v41_entry", 4, True)], C(num_splits=2)),
+    ]
+    for i, (bsz, s_q, h, specs, cfg) in enumerate(cases):
+        q, scopes, sinks = make_case(bsz, s_q, h, specs, seed=10 + i)
+        if i == 2:
+            scopes[0].indices[1] = -1; scopes[1].indices[1] = -1  # a request with no key
+        out = torch.full((bsz, s_q, h, 512), float("nan"), dtype=torch.bfloat16)
+        lse = torch.full((bsz, s_q, h), float("nan"))
+        v4_sparse_decode_triton(q, scopes, sinks, SCALE, config=cfg, out=out, lse=lse)
+        want, want_lse = float64_loop(q, scopes, sinks, SCALE)
+        assert not out.isnan().any() and not lse.isnan().any(), "unwritten or poisoned output"
+        err = rel_err(out, want)
+        assert err < 1e-2, (i, err)
+        assert torch.allclose(lse.double(), want_lse, atol=2e-3, rtol=0), (i, (lse.double() - want_lse).abs().max())
+    print("interpreter ok")
+    """
+)
+
+
+@pytest.mark.slow
+def test_triton_kernel_under_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-4000:]
+
+
+GPU_CASES = [  # (B, s_q, H, top-k, page size of the entries)
+    (4, 1, 8, 512, 64), (4, 2, 16, 2048, 64), (3, 2, 64, 512, 2), (2, 1, 128, 2048, 64), (2, 2, 128, 512, 61),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("bsz,s_q,heads,topk,page", GPU_CASES)
+def test_triton_kernel_on_gpu(bsz, s_q, heads, topk, page):
+    from kernels.v4_sparse_decode_triton import v4_sparse_decode_triton
+
+    q, scopes, sinks = make_case(bsz, s_q, heads, [(128, "v4", 64, False), (topk, "v4", page, True)],
+                                 seed=heads + topk, device="cuda")
+    out, lse = v4_sparse_decode_triton(q, scopes, sinks, SCALE)
+    want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
+    assert not out.isnan().any()
+    assert rel_err(out, want) <= 2e-2
+    assert (lse.double() - want_lse).abs().max().item() < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_kernel_v41_formats_and_graph_replay():
+    from kernels.v4_sparse_decode_triton import v4_sparse_decode_triton
+
+    q, scopes, sinks = make_case(3, 2, 32, [(128, "v41_window", 64, False), (512, "v41_entry", 64, True)],
+                                 seed=7, device="cuda")
+    out = torch.empty(3, 2, 32, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(3, 2, 32, device="cuda")
+    v4_sparse_decode_triton(q, scopes, sinks, SCALE, out=out, lse=lse)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        v4_sparse_decode_triton(q, scopes, sinks, SCALE, out=out, lse=lse)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
+    assert rel_err(out, want) <= 2e-2
+    assert (lse.double() - want_lse).abs().max().item() < 5e-3
+
+
+def test_v4_backend_registry_picks_torch_on_cpu_and_names_the_flag():
+    from kernels.attention import BackendUnavailable, AttentionSpec, TritonV4SparseDecode, select_v4_decode_backend
+
+    spec = AttentionSpec(torch.device("cpu"), torch.uint8, 16, 512, 64, 64, SCALE, torch.bfloat16, 2)
+    backend = select_v4_decode_backend("auto", spec, ("v4",))
+    assert backend.name == "torch"
+    q, scopes, sinks = make_case(1, 2, 16, [(8, "v4", 4, False)], seed=3)
+    out, _ = backend.decode(q, scopes, sinks, SCALE)
+    assert rel_err(out, float64_loop(q, scopes, sinks, SCALE)[0]) < 5e-3
+    with pytest.raises(BackendUnavailable, match="--attention-backend triton"):
+        select_v4_decode_backend("triton", spec)
+    assert "v41_entry" in TritonV4SparseDecode.record_formats
+    with pytest.raises(BackendUnavailable, match="unknown"):
+        select_v4_decode_backend("flashmla", spec)
