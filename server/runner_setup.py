@@ -157,17 +157,15 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
         check_v4_family_parallel(config, model_dir)
     if config.load_format != "auto":
         raise CheckpointError("--load-format: DeepSeek-V4-family checkpoints load only from their files (auto)")
-    if config.kv_cache_dtype != "auto":
-        # The per-request states hold their rows in the model dtype; planning memory with the
-        # smaller FP8 records would admit more requests than the device holds.
-        raise CheckpointError("--kv-cache-dtype: DeepSeek-V4-family models keep their cache rows in the model "
-                              "dtype for now (auto); the FP8/FP4 records need the paged cache")
     if config.dtype == "auto":
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     else:
         dtype = DTYPE_NAMES[config.dtype]
     model = load_v4_family(model_dir, dtype, device, par)
-    model.configure_cache(config.kv_cache_dtype, page_rows=config.block_size)
+    try:
+        model.configure_cache(config.kv_cache_dtype, page_rows=config.block_size)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     if config.enable_prefix_caching:
         logger.info("prefix caching is off for %s: a cached prefix cannot restore the compressor state and "
                     "sliding window", model.config.model_type)

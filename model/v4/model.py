@@ -115,6 +115,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         """How new states store their rows: ``auto`` (the model dtype) or ``fp8`` (V4's 584-byte
         records for window rows and entries, e4m3 + one fp32 scale for index keys; lossy), in
         pages of ``page_rows`` entries. Replaces the pools: states made before keep the old ones."""
+        v4_row_codecs(self.config, kv_cache_dtype, self.dtype)[0](self.config.head_dim)  # validates
         self._cache_settings = (kv_cache_dtype, page_rows)
         self._pools = None
 

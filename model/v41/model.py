@@ -283,7 +283,7 @@ def v41_row_codecs(config: V41Config, kv_cache_dtype: str, dtype: torch.dtype):
                 plain_codec(d, dtype, lambda x: fake_quant_fp4(x, 16, "e4m3")),
                 plain_codec(k, dtype, lambda x: fake_quant_fp4(x, 32, "ue8m0")))
     if kv_cache_dtype.startswith("fp8"):
-        from model.v41.cache_codecs import v41_fp8_codecs
+        from model.v4.cache_codecs import v41_fp8_codecs
         return v41_fp8_codecs(config, dtype)
     raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r}: DeepSeek-V4.1 supports auto and fp8")
 
