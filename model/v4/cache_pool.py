@@ -199,6 +199,14 @@ class BatchIndex:
         r = pools[name].rows_per_unit
         return self.page_tables[name].gather(1, index // r) * r + index % r
 
+    def gather_prefix(self, pools: CachePools, name: str, layer: int, counts: torch.Tensor) -> torch.Tensor:
+        """Decoded rows [B, N, dim] of paged pool ``name`` (N = :meth:`capacity`): each request's
+        first ``counts`` [B] rows, zero after (so unwritten, poisoned rows never reach a product)."""
+        index = torch.arange(self.capacity(pools, name), device=counts.device).expand(counts.shape[0], -1)
+        rows = pools[name].get(layer, self.paged_rows(pools, name, index))
+        visible = (index < counts.unsqueeze(-1)).unsqueeze(-1)
+        return torch.where(visible, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
     def capacity(self, pools: CachePools, name: str) -> int:
         """Rows the page tables of paged pool ``name`` address (the padded gather width)."""
         return self.page_tables[name].shape[1] * pools[name].rows_per_unit

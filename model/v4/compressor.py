@@ -134,10 +134,7 @@ class WindowCompressor(nn.Module):
         target = batch.paged_rows(pools, name, window.clamp_min(0).unsqueeze(-1)).squeeze(-1)
         entries.put(layer, torch.where(closes, target, torch.zeros_like(target)), entries.codec.encode(new))
         counts = (p + 1) // m
-        index = torch.arange(batch.capacity(pools, name), device=p.device).expand(p.shape[0], -1)
-        rows = entries.get(layer, batch.paged_rows(pools, name, index))
-        visible = (index < counts.unsqueeze(-1)).unsqueeze(-1)
-        return torch.where(visible, rows, torch.zeros((), dtype=rows.dtype, device=rows.device)), counts
+        return batch.gather_prefix(pools, name, layer, counts), counts
 
 
 class IndexerScorer(nn.Module):

@@ -8,13 +8,14 @@ Usage, one request at a time::
     logits = model.compute_logits(hidden[-1:])     # float32 [1, vocab]
     hidden = model(next_id.view(1), state)         # decode: one token at state.num_tokens
 
-Each call appends its tokens at positions ``state.num_tokens …``. :meth:`DeepseekV4ForCausalLM.decode`
-advances many requests by one token each in one forward (``hidden = model.decode(ids [B],
-states)``), the same rows the per-request call computes; the states' rows live in the
-model's shared pools (model/v4/cache_pool.py, built by :meth:`~DeepseekV4ForCausalLM.cache_pools`). The embedding is copied
-into ``hc_mult`` streams; each layer runs an mHC site → ``input_layernorm`` → attention →
-expand, then an mHC site → ``post_attention_layernorm`` → MoE (needs the token ids for its
-hash-routed layers) → expand. The HyperHead collapses the streams, then ``norm`` and
+Each call appends its tokens at positions ``state.num_tokens …``. ``model.decode(ids [B],
+states)`` advances many requests by one token each in one forward (the rows B one-token
+calls compute); the states' rows live in the model's shared pools (model/v4/cache_pool.py,
+built by :meth:`~DeepseekV4ForCausalLM.cache_pools`).
+
+The embedding is copied into ``hc_mult`` streams; each layer runs an mHC site →
+``input_layernorm`` → attention → expand, then an mHC site → ``post_attention_layernorm`` →
+MoE (needs the token ids for its hash-routed layers) → expand. The HyperHead collapses the streams, then ``norm`` and
 ``lm_head``. Norms, mHC parameters, sinks and position biases stay float32 whatever the
 model dtype, as HF keeps them.
 

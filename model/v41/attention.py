@@ -182,10 +182,10 @@ class Attention(nn.Module):
             if self.compressor is not None:
                 self._decode_compress(x, batch, pools, rope)
             counts = (p + 1) // self.source_ratio
-            entries = _gather_prefix(pools, self.source_pools + "entries", batch, counts).to(q.dtype)
+            entries = batch.gather_prefix(pools, self.source_pools + "entries", 0, counts).to(q.dtype)
             all_picks = step.setdefault("topk_picks", {})
             if self.indexer is not None and self.source_pools + "keys" in pools:
-                index_keys = _gather_prefix(pools, self.source_pools + "keys", batch, counts)
+                index_keys = batch.gather_prefix(pools, self.source_pools + "keys", 0, counts)
                 all_picks[self.layer_idx] = self.indexer.decode_picks(x, q_res, index_keys, counts, cos, sin, step)
             picks = all_picks.get(self.index_source)
             keys = torch.cat([keys, entries], dim=1)
@@ -213,13 +213,6 @@ class Attention(nn.Module):
         closes = (p + 1) % r == 0
         self._store_groups(latent, cos, sin, pools, torch.where(closes, target, torch.zeros_like(target)))
 
-
-def _gather_prefix(pools: CachePools, name: str, batch: BatchIndex, counts: torch.Tensor) -> torch.Tensor:
-    """Rows [B, N, dim] of paged pool ``name``, each request's first ``counts`` [B] rows, zero after."""
-    index = torch.arange(batch.capacity(pools, name), device=counts.device).expand(counts.shape[0], -1)
-    rows = pools[name].get(0, batch.paged_rows(pools, name, index))
-    visible = (index < counts.unsqueeze(-1)).unsqueeze(-1)
-    return torch.where(visible, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
 def entry_bias(picks: torch.Tensor | None, num_entries: int, window: torch.Tensor) -> torch.Tensor:
     """[..., T, n] float32 bias over the shared entries: 0 on the picks (``picks`` [..., T, k]);

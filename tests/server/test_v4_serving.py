@@ -207,7 +207,8 @@ def test_fp8_cache_records(tokenizer_dir, caplog):
         per_token = [float(m.group(1)) for r in caplog.records
                      if (m := re.search(r"([\d.]+) bytes per token", r.getMessage()))]
         got[dtype + " bytes"] = per_token[0]
-        stored = {p.codec.dtype for name, p in core.runner.model.cache_pools().items() if not name.endswith(("kv", "gate"))}
+        pools = core.runner.model.cache_pools()
+        stored = {p.codec.dtype for name, p in pools.items() if not name.endswith(("kv", "gate"))}
         assert stored == ({torch.uint8} if dtype == "fp8" else {torch.float32})
         got[dtype] = run_logprobs(core, prompts, params)
     assert got["fp8"] == got["auto"]  # bitwise: every logprob and top-k value
