@@ -121,3 +121,24 @@ def test_decode_refuses_mismatched_states():
     other = load_v4_family(FIXTURES["dev-v4-s0"], torch.float32, "cpu")
     with pytest.raises(ValueError, match="new_state"):
         model.decode(torch.tensor([3]), [other.new_state()])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,cache", [("dev-v4-s0", "auto"), ("dev-v41-s0", "auto"), ("dev-v41-s0", "fp8")])
+def test_batched_decode_on_cuda(name, cache):
+    """The same equality on a GPU (float64: the check is exact up to fp32 noise), with the
+    packed records for fp8."""
+    model = load_v4_family(FIXTURES[name], torch.float64, "cuda")
+    model.configure_cache(cache, page_rows=4)
+    prompts = [p.cuda() for p in _prompts(model, 0)]
+    states = [model.new_state() for _ in prompts]
+    with torch.no_grad():
+        for p, s in zip(prompts, states):
+            if len(p):
+                model(p, s)
+        refs = [s.clone() for s in states]
+        for step in range(5):
+            ids = torch.randint(2, model.config.vocab_size, (len(states),), device="cuda")
+            batched = _logits(model, model.decode(ids, states))
+            single = torch.cat([_logits(model, model(ids[b:b + 1], refs[b])) for b in range(len(refs))])
+            assert (batched - single).abs().max().item() < 5e-5, step
