@@ -76,9 +76,12 @@ class MoEConfig:
 
 
 # (max rows per local expert, bf16 config, fp8 config); the last row catches everything.
+# Prefill sizes (V2-Lite, 8192 tokens = 768 rows per expert, H200): bf16 with 128-row tiles
+# 1.20x the 64-row ones; FP8 with 128-row tiles 2.4x slower (benchmarks/RESULTS.md).
 CONFIG_TABLE = (
     (32, MoEConfig(16, 64, 128, 128, 8, 4, 4), MoEConfig(16, 128, 128, 128, 8, 4, 4)),
-    (None, MoEConfig(64, 128, 128, 64, 8, 8, 3), MoEConfig(64, 128, 128, 128, 8, 8, 3)),
+    (255, MoEConfig(64, 128, 128, 64, 8, 8, 3), MoEConfig(64, 128, 128, 128, 8, 8, 3)),
+    (None, MoEConfig(128, 128, 128, 64, 8, 8, 3), MoEConfig(64, 128, 128, 128, 8, 8, 3)),
 )
 
 

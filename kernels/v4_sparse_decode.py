@@ -159,13 +159,3 @@ def v4_sparse_decode_reference(q: torch.Tensor, scopes: Sequence[SparseKV], sink
     if compute_dtype == torch.float64:
         return out, lse
     return out.to(torch.bfloat16), lse.float()
-
-
-def v4_sparse_decode(q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.Tensor | None,
-                     softmax_scale: float, **kernel_args) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Triton kernel on CUDA, the reference elsewhere (same contract)."""
-    if q.device.type != "cuda":
-        return v4_sparse_decode_reference(q, scopes, sinks, softmax_scale)
-    from kernels.v4_sparse_decode_triton import v4_sparse_decode_triton
-
-    return v4_sparse_decode_triton(q, scopes, sinks, softmax_scale, **kernel_args)

@@ -1,7 +1,11 @@
 """One entry for DeepSeek-V4-family checkpoint directories: ``config.json``'s ``model_type``
-picks :func:`model.v4.model.load_deepseek_v4` or :func:`model.v41.model.load_deepseek_v41`."""
+picks :func:`model.v4.model.load_deepseek_v4` or :func:`model.v41.model.load_deepseek_v41`;
+:func:`random_v4_family` builds either with random weights (``--load-format dummy``)."""
 
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 
@@ -9,8 +13,12 @@ from model.config import V41_MODEL_TYPES
 from model.loader import CheckpointError
 from model.parallel import ParallelContext
 from model.v4.model import DeepseekV4ForCausalLM, load_deepseek_v4
-from model.v4_loader import read_config_json
+from model.v4_loader import read_config_json, read_v4_config
+from model.v4_random import init_random_weights, initializer_std
+from model.v41.engram import build_compressed_token_map
 from model.v41.model import DeepseekV41ForCausalLM, load_deepseek_v41
+
+logger = logging.getLogger(__name__)
 
 V4_FAMILY_MODEL_TYPES = ("deepseek_v4", *V41_MODEL_TYPES)
 
@@ -28,3 +36,30 @@ def load_v4_family(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16, dev
         return load_deepseek_v41(checkpoint_dir, dtype, device, par)
     raise CheckpointError(f"{checkpoint_dir!r} holds model_type {model_type!r}, not one of the "
                           f"DeepSeek-V4 family ({', '.join(V4_FAMILY_MODEL_TYPES)})")
+
+
+def random_v4_family(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                     seed: int = 0, par: ParallelContext | None = None,
+                     ) -> DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
+    """The model ``config.json`` describes (this rank's shard under ``par``), built on ``device``
+    with random weights (model/v4_random.py; the same ``seed`` gives the same weights, and the
+    ranks of a group the same replicated tensors); no weight files are read.
+
+    V4.1's engram hasher takes the directory's ``tokenizer.json`` when its compressed vocabulary
+    has the config's size, else the synthetic ``id mod engram_compressed_vocab_size`` map (one
+    log line): hashing costs the same, and the weights mean nothing either way."""
+    config = read_v4_config(checkpoint_dir, V4_FAMILY_MODEL_TYPES)
+    cls = DeepseekV4ForCausalLM if config.model_type == "deepseek_v4" else DeepseekV41ForCausalLM
+    with torch.device(device):
+        model = cls(config, dtype, par)
+    init_random_weights(model, seed, initializer_std(config), config.n_routed_experts)
+    if cls is DeepseekV41ForCausalLM and config.engram_layer_ids:
+        tokenizer = os.path.join(checkpoint_dir, "tokenizer.json")
+        compressed = config.engram_compressed_vocab_size
+        if os.path.isfile(tokenizer) and build_compressed_token_map(tokenizer)[1] == compressed:
+            model.bind_tokenizer(tokenizer)
+        else:
+            logger.info("engram hashing: the synthetic token map id mod %d (random weights; no tokenizer.json "
+                        "with that compressed vocabulary)", compressed)
+            model.bind_synthetic_token_map()
+    return model.eval()

@@ -51,9 +51,11 @@ def _plot_argument(p: argparse.ArgumentParser) -> None:
 
 def add_throughput_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="checkpoint directory, or a preset from configs/ (tiny-v3, tiny-v2, deepseek-v2-lite, "
-                        "deepseek-r1: random weights in the real shape). Default: the bundled model")
-    p.add_argument("--num-layers", type=int, default=None, help="truncate a preset to this many layers")
+                   help="checkpoint directory, or a preset from configs/ (tiny-v3, deepseek-r1, tiny-v41, "
+                        "deepseek-v41-flash, ...: random weights in the real shape). Default: the bundled model")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="truncate a preset to this many layers (V4 / V4.1: per-layer lists and source layers cut "
+                        "too, MTP / DSpark dropped)")
     p.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128,
                    help="prompt tokens per request")
     p.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=32,

@@ -33,6 +33,13 @@ def _seconds(raw: str) -> float:
     return value
 
 
+def _nonnegative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("must be an integer >= 0")
+    return value
+
+
 @dataclass(frozen=True)
 class EnvVar:
     name: str
@@ -59,6 +66,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "1: time every engine step in phases (plan, forward, sample, sched); reported in stats"),
     EnvVar("OPENAI_API_KEY", None, str,
            "mlaserve bench serve: sent as 'Authorization: Bearer KEY' (as vLLM's benchmark client)"),
+    EnvVar("MLASERVE_V4_PREFIX_SNAPSHOT_INTERVAL", 4096, _nonnegative_int,
+           "DeepSeek-V4 family prefix caching: also snapshot the request state every this many prompt "
+           "tokens (rounded up to whole blocks; 0: only at the prompt's end and where prompts diverge)"),
     EnvVar("MLASERVE_KERNEL_CACHE", Path.home() / ".cache" / "mlaserve" / "kernels", Path,
            "directory for the compiled CUDA MLA decode library (built with nvcc on first use)"),
 )}

@@ -44,6 +44,12 @@ a group that cannot restore its state refuses the hit by answering 0), but at mo
 produces logits (vLLM does the same). A 256-token prompt with blocks of 64 therefore hits 192
 tokens; a longer prompt sharing those 256 tokens hits 256. Shared pages are read-only: a
 sequence only writes positions ≥ its num_computed_tokens, which lie past its hit blocks.
+
+Caches whose state no page restores (a spec with ``restores_by_snapshot``: the DeepSeek-V4
+family) are prefix-cached by whole state snapshots at block boundaries instead
+(server/v4_prefix_cache.py): the same hashes, counters and hit rule; a hit names a snapshot,
+the sequence gets fresh pages for its restored state, and idle snapshots' pages count as free
+(``BlockPool.num_reclaimable``) and are evicted whole when an allocation needs them.
 """
 
 from __future__ import annotations
@@ -51,13 +57,16 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence as SequenceABC
+from collections.abc import Callable, Iterable, Sequence as SequenceABC
 from dataclasses import dataclass
+
+from server import envs
 
 from server.kv_cache_spec import (
     NULL_BLOCK, FullAttentionSpec, KVCacheGroup, KVCacheSpec, max_tokens_per_seq, plan_groups,
 )
 from server.sequence import Sequence
+from server.v4_prefix_cache import PrefixSnapshots, SnapshotOps
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: SequenceABC[int]) -> bytes:
@@ -69,10 +78,12 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: SequenceABC[int]) ->
 @dataclass(frozen=True)
 class PrefixHit:
     """A prefix-cache hit: ``num_tokens`` cached tokens (whole blocks) and, per group, the
-    block-table head that restores them (``NULL_BLOCK`` where the spec needs no page)."""
+    block-table head that restores them (``NULL_BLOCK`` where the spec needs no page); or,
+    for a snapshot-restored cache, the key of the state snapshot (``blocks`` empty)."""
 
     num_tokens: int = 0
     blocks: tuple[tuple[int, ...], ...] = ()
+    snapshot: bytes | None = None
 
     def __bool__(self) -> bool:
         return self.num_tokens > 0
@@ -93,12 +104,18 @@ class BlockPool:
         self.free_plain: list[int] = list(range(num_blocks - 1, -1, -1))
         # Free pages that still hold a registered prefix; first entry = evicted first.
         self.free_cached: OrderedDict[int, None] = OrderedDict()
+        # Pages held by idle state snapshots (server/v4_prefix_cache.py): counted free;
+        # ``reclaim()`` evicts one snapshot to return some of them.
+        self.num_reclaimable = 0
+        self.reclaim: Callable[[], None] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self.free_plain) + len(self.free_cached)
+        return len(self.free_plain) + len(self.free_cached) + self.num_reclaimable
 
     def take_fresh(self) -> int:
+        while not self.free_plain and not self.free_cached and self.num_reclaimable:
+            self.reclaim()
         if self.free_plain:
             block = self.free_plain.pop()
         else:
@@ -161,7 +178,8 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 specs: SequenceABC[KVCacheSpec] | None = None, max_num_seqs: int = 1) -> None:
+                 specs: SequenceABC[KVCacheSpec] | None = None, max_num_seqs: int = 1,
+                 snapshot_interval: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
@@ -180,11 +198,16 @@ class BlockManager:
         # Prefix-cache counters (tokens), for metrics: queried at admission, and hit.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.snapshots: PrefixSnapshots | None = None
+        if enable_prefix_caching and any(s.restores_by_snapshot for s in self._specs):
+            self.snapshots = PrefixSnapshots(self._specs, self._pools, block_size, self._hash_upto,
+                                             snapshot_interval)
 
     @classmethod
     def from_config(cls, config, num_blocks: int, specs: SequenceABC[KVCacheSpec] | None = None) -> "BlockManager":
         """Build from an EngineConfig (block_size, enable_prefix_caching, max_num_seqs)."""
-        return cls(num_blocks, config.block_size, config.enable_prefix_caching, specs, config.max_num_seqs)
+        return cls(num_blocks, config.block_size, config.enable_prefix_caching, specs, config.max_num_seqs,
+                   envs.MLASERVE_V4_PREFIX_SNAPSHOT_INTERVAL)
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -198,7 +221,8 @@ class BlockManager:
 
     @property
     def num_cached_free_blocks(self) -> int:
-        return sum(len(p.free_cached) for p in self._pools)
+        """Free pages that still restore a prefix (cached pages, idle snapshots' pages)."""
+        return sum(len(p.free_cached) + p.num_reclaimable for p in self._pools)
 
     @property
     def usage(self) -> float:
@@ -255,6 +279,9 @@ class BlockManager:
         if seq.sampling_params.prompt_logprobs is not None:
             return NO_HIT
         max_blocks = (seq.num_tokens - 1) // self.block_size
+        if self.snapshots is not None:
+            num_tokens, key = self.snapshots.find(seq, max_blocks)
+            return PrefixHit(num_tokens, (), key) if key is not None else NO_HIT
         if max_blocks <= 0 or not any(p.hash_to_block for p in self._pools):
             return NO_HIT
         hashes = self._hash_upto(seq, max_blocks)
@@ -295,7 +322,11 @@ class BlockManager:
         """Per group: (pages to take, pages this allocation releases as dead)."""
         out = []
         for g, (spec, pool) in enumerate(zip(self._specs, self._pools)):
-            if hit:
+            if hit.snapshot is not None:  # fresh pages for the restored state; the snapshot gets pinned
+                computed = hit.num_tokens
+                table = (NULL_BLOCK,) * spec.first_live_block(computed)
+                take = self.snapshots.pages_taken_by(hit, g)
+            elif hit:
                 computed, table = hit.num_tokens, hit.blocks[g]
                 take = sum(1 for b in table if b != NULL_BLOCK and pool.ref_counts[b] == 0)
             else:
@@ -368,7 +399,9 @@ class BlockManager:
                 raise RuntimeError(f"{seq!r} has computed tokens but no blocks")
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += hit.num_tokens
-            if hit:
+            if self.snapshots is not None:
+                self.snapshots.admit(seq, hit)
+            elif hit:
                 self._take_cached(seq, hit)
             else:
                 seq.block_tables = [[] for _ in self._pools]
@@ -419,6 +452,8 @@ class BlockManager:
         seq.block_tables = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+        if self.snapshots is not None:
+            self.snapshots.forget(seq)
 
     # ------------------------------------------------------------------ prefix cache
     def commit_full_blocks(self, seq: Sequence) -> int:
@@ -450,6 +485,12 @@ class BlockManager:
         """Forget every registered prefix (e.g. after new weights are loaded). Pages in use stay in use."""
         for pool in self._pools:
             pool.reset()
+        if self.snapshots is not None:
+            self.snapshots.reset()
+
+    def end_snapshot_pass(self, entries) -> SnapshotOps | None:
+        """The end of a ``schedule()``: the step's snapshot work for the runner (None: no snapshots)."""
+        return self.snapshots.end_pass(entries) if self.snapshots is not None else None
 
     # ------------------------------------------------------------------ debugging
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
@@ -466,4 +507,6 @@ class BlockManager:
                 assert spec.num_blocks_for(seq.num_computed_tokens) <= len(table), f"{seq!r} computed past its blocks"
                 for block in live:
                     counts[block] += 1
+            if self.snapshots is not None:
+                self.snapshots.check(g, counts)
             pool.check(counts)

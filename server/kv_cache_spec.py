@@ -44,6 +44,9 @@ Prefix caching (all groups must agree, or the hit is refused):
   allowed.
 - ``restored_blocks(n)``: which table entries of such a hit come from the cache; the others
   stay :data:`NULL_BLOCK`.
+- ``restores_by_snapshot``: a group whose state no pages can restore (True) switches the whole
+  cache to state snapshots kept at block boundaries (server/v4_prefix_cache.py): a hit then
+  restores every group from one snapshot, and ``cached_prefix_blocks`` is not asked.
 
 How future specs plug in (nothing in the scheduler changes):
 
@@ -57,9 +60,8 @@ How future specs plug in (nothing in the scheduler changes):
 - *Fixed per-request state* (recurrent / SSM-like, or a compressor's open window):
   ``num_blocks_for(n) = 1 if n else 0``, ``pool_blocks = max_num_seqs``,
   ``max_blocks_per_seq = 1``, ``max_tokens = None``, ``caches_blocks = False`` and
-  ``cached_prefix_blocks`` returns 0: the state after ``n`` blocks was overwritten, so a
-  prefix hit cannot restore it and is refused (unless the spec snapshots state at block
-  boundaries and caches those snapshots as pages).
+  ``cached_prefix_blocks`` returns 0: the state after ``n`` blocks was overwritten, so no
+  page restores it; ``restores_by_snapshot`` = True makes hits come from state snapshots.
 
 server/v4_kv_specs.py implements the sliding-window, compressed and per-request-state specs for
 the DeepSeek-V4 family. tests/server/test_kv_cache.py defines a sliding-window spec in the test itself and runs it
@@ -126,6 +128,7 @@ class KVCacheSpec:
 
     # ---- prefix caching
     caches_blocks = True
+    restores_by_snapshot = False
 
     def cached_prefix_blocks(self, is_cached: Callable[[int], bool], max_blocks: int) -> int:
         n = 0

@@ -18,7 +18,7 @@ from model.config import ModelConfig, load_model_config
 from model.deepseek import DeepseekForCausalLM
 from model.loader import DTYPE_NAMES, CheckpointError, load_model
 from model.parallel import ParallelContext
-from model.v4_family import V4_FAMILY_MODEL_TYPES, load_v4_family
+from model.v4_family import V4_FAMILY_MODEL_TYPES, load_v4_family, random_v4_family
 from model.v4_loader import read_v4_config
 from server import envs
 from server.config import EngineConfig
@@ -27,6 +27,7 @@ from server.kv_cache_spec import max_tokens_per_seq, plan_groups
 from server.runner import ModelRunner, determine_num_blocks, model_kv_cache_specs
 from server.scheduler import resolve_max_num_batched_tokens
 from server.v4_kv_specs import describe_v4_capacity, v4_family_kv_cache_specs
+from server.v4_prefix_cache import describe_snapshot_policy
 from server.v4_runner import V4FamilyRunner, v4_num_blocks
 
 logger = logging.getLogger(__name__)
@@ -150,31 +151,37 @@ def v4_layout_problem(c, tp: int, dp: int, expert_parallel: bool) -> str | None:
 def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.device,
                            par: ParallelContext | None,
                            agree_num_blocks: Callable[[int], int] | None = None) -> RunnerSetup:
-    """V4 / V4.1: the model with its per-request states (this rank's shard under ``par``), the
-    cache specs of server/v4_kv_specs.py sized from the byte budget (the TP group's minimum),
-    no prefix caching, no decode graphs."""
+    """V4 / V4.1: the model with its per-request states (this rank's shard under ``par``;
+    ``--load-format dummy``: random weights made on the device), the cache specs of
+    server/v4_kv_specs.py sized from the byte budget (the TP group's minimum), prefix caching
+    by state snapshots (server/v4_prefix_cache.py), no decode graphs."""
     if par is not None:
         check_v4_family_parallel(config, model_dir)
-    if config.load_format != "auto":
-        raise CheckpointError("--load-format: DeepSeek-V4-family checkpoints load only from their files (auto)")
     if config.dtype == "auto":
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     else:
         dtype = DTYPE_NAMES[config.dtype]
-    model = load_v4_family(model_dir, dtype, device, par)
+    if config.load_format == "dummy":
+        model = random_v4_family(model_dir, dtype, device, config.seed, par)
+    else:
+        model = load_v4_family(model_dir, dtype, device, par)
     try:
         model.configure_cache(config.kv_cache_dtype, page_rows=config.block_size)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
+    # Prefix caching: room for one snapshot per running request in the fixed-size pools.
+    slots = config.max_num_seqs if config.enable_prefix_caching else 0
     if config.enable_prefix_caching:
-        logger.info("prefix caching is off for %s: a cached prefix cannot restore the compressor state and "
-                    "sliding window", model.config.model_type)
-        config.enable_prefix_caching = False
+        logger.info("prefix caching is on for %s: %s", model.config.model_type,
+                    describe_snapshot_policy(envs.MLASERVE_V4_PREFIX_SNAPSHOT_INTERVAL, config.block_size, slots))
+    else:
+        logger.info("prefix caching is off for %s (--no-enable-prefix-caching)", model.config.model_type)
     if device.type == "cuda" and config.cudagraph_mode != "NONE":
         logger.info("CUDA graphs are not captured for DeepSeek-V4-family models: decode runs eagerly")
     max_model_len = resolve_max_model_len(config, model.config)
     step_tokens = resolve_max_num_batched_tokens(config, max_model_len)
-    specs = v4_family_kv_cache_specs(model.config, config.block_size, config.kv_cache_dtype, dtype, step_tokens)
+    specs = v4_family_kv_cache_specs(model.config, config.block_size, config.kv_cache_dtype, dtype, step_tokens,
+                                     snapshot_slots=slots)
     num_blocks = v4_num_blocks(config, specs, device, model, min(step_tokens, max_model_len))
     if agree_num_blocks is not None:
         num_blocks = agree_num_blocks(num_blocks)

@@ -76,6 +76,7 @@ from server.config import EngineConfig, EngineConfigError
 from server.errors import InvalidRequestError
 from server.kv_cache import BlockManager
 from server.sequence import Sequence, SequenceStatus
+from server.v4_prefix_cache import SnapshotOps
 
 DEFAULT_CHUNKED_BATCHED_TOKENS = 8192
 
@@ -109,7 +110,9 @@ class SchedulerOutput:
     """One engine step. ``scheduled`` holds the decodes first (``num_decodes`` of them, one token
     each), then prefill chunks. ``preempted_seq_ids`` and ``finished_seq_ids`` (finished or
     aborted since the previous non-empty output) tell a runner with per-sequence state what
-    to drop; both are carried to the next output when this one has no entries."""
+    to drop; both are carried to the next output when this one has no entries.
+    ``prefix_snapshots``: the step's state-snapshot work (DeepSeek-V4 family prefix caching,
+    server/v4_prefix_cache.py), on every output, empty or not; None for paged caches."""
 
     step_id: int
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -117,6 +120,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     preempted_seq_ids: list[int] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
+    prefix_snapshots: SnapshotOps | None = None
 
     @property
     def decodes(self) -> list[ScheduledSeq]:
@@ -373,6 +377,7 @@ class Scheduler:
         out = SchedulerOutput(step_id=self._step_id, scheduled=decodes + prefills, num_decodes=len(decodes))
         self._step_id += 1
         out.num_batched_tokens = self.max_num_batched_tokens - budget
+        out.prefix_snapshots = self.block_manager.end_snapshot_pass(out.scheduled)
         if out.scheduled:
             out.preempted_seq_ids, self._preempted_ids = self._preempted_ids, []
             out.finished_seq_ids, self._finished_ids = self._finished_ids, []

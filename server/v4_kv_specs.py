@@ -38,9 +38,13 @@ these specs are the block manager's accounting of them, rounded up to whole page
 capacity, admission and preemption follow the memory budget. The per-request state is the
 rings of raw compressor rows (model dtype for V4, float32 for V4.1), whatever the cache dtype.
 
-Prefix caching: the compressor state and the window are overwritten as a request grows, so a
-cached prefix cannot restore them; :class:`PerRequestStateSpec` refuses every hit (and the
-engine turns prefix caching off for these models with one log line).
+Prefix caching: the compressor state and the window are overwritten as a request grows, so no
+group's pages restore a prefix (every spec's ``cached_prefix_blocks`` is 0). Hits restore a
+whole state snapshot taken at a block boundary instead (server/v4_prefix_cache.py);
+:class:`PerRequestStateSpec` says so (``restores_by_snapshot``). A snapshot at ``n`` tokens
+holds, in every group, the pages a running request of ``n`` tokens holds; the window and
+state pools get ``snapshot_slots`` requests' worth of extra pages so snapshots have room
+even when ``max_num_seqs`` requests run.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ class SlidingWindowSpec(KVCacheSpec):
     window: int = 128
     row_bytes: int = 0
     max_chunk_tokens: int = 0
+    snapshot_slots: int = 0  # prefix-cache snapshots with room for their window (beyond max_num_seqs)
 
     @property
     def page_shape(self) -> tuple[int, ...]:
@@ -81,7 +86,8 @@ class SlidingWindowSpec(KVCacheSpec):
         return _pages(max(self.window - 1, 1), self.block_size) + 1
 
     def pool_blocks(self, num_blocks: int, max_num_seqs: int) -> int:
-        return max_num_seqs * (self.window_pages + 2) + _pages(self.max_chunk_tokens, self.block_size)
+        return (max_num_seqs * (self.window_pages + 2) + _pages(self.max_chunk_tokens, self.block_size)
+                + self.snapshot_slots * self.window_pages)
 
     def max_blocks_per_seq(self, num_tokens: int) -> int:
         return min(self.num_blocks_for(num_tokens), self.window_pages + _pages(self.max_chunk_tokens, self.block_size))
@@ -151,9 +157,11 @@ class IndexerKeySpec(CompressedSpec):
 
 @dataclass(frozen=True)
 class PerRequestStateSpec(KVCacheSpec):
-    """``state_bytes`` per running request, whatever its length (the open compressor windows)."""
+    """``state_bytes`` per running request, whatever its length (the open compressor windows),
+    and per prefix-cache snapshot (``snapshot_slots`` more pages)."""
 
     state_bytes: int = 0
+    snapshot_slots: int = 0
 
     @property
     def page_shape(self) -> tuple[int, ...]:
@@ -168,7 +176,7 @@ class PerRequestStateSpec(KVCacheSpec):
         return 0.0
 
     def pool_blocks(self, num_blocks: int, max_num_seqs: int) -> int:
-        return max_num_seqs
+        return max_num_seqs + self.snapshot_slots
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return 1 if num_tokens else 0
@@ -180,6 +188,7 @@ class PerRequestStateSpec(KVCacheSpec):
         return None
 
     caches_blocks = False
+    restores_by_snapshot = True
 
     def cached_prefix_blocks(self, is_cached: Callable[[int], bool], max_blocks: int) -> int:
         return 0
@@ -200,8 +209,9 @@ def _fp4_blocks(dim: int, block: int) -> int:
 
 
 def v4_family_kv_cache_specs(model_config, block_size: int, kv_cache_dtype: str, model_dtype: torch.dtype,
-                             max_num_batched_tokens: int) -> list[KVCacheSpec]:
-    """The layer groups of a V4 (``V4Config``) or V4.1 (``V41Config``) model."""
+                             max_num_batched_tokens: int, snapshot_slots: int = 0) -> list[KVCacheSpec]:
+    """The layer groups of a V4 (``V4Config``) or V4.1 (``V41Config``) model; ``snapshot_slots``
+    (prefix caching) sizes the window and state pools for that many snapshots too."""
     c = model_config
     elt = torch.empty(0, dtype=model_dtype).element_size()
     fp8 = kv_cache_dtype.startswith("fp8")
@@ -230,19 +240,22 @@ def v4_family_kv_cache_specs(model_config, block_size: int, kv_cache_dtype: str,
                 # the previous one too (2m rows of the [Ca | Cb] width).
                 state += (2 * m * 2 * dim if overlap else m * dim) * elt * 2
     specs: list[KVCacheSpec] = [SlidingWindowSpec(block_size, u8, tuple(range(n)), window=c.sliding_window,
-                                                  row_bytes=row, max_chunk_tokens=max_num_batched_tokens)]
+                                                  row_bytes=row, max_chunk_tokens=max_num_batched_tokens,
+                                                  snapshot_slots=snapshot_slots)]
     for ratio in sorted(set(compressed.values())):
         layers = tuple(i for i, m in compressed.items() if m == ratio)
         specs.append(CompressedSpec(block_size, u8, layers, ratio=ratio, entry_bytes=entry))
     for ratio in sorted(set(indexed.values())):
         layers = tuple(i for i, m in indexed.items() if m == ratio)
         specs.append(IndexerKeySpec(block_size, u8, layers, ratio=ratio, entry_bytes=key))
-    specs.append(PerRequestStateSpec(block_size, u8, (), state_bytes=state))
+    specs.append(PerRequestStateSpec(block_size, u8, (), state_bytes=state, snapshot_slots=snapshot_slots))
     return specs
 
 
-def describe_v4_capacity(groups: list[KVCacheGroup], max_model_len: int) -> str:
-    """Bytes per token, fixed bytes per request and the concurrency at ``max_model_len``."""
+def v4_capacity(groups: list[KVCacheGroup], max_model_len: int) -> dict:
+    """``bytes_per_token`` (compressed entries and indexer keys, all layers),
+    ``fixed_bytes_per_request`` (sliding-window pages and compressor state) and
+    ``max_concurrency`` at ``max_model_len``, of the planned layer groups."""
     per_token = sum(g.spec.bytes_per_token for g in groups if isinstance(g.spec, CompressedSpec))
     fixed = 0
     for g in groups:
@@ -252,8 +265,16 @@ def describe_v4_capacity(groups: list[KVCacheGroup], max_model_len: int) -> str:
             fixed += g.spec.state_bytes
     # The window's pool is sized for every running request (SlidingWindowSpec), so the
     # token-proportional pools and the per-request state pool (max_num_seqs) bound it.
-    concurrency = min(g.num_blocks // max(1, g.spec.max_blocks_per_seq(max_model_len - 1)) for g in groups
-                      if not isinstance(g.spec, SlidingWindowSpec))
-    return (f"{per_token:g} bytes per token (compressed entries and indexer keys), {fixed} fixed bytes per request "
-            f"(sliding window and compressor state); maximum concurrency at max_model_len {max_model_len}: "
-            f"{concurrency} requests")
+    concurrency = min((g.num_blocks - getattr(g.spec, "snapshot_slots", 0))
+                      // max(1, g.spec.max_blocks_per_seq(max_model_len - 1))
+                      for g in groups if not isinstance(g.spec, SlidingWindowSpec))
+    return {"bytes_per_token": per_token, "fixed_bytes_per_request": fixed, "max_concurrency": concurrency,
+            "max_model_len": max_model_len}
+
+
+def describe_v4_capacity(groups: list[KVCacheGroup], max_model_len: int) -> str:
+    """Bytes per token, fixed bytes per request and the concurrency at ``max_model_len``."""
+    c = v4_capacity(groups, max_model_len)
+    return (f"{c['bytes_per_token']:g} bytes per token (compressed entries and indexer keys), "
+            f"{c['fixed_bytes_per_request']} fixed bytes per request (sliding window and compressor state); "
+            f"maximum concurrency at max_model_len {max_model_len}: {c['max_concurrency']} requests")

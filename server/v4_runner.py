@@ -33,6 +33,12 @@ sequences of one request that run the same prompt chunk in the same step compute
 the others get a clone of the resulting state and the same logits (they sample with their
 own generators).
 
+Prefix caching restores whole states from snapshots taken at block boundaries
+(server/v4_prefix_cache.py): each step's ``SchedulerOutput.prefix_snapshots`` says which
+snapshots to drop, which sequences start from which snapshot, and where a chunk's state is
+cloned (the chunk's forward is split there; such a one-token chunk runs on its own, not in
+the batched decode). A snapshot is a ``state.clone()``: its own pool units.
+
 The block manager accounts each state's rows in the specs of server/v4_kv_specs.py (record
 sizes per cache dtype).
 
@@ -59,6 +65,7 @@ from server.kv_cache_spec import KVCacheSpec, max_num_blocks, plan_groups
 from server.runner import ModelRunner, PendingStep, StepPlan, StepResult
 from server.scheduler import SchedulerOutput
 from server.v4_dp_lockstep import ForwardLockstep
+from server.v4_prefix_cache import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
@@ -66,14 +73,20 @@ logger = logging.getLogger(__name__)
 @dataclass
 class V4StepPlan(StepPlan):
     """:class:`StepPlan` plus which sequence each chunk belongs to and, for a prompt chunk, a key
-    that names identical work (same request, start and length) so siblings share it."""
+    that names identical work (same request, start and length) so siblings share it; the
+    prefix-cache snapshots to restore before the step (seq_id, key) and to take in each chunk
+    ([(position, key)]), so TP workers keep the same snapshots."""
 
     seq_ids: list[int] = field(default_factory=list)
     share_keys: list[str | None] = field(default_factory=list)
     released: list[int] = field(default_factory=list)  # states to drop before this step (TP workers)
+    snapshot_drops: list[str] = field(default_factory=list)  # evicted snapshots to drop first (TP workers)
+    restores: list[tuple[int, str]] = field(default_factory=list)
+    takes: list[list[tuple[int, str]]] = field(default_factory=list)
 
     def to_wire(self) -> list:
-        return super().to_wire() + [self.seq_ids, self.share_keys, self.released]
+        return super().to_wire() + [self.seq_ids, self.share_keys, self.released, self.snapshot_drops,
+                                    self.restores, self.takes]
 
 
 @torch.inference_mode()
@@ -131,6 +144,8 @@ class V4FamilyRunner(ModelRunner):
         self.num_batched_decodes = 0  # one-token chunks that ran in a step's batched decode
         self._released: list[int] = []  # dropped since the last plan, for the TP workers
         self.lockstep = ForwardLockstep(model.par, self._dummy_forward)
+        self.snapshots = SnapshotStore()  # prefix-cache state snapshots
+        self._dropped_snapshots: list[str] = []  # evicted since the last plan, for the TP workers
 
     # ---- state lifetime ---------------------------------------------------------------------
     def release(self, seq_ids) -> None:
@@ -139,6 +154,10 @@ class V4FamilyRunner(ModelRunner):
 
     def _drop_preempted(self, out: SchedulerOutput) -> None:
         self._drop_states(out.preempted_seq_ids)
+        if out.prefix_snapshots is not None and out.prefix_snapshots.drops:
+            self.snapshots.drop(out.prefix_snapshots.drops)
+            if self.plan_broadcaster is not None:
+                self._dropped_snapshots += out.prefix_snapshots.drops
 
     def _drop_states(self, seq_ids) -> None:
         for sid in seq_ids:
@@ -165,9 +184,14 @@ class V4FamilyRunner(ModelRunner):
             keys.append(f"{seq.request_id}\0{entry.start_pos}\0{entry.num_new_tokens}"
                         if in_prompt and not entry.num_placeholder_tokens and seq.sampling_params.n > 1 else None)
         fields = {k: getattr(plan, k) for k in StepPlan.__dataclass_fields__}
+        ops = out.prefix_snapshots
+        seq_ids = [e.seq.seq_id for e in out.scheduled]
+        restores = sorted(ops.restores.items()) if ops is not None else []
+        takes = [ops.takes.get(sid, []) for sid in seq_ids] if ops is not None else [[] for _ in seq_ids]
         released, self._released = self._released, []
-        return V4StepPlan(**fields, seq_ids=[e.seq.seq_id for e in out.scheduled], share_keys=keys,
-                          released=released), fills
+        dropped, self._dropped_snapshots = self._dropped_snapshots, []
+        return V4StepPlan(**fields, seq_ids=seq_ids, share_keys=keys, released=released, snapshot_drops=dropped,
+                          restores=restores, takes=takes), fills
 
     def _forward(self, ids: torch.Tensor, state, rows: list[int]) -> torch.Tensor | None:
         """Advance ``state`` by ``ids``; float32 logits of chunk rows ``rows`` (None if none)."""
@@ -184,6 +208,7 @@ class V4FamilyRunner(ModelRunner):
         step in one batched forward (``model.decode``); float32 logits of ``plan.logit_rows``."""
         for sid in plan.released:  # a TP worker: the engine dropped these states
             self.states.pop(sid, None)
+        self.snapshots.drop(plan.snapshot_drops)  # a TP worker: and evicted these snapshots
         input_ids = self._input_ids(plan, fills, pending)
         if profile is not None:
             self.step_profiler.mark(profile, "plan")
@@ -191,24 +216,31 @@ class V4FamilyRunner(ModelRunner):
         parts: list[torch.Tensor | None] = []
         decode: list[tuple[int, object, int, bool]] = []  # (chunk, state, its row in the step, wants logits)
         shared: dict[str, tuple[object, list[int], torch.Tensor | None]] = {}
+        for sid, snapshot in plan.restores:
+            self.states[sid] = self.snapshots.restore(snapshot)
         offset = 0
-        for sid, start, q, key in zip(plan.seq_ids, plan.context_lens, plan.query_lens, plan.share_keys):
+        for sid, start, q, key, takes in zip(plan.seq_ids, plan.context_lens, plan.query_lens, plan.share_keys,
+                                             plan.takes):
             rows = []
             while j < len(wanted) and wanted[j] < offset + q:
                 rows.append(wanted[j] - offset)
                 j += 1
             done = shared.get(key) if key is not None else None
             logits = None
-            if q == 1 and key is None:
+            if q == 1 and key is None and not takes:
                 decode.append((len(parts), self._state_at(sid, start), offset, bool(rows)))
-            elif done is not None and done[1] == rows and (start == 0 or sid in self.states):
+            elif done is not None and done[1] == rows and not takes and (start == 0 or sid in self.states):
                 self._state_at(sid, start)  # checks the position
                 self.states[sid] = done[0].clone()
                 self.num_shared_chunks += 1
                 logits = done[2]
             else:
                 state = self._state_at(sid, start)
-                logits = self._forward(input_ids[offset:offset + q], state, rows)
+                if takes:
+                    logits = self.snapshots.forward(self._forward, input_ids[offset:offset + q], state, rows,
+                                                    start, takes)
+                else:
+                    logits = self._forward(input_ids[offset:offset + q], state, rows)
                 if key is not None:
                     shared[key] = (state, rows, logits)
             parts.append(logits)

@@ -115,6 +115,14 @@ def build_compressed_token_map(tokenizer_json_path: str) -> tuple[list[int], int
     return table, len(ids)
 
 
+def synthetic_compressed_token_map(vocab_size: int, compressed_vocab: int) -> list[int]:
+    """Token id -> ``id mod compressed_vocab``: the stand-in for :func:`build_compressed_token_map`
+    when a model has random weights and no tokenizer of its own (``--load-format dummy``).
+    It covers every compressed id (the hasher checks the count against the config), so random
+    prompts hash like real text does, at the same cost."""
+    return [i % compressed_vocab for i in range(max(vocab_size, compressed_vocab))]
+
+
 class EngramHasher:
     """Hash ids of the n-grams ending at each new token; the look-back lives in the request
     state (``engram_history``), so prefill chunks and decode steps hash like one pass."""

@@ -41,7 +41,7 @@ from model.v4.rope import RotaryTable
 from model.v4_loader import CheckpointError, load_v4_into_module, read_v4_config
 from model.v41.attention import Attention
 from model.v41.config import V41Config
-from model.v41.engram import Engram, EngramHasher, build_compressed_token_map
+from model.v41.engram import Engram, EngramHasher, build_compressed_token_map, synthetic_compressed_token_map
 from model.v41.mhc import (
     collapse_streams,
     expand_streams_fp32,
@@ -145,6 +145,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Build the engram hasher from the checkpoint's ``tokenizer.json``."""
         token_map, _ = build_compressed_token_map(tokenizer_json_path)
         self.hasher = EngramHasher(self.config, token_map)
+        return self
+
+    def bind_synthetic_token_map(self) -> DeepseekV41ForCausalLM:
+        """Build the engram hasher from ``id mod engram_compressed_vocab_size`` (random weights
+        without a matching tokenizer: :func:`~model.v41.engram.synthetic_compressed_token_map`)."""
+        c = self.config
+        self.hasher = EngramHasher(c, synthetic_compressed_token_map(c.vocab_size, c.engram_compressed_vocab_size))
         return self
 
     @torch.no_grad()

@@ -2,7 +2,9 @@
 answers like ``-tp 1`` through the HTTP server: greedy texts, sampled-token logprobs and prompt
 logprobs, under chunked prefill (11-token steps), preemption (3 KV blocks), n = 2 siblings
 sharing a prompt chunk, and an unbalanced DEP step (one request alone: the other DP rank runs
-dummy forwards). A TP size that does not split the heads / output groups is one error line.
+dummy forwards); and with prefix caching (V4 state snapshots: the TP workers restore and
+take the same snapshots as the engine). A TP size that does not split the heads / output
+groups is one error line.
 
 The bundled tiny fixture tests/fixtures/dev-v4-s0 (4 heads, 2 output groups, 4 experts);
 model-level TP / DP of V4 and V4.1 is tests/distributed/test_v4_model_parallel.py. Tolerance
@@ -63,9 +65,13 @@ def _query(url: str) -> dict:
     return {
         "texts": [ch["text"] for ch in choices],
         "logprobs": [ch["logprobs"]["token_logprobs"] for ch in choices],
-        "preemptions": sum(float(m.group(1)) for m in re.finditer(r"vllm:num_preemptions_total\{[^}]*\} ([\d.e+]+)",
-                                                                  metrics)),
+        "preemptions": _counter(metrics, "vllm:num_preemptions_total"),
+        "prefix_cache_hits": _counter(metrics, "vllm:prefix_cache_hits_total"),
     }
+
+
+def _counter(metrics: str, name: str) -> float:
+    return sum(float(m.group(1)) for m in re.finditer(rf"{name}\{{[^}}]*\}} ([\d.e+]+)", metrics))
 
 
 def _serve_and_query(tokenizer_dir: str, *flags: str) -> dict:
@@ -75,7 +81,8 @@ def _serve_and_query(tokenizer_dir: str, *flags: str) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tokenizer_dir) -> dict:
-    return _serve_and_query(tokenizer_dir)
+    # Without prefix caching the n = 2 siblings run together (sharing a chunk) and preempt.
+    return _serve_and_query(tokenizer_dir, "--no-enable-prefix-caching")
 
 
 def _assert_same(got: dict, ref: dict) -> None:
@@ -89,13 +96,24 @@ def _assert_same(got: dict, ref: dict) -> None:
 
 def test_tp2_matches_tp1(reference, tokenizer_dir):
     assert reference["preemptions"] > 0  # the 3-block cache preempts and recomputes
-    got = _serve_and_query(tokenizer_dir, "-tp", "2")
+    got = _serve_and_query(tokenizer_dir, "-tp", "2", "--no-enable-prefix-caching")
     _assert_same(got, reference)
     assert got["preemptions"] == reference["preemptions"]  # the same schedule, states dropped alike
 
 
 def test_dep2_matches_tp1(reference, tokenizer_dir):
-    _assert_same(_serve_and_query(tokenizer_dir, "-dp", "2", "--enable-expert-parallel"), reference)
+    _assert_same(_serve_and_query(tokenizer_dir, "-dp", "2", "--enable-expert-parallel", "--no-enable-prefix-caching"),
+                 reference)
+
+
+def test_tp2_with_prefix_caching_matches_tp1(reference, tokenizer_dir):
+    """The n = 2 siblings start from the first one's snapshot at token 16 (TP workers too)."""
+    cached = _serve_and_query(tokenizer_dir)
+    assert cached["prefix_cache_hits"] > 0
+    _assert_same(cached, reference)
+    got = _serve_and_query(tokenizer_dir, "-tp", "2")
+    _assert_same(got, reference)
+    assert got["prefix_cache_hits"] == cached["prefix_cache_hits"]
 
 
 def test_tp_size_that_does_not_split_the_heads_is_one_line(tokenizer_dir):

@@ -124,20 +124,29 @@ def test_router_bias_moves_toward_balance(model):
 def test_training_step_on_cuda_matches_cpu(model):
     """The training forward on a GPU: the CPU's logits, and a backward pass that runs.
 
-    Both sides run in float64: the model fake-quantizes to FP4/FP8 and picks top-k entries, so in
-    float32 a 1e-7 GEMM difference between devices can flip one rounding and move a logit by far
-    more than any sane bound. In float64 the inputs of those roundings agree to ~1e-16 (they are
-    taken in float32), so the two devices round alike and the logits agree to float32 precision.
+    Both sides run in float64, so the FP4/FP8 fake quantizations see the same inputs (they round
+    in float32) and round alike. What can still differ is the indexer's top-k among tied scores:
+    ``Σ_h w·ReLU(q·k)`` is exactly 0 for every entry all heads score below zero, and CPU and CUDA
+    break such ties differently. Six tokens leave at most six visible entries per KV source (the
+    fixture's index_topk), so every visible entry is picked and the logits must agree to float32
+    precision; at 40 tokens nearly every row must.
     """
     cpu = load_deepseek_v41(FIXTURE, torch.float64)
     gpu = load_deepseek_v41(FIXTURE, torch.float64, "cuda")
+    assert cpu.config.index_topk >= 6
+    short = _ids(4, 6, 4, model.config.vocab_size)
+    with torch.no_grad():
+        diff = (forward_sequences(gpu, short.cuda()).logits.cpu() - forward_sequences(cpu, short).logits).abs()
+    assert diff.max().item() <= 1e-5
     for p in gpu.parameters():
         p.requires_grad_(True)
     ids = _ids(4, 40, 5, model.config.vocab_size)
     with torch.no_grad():
         cpu_logits = forward_sequences(cpu, ids).logits
     out = forward_sequences(gpu, ids.cuda())
-    assert (out.logits.detach().cpu() - cpu_logits).abs().max().item() <= 1e-5
+    row_diff = (out.logits.detach().cpu() - cpu_logits).abs().amax(-1)
+    assert torch.isfinite(out.logits).all()
+    assert (row_diff <= 1e-5).float().mean().item() >= 0.9, row_diff
     (out.logits.logsumexp(-1).mean() + torch.stack(out.indexer_losses).sum()).backward()
     assert gpu.model.layers[1].attn.indexer.wq_b.weight.grad.abs().sum() > 0
     load = update_router_biases(gpu, out.expert_ids, 1e-3)

@@ -69,7 +69,7 @@ def test_served_fixture_matches_golden(fixture, tokenizer_dir, tmp_path):
         text = log.read_text()
         assert re.search(r"bytes per token .* fixed bytes per request .* maximum concurrency at max_model_len "
                          r"1024: 4 requests", text), text
-        assert text.count("prefix caching is off") == 1
+        assert text.count("prefix caching is on for deepseek_v4") == 1
         body = {"model": "m", "prompt": g["prompt_ids"], "max_tokens": n, "temperature": 0, "min_tokens": n,
                 "echo": True, "logprobs": 0}
         r = httpx.post(url + "/v1/completions", json=body, timeout=120)
@@ -83,6 +83,27 @@ def test_served_fixture_matches_golden(fixture, tokenizer_dir, tmp_path):
         tok = Tokenizer.from_pretrained(tokenizer_dir)
         assert choice["text"] == tok.decode(g["prompt_ids"], False) + tok.decode(g["greedy_ids"])
         assert choice["logprobs"]["tokens"][prompt_len:] == [tok.decode([i]) for i in g["greedy_ids"]]
+        # The same prompt again: without echo it starts from the snapshot at token 32 (the
+        # Prometheus counters say so); with echo (prompt logprobs) it is computed whole again,
+        # bit for bit. (The hit's logprobs equal the cold run's only to rounding here: the cold
+        # run's head computed 8 rows at once for the prompt logprobs, the hit's one.)
+        before = metric(url, "vllm:prefix_cache_hits_total")
+        plain = httpx.post(url + "/v1/completions", json={**body, "echo": False}, timeout=120).json()
+        assert plain["choices"][0]["text"] == tok.decode(g["greedy_ids"])
+        hit_lps = plain["choices"][0]["logprobs"]["token_logprobs"]
+        assert max(abs(a - b) for a, b in zip(hit_lps, lps[prompt_len:])) < 1e-5
+        assert metric(url, "vllm:prefix_cache_hits_total") - before == 32
+        assert metric(url, "vllm:prefix_cache_queries_total") >= 3 * prompt_len - prompt_len
+        again = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+        assert again["logprobs"]["token_logprobs"] == lps and again["text"] == choice["text"]
+        assert metric(url, "vllm:prefix_cache_hits_total") - before == 32
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
 
 
 # ---- in-process: batch invariance, preemption, async, n > 1, no leaks ---------------------------
@@ -107,9 +128,18 @@ def run(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> d
 
 
 def assert_no_leaks(core: EngineCore) -> None:
+    """Every page free (idle snapshots' pages count as free: they are evictable), no request
+    state left, the runner holding exactly the snapshots the block manager accounts; and after
+    forgetting the prefix cache, every page plain free and no snapshot state left."""
     bm = core.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks, bm.describe()
     assert not core.runner.states
+    snapshots = bm.snapshots.keys() if bm.snapshots is not None else set()
+    assert core.runner.snapshots.keys() == snapshots
+    bm.reset_prefix_cache()
+    core.step()  # an empty step hands the evictions to the runner
+    assert len(core.runner.snapshots) == 0 and bm.num_cached_free_blocks == 0
+    assert bm.num_free_blocks == bm.num_total_blocks
 
 
 def prompts_for(fixture: str, count: int, seed: int = 0) -> list[list[int]]:
@@ -235,9 +265,14 @@ def test_n_greater_than_one_and_seeds(tokenizer_dir):
     prompt = golden(V41)["prompt_ids"][:21]
     greedy = alone(V41, tokenizer_dir, [prompt], GREEDY)[0][0]
     forked = SamplingParams(n=3, max_tokens=5, temperature=0, ignore_eos=True)
-    core = make_core(V41, tokenizer_dir)
+    core = make_core(V41, tokenizer_dir, enable_prefix_caching=False)
     assert run(core, [prompt], forked)["0"] == [greedy] * 3
     assert core.runner.num_shared_chunks == 2  # one prefill, cloned for two siblings
+    # Prefix caching: the siblings wait for the first one's snapshot at token 16, start from
+    # it and compute the 5-token tail once (shared).
+    cached = make_core(V41, tokenizer_dir)
+    assert run(cached, [prompt], forked)["0"] == [greedy] * 3
+    assert cached.block_manager.prefix_cache_hits == 2 * 16 and cached.runner.num_shared_chunks == 1
     chunked = make_core(V41, tokenizer_dir, max_num_batched_tokens=9, max_num_seqs=8)
     assert run(chunked, [prompt], forked)["0"] == [greedy] * 3
     seeded = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=7, ignore_eos=True)
@@ -246,12 +281,15 @@ def test_n_greater_than_one_and_seeds(tokenizer_dir):
     assert a == b and len({tuple(s) for s in a}) > 1
 
 
-def test_prefix_caching_is_off_and_specs_are_sized(tokenizer_dir, caplog):
-    core = make_core(V41, tokenizer_dir, enable_prefix_caching=True)
-    assert not core.block_manager.enable_prefix_caching and not core.config.enable_prefix_caching
+def test_no_enable_prefix_caching_turns_snapshots_off_and_specs_are_sized(tokenizer_dir, caplog):
+    with caplog.at_level("INFO", logger="server.runner_setup"):
+        core = make_core(V41, tokenizer_dir, enable_prefix_caching=False)
+    assert "prefix caching is off for deepseek_v41 (--no-enable-prefix-caching)" in caplog.text
+    assert core.block_manager.snapshots is None
     prompt = golden(V41)["prompt_ids"]
     first = run(core, [prompt], GREEDY)
     assert run(core, [prompt], GREEDY) == first and core.block_manager.prefix_cache_hits == 0
+    assert core.block_manager.prefix_cache_queries == 2 * len(prompt)
     kinds = [type(g.spec) for g in core.block_manager.groups]
     assert kinds[0] is SlidingWindowSpec and kinds[-1] is PerRequestStateSpec and CompressedSpec in kinds
 

@@ -1,0 +1,70 @@
+"""Random weights for a DeepSeek-V4 / V4.1 model already built on its device (``--load-format dummy``).
+
+Every tensor is filled in place, on the device, from one generator seeded with ``--seed``:
+no tensor passes through host memory, so a slice that nearly fills the GPU still loads. The
+values keep activations finite through many layers (the models' own constructors leave many
+tensors zero or uninitialized, ``torch.empty``):
+
+- projection matrices, expert weights, embeddings, engram tables and the mHC mixing
+  weights ``fn``: normal(0, ``std``), ``std`` = the config's ``initializer_range`` (0.02).
+  With unit-RMS streams of width hc·D the mHC logits have std ``std·√(hc·D)`` (≈ 2.9 at the
+  flash width): the sigmoids and the softmax ahead of Sinkhorn stay well inside float range;
+- norm weights, mHC scales, engram gate weights (``q_weight``, ``k_weight``) and engram
+  dequantization scales: ones;
+- attention sinks, mHC biases, compressor position biases and router selection biases: zeros
+  (the models' own initial values);
+- V4's hash-routing table ``tid2eid``: ``num_experts_per_tok`` distinct random experts per
+  token, so hash layers spread tokens over the experts as learned routing does.
+
+A tensor no rule names is an error naming it, so a new parameter cannot silently stay empty.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_ONES = ("norm.weight", "layernorm.weight", "hc.scale", "hc_scale", "_scale", "q_weight", "k_weight",
+         "embed.scale")
+_ZEROS = ("sinks", "attn_sink", "hc.base", "hc_base", "_base", "position_bias", "e_score_correction_bias",
+          "gate.bias", "gate.bias_vl")
+_INDEX_ROWS = 1 << 14  # tid2eid rows drawn at once (a [rows, experts] float scratch)
+
+
+def initializer_std(config) -> float:
+    """The config's ``initializer_range`` (V4.1 keeps it in ``text_config``), else 0.02."""
+    raw = config.raw or {}
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    return float(text.get("initializer_range", raw.get("initializer_range", 0.02)))
+
+
+def _random_experts(table: torch.Tensor, num_experts: int, gen: torch.Generator) -> None:
+    """Fill ``table`` [vocab, k] with k distinct experts per row."""
+    k = table.shape[1]
+    for start in range(0, table.shape[0], _INDEX_ROWS):
+        rows = table[start:start + _INDEX_ROWS]
+        scores = torch.rand(rows.shape[0], num_experts, generator=gen, device=table.device)
+        rows.copy_(scores.topk(k, dim=-1).indices)
+
+
+@torch.no_grad()
+def init_random_weights(model: nn.Module, seed: int, std: float, num_experts: int) -> nn.Module:
+    """Fill every parameter and floating buffer of ``model`` (see the module doc); returns it."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, t in tensors:
+        if name.endswith("tid2eid"):
+            _random_experts(t, num_experts, gen)
+        elif not t.is_floating_point():
+            if isinstance(t, nn.Parameter):
+                raise ValueError(f"--load-format dummy: no random values for the {t.dtype} parameter {name!r}")
+        elif name.endswith(_ONES):
+            t.fill_(1.0)
+        elif name.endswith(_ZEROS):
+            t.zero_()
+        elif t.dim() >= 2 and isinstance(t, nn.Parameter):
+            t.normal_(0.0, std, generator=gen)
+        elif isinstance(t, nn.Parameter):
+            raise ValueError(f"--load-format dummy: no rule gives the parameter {name!r} {tuple(t.shape)} a value")
+    return model
