@@ -125,6 +125,7 @@ def _identity(x, *args, **kwargs):
     return x
 
 
+@pytest.mark.gpu
 def test_training_step_on_cuda_matches_cpu(model, monkeypatch):
     """The training forward on a GPU: the CPU's logits, and a backward pass that runs.
 
