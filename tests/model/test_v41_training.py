@@ -120,7 +120,6 @@ def test_router_bias_moves_toward_balance(model):
     assert fractions[0].tolist() == pytest.approx([0.5, 2 / 6, 1 / 6, 0.0])
 
 
-@pytest.mark.gpu
 def _identity(x, *args, **kwargs):
     return x
 
@@ -138,6 +137,7 @@ def test_training_step_on_cuda_matches_cpu(model, monkeypatch):
     """
     import model.v41.attention as attention
     import model.v41.indexer as indexer
+    import model.v41.model as v41_model
 
     cpu = load_deepseek_v41(FIXTURE, torch.float64)
     gpu = load_deepseek_v41(FIXTURE, torch.float64, "cuda")
@@ -145,7 +145,8 @@ def test_training_step_on_cuda_matches_cpu(model, monkeypatch):
     short = _ids(4, 6, 4, model.config.vocab_size)
     with monkeypatch.context() as m, torch.no_grad():
         for module, name in ((attention, "fake_quant_fp4"), (attention, "fake_quant_fp8_ue8m0"),
-                             (indexer, "fake_quant_fp4")):
+                             (indexer, "fake_quant_fp4"), (v41_model, "fake_quant_fp4"),
+                             (v41_model, "fake_quant_fp8_ue8m0")):
             m.setattr(module, name, _identity)
         diff = (forward_sequences(gpu, short.cuda()).logits.cpu() - forward_sequences(cpu, short).logits).abs()
     assert diff.max().item() <= 1e-5
