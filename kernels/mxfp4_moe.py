@@ -115,6 +115,7 @@ def prmt(a: torch.Tensor, b: torch.Tensor, sel: int | torch.Tensor) -> torch.Ten
     byte ``sel[4i+2:4i]`` of the 8 bytes {b, a} (a = bytes 0..3), or that byte's sign bit
     replicated when ``sel`` bit 4i+3 is set."""
     src = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
+    sel = torch.as_tensor(sel, dtype=torch.int64, device=src.device)
     out = torch.zeros_like(src)
     for i in range(4):
         nib = (sel >> (4 * i)) & 0xF

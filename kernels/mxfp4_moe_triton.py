@@ -77,10 +77,9 @@ class MXFP4MoEConfig:
 # registers and stacks in benchmarks/KERNEL_NOTES.md. First choices without a device; the
 # bench's --sweep times the alternatives.
 CONFIG_TABLE = (
-    (16, MXFP4MoEConfig(16, 128, 128, 8, 4, 4)),
+    (16, MXFP4MoEConfig(16, 128, 128, 8, 8, 4)),
     (48, MXFP4MoEConfig(32, 128, 128, 8, 8, 4)),
-    (192, MXFP4MoEConfig(64, 128, 128, 8, 8, 4)),
-    (None, MXFP4MoEConfig(128, 64, 128, 8, 8, 3)),
+    (None, MXFP4MoEConfig(64, 64, 128, 8, 8, 3)),
 )
 # (max experts in use = min(T·k, E_local), split_k, split_k_down): at batch 1 the 6 experts give
 # only 108 gate/up and 240 down programs of 16 rows for 132 SMs.
@@ -100,30 +99,31 @@ def fused_gate_up(cfg: MXFP4MoEConfig, a8: bool) -> bool:
     return cfg.split_k == 1 and (not a8 or cfg.block_n == SPAN)
 
 
-# PTX of the LUT conversion, 4 packed bytes at a time (see kernels.mxfp4_moe.fold_bytes_lut,
-# its torch mirror): $0/$1 the e4m3 of the low/high nibbles, $2 the bytes, $3 and $7 the fold
-# table words of the first of the 4 elements (all 4 share a 32-group: the bytes of one
-# row-group are contiguous per thread, 16-byte loads).
-_LUT_ASM = """
-{
-.reg .b32 s, a, b, t;
-and.b32 s, $2, 0x7777;
-prmt.b32 a, $3, $7, s;
-shr.u32 s, $2, 16;
-and.b32 s, s, 0x7777;
-prmt.b32 b, $3, $7, s;
-prmt.b32 $0, a, b, 0x6420;
-prmt.b32 $1, a, b, 0x7531;
-shl.b32 t, $2, 4;
-and.b32 t, t, 0x80808080;
-or.b32 $0, $0, t;
-and.b32 t, $2, 0x80808080;
-or.b32 $1, $1, t;
-}
-"""
 
 
 if triton is not None:
+
+    # PTX of the LUT conversion, 4 packed bytes at a time (see kernels.mxfp4_moe.fold_bytes_lut,
+    # its torch mirror): $0/$1 the e4m3 of the low/high nibbles, $2 the bytes, $3 and $7 the fold
+    # table words of the first of the 4 elements (all 4 share a 32-group: the bytes of one
+    # row-group are contiguous per thread, 16-byte loads).
+    _LUT_ASM = tl.constexpr("""
+    {
+    .reg .b32 s, a, b, t;
+    and.b32 s, $2, 0x7777;
+    prmt.b32 a, $3, $7, s;
+    shr.u32 s, $2, 16;
+    and.b32 s, s, 0x7777;
+    prmt.b32 b, $3, $7, s;
+    prmt.b32 $0, a, b, 0x6420;
+    prmt.b32 $1, a, b, 0x7531;
+    shl.b32 t, $2, 4;
+    and.b32 t, t, 0x80808080;
+    or.b32 $0, $0, t;
+    and.b32 t, $2, 0x80808080;
+    or.b32 $1, $1, t;
+    }
+    """)
 
     @triton.jit
     def _e2m1_fp16(code):
