@@ -129,7 +129,8 @@ def test_fold_lut_conversion_equals_the_fold_for_every_code_and_shift():
         group = torch.randint(0, 256, (256, 16), generator=g, dtype=torch.int64)
         group[:, pos] = torch.arange(256)  # byte `pos` of word 0 runs through every value
         for shift in range(0, -16, -1):
-            packed = torch.cat([torch.randint(0, 256, (256, 16), generator=g), group, group, group], 1).to(torch.uint8).view(torch.int8)
+            top = torch.randint(0, 256, (256, 16), generator=g)
+            packed = torch.cat([top, group, group, group], 1).to(torch.uint8).view(torch.int8)
             scale = torch.tensor([120, 120 + shift, 117, 100], dtype=torch.uint8).repeat(256, 1)
             ref, _ = fold_mxfp4_to_e4m3(packed, scale)
             ref = ref.view(torch.uint8)[:, 32:64].long()  # group 1: even columns = low nibbles
