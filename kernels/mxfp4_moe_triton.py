@@ -18,12 +18,16 @@ graph-safe: the token-slots are sorted into BLOCK_M-aligned per-expert blocks on
 3. down GEMM, same loop over I, y rounded to bf16 into the slot's row of [T·k, D].
 4. ``kernels.moe_triton``'s per-token sum of the k rows (fp32 out, deterministic).
 
-Nibble → operand in registers: ``(c & 7) << 9 | (c & 8) << 12`` is the fp16 of e2m1 code c times
-2^−14 (e2m1 has one exponent bias bit fewer, and its one subnormal maps onto fp16's). W4A8
-multiplies by the fp16 ``2^(14 + shift)`` (shift = s_i − s_max clamped at −14, where every value
-already flushes to zero in e4m3) and converts to e4m3 (``cvt.rn`` on the GPU: exact down to
-shift −8, round-to-nearest-even below). W4A16 widens to fp32, multiplies by ``2^(s_i − 113)``
-and converts to bf16 (exact for every scale byte ≤ 240).
+Nibble → operand in registers. W4A8, ``convert="lut"`` (default): the fold table row
+``min(s_max − s_i, 13)`` of ``kernels.mxfp4_moe.fold_lut`` (the e4m3 bytes of the 8 magnitudes
+at that shift, the reference's rounding) is looked up by PRMT, 4 packed bytes per inline-PTX call
+(``kernels.mxfp4_moe.fold_bytes_lut`` is its torch mirror; integer shifts under the interpreter).
+``convert="fp16"``: ``(c & 7) << 9 | (c & 8) << 12`` is the fp16 of code c times 2^−14, times
+the fp16 ``2^(14 + shift)``, ``cvt.rn`` to e4m3. W4A16 widens that fp16 to fp32, multiplies by
+``2^(s_i − 113)`` and converts to bf16 (exact for every scale byte ≤ 240).
+
+Split-K and the unfused gate/up epilogue (``MXFP4MoEConfig``) write fp32 partials that fixed-order
+kernels sum: results do not depend on scheduling.
 """
 
 from __future__ import annotations
