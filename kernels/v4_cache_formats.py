@@ -152,3 +152,57 @@ def v4_pages_as_flashmla(pages: torch.Tensor, page_size: int) -> torch.Tensor:
     takes (page stride = the padded page)."""
     return pages.view(torch.float8_e4m3fn)[:, : page_size * V4_RECORD_BYTES].view(
         pages.shape[0], page_size, 1, V4_RECORD_BYTES)
+
+
+# ---- V4 row records (any head width; a pool row per token) ----------------------------------
+def v4_row_scale_tile(nope_dims: int) -> int:
+    """The no-RoPE dims per ue8m0 scale: 64, or all of them when there are fewer (tiny models)."""
+    if nope_dims % V4_SCALE_TILE and nope_dims > V4_SCALE_TILE:
+        raise ValueError(f"V4 records: {nope_dims} no-RoPE dims are not a multiple of {V4_SCALE_TILE}")
+    return min(nope_dims, V4_SCALE_TILE)
+
+
+def v4_row_bytes(dim: int, rope_dims: int) -> int:
+    """Bytes of one row record: e4m3 no-RoPE dims, bf16 RoPE dims, the scales padded to 8."""
+    nope = dim - rope_dims
+    return nope + 2 * rope_dims + -(-(nope // v4_row_scale_tile(nope)) // 8) * 8
+
+
+def pack_v4_rows(rows: torch.Tensor, rope_dims: int) -> torch.Tensor:
+    """Rows [..., d] → uint8 [..., v4_row_bytes]: one MODEL1 record per row (the 576 data bytes,
+    then the scale bytes, for d = 512), for caches that keep a row per token."""
+    nope = rows.shape[-1] - rope_dims
+    tile = v4_row_scale_tile(nope)
+    q, scale = quantize_mxfp8(rows[..., :nope], tile)
+    rope = rows[..., nope:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    pad = v4_row_bytes(rows.shape[-1], rope_dims) - nope - 2 * rope_dims - scale.shape[-1]
+    return torch.cat([q.view(torch.uint8), rope, scale, scale.new_zeros(*scale.shape[:-1], pad)], dim=-1)
+
+
+def unpack_v4_rows(records: torch.Tensor, dim: int, rope_dims: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 [..., v4_row_bytes] → rows [..., dim] in ``dtype``."""
+    nope = dim - rope_dims
+    tile = v4_row_scale_tile(nope)
+    data_end = nope + 2 * rope_dims
+    scales = records[..., data_end:data_end + nope // tile]
+    values = dequantize_mxfp8(records[..., :nope].contiguous().view(torch.float8_e4m3fn), scales, tile)
+    rope = records[..., nope:data_end].contiguous().view(torch.bfloat16).float()
+    return torch.cat([values, rope], dim=-1).to(dtype)
+
+
+def v4_index_key_bytes(dim: int) -> int:
+    return dim + 4
+
+
+def pack_v4_index_keys(keys: torch.Tensor) -> torch.Tensor:
+    """V4 indexer keys [..., d] → uint8 [..., d + 4]: e4m3 values, then one float32 scale
+    (amax / 448) per key."""
+    scale = keys.float().abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448.0
+    q = (keys.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=-1)
+
+
+def unpack_v4_index_keys(records: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    d = records.shape[-1] - 4
+    scale = records[..., d:].contiguous().view(torch.float32)
+    return (records[..., :d].contiguous().view(torch.float8_e4m3fn).float() * scale).to(dtype)

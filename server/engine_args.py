@@ -147,8 +147,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
           help="the largest decode batch captured (default: min(512, --max-num-seqs))"),
     _flag("--attention-backend", group="execution", choices=ATTENTION_BACKENDS),
     _flag("--prefill-attention-backend", group="execution", choices=PREFILL_ATTENTION_BACKENDS,
-          help="the prompt-chunk attention (auto: FlashInfer's ragged fa3 on Hopper when installed, else sdpa on "
-               "CUDA, torch on CPU)"),
+          help="the prompt-chunk attention (auto: sdpa on CUDA, torch on CPU; flashinfer: FlashInfer's ragged "
+               "fa3 on Hopper, opt-in)"),
     # parallelism
     _flag("--tensor-parallel-size", "-tp", group="parallelism", type=int),
     _flag("--data-parallel-size", "-dp", group="parallelism", type=int),

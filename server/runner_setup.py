@@ -157,11 +157,6 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
     by state snapshots (server/v4_prefix_cache.py), no decode graphs."""
     if par is not None:
         check_v4_family_parallel(config, model_dir)
-    if config.kv_cache_dtype != "auto":
-        # The per-request states hold their rows in the model dtype; planning memory with the
-        # smaller FP8 records would admit more requests than the device holds.
-        raise CheckpointError("--kv-cache-dtype: DeepSeek-V4-family models keep their cache rows in the model "
-                              "dtype for now (auto); the FP8/FP4 records need the paged cache")
     if config.dtype == "auto":
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     else:
@@ -170,6 +165,10 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
         model = random_v4_family(model_dir, dtype, device, config.seed, par)
     else:
         model = load_v4_family(model_dir, dtype, device, par)
+    try:
+        model.configure_cache(config.kv_cache_dtype, page_rows=config.block_size)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
     # Prefix caching: room for one snapshot per running request in the fixed-size pools.
     slots = config.max_num_seqs if config.enable_prefix_caching else 0
     if config.enable_prefix_caching:

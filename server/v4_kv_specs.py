@@ -30,13 +30,13 @@ V4.1 indexer key       index_head_dim · elt              e2m1 in 32-blocks, ue8
 
 (the numbers in brackets: the released flash shapes, head_dim 512, rope 64, index 128).
 
-Storage: the rows themselves live in each request's state object on the device (the models'
-own per-request caches, in the model dtype: V4.1's values are already rounded to its FP8/FP4
-formats, QAT-style); these specs are the block manager's accounting of them, rounded up to
-whole pages, so capacity, admission and preemption follow the memory budget. The engine runs
-them with ``auto`` records only: FP8 records would plan for less memory than the states hold,
-until the rows move into paged pools in those formats (the fp8 sizes here are what that
-cache will take).
+Storage: the rows live in the model's shared row pools on the device (model/v4/cache_pool.py:
+rings for the window and the open compressor windows, pages for entries and keys), stored
+in these record formats (``fp8``: kernels/v4_cache_formats.py through model/v4/cache_codecs.py;
+``auto``: the model dtype, V4.1's values already rounded to its FP8/FP4 grids, QAT-style);
+these specs are the block manager's accounting of them, rounded up to whole pages, so
+capacity, admission and preemption follow the memory budget. The per-request state is the
+rings of raw compressor rows (model dtype for V4, float32 for V4.1), whatever the cache dtype.
 
 Prefix caching: the compressor state and the window are overwritten as a request grows, so no
 group's pages restore a prefix (every spec's ``cached_prefix_blocks`` is 0). Hits restore a
@@ -224,8 +224,8 @@ def v4_family_kv_cache_specs(model_config, block_size: int, kv_cache_dtype: str,
         key = _fp4_blocks(c.index_head_dim, 32) if fp8 else c.index_head_dim * elt
         compressed = {layer: c.compress_ratios[layer] for layer in c.kv_source_layer_ids}
         indexed = dict(compressed)
-        # The open group's fp32 kv and gate rows (ratio 1 closes every group at once).
-        state = sum((m - 1) * c.head_dim * 4 * 2 for m in compressed.values())
+        # The ring of the open group's fp32 kv and gate rows (ratio 1 closes every group at once).
+        state = sum(m * c.head_dim * 4 * 2 for m in compressed.values() if m > 1)
     else:
         row = _v4_fp8_record(c.head_dim, c.qk_rope_head_dim) if fp8 else c.head_dim * elt
         entry = row
@@ -236,10 +236,9 @@ def v4_family_kv_cache_specs(model_config, block_size: int, kv_cache_dtype: str,
         for i, m in compressed.items():
             overlap = c.layer_kinds[i] == "csa"
             for dim in (c.head_dim, c.index_head_dim) if overlap else (c.head_dim,):
-                width = 2 * dim if overlap else dim
-                state += (m - 1) * width * elt * 2  # pending kv + gate rows of the open window
-                if overlap:
-                    state += m * dim * elt * 2  # the last window's first half (kv + gate)
+                # Rings of raw kv + gate rows: the open window, and for CSA's overlapping windows
+                # the previous one too (2m rows of the [Ca | Cb] width).
+                state += (2 * m * 2 * dim if overlap else m * dim) * elt * 2
     specs: list[KVCacheSpec] = [SlidingWindowSpec(block_size, u8, tuple(range(n)), window=c.sliding_window,
                                                   row_bytes=row, max_chunk_tokens=max_num_batched_tokens,
                                                   snapshot_slots=snapshot_slots)]

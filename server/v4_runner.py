@@ -1,23 +1,34 @@
 """The model runner of the DeepSeek-V4 family (V4, V4.1): per-request state objects instead of
 paged MLA tensors, under the same scheduler, sampler and engine as R1.
 
-Each step runs every scheduled sequence's chunk (a prefill chunk or one decode token) through
-the model with that sequence's state (``model.new_state()``, model/v4/state.py and
-model/v41/state.py), one request after the other, and takes logits at the rows the step
-needs (prompt-logprob positions and the sampled row); sampling, logprobs, prompt logprobs,
+Each step runs every prompt chunk through the model with its sequence's state
+(``model(ids, state)``; ``model.new_state()``, model/v4/state.py and model/v41/state.py), one
+request after the other, and every one-token chunk (decode tokens, and one-token prompt
+chunks) of the step in ONE batched forward (``model.decode(ids [B], states)``: the
+embedding, mHC, engram, linears and MoE over [B, hidden] rows; per layer, attention over
+each request's window rows and (selected) compressed entries gathered into padded
+[B, L, d] tensors with masks; the compressor and indexer updates of the requests whose
+window closes in that step batched too). It takes logits at the rows the step needs
+(prompt-logprob positions and the sampled row); sampling, logprobs, prompt logprobs,
 seeded generators and async-scheduling placeholders are :class:`server.runner.ModelRunner`'s.
+
+The states' rows live in the model's shared row pools (model/v4/cache_pool.py): rings for
+the window and the open compressor windows, pages for the compressed entries and indexer
+keys, so a token appends in place (O(1) amortized) and a batch reads its rows through index
+tensors. ``--kv-cache-dtype fp8`` stores them as packed FP8/FP4 records
+(kernels/v4_cache_formats.py; lossless for V4.1, whose values are already on those grids).
 
 Chunked prefill carries the state. A chunk continues from the state the previous chunk left
 (the open compressor windows, the CSA overlap half, the window rows, the emitted entries) at
 any boundary, including boundaries inside a compressor window; the models are built so that
 one-shot, chunked and token-by-token runs leave the same state (their golden tests check it).
 Recomputing from cached rows instead would mean rerunning the open window's tokens through
-the projections every chunk — the same result at extra cost, and it needs paged rows the
-state objects do not have yet.
+the projections every chunk — the same result at extra cost.
 
 State lifetime: created at a sequence's first chunk (position 0), advanced in place by every
 step, dropped when the sequence finishes or is aborted (``release``) and when it is preempted
-(recompute: its next chunk starts at position 0 again with a fresh state). The ``n``
+(recompute: its next chunk starts at position 0 again with a fresh state); a dropped state's
+pool units go back to the pools. The ``n``
 sequences of one request that run the same prompt chunk in the same step compute it once:
 the others get a clone of the resulting state and the same logits (they sample with their
 own generators).
@@ -25,16 +36,20 @@ own generators).
 Prefix caching restores whole states from snapshots taken at block boundaries
 (server/v4_prefix_cache.py): each step's ``SchedulerOutput.prefix_snapshots`` says which
 snapshots to drop, which sequences start from which snapshot, and where a chunk's state is
-cloned (the chunk's forward is split there).
+cloned (the chunk's forward is split there; such a one-token chunk runs on its own, not in
+the batched decode). A snapshot is a ``state.clone()``: its own pool units.
 
-The block manager accounts each state's rows in the specs of server/v4_kv_specs.py.
+The block manager accounts each state's rows in the specs of server/v4_kv_specs.py (record
+sizes per cache dtype).
 
 Tensor / data parallelism (model/v4_parallel.py): every TP rank keeps its own copy of every
 state (the latent rows are replicated work). The engine's plan carries the sequence ids, the
 share keys and the sequences whose states were dropped since the last plan (finished,
 aborted, preempted), so a TP worker creates, shares and drops states exactly as the engine
-does. Under DP the forwards of a step are kept in lockstep (server/v4_dp_lockstep.py).
-CUDA graphs are not captured for these models (one log line at start-up).
+does. Under DP the forwards of a step (each prompt chunk's and the one batched decode) are
+kept in lockstep (server/v4_dp_lockstep.py). CUDA graphs are not captured for these models
+(one log line at start-up); the batched decode's index tensors and padded gathers are the
+shapes a captured graph would replay.
 """
 
 from __future__ import annotations
@@ -126,6 +141,7 @@ class V4FamilyRunner(ModelRunner):
         self.states: dict[int, object] = {}  # seq_id -> the model's per-request state
         self._has_head = hasattr(model, "compute_logits")  # V4: hidden states out; V4.1: logits
         self.num_shared_chunks = 0  # prompt chunks a sibling (n > 1) took from another's forward
+        self.num_batched_decodes = 0  # one-token chunks that ran in a step's batched decode
         self._released: list[int] = []  # dropped since the last plan, for the TP workers
         self.lockstep = ForwardLockstep(model.par, self._dummy_forward)
         self.snapshots = SnapshotStore()  # prefix-cache state snapshots
@@ -188,7 +204,8 @@ class V4FamilyRunner(ModelRunner):
 
     @torch.inference_mode()
     def run_plan(self, plan: V4StepPlan, profile=None, fills=None, pending: PendingStep | None = None) -> torch.Tensor:
-        """Every chunk through its sequence's state; float32 logits of ``plan.logit_rows``."""
+        """Prompt chunks through their sequences' states one by one, every one-token chunk of the
+        step in one batched forward (``model.decode``); float32 logits of ``plan.logit_rows``."""
         for sid in plan.released:  # a TP worker: the engine dropped these states
             self.states.pop(sid, None)
         self.snapshots.drop(plan.snapshot_drops)  # a TP worker: and evicted these snapshots
@@ -196,7 +213,8 @@ class V4FamilyRunner(ModelRunner):
         if profile is not None:
             self.step_profiler.mark(profile, "plan")
         wanted, j = plan.logit_rows, 0
-        parts: list[torch.Tensor] = []
+        parts: list[torch.Tensor | None] = []
+        decode: list[tuple[int, object, int, bool]] = []  # (chunk, state, its row in the step, wants logits)
         shared: dict[str, tuple[object, list[int], torch.Tensor | None]] = {}
         for sid, snapshot in plan.restores:
             self.states[sid] = self.snapshots.restore(snapshot)
@@ -208,7 +226,10 @@ class V4FamilyRunner(ModelRunner):
                 rows.append(wanted[j] - offset)
                 j += 1
             done = shared.get(key) if key is not None else None
-            if done is not None and done[1] == rows and not takes and (start == 0 or sid in self.states):
+            logits = None
+            if q == 1 and key is None and not takes:
+                decode.append((len(parts), self._state_at(sid, start), offset, bool(rows)))
+            elif done is not None and done[1] == rows and not takes and (start == 0 or sid in self.states):
                 self._state_at(sid, start)  # checks the position
                 self.states[sid] = done[0].clone()
                 self.num_shared_chunks += 1
@@ -222,13 +243,30 @@ class V4FamilyRunner(ModelRunner):
                     logits = self._forward(input_ids[offset:offset + q], state, rows)
                 if key is not None:
                     shared[key] = (state, rows, logits)
-            if logits is not None:
-                parts.append(logits)
+            parts.append(logits)
             offset += q
+        if decode:
+            self._decode(input_ids, decode, parts)
         self.lockstep.finish()
+        parts = [p for p in parts if p is not None]
         if not parts:
             return torch.empty(0, self.model_config.vocab_size, dtype=torch.float32, device=self.device)
         return torch.cat(parts)
+
+    def _decode(self, input_ids: torch.Tensor, decode: list[tuple[int, object, int, bool]],
+                parts: list[torch.Tensor | None]) -> None:
+        """Advance every one-token chunk's state in one forward; logits into ``parts`` where wanted."""
+        rows = to_device([d[2] for d in decode], torch.long, input_ids.device)
+        self.lockstep.before_forward()
+        out = self.model.decode(input_ids[rows], [d[1] for d in decode])
+        self.num_batched_decodes += len(decode)
+        need = [k for k, d in enumerate(decode) if d[3]]
+        if not need:
+            return
+        sel = out[to_device(need, torch.long, out.device)]
+        logits = self.model.compute_logits(sel) if self._has_head else sel
+        for n, k in enumerate(need):
+            parts[decode[k][0]] = logits[n:n + 1]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:

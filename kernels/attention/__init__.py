@@ -41,7 +41,10 @@ up-projects all of them with one ``kv_b_proj`` GEMM and hands the backend the ra
     flashinfer  FlashInfer's ragged prefill (fa3), one launch per layer for all chunks; SM90,
                 bf16/fp16 model, q/k 192 + v 128 heads (or equal 64/128/256), flashinfer-python
 
-``auto``: flashinfer where it runs, else sdpa on CUDA; torch elsewhere. Decode backends cannot
+``auto``: sdpa on CUDA, torch elsewhere. flashinfer is opt-in (``--prefill-attention-backend
+flashinfer``): FlashInfer 0.7.2's wheel JIT-builds its SM90 prefill at first use and that
+build fails (its CUTLASS ``tools/util`` headers are not shipped), so it has never been measured
+faster here. Decode backends cannot
 prefill and prefill backends cannot decode: the two registries are disjoint.
 """
 
@@ -127,10 +130,7 @@ def auto_prefill_backend(spec: AttentionSpec) -> tuple[type[PrefillBackend], str
     """The prefill ``auto`` policy of the module docstring: (backend class, why)."""
     if spec.device.type != "cuda":
         return TorchPrefill, f"{spec.device.type} device, the torch reference"
-    reason = FlashInferPrefill.unsupported_reason(spec)
-    if reason is None:
-        return FlashInferPrefill, f"{_describe_gpu(spec)}: one ragged fa3 launch per layer"
-    return SdpaPrefill, f"one fused SDPA launch per chunk; flashinfer {reason}"
+    return SdpaPrefill, "one fused SDPA launch per chunk (flashinfer is opt-in)"
 
 
 def select_prefill_backend(requested: str, spec: AttentionSpec) -> PrefillBackend:

@@ -13,6 +13,10 @@ For a chunk of one request (normed input x [T, D] at ``positions``):
 
 Window-only layers use the main RoPE table, CSA/HCA layers the compress table for q, kv,
 compressed entries and indexer.
+
+:meth:`V4Attention.forward` runs one request's chunk; :meth:`V4Attention.decode` advances B
+requests by one token each: window rows and (selected) entries gathered from the row pools
+into padded [B, W + N, d] keys with a [B, W + N] bias (model/v4/cache_pool.py).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from torch import nn
 
 from model.layers.norm import RMSNorm
 from model.v4.attention_core import (
+    bias_from_visible,
     causal_entry_bias,
     selected_entry_bias,
     sink_attention,
+    visible_prefix_bias,
     window_bias,
 )
 from model.v4.compressor import CSACompressor, LightningIndexer, WindowCompressor
@@ -32,7 +38,7 @@ from model.v4.config import V4Config
 from model.v4.norm import unweighted_rms_norm
 from model.v4.output_proj import GroupedLinear, grouped_output_projection
 from model.v4.rope import RotaryTable, apply_trailing_rope
-from model.v4.state import V4LayerState, WindowState
+from model.v4.cache_pool import BatchIndex, CachePools, RowLease
 from model.v4_parallel import local_heads_and_groups
 
 QUERY_BLOCK = 256  # queries per attention block in a long chunk (bounds the transient logits)
@@ -43,6 +49,7 @@ class V4Attention(nn.Module):
         """``tp_size`` > 1: this rank's heads and output groups (the output is a partial sum)."""
         super().__init__()
         c = config
+        self.layer_idx = layer_idx
         self.kind = c.layer_kinds[layer_idx]
         self.ratio = c.compress_ratios[layer_idx]
         self.head_dim = c.head_dim
@@ -68,30 +75,27 @@ class V4Attention(nn.Module):
             self.compressor = WindowCompressor(h, d, self.ratio, False, c.rms_norm_eps, dtype)
         self.requires_grad_(False)
 
-    def new_state(self) -> V4LayerState:
-        st = V4LayerState(window=WindowState(self.sliding_window))
-        if self.compressor is not None:
-            st.compressor = self.compressor.new_state()
-        if isinstance(self.compressor, CSACompressor):
-            st.indexer = self.compressor.indexer.new_state()
-        return st
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, state: V4LayerState, rope: RotaryTable) -> torch.Tensor:
-        """x [T, D] (input_layernorm'ed) at absolute ``positions`` [T] → [T, D]; updates ``state``."""
-        t = x.shape[0]
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, lease: RowLease, pools: CachePools,
+                rope: RotaryTable) -> torch.Tensor:
+        """One request: x [T, D] (input_layernorm'ed) at absolute ``positions`` [T] → [T, D]; stores
+        the chunk's rows in the request's pool units."""
+        t, start, layer = x.shape[0], int(positions[0]), self.layer_idx
         cos, sin = rope.cos_sin(positions, x.dtype)
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_residual).view(t, self.num_heads, self.head_dim)
-        q = apply_trailing_rope(unweighted_rms_norm(q, self.eps), cos, sin)
-        kv = apply_trailing_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        q_residual, q, kv = self.project(x, cos, sin)
 
-        keys, key_pos = state.window.attend_and_append(kv)
-        first_key, start = state.window.end - keys.shape[0], state.window.end - t
+        window = pools["window"]
+        first_key = max(0, start - (self.sliding_window - 1))
+        stored = window.codec.encode(kv)
+        keep = min(t, self.sliding_window)
+        old = window.get(layer, lease.rows("window", first_key, start))
+        window.put(layer, lease.rows("window", start + t - keep, start + t), stored[t - keep:])
+        keys = torch.cat([old, window.codec.decode(stored)]).to(q.dtype)
+        key_pos = torch.arange(first_key, start + t, device=x.device)
         entries = picks = None
         if self.compressor is not None:
-            entries = self.compressor.compress(x, state.compressor, rope).to(keys.dtype)
+            entries = self.compressor.compress(x, start, lease, pools, rope).to(keys.dtype)
             if isinstance(self.compressor, CSACompressor):
-                picks = self.compressor.indexer.select(x, q_residual, positions, state.indexer, rope,
+                picks = self.compressor.indexer.select(x, q_residual, positions, lease, pools, rope,
                                                        self.query_block)
 
         # Query blocks bound the logits to [H, block, window + block + entries] for long chunks.
@@ -110,5 +114,50 @@ class V4Attention(nn.Module):
                 block_keys = torch.cat([block_keys, entries], dim=0)
                 bias = torch.cat([bias, entry_bias], dim=1)
             o[a:b] = sink_attention(q[a:b], block_keys, bias, self.sinks, self.scale)
+        return self.output(o, cos, sin)
+
+    def decode(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools, rope: RotaryTable) -> torch.Tensor:
+        """B requests, one token each: x [B, D] at ``batch.positions`` → [B, D]."""
+        p, layer = batch.positions, self.layer_idx
+        cos, sin = rope.cos_sin(p, x.dtype)
+        q_residual, q, kv = self.project(x, cos, sin)
+        keys, bias = gather_window(pools["window"], layer, batch, pools, kv, self.sliding_window)
+        keys = keys.to(q.dtype)
+        if self.compressor is not None:
+            if isinstance(self.compressor, CSACompressor):
+                entries, _ = self.compressor.decode_step(x, batch, pools, rope)
+                picks = self.compressor.indexer.decode_select(x, q_residual, batch, pools, rope)
+                entry_bias = selected_entry_bias(picks, entries.shape[1])
+            else:
+                entries, counts = self.compressor.decode_step(x, batch, pools, rope)
+                entry_bias = visible_prefix_bias(counts, entries.shape[1])
+            keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
+            bias = torch.cat([bias, entry_bias], dim=1)
+        o = sink_attention(q.unsqueeze(1), keys, bias.unsqueeze(1), self.sinks, self.scale).squeeze(1)
+        return self.output(o, cos, sin)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q_residual [N, q_lora_rank], q [N, H, d], the new K = V rows [N, d]) of x [N, D]."""
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_residual).view(x.shape[0], self.num_heads, self.head_dim)
+        q = apply_trailing_rope(unweighted_rms_norm(q, self.eps), cos, sin)
+        kv = apply_trailing_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        return q_residual, q, kv
+
+    def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         o = apply_trailing_rope(o, cos, sin, inverse=True)
         return grouped_output_projection(o, self.o_a_proj, self.o_b_proj)
+
+
+def gather_window(pool, layer: int, batch: BatchIndex, pools: CachePools, kv: torch.Tensor,
+                  window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Store B new window rows kv [B, d] (at ``batch.positions``) in ring pool ``pool`` and
+    return each request's window in position order, [B, window, d] (zero before position 0),
+    with its [B, window] float32 bias."""
+    p = batch.positions
+    pool.put(layer, batch.ring_rows(pools, pool.name, p.unsqueeze(-1)), pool.codec.encode(kv).unsqueeze(1))
+    key_pos = p.unsqueeze(-1) - (window - 1) + torch.arange(window, device=p.device)
+    keys = pool.get(layer, batch.ring_rows(pools, pool.name, key_pos))
+    visible = key_pos >= 0
+    keys = torch.where(visible.unsqueeze(-1), keys, torch.zeros((), dtype=keys.dtype, device=keys.device))
+    return keys, bias_from_visible(visible)

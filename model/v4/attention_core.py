@@ -42,14 +42,14 @@ def window_bias(q_pos: torch.Tensor, kv_pos: torch.Tensor, window: int) -> torch
     """[T, S] float32: 0 where q_pos − window < kv_pos ≤ q_pos, else −inf."""
     diff = q_pos[:, None] - kv_pos[None, :]
     visible = (diff >= 0) & (diff < window)
-    return _bias_from_visible(visible)
+    return bias_from_visible(visible)
 
 
 def causal_entry_bias(q_pos: torch.Tensor, num_entries: int, ratio: int) -> torch.Tensor:
     """[T, n] float32: entry w visible to query t iff w < (t + 1) // ratio."""
     w = torch.arange(num_entries, device=q_pos.device)
     visible = w[None, :] < ((q_pos[:, None] + 1) // ratio)
-    return _bias_from_visible(visible)
+    return bias_from_visible(visible)
 
 
 def selected_entry_bias(picks: torch.Tensor, num_entries: int) -> torch.Tensor:
@@ -57,9 +57,16 @@ def selected_entry_bias(picks: torch.Tensor, num_entries: int) -> torch.Tensor:
     visible = torch.zeros(*picks.shape[:-1], num_entries + 1, dtype=torch.bool, device=picks.device)
     safe = torch.where(picks >= 0, picks, torch.full_like(picks, num_entries))
     visible.scatter_(-1, safe, True)
-    return _bias_from_visible(visible[..., :num_entries])
+    return bias_from_visible(visible[..., :num_entries])
 
 
-def _bias_from_visible(visible: torch.Tensor) -> torch.Tensor:
+def visible_prefix_bias(counts: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] float32: 0 on each row's first ``counts`` [B] columns (a padded gather's real
+    rows), −inf after."""
+    return bias_from_visible(torch.arange(width, device=counts.device) < counts.unsqueeze(-1))
+
+
+def bias_from_visible(visible: torch.Tensor) -> torch.Tensor:
+    """float32 0 where ``visible``, −inf elsewhere."""
     zero = torch.zeros((), dtype=torch.float32, device=visible.device)
     return torch.where(visible, zero, torch.full_like(zero, float("-inf")))

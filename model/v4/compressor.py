@@ -5,13 +5,20 @@ float32 softmax over the window's slots of ``gate + position_bias[slot]`` weight
 ``kv`` rows; the pooled row goes through ``kv_norm`` and RoPE (compress table) at the
 window's first position w·m. HCA pools its m slots. CSA (``overlap``) projects to two halves
 [Ca | Cb] and pools 2m slots: window w − 1's Ca (zero kv, −inf gate for w = 0) followed by
-window w's Cb. The open window and the overlap half live in :class:`CompressorState`.
+window w's Cb. The raw rows of the open window (and, for CSA, of the previous one) live in
+the request's ring pools, the entries in a paged pool (model/v4/state.py).
 
 The lightning indexer (CSA layers) owns the same overlapping compressor at
 ``index_head_dim``; its entries are the index keys. A query t scores entry s as
 ``Σ_h w[t,h] · ReLU(q_I[t,h]·k_s) · index_head_dim^-0.5`` with ``w = weights_proj(x) ·
 index_n_heads^-0.5``; entries not yet visible ((s + 1)·m > t + 1) score −inf, and the top
 ``index_topk`` picks that land on them become −1.
+
+Two paths share the pooling: :meth:`WindowCompressor.compress` feeds one request's chunk
+(any length; any number of windows close), :meth:`WindowCompressor.decode_step` advances B
+requests by one token each in one batch (every request computes a candidate entry; those
+whose window did not close write it to the pool's scratch unit), then gathers every
+request's entries into a padded [B, N, d] tensor with its counts.
 """
 
 from __future__ import annotations
@@ -21,34 +28,12 @@ from torch import nn
 
 from model.layers.norm import RMSNorm
 from model.v4.rope import RotaryTable, apply_trailing_rope
-from model.v4.state import CompressorState
+from model.v4.cache_pool import BatchIndex, CachePools, RowLease
 
 
 def pool_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """[n, c]: per-channel softmax over the slot axis (float32) of ``gate``, weighting ``kv``."""
     return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
-
-
-def overlap_windows(
-    kv: torch.Tensor, gate: torch.Tensor, state: CompressorState, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """CSA slot layout [n_w, 2m, head_dim]: previous window's Ca, then this window's Cb.
-
-    Reads the overlap half saved by the previous call and saves this call's last Ca.
-    """
-    n_w, m, _ = kv.shape
-    slots_kv = kv.new_zeros(n_w, 2 * m, head_dim)
-    slots_gate = gate.new_full((n_w, 2 * m, head_dim), float("-inf"))
-    slots_kv[:, m:] = kv[..., head_dim:]
-    slots_gate[:, m:] = gate[..., head_dim:]
-    slots_kv[1:, :m] = kv[:-1, :, :head_dim]
-    slots_gate[1:, :m] = gate[:-1, :, :head_dim]
-    if state.prev_kv is not None:
-        slots_kv[0, :m] = state.prev_kv.to(slots_kv.dtype)
-        slots_gate[0, :m] = state.prev_gate.to(slots_gate.dtype)
-    state.prev_kv = kv[-1, :, :head_dim].clone()
-    state.prev_gate = gate[-1, :, :head_dim].clone()
-    return slots_kv, slots_gate
 
 
 class WindowCompressor(nn.Module):
@@ -65,24 +50,91 @@ class WindowCompressor(nn.Module):
         self.kv_proj.requires_grad_(False)
         self.gate_proj.requires_grad_(False)
 
-    def new_state(self) -> CompressorState:
-        return CompressorState(ratio=self.ratio, overlap=self.overlap)
+    @property
+    def ring_rows(self) -> int:
+        """Raw rows a request's ring keeps: the open window, and the previous one for CSA."""
+        return 2 * self.ratio if self.overlap else self.ratio
 
-    def compress(self, x: torch.Tensor, state: CompressorState, rope: RotaryTable) -> torch.Tensor:
-        """Feed a chunk's normed inputs x [T, D]; returns all entries so far [n, head_dim]."""
-        kv_w, gate_w, first = state.take_complete_windows(self.kv_proj(x), self.gate_proj(x))
-        n_w = kv_w.shape[0]
-        if n_w == 0:
-            if state.entries is None:
-                state.entries = x.new_zeros(0, self.head_dim)
-            return state.entries
-        gate_w = gate_w + self.position_bias
+    def bind_pools(self, prefix: str, layer: int) -> None:
+        """Use pools ``<prefix>kv``, ``<prefix>gate`` (rings) and ``<prefix>entries`` (paged), layer ``layer``."""
+        self.pool_prefix, self.pool_layer = prefix, layer
+
+    def pool_rows(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
+                  prev_gate: torch.Tensor | None, has_prev: torch.Tensor | None, window_ids: torch.Tensor,
+                  rope: RotaryTable) -> torch.Tensor:
+        """Entries [N, head_dim] of N closed windows from their raw rows kv, gate [N, m, width]
+        (gate without the position bias) and, for CSA, the previous windows' raw rows (used
+        where ``has_prev`` [N]; window 0 has none: zero kv, −inf gate)."""
+        gate = gate + self.position_bias
         if self.overlap:
-            kv_w, gate_w = overlap_windows(kv_w, gate_w, state, self.head_dim)
-        pooled = self.kv_norm(pool_windows(kv_w, gate_w))
-        positions = (torch.arange(n_w, device=x.device) + first) * self.ratio
-        cos, sin = rope.cos_sin(positions, pooled.dtype)
-        return state.append_entries(apply_trailing_rope(pooled, cos, sin))
+            d, m = self.head_dim, self.ratio
+            prev = has_prev.view(-1, 1, 1)
+            ca_kv = torch.where(prev, prev_kv[..., :d], torch.zeros((), dtype=kv.dtype, device=kv.device))
+            ca_gate = torch.where(prev, (prev_gate + self.position_bias)[..., :d],
+                                  torch.full((), float("-inf"), dtype=gate.dtype, device=kv.device))
+            kv = torch.cat([ca_kv, kv[..., d:]], dim=1)
+            gate = torch.cat([ca_gate, gate[..., d:]], dim=1)
+            assert kv.shape[1] == 2 * m
+        pooled = self.kv_norm(pool_windows(kv, gate))
+        cos, sin = rope.cos_sin(window_ids * self.ratio, pooled.dtype)
+        return apply_trailing_rope(pooled, cos, sin)
+
+    def compress(self, x: torch.Tensor, start: int, lease: RowLease, pools: CachePools,
+                 rope: RotaryTable) -> torch.Tensor:
+        """Feed one request's chunk x [T, D] at positions ``start …``; returns all its entries so
+        far [n, head_dim] as stored (decoded)."""
+        m, t, layer = self.ratio, x.shape[0], self.pool_layer
+        kv_pool, gate_pool = pools[self.pool_prefix + "kv"], pools[self.pool_prefix + "gate"]
+        name = self.pool_prefix + "entries"
+        entries, end = pools[name], start + x.shape[0]
+        kv, gate = self.kv_proj(x), self.gate_proj(x)
+        n_old, n_new = start // m, end // m
+        if n_new > n_old:
+            lag = 1 if self.overlap else 0  # CSA also reads the window before the first one it closes
+            first = (n_old - lag) * m
+            have = max(first, 0)
+            pad = have - first  # window −1 (before position 0): rows that pool_rows masks
+            rows = lease.rows(kv_pool.name, have, start)
+            buf_kv = torch.cat([kv.new_zeros(pad, kv.shape[-1]), kv_pool.get(layer, rows), kv])
+            buf_gate = torch.cat([gate.new_zeros(pad, gate.shape[-1]), gate_pool.get(layer, rows), gate])
+            n_w = n_new - n_old
+            wins_kv = buf_kv[: (n_w + lag) * m].reshape(n_w + lag, m, -1)
+            wins_gate = buf_gate[: (n_w + lag) * m].reshape(n_w + lag, m, -1)
+            ids = torch.arange(n_old, n_new, device=x.device)
+            new = self.pool_rows(wins_kv[lag:], wins_gate[lag:], wins_kv[:-1] if lag else None,
+                                 wins_gate[:-1] if lag else None, ids > 0, ids, rope)
+            lease.reserve(name, n_new)
+            entries.put(layer, lease.rows(name, n_old, n_new), entries.codec.encode(new))
+        keep = min(t, self.ring_rows)
+        kv_pool.put(layer, lease.rows(kv_pool.name, end - keep, end), kv[t - keep:])
+        gate_pool.put(layer, lease.rows(gate_pool.name, end - keep, end), gate[t - keep:])
+        return entries.get(layer, lease.rows(name, 0, n_new))
+
+    def decode_step(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools,
+                    rope: RotaryTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """B requests, one token each (x [B, D] at ``batch.positions``): store the raw rows, emit
+        the entries of the windows that close, and return every request's entries [B, N,
+        head_dim] (zero past its count) and the counts [B]."""
+        m, layer, p = self.ratio, self.pool_layer, batch.positions
+        kv_name, gate_name, name = (self.pool_prefix + k for k in ("kv", "gate", "entries"))
+        kv_pool, gate_pool, entries = pools[kv_name], pools[gate_name], pools[name]
+        here = p.unsqueeze(-1)
+        kv_pool.put(layer, batch.ring_rows(pools, kv_name, here), self.kv_proj(x).unsqueeze(1))
+        gate_pool.put(layer, batch.ring_rows(pools, gate_name, here), self.gate_proj(x).unsqueeze(1))
+        this = (p + 1 - m).unsqueeze(-1) + torch.arange(m, device=p.device)  # the window ending at p
+        window = (p + 1) // m - 1
+        closes = (p + 1) % m == 0
+        prev = (this - m) if self.overlap else None
+        new = self.pool_rows(
+            kv_pool.get(layer, batch.ring_rows(pools, kv_name, this)),
+            gate_pool.get(layer, batch.ring_rows(pools, gate_name, this)),
+            None if prev is None else kv_pool.get(layer, batch.ring_rows(pools, kv_name, prev)),
+            None if prev is None else gate_pool.get(layer, batch.ring_rows(pools, gate_name, prev)),
+            window > 0, window.clamp_min(0), rope)
+        target = batch.paged_rows(pools, name, window.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+        entries.put(layer, torch.where(closes, target, torch.zeros_like(target)), entries.codec.encode(new))
+        counts = (p + 1) // m
+        return batch.gather_prefix(pools, name, layer, counts), counts
 
 
 class IndexerScorer(nn.Module):
@@ -96,8 +148,9 @@ class IndexerScorer(nn.Module):
         self.weights_proj.requires_grad_(False)
 
     def forward(self, q: torch.Tensor, keys: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Scores [T, n] for index queries q [T, H_I, c], keys [n, c], layer input x [T, D]."""
-        scores = torch.relu(torch.matmul(q.float(), keys.float().t())) * self.softmax_scale  # [T, H_I, n]
+        """Scores [T, n] for index queries q [T, H_I, c], keys [n, c] (or [T, n, c]: each query
+        its own request's keys), layer input x [T, D]."""
+        scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2))) * self.softmax_scale
         weights = self.weights_proj(x).float() * self.weights_scaling
         return (scores * weights.unsqueeze(-1)).sum(dim=1)
 
@@ -113,28 +166,41 @@ class LightningIndexer(WindowCompressor):
         self.q_b_proj.requires_grad_(False)
         self.scorer = IndexerScorer(hidden, n_heads, head_dim, dtype)
 
-    def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, state: CompressorState,
-               rope: RotaryTable, query_block: int = 256) -> torch.Tensor:
-        """Update the index keys with the chunk and return each query's picks [T, k] (−1 = none).
-
-        Queries are scored ``query_block`` at a time, so the scores stay [block, n] for long chunks.
-        """
-        keys = self.compress(x, state, rope)
+    def select(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor, lease: RowLease,
+               pools: CachePools, rope: RotaryTable, query_block: int = 256) -> torch.Tensor:
+        """Update one request's index keys with its chunk and return each query's picks [T, k]
+        (−1 = none). Queries are scored ``query_block`` at a time, so the scores stay [block, n]."""
+        keys = self.compress(x, int(positions[0]), lease, pools, rope)
         t, n = x.shape[0], keys.shape[0]
         if n == 0:
             return torch.empty(t, 0, dtype=torch.long, device=x.device)
-        q = self.q_b_proj(q_residual).view(t, self.n_heads, self.head_dim)
-        cos, sin = rope.cos_sin(positions, x.dtype)
-        q = apply_trailing_rope(q, cos, sin)
+        q = self.queries(q_residual, positions, rope)
         entry = torch.arange(n, device=x.device).unsqueeze(0)
         picks = []
         for a in range(0, t, query_block):
             b = min(a + query_block, t)
             scores = self.scorer(q[a:b], keys, x[a:b])
-            threshold = ((positions[a:b] + 1) // self.ratio).unsqueeze(-1)  # entries visible to each query
-            top = scores.masked_fill(entry >= threshold, float("-inf")).topk(min(self.topk, n), dim=-1).indices
-            picks.append(torch.where(top >= threshold, torch.full_like(top, -1), top))
+            picks.append(self.top_picks(scores, entry, ((positions[a:b] + 1) // self.ratio).unsqueeze(-1)))
         return torch.cat(picks)
+
+    def decode_select(self, x: torch.Tensor, q_residual: torch.Tensor, batch: BatchIndex, pools: CachePools,
+                      rope: RotaryTable) -> torch.Tensor:
+        """B requests, one token each: update their index keys, return their picks [B, k]."""
+        keys, counts = self.decode_step(x, batch, pools, rope)
+        q = self.queries(q_residual, batch.positions, rope)
+        scores = self.scorer(q, keys, x)  # [B, N]
+        entry = torch.arange(keys.shape[1], device=x.device).unsqueeze(0)
+        return self.top_picks(scores, entry, counts.unsqueeze(-1))
+
+    def queries(self, q_residual: torch.Tensor, positions: torch.Tensor, rope: RotaryTable) -> torch.Tensor:
+        q = self.q_b_proj(q_residual).view(q_residual.shape[0], self.n_heads, self.head_dim)
+        cos, sin = rope.cos_sin(positions, q_residual.dtype)
+        return apply_trailing_rope(q, cos, sin)
+
+    def top_picks(self, scores: torch.Tensor, entry: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Top ``topk`` of scores [T, n] among the ``visible`` [T, 1] first entries; −1 past them."""
+        top = scores.masked_fill(entry >= visible, float("-inf")).topk(min(self.topk, scores.shape[-1]), dim=-1)
+        return torch.where(top.indices >= visible, torch.full_like(top.indices, -1), top.indices)
 
 
 class CSACompressor(WindowCompressor):

@@ -8,10 +8,14 @@ Usage, one request at a time::
     logits = model.compute_logits(hidden[-1:])     # float32 [1, vocab]
     hidden = model(next_id.view(1), state)         # decode: one token at state.num_tokens
 
-Each call appends its tokens at positions ``state.num_tokens …``. The embedding is copied
-into ``hc_mult`` streams; each layer runs an mHC site → ``input_layernorm`` → attention →
-expand, then an mHC site → ``post_attention_layernorm`` → MoE (needs the token ids for its
-hash-routed layers) → expand. The HyperHead collapses the streams, then ``norm`` and
+Each call appends its tokens at positions ``state.num_tokens …``. ``model.decode(ids [B],
+states)`` advances many requests by one token each in one forward (the rows B one-token
+calls compute); the states' rows live in the model's shared pools (model/v4/cache_pool.py,
+built by :meth:`~DeepseekV4ForCausalLM.cache_pools`).
+
+The embedding is copied into ``hc_mult`` streams; each layer runs an mHC site →
+``input_layernorm`` → attention → expand, then an mHC site → ``post_attention_layernorm`` →
+MoE (needs the token ids for its hash-routed layers) → expand. The HyperHead collapses the streams, then ``norm`` and
 ``lm_head``. Norms, mHC parameters, sinks and position biases stay float32 whatever the
 model dtype, as HF keeps them.
 
@@ -37,8 +41,9 @@ from model.v4.config import V4Config
 from model.v4.mhc import HyperConnection, HyperHead, collapse_streams, expand_streams
 from model.v4.moe import V4MoE
 from model.v4.rope import RotaryTable
-from model.v4.state import V4LayerState, V4RequestState
 from model.parallel import ParallelContext, StepRows
+from model.v4.cache_pool import BatchIndex, CachePools, RowPool, plain_codec
+from model.v4.state import V4RequestState
 from model.v4_loader import load_v4_into_module, read_v4_config
 from model.v4_parallel import final_rows, first_rows, row_parallel_site, shard_spec, vocab_embedding
 
@@ -62,11 +67,13 @@ class V4DecoderLayer(nn.Module):
                          c.moe_intermediate_size * c.n_shared_experts, c.swiglu_limit, c.routed_scaling_factor,
                          c.hash_layers[layer_idx], c.vocab_size, dtype, par)
 
-    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                state: V4LayerState, rope: RotaryTable, rows: StepRows | None = None) -> torch.Tensor:
-        """streams [T, hc, D] → [T, hc, D] (this rank's rows of the step's ``input_ids``)."""
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, attend,
+                rows: StepRows | None = None) -> torch.Tensor:
+        """streams [T, hc, D] → [T, hc, D] (this rank's rows of the step's ``input_ids``);
+        ``attend`` runs the attention on all valid rows of its normed input (one request's
+        chunk, or one decode token of each of B requests)."""
         n = input_ids.shape[0]
-        attend = row_parallel_site(self.par, n, lambda x: self.self_attn(x, positions, state, rope))
+        attend = row_parallel_site(self.par, n, attend)
         feed_forward = row_parallel_site(self.par, n, lambda x: self.mlp(x, input_ids, rows))
         pre, post, comb = self.attn_hc(streams)
         attn = attend(self.input_layernorm(collapse_streams(streams, pre)))
@@ -105,29 +112,110 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.main_rope = RotaryTable(config.qk_rope_head_dim, config.main_rope)
         self.compress_rope = RotaryTable(config.qk_rope_head_dim, config.compress_rope)
 
+    def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64) -> None:
+        """How new states store their rows: ``auto`` (the model dtype) or ``fp8`` (V4's 584-byte
+        records for window rows and entries, e4m3 + one fp32 scale for index keys; lossy), in
+        pages of ``page_rows`` entries. Replaces the pools: states made before keep the old ones."""
+        v4_row_codecs(self.config, kv_cache_dtype, self.dtype)[0](self.config.head_dim)  # validates
+        self._cache_settings = (kv_cache_dtype, page_rows)
+        self._pools = None
+
+    def cache_pools(self) -> CachePools:
+        """The row pools every state of this model leases units of (model/v4/state.py)."""
+        if getattr(self, "_pools", None) is None:
+            self._pools = self._build_pools(*getattr(self, "_cache_settings", ("auto", 64)))
+        return self._pools
+
+    def _build_pools(self, kv_cache_dtype: str, page_rows: int) -> CachePools:
+        c, device, dtype = self.config, self.lm_head.weight.device, self.dtype
+        row_codec, key_codec = v4_row_codecs(c, kv_cache_dtype, dtype)
+        pools = CachePools()
+        pools.add(RowPool("window", c.num_hidden_layers, c.sliding_window, True, row_codec(c.head_dim), device))
+        self._paged: list[tuple[str, int]] = []
+        groups: dict[str, list[V4Attention]] = {}
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            if attn.compressor is not None:
+                groups.setdefault(f"{attn.kind}{attn.ratio}.", []).append(attn)
+        for prefix, attns in groups.items():
+            comp = attns[0].compressor
+            parts = [(prefix, comp, row_codec)]
+            if attns[0].kind == "csa":
+                parts.append((prefix + "index_", comp.indexer, key_codec))
+            for name, module, codec in parts:
+                width = module.kv_proj.weight.shape[0]
+                raw = plain_codec(width, dtype)
+                pools.add(RowPool(name + "kv", len(attns), module.ring_rows, True, raw, device))
+                pools.add(RowPool(name + "gate", len(attns), module.ring_rows, True, raw, device))
+                pools.add(RowPool(name + "entries", len(attns), page_rows, False, codec(module.head_dim), device))
+                self._paged.append((name + "entries", module.ratio))
+            for i, attn in enumerate(attns):
+                attn.compressor.bind_pools(prefix, i)
+                if attn.kind == "csa":
+                    attn.compressor.indexer.bind_pools(prefix + "index_", i)
+        return pools
+
     def new_state(self) -> V4RequestState:
         """An empty per-request state (no tokens consumed)."""
-        return V4RequestState(layers=[layer.self_attn.new_state() for layer in self.model.layers])
+        return V4RequestState(self.cache_pools().lease())
 
-    def forward(self, input_ids: torch.Tensor, state: V4RequestState) -> torch.Tensor:
-        """Final-normed hidden states [T, D] of one request's next T tokens ``input_ids`` [T]."""
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.dim() != 1 or input_ids.shape[0] == 0:
             raise ValueError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {self.config.vocab_size})")
-        if len(state.layers) != len(self.model.layers):
+
+    def _check_state(self, state) -> None:
+        if not isinstance(state, V4RequestState) or state.lease.pools is not self.cache_pools():
             raise ValueError("state was not made by this model's new_state()")
-        t, par = input_ids.shape[0], self.par
+
+    def _reserve(self, state: V4RequestState, num_tokens: int) -> None:
+        for name, ratio in self._paged:
+            state.lease.reserve(name, num_tokens // ratio)
+
+    def forward(self, input_ids: torch.Tensor, state: V4RequestState) -> torch.Tensor:
+        """Final-normed hidden states [T, D] of one request's next T tokens ``input_ids`` [T]."""
+        self._check_ids(input_ids)
+        self._check_state(state)
+        t, par, pools = input_ids.shape[0], self.par, self.cache_pools()
+        self._reserve(state, state.num_tokens + t)
         positions = torch.arange(state.num_tokens, state.num_tokens + t, device=input_ids.device)
         rows = par.step_rows(t, input_ids.device)
         x = first_rows(par, t)(self.model.embed_tokens(input_ids))
         streams = x.unsqueeze(1).expand(x.shape[0], self.model.hc_mult, x.shape[-1]).contiguous()
-        for layer, layer_state in zip(self.model.layers, state.layers):
+        for layer in self.model.layers:
             rope = self.compress_rope if layer.uses_compress_rope else self.main_rope
-            streams = layer(streams, input_ids, positions, layer_state, rope, rows)
+            streams = layer(streams, input_ids,
+                            lambda h, a=layer.self_attn, r=rope: a(h, positions, state.lease, pools, r), rows)
         state.num_tokens += t
         return final_rows(par, self.model.norm(self.model.hc_head(streams)), t)
+
+    def decode(self, input_ids: torch.Tensor, states: list[V4RequestState]) -> torch.Tensor:
+        """Final-normed hidden states [B, D] of one new token per request: ``input_ids[b]`` at
+        position ``states[b].num_tokens``; advances every state by one (as B calls of
+        :meth:`forward` with one token each would)."""
+        self._check_ids(input_ids)
+        if len(states) != input_ids.shape[0] or len({id(s) for s in states}) != len(states):
+            raise ValueError(f"decode needs one distinct state per token: {input_ids.shape[0]} tokens, "
+                             f"{len(states)} states")
+        pools = self.cache_pools()
+        for s in states:
+            self._check_state(s)
+            self._reserve(s, s.num_tokens + 1)
+        batch = BatchIndex.build(pools, [s.lease for s in states], [s.num_tokens for s in states],
+                                 input_ids.device)
+        n, par = input_ids.shape[0], self.par
+        rows = par.step_rows(n, input_ids.device)
+        x = first_rows(par, n)(self.model.embed_tokens(input_ids))
+        streams = x.unsqueeze(1).expand(x.shape[0], self.model.hc_mult, x.shape[-1]).contiguous()
+        for layer in self.model.layers:
+            rope = self.compress_rope if layer.uses_compress_rope else self.main_rope
+            streams = layer(streams, input_ids, lambda h, a=layer.self_attn, r=rope: a.decode(h, batch, pools, r),
+                            rows)
+        for s in states:
+            s.num_tokens += 1
+        return final_rows(par, self.model.norm(self.model.hc_head(streams)), n)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [T, vocab] for hidden rows [T, D]."""
@@ -160,6 +248,17 @@ class DeepseekV4ForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"missing tensor {missing[0]!r} (and {len(missing) - 1} more)" if len(missing) > 1
                              else f"missing tensor {missing[0]!r}")
+
+
+def v4_row_codecs(config: V4Config, kv_cache_dtype: str, dtype: torch.dtype):
+    """(window row / entry codec, index key codec) factories ``dim → RowCodec`` for ``kv_cache_dtype``."""
+    if kv_cache_dtype == "auto":
+        return (lambda dim: plain_codec(dim, dtype)), (lambda dim: plain_codec(dim, dtype))
+    if kv_cache_dtype.startswith("fp8"):
+        from model.v4.cache_codecs import v4_fp8_index_key_codec, v4_fp8_row_codec
+        return (lambda dim: v4_fp8_row_codec(dim, config.qk_rope_head_dim, dtype),
+                lambda dim: v4_fp8_index_key_codec(dim, dtype))
+    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r}: DeepSeek-V4 supports auto and fp8")
 
 
 def load_deepseek_v4(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16,

@@ -10,6 +10,13 @@ logit that only enlarges the softmax denominator; the output's RoPE tail is rota
 the query position and projected by the grouped low-rank ``wo_a`` (heads in ``o_groups``
 contiguous groups) and ``wo_b``. The core, masks, grouped projection and RoPE are V4's
 (``model.v4``); what differs is the QAT rounding and the KV sharing.
+
+The roundings are the row codecs of the request's pools (model/v41/model.py): ``auto``
+fake-quantizes and stores the model dtype, ``fp8`` stores the packed FP8/FP4 records and
+decodes them, the same values bit for bit. :meth:`Attention.forward` runs one request's
+chunk, :meth:`Attention.decode` one token of each of B requests (window rows and shared
+entries gathered into padded [B, W + N, d] keys with a bias, the compressor and indexer
+updates batched too).
 """
 
 from __future__ import annotations
@@ -19,13 +26,15 @@ from torch import nn
 
 from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
 from model.layers.norm import RMSNorm
+from model.v4.attention import gather_window
 from model.v4.attention_core import selected_entry_bias, sink_attention, window_bias
+from model.v4.cache_pool import BatchIndex, CachePools, RowLease
 from model.v4.output_proj import GroupedLinear
 from model.v4.rope import RotaryTable, apply_trailing_rope
 from model.v41.compressor import Compressor
 from model.v41.config import V41Config
 from model.v41.indexer import QUERY_BLOCK, Indexer
-from model.v41.state import RequestState, SourceState
+from model.v41.state import RequestState
 from model.v4_parallel import local_heads_and_groups
 
 
@@ -42,6 +51,8 @@ class Attention(nn.Module):
         self.scale = c.head_dim**-0.5
         self.kv_source = c.kv_source_of(layer_idx)
         self.index_source = c.index_source_of(layer_idx)
+        self.source_ratio = c.compress_ratios[self.kv_source] if self.ratio else 0
+        self.source_pools = f"src{self.kv_source}."  # this layer's KV source's pools
         self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False, dtype=dtype)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.wq_b = nn.Linear(c.q_lora_rank, self.num_heads * self.head_dim, bias=False, dtype=dtype)
@@ -56,11 +67,15 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(q_res [N, q_lora_rank], q [N, heads, head_dim], window K=V rows [N, head_dim]) of
-        normed x [N, hidden]; cos/sin at the tokens' positions."""
+        normed x [N, hidden]; cos/sin at the tokens' positions. The rows are FP8-rounded."""
+        q_res, q, kv = self.project_raw(x, cos, sin)
+        return q_res, q, fake_quant_fp8_ue8m0(kv, 32)
+
+    def project_raw(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """:meth:`project` with the window rows before their FP8 rounding (the pools' codec does it)."""
         q_res = self.q_norm(self.wq_a(x))
         q = apply_trailing_rope(self.wq_b(q_res).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
-        kv = fake_quant_fp8_ue8m0(apply_trailing_rope(self.kv_norm(self.wkv(x)), cos, sin), 32)
-        return q_res, q, kv
+        return q_res, q, apply_trailing_rope(self.kv_norm(self.wkv(x)), cos, sin)
 
     def shared_entries(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """KV source: the rotated, FP4-fake-quantized entries of compressor latents [G, head_dim];
@@ -73,47 +88,73 @@ class Attention(nn.Module):
         out = apply_trailing_rope(out, cos, sin, inverse=True)
         return self.wo_b(self.wo_a(out.reshape(out.shape[0], self.o_groups, -1)).flatten(1))
 
-    def _compress(self, x: torch.Tensor, source: SourceState, rope: RotaryTable) -> None:
-        """KV source: pool the groups these tokens complete, store their indexer keys and
-        their rotated, FP4-fake-quantized entries in the shared cache."""
-        latent, first = self.compressor(x, source)
+    def _store_groups(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pools: CachePools,
+                      rows: torch.Tensor) -> None:
+        """KV source: store the entries (and indexer keys) of latents [G, head_dim] at flat rows
+        ``rows`` [G] of the entry (and key) pools; cos/sin at the groups' first positions."""
+        entries = pools[self.source_pools + "entries"]
+        entries.put(0, rows, entries.codec.encode(apply_trailing_rope(latent, cos, sin)))
+        if self.indexer is not None:
+            keys = pools[self.source_pools + "keys"]
+            keys.put(0, rows, keys.codec.encode(self.indexer.raw_keys(latent, cos, sin)))
+
+    def _compress(self, x: torch.Tensor, start: int, lease: RowLease, pools: CachePools, rope: RotaryTable) -> None:
+        """KV source, one request: pool the groups these tokens complete into the shared
+        entries (and indexer keys); keep the open group's rows in the request's rings."""
+        r, end, pre = self.ratio, start + x.shape[0], self.source_pools
+        pending_kv = pending_gate = None
+        if r > 1 and start % r:
+            rows = lease.rows(pre + "kv", start - start % r, start)
+            pending_kv, pending_gate = pools[pre + "kv"].get(0, rows), pools[pre + "gate"].get(0, rows)
+        latent, first, pending_kv, pending_gate = self.compressor(x, start, pending_kv, pending_gate)
+        if pending_kv is not None and pending_kv.shape[0]:
+            rows = lease.rows(pre + "kv", end - pending_kv.shape[0], end)
+            pools[pre + "kv"].put(0, rows, pending_kv)
+            pools[pre + "gate"].put(0, rows, pending_gate)
         if latent is None:
             return
-        group_pos = first + self.ratio * torch.arange(latent.shape[0], device=x.device)
+        g0 = first // r
+        group_pos = first + r * torch.arange(latent.shape[0], device=x.device)
         cos, sin = rope.cos_sin(group_pos, latent.dtype)
-        if self.indexer is not None:
-            source.append_index_keys(self.indexer.keys_from_latents(latent, cos, sin))
-        source.append_entries(self.shared_entries(latent, cos, sin))
+        self._store_groups(latent, cos, sin, pools, lease.rows(pre + "entries", g0, g0 + latent.shape[0]))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, state: RequestState,
                 step: dict) -> torch.Tensor:
-        """x [T, hidden] normed; ``rope`` is this layer's flavour (compress iff ratio > 0).
+        """One request: x [T, hidden] normed at ``positions``; ``rope`` is this layer's flavour
+        (compress iff ratio > 0).
 
         ``step`` is shared by the layers of one forward: index sources leave their top-k
         picks there (``step["topk_picks"][layer]``) for the reuse layers after them, and the
         candidate source its block mask. Queries attend ``QUERY_BLOCK`` at a time.
         """
-        t = x.shape[0]
+        t, start, lease = x.shape[0], int(positions[0]), state.lease
+        pools = lease.pools
         cos, sin = rope.cos_sin(positions, x.dtype)
-        q_res, q, kv = self.project(x, cos, sin)
+        q_res, q, raw = self.project_raw(x, cos, sin)
 
-        cached = state.windows[self.layer_idx]
-        n_cached = 0 if cached is None else cached.shape[0]
-        window_rows = kv if cached is None else torch.cat([cached, kv], dim=0)
-        # A copy, so the state does not pin the whole chunk's rows.
-        state.windows[self.layer_idx] = window_rows[max(0, window_rows.shape[0] - (self.window - 1)):].clone()
-        row_pos = torch.arange(int(positions[0]) - n_cached, int(positions[-1]) + 1, device=x.device)
+        window = pools["window"]
+        first_row = max(0, start - (self.window - 1))
+        n_cached, keep = start - first_row, min(t, self.window)
+        stored = window.codec.encode(raw)
+        old = window.get(self.layer_idx, lease.rows("window", first_row, start))
+        window.put(self.layer_idx, lease.rows("window", start + t - keep, start + t), stored[t - keep:])
+        window_rows = torch.cat([old, window.codec.decode(stored)]).to(q.dtype)
+        row_pos = torch.arange(first_row, start + t, device=x.device)
 
         entries, picks = None, None
         if self.ratio:
-            source = state.sources[self.kv_source]
             if self.compressor is not None:
-                self._compress(x, source, rope)
+                self._compress(x, start, lease, pools, rope)
+            n = (start + t) // self.source_ratio
             all_picks = step.setdefault("topk_picks", {})
-            if self.indexer is not None and source.index_keys is not None:
-                all_picks[self.layer_idx] = self.indexer.topk_picks(
-                    x, q_res, source.index_keys, positions, cos, sin, step)
-            entries, picks = source.entries, all_picks.get(self.index_source)
+            if n:
+                name = self.source_pools + "entries"
+                entries = pools[name].get(0, lease.rows(name, 0, n)).to(q.dtype)
+                if self.indexer is not None and self.source_pools + "keys" in pools:
+                    name = self.source_pools + "keys"
+                    keys = pools[name].get(0, lease.rows(name, 0, n)).to(q.dtype)
+                    all_picks[self.layer_idx] = self.indexer.topk_picks(x, q_res, keys, positions, cos, sin, step)
+            picks = all_picks.get(self.index_source)
 
         out = torch.empty_like(q)
         for s in range(0, t, QUERY_BLOCK):
@@ -127,6 +168,50 @@ class Attention(nn.Module):
                                                    bias)], dim=-1)
             out[s:e] = sink_attention(q[s:e], keys, bias, self.attn_sink, self.scale)
         return self.output(out, cos, sin)
+
+    def decode(self, x: torch.Tensor, batch: BatchIndex, rope: RotaryTable, step: dict,
+               pools: CachePools) -> torch.Tensor:
+        """B requests, one token each: x [B, hidden] normed at ``batch.positions`` → [B, hidden].
+        ``step`` as in :meth:`forward`, with [B, 1, …] picks and block masks."""
+        p = batch.positions
+        cos, sin = rope.cos_sin(p, x.dtype)
+        q_res, q, raw = self.project_raw(x, cos, sin)
+        keys, bias = gather_window(pools["window"], self.layer_idx, batch, pools, raw, self.window)
+        keys = keys.to(q.dtype)
+        if self.ratio:
+            if self.compressor is not None:
+                self._decode_compress(x, batch, pools, rope)
+            counts = (p + 1) // self.source_ratio
+            entries = batch.gather_prefix(pools, self.source_pools + "entries", 0, counts).to(q.dtype)
+            all_picks = step.setdefault("topk_picks", {})
+            if self.indexer is not None and self.source_pools + "keys" in pools:
+                index_keys = batch.gather_prefix(pools, self.source_pools + "keys", 0, counts)
+                all_picks[self.layer_idx] = self.indexer.decode_picks(x, q_res, index_keys, counts, cos, sin, step)
+            picks = all_picks.get(self.index_source)
+            keys = torch.cat([keys, entries], dim=1)
+            bias = torch.cat([bias, entry_bias(picks, entries.shape[1], bias)], dim=-1)
+        out = sink_attention(q.unsqueeze(1), keys, bias.unsqueeze(1), self.attn_sink, self.scale).squeeze(1)
+        return self.output(out, cos, sin)
+
+    def _decode_compress(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools, rope: RotaryTable) -> None:
+        """KV source, B requests: keep each new token's fp32 rows in its ring, pool the group that
+        ends at it, and store the entry (and key) of the requests whose group closed (the rest
+        go to the scratch unit)."""
+        r, p, pre = self.ratio, batch.positions, self.source_pools
+        if r > 1:
+            kv, gate = self.compressor.project(x)
+            here = batch.ring_rows(pools, pre + "kv", p.unsqueeze(-1))
+            pools[pre + "kv"].put(0, here, kv.unsqueeze(1))
+            pools[pre + "gate"].put(0, here, gate.unsqueeze(1))
+            group = batch.ring_rows(pools, pre + "kv", (p + 1 - r).unsqueeze(-1) + torch.arange(r, device=p.device))
+            latent = self.compressor.pool(pools[pre + "kv"].get(0, group), pools[pre + "gate"].get(0, group), x.dtype)
+        else:
+            latent = self.compressor.norm(self.compressor.wkv(x))
+        index = ((p + 1) // r - 1).clamp_min(0)
+        cos, sin = rope.cos_sin(index * r, latent.dtype)
+        target = batch.paged_rows(pools, pre + "entries", index.unsqueeze(-1)).squeeze(-1)
+        closes = (p + 1) % r == 0
+        self._store_groups(latent, cos, sin, pools, torch.where(closes, target, torch.zeros_like(target)))
 
 
 def entry_bias(picks: torch.Tensor | None, num_entries: int, window: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,6 @@ from model.layers.norm import RMSNorm
 from model.v4.compressor import pool_windows
 from model.v4.state import split_complete_windows
 from model.v41.config import V41Config
-from model.v41.state import SourceState
 
 
 class Compressor(nn.Module):
@@ -32,21 +31,24 @@ class Compressor(nn.Module):
         self.wgate = nn.Linear(h, d, bias=False, dtype=dtype) if self.ratio > 1 else None
         self.norm = RMSNorm(d, config.rms_norm_eps, dtype, weight_after_cast=True)
 
-    def forward(self, x: torch.Tensor, source: SourceState) -> tuple[torch.Tensor | None, int]:
-        """x [T, hidden] (the layer's normed input) -> (latents of the groups completed by
-        these tokens [G, head_dim] or None, absolute position of the first one's first token).
+    def forward(self, x: torch.Tensor, start: int, pending_kv: torch.Tensor | None = None,
+                pending_gate: torch.Tensor | None = None) -> tuple[torch.Tensor | None, int, torch.Tensor | None,
+                                                                   torch.Tensor | None]:
+        """x [T, hidden] (the layer's normed input at positions ``start …``) -> (latents of the
+        groups completed by these tokens [G, head_dim] or None, absolute position of the first
+        one's first token, the open group's fp32 kv and gate rows afterwards).
 
-        Open-group rows are carried in ``source.pending_*``; the caller appends the entries.
+        ``pending_*`` are the open group's rows before x (positions (start // ratio)·ratio …
+        start − 1); the caller stores the entries and the new open rows.
         """
-        first_position = source.num_entries * self.ratio
+        first_position = (start // self.ratio) * self.ratio
         if self.wgate is None:
-            return self.norm(self.wkv(x)), first_position
+            return self.norm(self.wkv(x)), first_position, None, None
         kv, gate = self.project(x)
-        kv, gate, source.pending_kv, source.pending_gate = split_complete_windows(
-            source.pending_kv, source.pending_gate, kv, gate, self.ratio)
+        kv, gate, pending_kv, pending_gate = split_complete_windows(pending_kv, pending_gate, kv, gate, self.ratio)
         if kv.shape[0] == 0:
-            return None, first_position
-        return self.pool(kv, gate, x.dtype), first_position
+            return None, first_position, pending_kv, pending_gate
+        return self.pool(kv, gate, x.dtype), first_position, pending_kv, pending_gate
 
     def sequence_latents(self, x: torch.Tensor) -> torch.Tensor | None:
         """Whole sequences from position 0: x [B, T, hidden] -> the latents of their complete

@@ -162,6 +162,23 @@ class EngramHasher:
                 tokens[i, shift] = seq[j]
         return self._hash(tokens).to(input_ids.device), seq[-(self.max_ngram - 1):] if self.max_ngram > 1 else []
 
+    def decode_rows(self, input_ids: torch.Tensor, histories: list[list[int]]) -> tuple[torch.Tensor, list[list[int]]]:
+        """One new token per request: input_ids [B], each request's history -> (hash ids
+        [B, engram layers, (N-1)*heads], the new histories); row b equals
+        ``self(input_ids[b:b+1], histories[b])``."""
+        new = self.token_map[input_ids.cpu()].tolist()
+        tokens = torch.full((len(new), self.max_ngram), self.pad_id, dtype=torch.long)
+        out = []
+        for b, (token, history) in enumerate(zip(new, histories)):
+            seq = history + [token]
+            for shift in range(self.max_ngram):
+                j = len(seq) - 1 - shift
+                if j < 0 or seq[j] == DEAD:
+                    break
+                tokens[b, shift] = seq[j]
+            out.append(seq[-(self.max_ngram - 1):] if self.max_ngram > 1 else [])
+        return self._hash(tokens).to(input_ids.device), out
+
     def hash_sequences(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Whole sequences from their start, on their device: input_ids [B, T] -> hash ids
         [B, T, engram layers, (N-1)*heads], row b equal to ``self(input_ids[b], [])[0]``."""

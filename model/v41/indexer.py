@@ -77,8 +77,11 @@ class Indexer(nn.Module):
 
     def keys_from_latents(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Index keys [G, index_head_dim] of new latents; cos/sin at the groups' positions."""
-        k = apply_trailing_rope(self.k_norm(self.wk(latent)), cos, sin)
-        return fake_quant_fp4(k, 32, "ue8m0")
+        return fake_quant_fp4(self.raw_keys(latent, cos, sin), 32, "ue8m0")
+
+    def raw_keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`keys_from_latents` before the FP4 rounding (the key pool's codec does it)."""
+        return apply_trailing_rope(self.k_norm(self.wk(latent)), cos, sin)
 
     def topk_picks(
         self, x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
@@ -104,6 +107,18 @@ class Indexer(nn.Module):
         if self.is_candidate_source:
             step["candidates"] = torch.cat(candidates)
         return torch.cat(picks)
+
+    def decode_picks(self, x: torch.Tensor, q_res: torch.Tensor, keys: torch.Tensor, counts: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, step: dict) -> torch.Tensor:
+        """:meth:`topk_picks` for B requests with one query each: keys [B, N, d] padded past each
+        request's ``counts`` [B] → picks [B, k]; the candidate mask goes to ``step`` as [B, 1, blocks]."""
+        visible = counts.view(-1, 1, 1)
+        scores = self.scores(self.queries(q_res, cos, sin).unsqueeze(1), self.head_weights(x).unsqueeze(1), keys,
+                             visible)
+        picks, own = self.select(scores, visible, step.get("candidates"))
+        if self.is_candidate_source:
+            step["candidates"] = own
+        return picks.squeeze(1)
 
     def queries(self, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """[N, heads, index_head_dim] rotated, FP4-fake-quantized queries of q_res [N, q_lora_rank]."""

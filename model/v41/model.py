@@ -11,6 +11,9 @@ Usage::
 
 Each call consumes the next tokens of the request whose :class:`~model.v41.state.RequestState`
 it is given, at absolute positions ``state.num_tokens ...``, and advances the state.
+``model.decode(ids [B], states)`` advances B requests by one token each in one forward (the
+same logits B one-token calls give); the states' rows live in the model's shared pools
+(model/v4/cache_pool.py), stored per ``configure_cache``'s cache dtype.
 
 Layer: engram (at its layers) → attention site (mHC mixes from the streams, collapse with
 the previous site's ``pre``, ``attn_norm``, attention, expand) → FFN site (same with
@@ -32,6 +35,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
 from model.layers.norm import RMSNorm
 from model.v4.rope import RotaryTable
 from model.v4_loader import CheckpointError, load_v4_into_module, read_v4_config
@@ -45,6 +49,7 @@ from model.v41.mhc import (
     one_hot_pre,
 )
 from model.v41.moe import MoE
+from model.v4.cache_pool import BatchIndex, CachePools, RowPool, plain_codec
 from model.v41.state import RequestState
 from model.parallel import ParallelContext, StepRows
 from model.v4_parallel import final_rows, first_rows, row_parallel_site, shard_spec, vocab_embedding
@@ -92,11 +97,12 @@ class DecoderLayer(nn.Module):
                                 getattr(self, f"hc_{site}_scale"), hc_eps=self.hc_eps,
                                 sinkhorn_iters=self.sinkhorn_iters, norm_eps=self.norm_eps)
 
-    def forward(self, streams, pre, hash_ids, positions, rope, state, step, rows: StepRows | None = None):
-        """streams [T, hc, D], pre [T, hc] from the previous site -> (streams, this FFN site's pre).
-        Under TP the streams are this rank's rows of the step's ``positions`` (model/v4_parallel.py)."""
-        n = positions.shape[0]
-        attend = row_parallel_site(self.par, n, lambda x: self.attn(x, positions, rope, state, step))
+    def forward(self, streams, pre, hash_ids, n: int, attend, rows: StepRows | None = None):
+        """streams [T, hc, D], pre [T, hc] from the previous site -> (streams, this FFN site's pre);
+        ``attend`` runs the attention on the normed input of the step's ``n`` valid rows (one
+        request's chunk, or one decode token of each of B requests). Under TP the streams are
+        this rank's rows (model/v4_parallel.py)."""
+        attend = row_parallel_site(self.par, n, attend)
         feed_forward = row_parallel_site(self.par, n, lambda x: self.ffn(x, rows=rows))
         return self.run_sites(streams, pre, hash_ids, attend, feed_forward)
 
@@ -170,9 +176,57 @@ class DeepseekV41ForCausalLM(nn.Module):
         for name in names:
             params[name].copy_(tensors[name].to(params[name].dtype))
 
+    def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64) -> None:
+        """How new states store their rows: ``auto`` (the model dtype, values already rounded to
+        the trained FP8/FP4 grids) or ``fp8`` (the packed records: window rows e4m3 + ue8m0 per
+        32, entries e2m1 + e4m3 per 16, index keys e2m1 + ue8m0 per 32; the same values), in
+        pages of ``page_rows`` entries. Replaces the pools: states made before keep the old ones."""
+        v41_row_codecs(self.config, kv_cache_dtype, self.lm_head.weight.dtype)  # validates
+        self._cache_settings = (kv_cache_dtype, page_rows)
+        self._pools = None
+
+    def cache_pools(self) -> CachePools:
+        """The row pools every state of this model leases units of (model/v41/state.py)."""
+        if getattr(self, "_pools", None) is None:
+            self._pools = self._build_pools(*getattr(self, "_cache_settings", ("auto", 64)))
+        return self._pools
+
+    def _build_pools(self, kv_cache_dtype: str, page_rows: int) -> CachePools:
+        c, weight = self.config, self.lm_head.weight
+        window, entry, key = v41_row_codecs(c, kv_cache_dtype, weight.dtype)
+        pools = CachePools()
+        pools.add(RowPool("window", c.num_hidden_layers, c.sliding_window, True, window, weight.device))
+        self._paged: list[tuple[str, int]] = []
+        for s in c.kv_source_layer_ids:
+            attn, ratio, pre = self.model.layers[s].attn, c.compress_ratios[s], f"src{s}."
+            if ratio > 1:
+                for part in ("kv", "gate"):
+                    pools.add(RowPool(pre + part, 1, ratio, True, plain_codec(c.head_dim, torch.float32),
+                                      weight.device))
+            parts = [("entries", entry)] + ([("keys", key)] if attn.indexer is not None else [])
+            for part, codec in parts:
+                pools.add(RowPool(pre + part, 1, page_rows, False, codec, weight.device))
+                self._paged.append((pre + part, ratio))
+        return pools
+
     def new_state(self) -> RequestState:
-        c = self.config
-        return RequestState.empty(c.num_hidden_layers, {s: c.compress_ratios[s] for s in c.kv_source_layer_ids})
+        return RequestState(self.cache_pools().lease())
+
+    def _begin(self, input_ids: torch.Tensor, state: RequestState, num_new: int) -> None:
+        if not isinstance(state, RequestState) or state.lease.pools is not self.cache_pools():
+            raise ValueError("state was not made by this model's new_state()")
+        for name, ratio in self._paged:
+            state.lease.reserve(name, (state.num_tokens + num_new) // ratio)
+
+    def _hash_ids(self, input_ids: torch.Tensor, histories: list[list[int]]):
+        if not self.config.engram_layer_ids:
+            return None, histories
+        if self.hasher is None:
+            raise RuntimeError("this checkpoint has engram layers: call bind_tokenizer(tokenizer.json) first")
+        if len(histories) == 1:
+            hash_ids, history = self.hasher(input_ids, histories[0])
+            return hash_ids, [history]
+        return self.hasher.decode_rows(input_ids, histories)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, state: RequestState) -> torch.Tensor:
@@ -181,12 +235,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         t = input_ids.shape[0]
         if t == 0:
             raise ValueError("DeepSeek-V4.1 forward needs at least one token")
+        self._begin(input_ids, state, t)
         positions = torch.arange(state.num_tokens, state.num_tokens + t, device=input_ids.device)
-        hash_ids = None
-        if c.engram_layer_ids:
-            if self.hasher is None:
-                raise RuntimeError("this checkpoint has engram layers: call bind_tokenizer(tokenizer.json) first")
-            hash_ids, state.engram_history = self.hasher(input_ids, state.engram_history)
+        hash_ids, (state.engram_history,) = self._hash_ids(input_ids, [state.engram_history])
         par = self.par
         rows = par.step_rows(t, input_ids.device)
         x = first_rows(par, t)(self.model.embed(input_ids))
@@ -195,10 +246,53 @@ class DeepseekV41ForCausalLM(nn.Module):
         step: dict = {}
         for layer in self.model.layers:
             rope = self.model.compress_rope if layer.attn.ratio else self.model.main_rope
-            streams, pre = layer(streams, pre, hash_ids, positions, rope, state, step, rows)
+            streams, pre = layer(streams, pre, hash_ids, t,
+                                 lambda h, a=layer.attn, r=rope: a(h, positions, r, state, step), rows)
         hidden = final_rows(par, self.model.norm(collapse_streams(streams, pre)), t)
         state.num_tokens += t
         return par.gather_vocab(self.lm_head(hidden).float())[..., : c.vocab_size]
+
+    @torch.no_grad()
+    def decode(self, input_ids: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+        """One new token per request (``input_ids[b]`` at ``states[b].num_tokens``) -> logits
+        [B, vocab] fp32; advances every state by one, as B one-token :meth:`forward` calls would."""
+        c = self.config
+        if input_ids.dim() != 1 or len(states) != input_ids.shape[0] or len({id(s) for s in states}) != len(states):
+            raise ValueError(f"decode needs one distinct state per token: {tuple(input_ids.shape)} tokens, "
+                             f"{len(states)} states")
+        for s in states:
+            self._begin(input_ids, s, 1)
+        pools = self.cache_pools()
+        batch = BatchIndex.build(pools, [s.lease for s in states], [s.num_tokens for s in states], input_ids.device)
+        hash_ids, histories = self._hash_ids(input_ids, [s.engram_history for s in states])
+        n, par = len(states), self.par
+        rows = par.step_rows(n, input_ids.device)
+        x = first_rows(par, n)(self.model.embed(input_ids))
+        streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        pre = one_hot_pre(x.shape[0], c.hc_mult, input_ids.device)
+        step: dict = {}
+        for layer in self.model.layers:
+            rope = self.model.compress_rope if layer.attn.ratio else self.model.main_rope
+            streams, pre = layer(streams, pre, hash_ids, n,
+                                 lambda h, a=layer.attn, r=rope: a.decode(h, batch, r, step, pools), rows)
+        hidden = final_rows(par, self.model.norm(collapse_streams(streams, pre)), n)
+        for s, history in zip(states, histories):
+            s.num_tokens += 1
+            s.engram_history = history
+        return par.gather_vocab(self.lm_head(hidden).float())[..., : c.vocab_size]
+
+
+def v41_row_codecs(config: V41Config, kv_cache_dtype: str, dtype: torch.dtype):
+    """(window row, compressed entry, index key) codecs for ``kv_cache_dtype``."""
+    d, k = config.head_dim, config.index_head_dim
+    if kv_cache_dtype == "auto":
+        return (plain_codec(d, dtype, lambda x: fake_quant_fp8_ue8m0(x, 32)),
+                plain_codec(d, dtype, lambda x: fake_quant_fp4(x, 16, "e4m3")),
+                plain_codec(k, dtype, lambda x: fake_quant_fp4(x, 32, "ue8m0")))
+    if kv_cache_dtype.startswith("fp8"):
+        from model.v4.cache_codecs import v41_fp8_codecs
+        return v41_fp8_codecs(config, dtype)
+    raise ValueError(f"--kv-cache-dtype {kv_cache_dtype!r}: DeepSeek-V4.1 supports auto and fp8")
 
 
 def load_deepseek_v41(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16,

@@ -40,12 +40,14 @@ def exact_rounding(setattr_=setattr) -> None:
     """V4.1's fake quantizers → identity (see the module doc); ``setattr_`` may be pytest's."""
     import model.v41.attention as attention
     import model.v41.indexer as indexer
+    import model.v41.model as v41_model  # the cache rows' roundings (its ``auto`` row codecs)
 
     def identity(x, *args, **kwargs):
         return x
 
     for module, name in ((attention, "fake_quant_fp4"), (attention, "fake_quant_fp8_ue8m0"),
-                         (indexer, "fake_quant_fp4")):
+                         (indexer, "fake_quant_fp4"), (v41_model, "fake_quant_fp4"),
+                         (v41_model, "fake_quant_fp8_ue8m0")):
         setattr_(module, name, identity)
 
 

@@ -83,3 +83,32 @@ def test_v4_pages_layout_and_error():
 def test_v4_page_needs_512_wide_rows():
     with pytest.raises(ValueError, match="V4 records"):
         pack_v4_records(torch.randn(2, 4, 576))
+
+
+def test_v4_row_records_hold_the_model1_bytes_and_fit_tiny_heads():
+    """A row per token (the V4 pools): for d = 512 the 576 data bytes and 8 scale bytes of the
+    token's MODEL1 record; tiny heads (fewer than 64 no-RoPE dims) take one scale."""
+    from kernels.v4_cache_formats import pack_v4_rows, unpack_v4_rows, v4_row_bytes
+
+    rows = _rows(2, 8, 512, seed=3)
+    rec = pack_v4_rows(rows, 64)
+    pages = pack_v4_records(rows)
+    assert rec.shape == (2, 8, 584) and v4_row_bytes(512, 64) == 584
+    assert torch.equal(rec[..., :576].reshape(2, -1), pages[:, : 8 * V4_DATA_BYTES])
+    assert torch.equal(rec[..., 576:].reshape(2, -1), pages[:, 8 * V4_DATA_BYTES: 8 * V4_RECORD_BYTES])
+    assert torch.equal(unpack_v4_rows(rec, 512, 64), unpack_v4_records(pages, 8))
+    tiny = _rows(5, 32, seed=4)
+    assert v4_row_bytes(32, 8) == 24 + 16 + 8
+    back = unpack_v4_rows(pack_v4_rows(tiny, 8), 32, 8)
+    assert torch.equal(back[:, 24:], tiny[:, 24:].to(torch.bfloat16).float())
+    assert ((back[:, :24] - tiny[:, :24]).abs() <= tiny[:, :24].abs().amax(-1, keepdim=True) * 2 ** -4).all()
+
+
+def test_v4_index_keys_round_trip_within_e4m3():
+    from kernels.v4_cache_formats import pack_v4_index_keys, unpack_v4_index_keys, v4_index_key_bytes
+
+    k = _rows(6, 128, seed=5)
+    rec = pack_v4_index_keys(k)
+    assert rec.shape == (6, v4_index_key_bytes(128)) == (6, 132)
+    err = (unpack_v4_index_keys(rec) - k).abs()
+    assert (err <= k.abs().amax(-1, keepdim=True) * 2 ** -4).all()

@@ -17,7 +17,6 @@ from model.v41.config import parse_v41_config
 from model.v41.indexer import Indexer, blocks_to_entries, select_candidate_blocks
 from model.v41.model import DeepseekV41ForCausalLM
 from model.v41.moe import Router
-from model.v41.state import SourceState
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -123,20 +122,20 @@ def test_compressor_ratio2_pools_with_a_per_channel_softmax_and_carries_open_gro
     comp = Compressor(cfg, 1, torch.float32)
     _randomize(comp, 0)
     x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
-    one_shot, first = comp(x, SourceState(2))
+    one_shot, first, pending, _ = comp(x, 0)
     kv, gate = x @ comp.wkv.weight.T, x @ comp.wgate.weight.T
     w = gate[:6].view(3, 2, -1).softmax(dim=1)
     want = comp.norm((kv[:6].view(3, 2, -1) * w).sum(1))
-    assert first == 0 and one_shot.shape == (3, cfg.head_dim)
+    assert first == 0 and one_shot.shape == (3, cfg.head_dim) and pending.shape == (1, cfg.head_dim)
     torch.testing.assert_close(one_shot, want, atol=1e-5, rtol=1e-5)
-    src, parts = SourceState(2), []
+    parts, start, kv, gate = [], 0, None, None
     for chunk in (x[:3], x[3:4], x[4:7]):
-        latent, first = comp(chunk, src)
-        assert first == src.num_entries * 2
+        latent, first, kv, gate = comp(chunk, start, kv, gate)
+        assert first == sum(p.shape[0] for p in parts) * 2
         if latent is not None:
             parts.append(latent)
-            src.append_entries(latent)
-    assert src.num_pending == 1
+        start += chunk.shape[0]
+    assert kv.shape[0] == gate.shape[0] == 1
     torch.testing.assert_close(torch.cat(parts), one_shot, atol=1e-6, rtol=0)
 
 
@@ -146,7 +145,7 @@ def test_compressor_ratio1_is_norm_of_wkv():
     _randomize(comp, 2)
     assert comp.wgate is None
     x = torch.randn(3, cfg.hidden_size)
-    latent, first = comp(x, SourceState(1))
+    latent, first, _, _ = comp(x, 0)
     assert first == 0
     torch.testing.assert_close(latent, comp.norm(comp.wkv(x)))
 
