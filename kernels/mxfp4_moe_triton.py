@@ -77,21 +77,29 @@ class MXFP4MoEConfig:
 
 # (max average rows per local expert, config). Decode reads weights: small M, many programs;
 # prefill is bound by the MMA and the code conversion: larger M per converted weight tile.
-# Offline sm_90 compiles (Triton 3.6, test_default_configs_compile_for_sm90_without_spills):
-# registers and stacks in benchmarks/KERNEL_NOTES.md. First choices without a device; the
-# bench's --sweep times the alternatives.
+# W4A16: the first choices (offline sm_90 compiles, Triton 3.6; registers and stacks in
+# benchmarks/KERNEL_NOTES.md), which the H200 sweep kept. W4A8: the sweep's fastest correct tiles
+# at V4.1-Flash shapes (T = 1, 16, 256: 16x64 tiles, 4 warps, split-K 2/2; T = 8192: 128x64
+# gate/up, 128-column down); the 32-row middle row is unmeasured.
 CONFIG_TABLE = (
     (16, MXFP4MoEConfig(16, 128, 128, 8, 8, 4)),
     (48, MXFP4MoEConfig(32, 128, 128, 8, 8, 4)),
     (None, MXFP4MoEConfig(64, 64, 128, 8, 8, 3)),
 )
-# (max experts in use = min(T·k, E_local), split_k, split_k_down): at batch 1 the 6 experts give
-# only 108 gate/up and 240 down programs of 16 rows for 132 SMs.
+CONFIG_TABLE_A8 = (
+    (16, MXFP4MoEConfig(16, 64, 64, 8, 4, 4, split_k=2, split_k_down=2)),
+    (48, MXFP4MoEConfig(32, 128, 128, 8, 8, 4)),
+    (None, MXFP4MoEConfig(128, 64, 128, 8, 8, 3)),
+)
+# W4A16 (max experts in use = min(T·k, E_local), split_k, split_k_down): at batch 1 the 6 experts
+# give only 108 gate/up and 240 down programs of 16 rows for 132 SMs.
 SPLIT_TABLE = ((8, 4, 2), (16, 2, 1), (None, 1, 1))
 
 
-def default_config(num_slots: int, n_local: int) -> MXFP4MoEConfig:
+def default_config(num_slots: int, n_local: int, a8: bool = True) -> MXFP4MoEConfig:
     rows = num_slots / max(n_local, 1)
+    if a8:
+        return next(c for limit, c in CONFIG_TABLE_A8 if limit is None or rows <= limit)
     cfg = next(c for limit, c in CONFIG_TABLE if limit is None or rows <= limit)
     used = min(num_slots, n_local)
     _, split, split_down = next(r for r in SPLIT_TABLE if r[0] is None or used <= r[0])
@@ -444,8 +452,8 @@ def moe_mxfp4_triton(
     out = torch.empty(t, d, dtype=torch.float32, device=dev)
     if t == 0:
         return out
-    cfg = config or default_config(n_slots, n_local)
     a8 = mode == "w4a8"
+    cfg = config or default_config(n_slots, n_local, a8)
     if cfg.convert not in CONVERTS or cfg.split_k < 1 or cfg.split_k_down < 1:
         raise ValueError(f"bad MXFP4 MoE config {cfg}: convert one of {', '.join(CONVERTS)}, split_k >= 1")
     fused = fused_gate_up(cfg, a8)
@@ -513,5 +521,5 @@ def _lut(device: torch.device) -> torch.Tensor:
     return _LUTS[key]
 
 
-__all__ = ["CONFIG_TABLE", "CONVERTS", "MODES", "MXFP4MoEConfig", "SPLIT_TABLE", "default_config",
+__all__ = ["CONFIG_TABLE", "CONFIG_TABLE_A8", "CONVERTS", "MODES", "MXFP4MoEConfig", "SPLIT_TABLE", "default_config",
            "fused_gate_up", "moe_mxfp4_triton", "quantize_paired_triton"]

@@ -59,18 +59,18 @@ class SparseDecodeConfig:
 
 
 def default_config(heads: int) -> SparseDecodeConfig:
-    """Per heads per GPU: the spill-free (or least-spilling) shapes of the offline sm_90a compile
-    (``tests/kernels/test_v4_sparse_decode.py``, KERNEL_NOTES.md). Up to 32 heads: 16-row
-    programs on mma.sync with 3 pipelined stages of 32 records (255 registers, no spill: two
-    programs and ~110 KB of gathers in flight per SM); 64 and 128 heads: wgmma, half the output
-    dims per program, 2 stages."""
+    """Per heads per GPU, the fastest shapes of the H200 sweep (``benchmarks/bench_v4_sparse_decode.py
+    --sweep``, B = 128, top-k 512/2048, s_q 1/2; RESULTS.md). Up to 32 heads: 16-row programs on
+    mma.sync, one stage of 32 records, a token's head blocks apart on the grid (the first
+    kernel's shape: 3 pipelined stages measured 3-5 % slower); 64 heads: wgmma on 4 warps, half
+    the output dims per program, 2 stages; 128 heads: 8 warps, 3 stages."""
     if heads <= 32:
-        return SparseDecodeConfig(block_h=16, dv_split=1, num_warps=4, num_stages=3, block_n=32,
-                                  tokens_major=False, heads_first=True)
+        return SparseDecodeConfig(block_h=16, dv_split=1, num_warps=4, num_stages=1, block_n=32,
+                                  tokens_major=False, heads_first=False)
     if heads <= 64:
-        return SparseDecodeConfig(block_h=64, dv_split=2, num_warps=8, num_stages=2, block_n=32,
+        return SparseDecodeConfig(block_h=64, dv_split=2, num_warps=4, num_stages=2, block_n=32,
                                   tokens_major=False, heads_first=True)
-    return SparseDecodeConfig(block_h=128, dv_split=2, num_warps=8, num_stages=2, block_n=32,
+    return SparseDecodeConfig(block_h=128, dv_split=2, num_warps=8, num_stages=3, block_n=32,
                               tokens_major=False, heads_first=True)
 
 

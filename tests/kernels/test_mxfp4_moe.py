@@ -145,12 +145,16 @@ def test_fold_lut_conversion_equals_the_fold_for_every_code_and_shift():
 def test_default_config_splits_k_only_for_few_experts():
     from kernels.mxfp4_moe_triton import MXFP4MoEConfig, default_config, fused_gate_up
 
-    one = default_config(6, 384)  # batch 1 of V4.1-Flash: 6 experts
-    assert (one.block_m, one.split_k, one.split_k_down) == (16, 4, 2) and not fused_gate_up(one, True)
-    many = default_config(96, 384)
-    assert (many.split_k, many.split_k_down) == (1, 1) and fused_gate_up(many, True)
-    prefill = default_config(8192 * 6, 384)
+    one = default_config(6, 384, a8=False)  # batch 1 of V4.1-Flash: 6 experts
+    assert (one.block_m, one.split_k, one.split_k_down) == (16, 4, 2) and not fused_gate_up(one, False)
+    many = default_config(96, 384, a8=False)
+    assert (many.split_k, many.split_k_down) == (1, 1) and fused_gate_up(many, False)
+    prefill = default_config(8192 * 6, 384, a8=False)
     assert prefill.block_m == 64 and not fused_gate_up(prefill, True) and fused_gate_up(prefill, False)
+    # W4A8: the H200 sweep's tiles (split-K 2/2 at every decode size, 128-row prefill tiles).
+    for slots in (6, 96, 1536):
+        assert (default_config(slots, 384).block_m, default_config(slots, 384).split_k) == (16, 2)
+    assert default_config(8192 * 6, 384).block_m == 128
     assert fused_gate_up(MXFP4MoEConfig(64, 128), True)
 
 

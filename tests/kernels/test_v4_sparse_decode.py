@@ -209,13 +209,13 @@ def test_triton_kernel_under_interpreter():
     assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-4000:]
 
 
-_SM90_STACK_LIMIT = {16: 0, 64: 256, 128: 64}  # bytes of spill stack the default shapes compile to (or less)
+_SM90_STACK_LIMIT = {16: 8, 64: 488, 128: 64}  # spill stack of the default (measured-fastest) shapes, or less
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("heads", sorted(_SM90_STACK_LIMIT))
 def test_default_configs_compile_for_sm90_pipelined(heads):
-    """The defaults the H200 runs, compiled here: cp.async-pipelined gathers, the MMA kind
+    """The defaults the H200 runs, compiled here: cp.async-pipelined gathers (where staged), the MMA kind
     (mma.sync for 16-row programs, wgmma from 64 rows) and at most the known spill stack."""
     pytest.importorskip("triton")
     from tests.kernels.test_mxfp8_gemm import _PTXAS, _compile_sm90
@@ -236,7 +236,8 @@ def test_default_configs_compile_for_sm90_pipelined(heads):
     divisible = ("q_sb", "q_ss", "q_sh", "c0_ps", "c1_ps", "o_sb", "o_ss", "o_sh", "i0_sb", "i0_ss", "i1_sb", "i1_ss")
     ptx, usage = _compile_sm90(_split_kernel, types, consts, divisible=divisible, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages)
-    assert "cp.async" in ptx, "the record gathers are not pipelined"
+    if cfg.num_stages > 1:
+        assert "cp.async" in ptx, "the record gathers are not pipelined"
     if cfg.block_h >= 64:
         assert "wgmma.mma_async" in ptx, usage
     else:
