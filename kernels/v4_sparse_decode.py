@@ -14,8 +14,14 @@ same tensors:
 - ``out = softmax(logits) · V · 1 / (1 + exp(sink − lse))`` = ``softmax([logits, sink])[:-1] · V``;
 - a query with no valid key gets ``out = 0`` and ``lse = +inf``.
 
-:func:`v4_sparse_decode` runs the Triton kernel (``kernels/v4_sparse_decode_triton.py``) on
-CUDA and this reference elsewhere.
+Two cache layouts feed the same scopes: FlashMLA's MODEL1 pages (:func:`v4_cache_view`, what
+its kernel and the benchmark read) and caches that keep one record per row, such as the V4
+family's row pools (:func:`row_record_cache`: one-record pages, record number = row number;
+for V4 a 584-byte ``pack_v4_rows`` record is exactly a one-token MODEL1 page).
+
+The kernels take 512-dim latents (``HEAD_DIM``; V4 records with 64 bf16 RoPE dims); this
+reference reads the records at any width (the tiny test models), with the output in bf16 for
+a 16-bit q and in the compute dtype otherwise.
 """
 
 from __future__ import annotations
@@ -25,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.v4_cache_formats import (V4_DATA_BYTES, V4_NUM_SCALES, V4_RECORD_BYTES, V4_SCALE_BYTES,
-                                      pack_v4_records, unpack_v41_entries, unpack_v41_window_rows)
-from kernels.weight_formats import e8m0_to_float
+from kernels.v4_cache_formats import (V4_RECORD_BYTES, V4_ROPE_DIMS, pack_v4_records, unpack_v41_entries,
+                                      unpack_v41_window_rows, unpack_v4_rows, v41_entry_bytes, v41_window_row_bytes,
+                                      v4_row_bytes, v4_row_scale_tile)
 
 MAX_SCOPES = 2
 HEAD_DIM = 512
@@ -45,29 +51,46 @@ def pack_v4_cache(rows: torch.Tensor) -> torch.Tensor:
     return v4_cache_view(pack_v4_records(rows), rows.shape[1])
 
 
-def v4_cache_parts(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(data uint8 [pages, page_size, 576], exponents uint8 [pages, page_size, 7]) of a V4 cache view."""
-    pages, page_size, _ = cache.shape
-    flat = cache.as_strided((pages, page_size * V4_RECORD_BYTES), (cache.stride(0), 1))
-    data = flat[:, : page_size * V4_DATA_BYTES].reshape(pages, page_size, V4_DATA_BYTES)
-    scales = flat[:, page_size * V4_DATA_BYTES:].reshape(pages, page_size, V4_SCALE_BYTES)
-    return data, scales[..., :V4_NUM_SCALES]
+def row_record_cache(rows: torch.Tensor) -> torch.Tensor:
+    """A cache of one record per row, uint8 [num_rows, bytes] (contiguous), as the scope cache
+    view [num_rows, 1, bytes]: record number = row number, any record format."""
+    if rows.dtype != torch.uint8 or rows.dim() != 2:
+        raise ValueError(f"row records must be uint8 [rows, bytes], got {rows.dtype} {tuple(rows.shape)}")
+    return rows.view(rows.shape[0], 1, rows.shape[1])
 
 
-def unpack_records(cache: torch.Tensor, record: str) -> torch.Tensor:
-    """A scope's cache [pages, page_size, bytes] → float32 rows [pages, page_size, 512]."""
+def record_bytes(record: str, dim: int = HEAD_DIM, rope_dims: int = V4_ROPE_DIMS) -> int:
+    """Bytes of one ``record`` of ``dim`` values (``rope_dims``: V4's trailing bf16 dims)."""
     if record == "v4":
-        data, exps = v4_cache_parts(cache)
-        return _dequant_v4(data, exps)
+        return v4_row_bytes(dim, rope_dims)
+    return v41_window_row_bytes(dim) if record == "v41_window" else v41_entry_bytes(dim)
+
+
+def v4_cache_parts(cache: torch.Tensor, dim: int = HEAD_DIM, rope_dims: int = V4_ROPE_DIMS
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data uint8 [pages, page_size, dim + rope_dims], exponents uint8 [pages, page_size,
+    scales]) of a V4 cache view (576 and 7 at 512 dims): a page holds every token's data
+    bytes, then every token's scale bytes."""
+    pages, page_size, nbytes = cache.shape
+    data_bytes, nope = dim + rope_dims, dim - rope_dims
+    flat = cache.as_strided((pages, page_size * nbytes), (cache.stride(0), 1))
+    data = flat[:, : page_size * data_bytes].reshape(pages, page_size, data_bytes)
+    scales = flat[:, page_size * data_bytes:].reshape(pages, page_size, nbytes - data_bytes)
+    return data, scales[..., : nope // v4_row_scale_tile(nope)]
+
+
+def _dequant_v4(data: torch.Tensor, exps: torch.Tensor, dim: int, rope_dims: int) -> torch.Tensor:
+    return unpack_v4_rows(torch.cat([data, exps], dim=-1), dim, rope_dims)
+
+
+def unpack_records(cache: torch.Tensor, record: str, dim: int = HEAD_DIM, rope_dims: int = V4_ROPE_DIMS
+                   ) -> torch.Tensor:
+    """A scope's cache [pages, page_size, bytes] → float32 rows [pages, page_size, dim]."""
+    if record == "v4":
+        return _dequant_v4(*v4_cache_parts(cache, dim, rope_dims), dim, rope_dims)
     if record == "v41_window":
         return unpack_v41_window_rows(cache)
     return unpack_v41_entries(cache)
-
-
-def _dequant_v4(data: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:
-    nope = data[..., :448].contiguous().view(torch.float8_e4m3fn).float()
-    nope = (nope.unflatten(-1, (7, 64)) * e8m0_to_float(exps).unsqueeze(-1)).flatten(-2)
-    return torch.cat([nope, data[..., 448:].contiguous().view(torch.bfloat16).float()], dim=-1)
 
 
 @dataclass(frozen=True)
@@ -78,23 +101,29 @@ class SparseKV:
     indices: torch.Tensor  # int32 [B, s_q, k]: page * page_size + slot, -1 = none
     record: str  # "v4", "v41_window" or "v41_entry"
     lengths: torch.Tensor | None = None  # int32 [B]: only indices[b, :, :lengths[b]] count
+    rope_dims: int = V4_ROPE_DIMS  # "v4" records: the trailing bf16 dims (64 for the kernels)
 
     @property
     def page_size(self) -> int:
         return self.cache.shape[1]
 
 
-def check_inputs(q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.Tensor | None) -> None:
-    """Shapes, dtypes and devices; one line naming the tensor on a mismatch."""
-    if q.dim() != 4 or q.shape[-1] != HEAD_DIM:
-        raise ValueError(f"q must be [B, s_q, H, {HEAD_DIM}], got {tuple(q.shape)}")
+def check_inputs(q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.Tensor | None,
+                 head_dim: int | None = HEAD_DIM) -> None:
+    """Shapes, dtypes and devices; one line naming the tensor on a mismatch. ``head_dim``: the
+    latent width the caller reads (None: any, the reference)."""
+    if q.dim() != 4 or (head_dim is not None and q.shape[-1] != head_dim):
+        raise ValueError(f"q must be [B, s_q, H, {head_dim or 'd'}], got {tuple(q.shape)}")
     if not 1 <= len(scopes) <= MAX_SCOPES:
         raise ValueError(f"sparse decode takes 1 or {MAX_SCOPES} key scopes, got {len(scopes)}")
-    bsz, s_q, heads, _ = q.shape
+    bsz, s_q, heads, dim = q.shape
     for i, sc in enumerate(scopes):
         if sc.record not in RECORD_BYTES:
             raise ValueError(f"scopes[{i}].record {sc.record!r} is not one of {sorted(RECORD_BYTES)}")
-        want = RECORD_BYTES[sc.record]
+        if sc.record == "v4" and head_dim is not None and sc.rope_dims != V4_ROPE_DIMS:
+            raise ValueError(f"scopes[{i}].rope_dims must be {V4_ROPE_DIMS} for {head_dim}-dim V4 records, "
+                             f"got {sc.rope_dims}")
+        want = record_bytes(sc.record, dim, sc.rope_dims)
         if sc.cache.dtype != torch.uint8 or sc.cache.dim() != 3 or sc.cache.shape[-1] != want:
             raise ValueError(f"scopes[{i}].cache must be uint8 [pages, page_size, {want}] for {sc.record!r}, got "
                              f"{sc.cache.dtype} {tuple(sc.cache.shape)}")
@@ -113,37 +142,41 @@ def check_inputs(q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.Tenso
         raise ValueError(f"sinks must be float32 [{heads}], got {sinks.dtype} {tuple(sinks.shape)}")
 
 
-def gather_records(scope: SparseKV, flat: torch.Tensor) -> torch.Tensor:
-    """float32 [..., 512] of the records ``flat`` (valid record numbers) of ``scope``'s cache."""
+def gather_records(scope: SparseKV, flat: torch.Tensor, dim: int = HEAD_DIM) -> torch.Tensor:
+    """float32 [..., dim] of the records ``flat`` (valid record numbers) of ``scope``'s cache."""
     cache = scope.cache
     if scope.record == "v4":
-        data, exps = v4_cache_parts(cache)
-        return _dequant_v4(data.reshape(-1, V4_DATA_BYTES)[flat], exps.reshape(-1, exps.shape[-1])[flat])
+        data, exps = v4_cache_parts(cache, dim, scope.rope_dims)
+        return _dequant_v4(data.reshape(-1, data.shape[-1])[flat], exps.reshape(-1, exps.shape[-1])[flat], dim,
+                           scope.rope_dims)
     pages, page_size, nbytes = cache.shape
     rows = cache.as_strided((pages, page_size, nbytes), cache.stride()).reshape(-1, nbytes)[flat]
     return unpack_v41_window_rows(rows) if scope.record == "v41_window" else unpack_v41_entries(rows)
 
 
-def scope_keys(scope: SparseKV) -> tuple[torch.Tensor, torch.Tensor]:
-    """(keys float32 [B, s_q, k, 512] with zeros where invalid, valid bool [B, s_q, k])."""
+def scope_keys(scope: SparseKV, dim: int = HEAD_DIM) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys float32 [B, s_q, k, dim] with zeros where invalid, valid bool [B, s_q, k])."""
     idx = scope.indices
     valid = idx >= 0
     if scope.lengths is not None:
         pos = torch.arange(idx.shape[-1], device=idx.device)
         valid &= pos.view(1, 1, -1) < scope.lengths.view(-1, 1, 1)
     safe = torch.where(valid, idx, torch.zeros_like(idx)).long()
-    keys = gather_records(scope, safe)
+    keys = gather_records(scope, safe, dim)
     return torch.where(valid.unsqueeze(-1), keys, torch.zeros((), device=keys.device)), valid
 
 
 def v4_sparse_decode_reference(q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.Tensor | None,
-                               softmax_scale: float, compute_dtype: torch.dtype = torch.float32,
+                               softmax_scale: float, compute_dtype: torch.dtype | None = None,
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, s_q, H, 512] bf16, lse [B, s_q, H] float32), computed in ``compute_dtype``
-    (float32; float64 for checks) from dequantized gathered records. Returns the output in
-    ``compute_dtype`` too when that is float64 (a check wants the unrounded values)."""
-    check_inputs(q, scopes, sinks)
-    parts = [scope_keys(sc) for sc in scopes]
+    """(out [B, s_q, H, d], lse [B, s_q, H] float32), computed in ``compute_dtype`` (float32, or
+    float64 for a float64 q; float64 for checks) from dequantized gathered records. The output
+    is bf16 for a 16-bit q (the kernels' contract) and in ``compute_dtype`` otherwise, or when
+    that is float64 (a check wants the unrounded values)."""
+    check_inputs(q, scopes, sinks, head_dim=None)
+    if compute_dtype is None:
+        compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    parts = [scope_keys(sc, q.shape[-1]) for sc in scopes]
     keys = torch.cat([k for k, _ in parts], dim=2).to(compute_dtype)  # [B, s_q, K, 512]
     valid = torch.cat([v for _, v in parts], dim=2)
     logits = torch.einsum("bthd,btkd->bthk", q.to(compute_dtype), keys) * softmax_scale
@@ -156,6 +189,6 @@ def v4_sparse_decode_reference(q: torch.Tensor, scopes: Sequence[SparseKV], sink
         out = out * torch.sigmoid(lse - sinks.to(compute_dtype).view(1, 1, -1)).unsqueeze(-1)
     out = out.masked_fill(lonely.unsqueeze(-1), 0.0)
     lse = lse.masked_fill(lonely, float("inf"))
-    if compute_dtype == torch.float64:
+    if compute_dtype == torch.float64 or q.dtype not in (torch.bfloat16, torch.float16):
         return out, lse
     return out.to(torch.bfloat16), lse.float()

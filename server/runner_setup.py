@@ -154,7 +154,8 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
     """V4 / V4.1: the model with its per-request states (this rank's shard under ``par``;
     ``--load-format dummy``: random weights made on the device), the cache specs of
     server/v4_kv_specs.py sized from the byte budget (the TP group's minimum), prefix caching
-    by state snapshots (server/v4_prefix_cache.py), no decode graphs."""
+    by state snapshots (server/v4_prefix_cache.py), no decode graphs; ``--attention-backend``
+    picks the sparse decode backend for fp8 records (model/v4/sparse_attention.py)."""
     if par is not None:
         check_v4_family_parallel(config, model_dir)
     if config.dtype == "auto":
@@ -166,7 +167,8 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
     else:
         model = load_v4_family(model_dir, dtype, device, par)
     try:
-        model.configure_cache(config.kv_cache_dtype, page_rows=config.block_size)
+        model.configure_cache(config.kv_cache_dtype, page_rows=config.block_size,
+                              attention_backend=config.attention_backend)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     # Prefix caching: room for one snapshot per running request in the fixed-size pools.

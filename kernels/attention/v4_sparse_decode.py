@@ -2,9 +2,11 @@
 its own, since the call differs from MLA decode's (key scopes of quantized records and
 per-request picks, not a block table over one latent cache).
 
-    torch   the float32 reference; any device; eager only (gathers on the host's terms)
-    triton  our Triton kernel (kernels/v4_sparse_decode_triton.py); SM90, every record format,
-            8..128 heads per GPU, CUDA graphs
+    torch   the float32 reference; any device, any latent width; eager only (gathers on the
+            host's terms)
+    triton  our Triton kernel (kernels/v4_sparse_decode_triton.py); SM90, every record format
+            at 512 dims (V4: 64 RoPE dims), 8..128 heads per GPU, CUDA graphs; a float32 q is
+            taken as bf16
 
 ``auto`` (:func:`select_v4_decode_backend`): triton on a GPU it runs on, else torch.
 """
@@ -17,6 +19,7 @@ from typing import ClassVar
 import torch
 
 from kernels.attention.base import AttentionSpec, BackendSupport, BackendUnavailable, missing_module_reason
+from kernels.v4_cache_formats import V4_ROPE_DIMS
 from kernels.v4_sparse_decode import RECORD_BYTES
 
 logger = logging.getLogger(__name__)
@@ -48,7 +51,7 @@ class V4SparseDecodeBackend:
 
 class TorchV4SparseDecode(V4SparseDecodeBackend):
     name = "torch"
-    support = BackendSupport(devices=("cpu", "cuda"), cache_dtypes=(V4_CACHE_DTYPE,), kv_lora_ranks=(512,))
+    support = BackendSupport(devices=("cpu", "cuda"), cache_dtypes=(V4_CACHE_DTYPE,))
 
     def decode(self, q, scopes, sinks, softmax_scale):
         from kernels.v4_sparse_decode import v4_sparse_decode_reference
@@ -66,11 +69,16 @@ class TritonV4SparseDecode(V4SparseDecodeBackend):
 
     @classmethod
     def unsupported_reason(cls, spec, formats=()):
-        return super().unsupported_reason(spec, formats) or missing_module_reason("triton", "triton")
+        reason = super().unsupported_reason(spec, formats)
+        if reason is None and "v4" in formats and spec.rope_dim != V4_ROPE_DIMS:
+            reason = f"reads V4 records with {V4_ROPE_DIMS} RoPE dims; the model has {spec.rope_dim}"
+        return reason or missing_module_reason("triton", "triton")
 
     def decode(self, q, scopes, sinks, softmax_scale, out=None, lse=None):
         from kernels.v4_sparse_decode_triton import v4_sparse_decode_triton
 
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            q = q.to(torch.bfloat16)
         return v4_sparse_decode_triton(q, scopes, sinks, softmax_scale, out=out, lse=lse)
 
 
@@ -86,7 +94,7 @@ def select_v4_decode_backend(requested: str, spec: AttentionSpec, formats: tuple
     if requested == "auto":
         for cls in V4_DECODE_BACKENDS.values():
             if cls.unsupported_reason(spec, formats) is None:
-                logger.info("V4 sparse decode backend: %s (auto)", cls.name)
+                logger.info("V4 sparse decode backend: %s (auto; %s)", cls.name, _graphs(cls))
                 return cls(spec)
         raise BackendUnavailable(f"--attention-backend auto: no V4 sparse decode backend runs {spec}")
     cls = V4_DECODE_BACKENDS.get(requested)
@@ -96,5 +104,9 @@ def select_v4_decode_backend(requested: str, spec: AttentionSpec, formats: tuple
     reason = cls.unsupported_reason(spec, formats)
     if reason is not None:
         raise BackendUnavailable(f"--attention-backend {requested}: {reason}")
-    logger.info("V4 sparse decode backend: %s (requested)", cls.name)
+    logger.info("V4 sparse decode backend: %s (requested; %s)", cls.name, _graphs(cls))
     return cls(spec)
+
+
+def _graphs(cls: type[V4SparseDecodeBackend]) -> str:
+    return "CUDA-graph safe" if cls.support.cuda_graph_safe else "eager only"

@@ -16,7 +16,8 @@ compressed entries and indexer.
 
 :meth:`V4Attention.forward` runs one request's chunk; :meth:`V4Attention.decode` advances B
 requests by one token each: window rows and (selected) entries gathered from the row pools
-into padded [B, W + N, d] keys with a [B, W + N] bias (model/v4/cache_pool.py).
+into padded [B, W + N, d] keys with a [B, W + N] bias (model/v4/cache_pool.py), or, with
+packed records and a sparse-decode backend, attended in place (model/v4/sparse_attention.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.attention import V4SparseDecodeBackend
 from model.layers.norm import RMSNorm
 from model.v4.attention_core import (
     bias_from_visible,
@@ -39,6 +41,7 @@ from model.v4.norm import unweighted_rms_norm
 from model.v4.output_proj import GroupedLinear, grouped_output_projection
 from model.v4.rope import RotaryTable, apply_trailing_rope
 from model.v4.cache_pool import BatchIndex, CachePools, RowLease
+from model.v4.sparse_attention import entry_scope, sparse_attend, store_window_row, window_key_positions, window_scope
 from model.v4_parallel import local_heads_and_groups
 
 QUERY_BLOCK = 256  # queries per attention block in a long chunk (bounds the transient logits)
@@ -52,7 +55,7 @@ class V4Attention(nn.Module):
         self.layer_idx = layer_idx
         self.kind = c.layer_kinds[layer_idx]
         self.ratio = c.compress_ratios[layer_idx]
-        self.head_dim = c.head_dim
+        self.head_dim, self.rope_dims = c.head_dim, c.qk_rope_head_dim
         self.num_heads, o_groups = local_heads_and_groups(c.num_attention_heads, c.o_groups, tp_size)
         self.sliding_window, self.eps = c.sliding_window, c.rms_norm_eps
         self.scale = c.head_dim**-0.5
@@ -116,11 +119,15 @@ class V4Attention(nn.Module):
             o[a:b] = sink_attention(q[a:b], block_keys, bias, self.sinks, self.scale)
         return self.output(o, cos, sin)
 
-    def decode(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools, rope: RotaryTable) -> torch.Tensor:
-        """B requests, one token each: x [B, D] at ``batch.positions`` → [B, D]."""
+    def decode(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools, rope: RotaryTable,
+               sparse: V4SparseDecodeBackend | None = None) -> torch.Tensor:
+        """B requests, one token each: x [B, D] at ``batch.positions`` → [B, D]; ``sparse``: the
+        backend that attends the packed pool rows in place (None: padded gathers)."""
         p, layer = batch.positions, self.layer_idx
         cos, sin = rope.cos_sin(p, x.dtype)
         q_residual, q, kv = self.project(x, cos, sin)
+        if sparse is not None:
+            return self.output(self._decode_sparse(sparse, x, q_residual, q, kv, batch, pools, rope), cos, sin)
         keys, bias = gather_window(pools["window"], layer, batch, pools, kv, self.sliding_window)
         keys = keys.to(q.dtype)
         if self.compressor is not None:
@@ -135,6 +142,27 @@ class V4Attention(nn.Module):
             bias = torch.cat([bias, entry_bias], dim=1)
         o = sink_attention(q.unsqueeze(1), keys, bias.unsqueeze(1), self.sinks, self.scale).squeeze(1)
         return self.output(o, cos, sin)
+
+    def _decode_sparse(self, backend: V4SparseDecodeBackend, x: torch.Tensor, q_residual: torch.Tensor,
+                       q: torch.Tensor, kv: torch.Tensor, batch: BatchIndex, pools: CachePools,
+                       rope: RotaryTable) -> torch.Tensor:
+        """:meth:`decode`'s attention [B, H, d] by ``backend`` over the window ring rows and the
+        picked (CSA) or all visible (HCA) entries, as stored."""
+        window, layer = pools["window"], self.layer_idx
+        store_window_row(window, layer, batch, pools, kv)
+        scopes = [window_scope(window, layer, batch, pools, self.sliding_window, "v4", self.rope_dims)]
+        comp = self.compressor
+        if comp is not None:
+            counts = comp.decode_store(x, batch, pools, rope)
+            entries = pools[comp.pool_prefix + "entries"]
+            if isinstance(comp, CSACompressor):
+                picks = comp.indexer.decode_select(x, q_residual, batch, pools, rope)
+                scopes.append(entry_scope(entries, comp.pool_layer, batch, pools, "v4", picks=picks,
+                                          rope_dims=self.rope_dims))
+            else:
+                scopes.append(entry_scope(entries, comp.pool_layer, batch, pools, "v4", counts=counts,
+                                          rope_dims=self.rope_dims))
+        return sparse_attend(backend, q, scopes, self.sinks, self.scale)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(q_residual [N, q_lora_rank], q [N, H, d], the new K = V rows [N, d]) of x [N, D]."""
@@ -154,9 +182,8 @@ def gather_window(pool, layer: int, batch: BatchIndex, pools: CachePools, kv: to
     """Store B new window rows kv [B, d] (at ``batch.positions``) in ring pool ``pool`` and
     return each request's window in position order, [B, window, d] (zero before position 0),
     with its [B, window] float32 bias."""
-    p = batch.positions
-    pool.put(layer, batch.ring_rows(pools, pool.name, p.unsqueeze(-1)), pool.codec.encode(kv).unsqueeze(1))
-    key_pos = p.unsqueeze(-1) - (window - 1) + torch.arange(window, device=p.device)
+    store_window_row(pool, layer, batch, pools, kv)
+    key_pos = window_key_positions(batch, window)
     keys = pool.get(layer, batch.ring_rows(pools, pool.name, key_pos))
     visible = key_pos >= 0
     keys = torch.where(visible.unsqueeze(-1), keys, torch.zeros((), dtype=keys.dtype, device=keys.device))

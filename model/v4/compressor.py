@@ -18,7 +18,8 @@ Two paths share the pooling: :meth:`WindowCompressor.compress` feeds one request
 (any length; any number of windows close), :meth:`WindowCompressor.decode_step` advances B
 requests by one token each in one batch (every request computes a candidate entry; those
 whose window did not close write it to the pool's scratch unit), then gathers every
-request's entries into a padded [B, N, d] tensor with its counts.
+request's entries into a padded [B, N, d] tensor with its counts (:meth:`decode_store` only
+stores, for attention that reads the pool in place: model/v4/sparse_attention.py).
 """
 
 from __future__ import annotations
@@ -112,9 +113,14 @@ class WindowCompressor(nn.Module):
 
     def decode_step(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools,
                     rope: RotaryTable) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`decode_store`, then every request's entries gathered [B, N, head_dim] (zero
+        past its count) with the counts [B]."""
+        counts = self.decode_store(x, batch, pools, rope)
+        return batch.gather_prefix(pools, self.pool_prefix + "entries", self.pool_layer, counts), counts
+
+    def decode_store(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools, rope: RotaryTable) -> torch.Tensor:
         """B requests, one token each (x [B, D] at ``batch.positions``): store the raw rows, emit
-        the entries of the windows that close, and return every request's entries [B, N,
-        head_dim] (zero past its count) and the counts [B]."""
+        the entries of the windows that close; returns each request's entry count [B]."""
         m, layer, p = self.ratio, self.pool_layer, batch.positions
         kv_name, gate_name, name = (self.pool_prefix + k for k in ("kv", "gate", "entries"))
         kv_pool, gate_pool, entries = pools[kv_name], pools[gate_name], pools[name]
@@ -133,8 +139,7 @@ class WindowCompressor(nn.Module):
             window > 0, window.clamp_min(0), rope)
         target = batch.paged_rows(pools, name, window.clamp_min(0).unsqueeze(-1)).squeeze(-1)
         entries.put(layer, torch.where(closes, target, torch.zeros_like(target)), entries.codec.encode(new))
-        counts = (p + 1) // m
-        return batch.gather_prefix(pools, name, layer, counts), counts
+        return (p + 1) // m
 
 
 class IndexerScorer(nn.Module):

@@ -15,8 +15,9 @@ The roundings are the row codecs of the request's pools (model/v41/model.py): ``
 fake-quantizes and stores the model dtype, ``fp8`` stores the packed FP8/FP4 records and
 decodes them, the same values bit for bit. :meth:`Attention.forward` runs one request's
 chunk, :meth:`Attention.decode` one token of each of B requests (window rows and shared
-entries gathered into padded [B, W + N, d] keys with a bias, the compressor and indexer
-updates batched too).
+entries gathered into padded [B, W + N, d] keys with a bias, or with ``fp8`` records attended
+in place by a sparse-decode backend, model/v4/sparse_attention.py; the compressor and
+indexer updates batched too).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.attention import V4SparseDecodeBackend
 from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
 from model.layers.norm import RMSNorm
 from model.v4.attention import gather_window
@@ -31,6 +33,7 @@ from model.v4.attention_core import selected_entry_bias, sink_attention, window_
 from model.v4.cache_pool import BatchIndex, CachePools, RowLease
 from model.v4.output_proj import GroupedLinear
 from model.v4.rope import RotaryTable, apply_trailing_rope
+from model.v4.sparse_attention import entry_scope, sparse_attend, store_window_row, window_scope
 from model.v41.compressor import Compressor
 from model.v41.config import V41Config
 from model.v41.indexer import QUERY_BLOCK, Indexer
@@ -170,26 +173,39 @@ class Attention(nn.Module):
         return self.output(out, cos, sin)
 
     def decode(self, x: torch.Tensor, batch: BatchIndex, rope: RotaryTable, step: dict,
-               pools: CachePools) -> torch.Tensor:
+               pools: CachePools, sparse: V4SparseDecodeBackend | None = None) -> torch.Tensor:
         """B requests, one token each: x [B, hidden] normed at ``batch.positions`` → [B, hidden].
-        ``step`` as in :meth:`forward`, with [B, 1, …] picks and block masks."""
+        ``step`` as in :meth:`forward`, with [B, 1, …] picks and block masks. ``sparse``: the
+        backend that attends the packed pool rows in place (model/v4/sparse_attention.py; None:
+        padded gathers)."""
         p = batch.positions
         cos, sin = rope.cos_sin(p, x.dtype)
         q_res, q, raw = self.project_raw(x, cos, sin)
-        keys, bias = gather_window(pools["window"], self.layer_idx, batch, pools, raw, self.window)
-        keys = keys.to(q.dtype)
+        window = pools["window"]
+        if sparse is None:
+            keys, bias = gather_window(window, self.layer_idx, batch, pools, raw, self.window)
+            keys = keys.to(q.dtype)
+        else:
+            store_window_row(window, self.layer_idx, batch, pools, raw)
+            scopes = [window_scope(window, self.layer_idx, batch, pools, self.window, "v41_window")]
         if self.ratio:
             if self.compressor is not None:
                 self._decode_compress(x, batch, pools, rope)
             counts = (p + 1) // self.source_ratio
-            entries = batch.gather_prefix(pools, self.source_pools + "entries", 0, counts).to(q.dtype)
             all_picks = step.setdefault("topk_picks", {})
             if self.indexer is not None and self.source_pools + "keys" in pools:
                 index_keys = batch.gather_prefix(pools, self.source_pools + "keys", 0, counts)
                 all_picks[self.layer_idx] = self.indexer.decode_picks(x, q_res, index_keys, counts, cos, sin, step)
             picks = all_picks.get(self.index_source)
-            keys = torch.cat([keys, entries], dim=1)
-            bias = torch.cat([bias, entry_bias(picks, entries.shape[1], bias)], dim=-1)
+            if sparse is None:
+                entries = batch.gather_prefix(pools, self.source_pools + "entries", 0, counts).to(q.dtype)
+                keys = torch.cat([keys, entries], dim=1)
+                bias = torch.cat([bias, entry_bias(picks, entries.shape[1], bias)], dim=-1)
+            elif picks is not None:  # without an index source the entries stay masked
+                scopes.append(entry_scope(pools[self.source_pools + "entries"], 0, batch, pools, "v41_entry",
+                                          picks=picks))
+        if sparse is not None:
+            return self.output(sparse_attend(sparse, q, scopes, self.attn_sink, self.scale), cos, sin)
         out = sink_attention(q.unsqueeze(1), keys, bias.unsqueeze(1), self.attn_sink, self.scale).squeeze(1)
         return self.output(out, cos, sin)
 

@@ -13,7 +13,8 @@ Each call consumes the next tokens of the request whose :class:`~model.v41.state
 it is given, at absolute positions ``state.num_tokens ...``, and advances the state.
 ``model.decode(ids [B], states)`` advances B requests by one token each in one forward (the
 same logits B one-token calls give); the states' rows live in the model's shared pools
-(model/v4/cache_pool.py), stored per ``configure_cache``'s cache dtype.
+(model/v4/cache_pool.py), stored per ``configure_cache``'s cache dtype; with ``fp8`` records
+the decode attends them in place on ``model.sparse_decode`` (model/v4/sparse_attention.py).
 
 Layer: engram (at its layers) → attention site (mHC mixes from the streams, collapse with
 the previous site's ``pre``, ``attn_norm``, attention, expand) → FFN site (same with
@@ -50,6 +51,7 @@ from model.v41.mhc import (
 )
 from model.v41.moe import MoE
 from model.v4.cache_pool import BatchIndex, CachePools, RowPool, plain_codec
+from model.v4.sparse_attention import V4SparseDecodeBackend, choose_sparse_decode
 from model.v41.state import RequestState
 from model.parallel import ParallelContext, StepRows
 from model.v4_parallel import final_rows, first_rows, row_parallel_site, shard_spec, vocab_embedding
@@ -140,6 +142,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.model = TextModel(config, dtype, par)
         self.lm_head = nn.Linear(config.hidden_size, -(-config.vocab_size // par.tp_size), bias=False, dtype=dtype)
         self.hasher: EngramHasher | None = None
+        self.sparse_decode: V4SparseDecodeBackend | None = None  # see configure_cache
 
     def bind_tokenizer(self, tokenizer_json_path: str) -> DeepseekV41ForCausalLM:
         """Build the engram hasher from the checkpoint's ``tokenizer.json``."""
@@ -176,12 +179,19 @@ class DeepseekV41ForCausalLM(nn.Module):
         for name in names:
             params[name].copy_(tensors[name].to(params[name].dtype))
 
-    def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64) -> None:
+    def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64,
+                        attention_backend: str = "auto") -> None:
         """How new states store their rows: ``auto`` (the model dtype, values already rounded to
         the trained FP8/FP4 grids) or ``fp8`` (the packed records: window rows e4m3 + ue8m0 per
         32, entries e2m1 + e4m3 per 16, index keys e2m1 + ue8m0 per 32; the same values), in
-        pages of ``page_rows`` entries. Replaces the pools: states made before keep the old ones."""
-        v41_row_codecs(self.config, kv_cache_dtype, self.lm_head.weight.dtype)  # validates
+        pages of ``page_rows`` entries, and the sparse-decode backend the batched decode attends
+        packed records with (``attention_backend``: model/v4/sparse_attention.py). Replaces the
+        pools: states made before keep the old ones."""
+        c, weight = self.config, self.lm_head.weight
+        v41_row_codecs(c, kv_cache_dtype, weight.dtype)  # validates
+        self.sparse_decode = choose_sparse_decode(
+            attention_backend, kv_cache_dtype, weight.device, self.model.layers[0].attn.num_heads, c.head_dim,
+            c.qk_rope_head_dim, page_rows, weight.dtype, ("v41_window", "v41_entry"))
         self._cache_settings = (kv_cache_dtype, page_rows)
         self._pools = None
 
@@ -274,7 +284,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         for layer in self.model.layers:
             rope = self.model.compress_rope if layer.attn.ratio else self.model.main_rope
             streams, pre = layer(streams, pre, hash_ids, n,
-                                 lambda h, a=layer.attn, r=rope: a.decode(h, batch, r, step, pools), rows)
+                                 lambda h, a=layer.attn, r=rope: a.decode(h, batch, r, step, pools, self.sparse_decode),
+                                 rows)
         hidden = final_rows(par, self.model.norm(collapse_streams(streams, pre)), n)
         for s, history in zip(states, histories):
             s.num_tokens += 1

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from kernels.v4_cache_formats import V4_NOPE_DIMS as V4_NOPE
-from kernels.v4_cache_formats import pack_v41_entries, pack_v41_window_rows
-from kernels.v4_sparse_decode import (RECORD_BYTES, SparseKV, check_inputs, pack_v4_cache, unpack_records,
-                                      v4_cache_parts, v4_sparse_decode_reference)
+from kernels.v4_cache_formats import pack_v41_entries, pack_v41_window_rows, pack_v4_rows, unpack_v4_rows
+from kernels.v4_sparse_decode import (RECORD_BYTES, SparseKV, check_inputs, pack_v4_cache, row_record_cache,
+                                      unpack_records, v4_cache_parts, v4_sparse_decode_reference)
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,6 +165,50 @@ def test_bad_inputs_name_the_tensor():
         check_inputs(q, scopes, sinks[:1])
 
 
+def row_record_case(bsz: int, heads: int, k: int, record: str, gen: torch.Generator, dim: int = 512,
+                    rope_dims: int = 64, device: str = "cpu"):
+    """q, a row-record scope (one record per row, as the V4 family's pools keep them; unpicked
+    rows poisoned) and its rows [n, dim] as stored."""
+    n = 2 * bsz * k + 3
+    rows = torch.randn(n, dim, generator=gen) * (1 + 3 * torch.rand(n, 1, generator=gen))
+    pack = {"v4": lambda x: pack_v4_rows(x, rope_dims), "v41_window": pack_v41_window_rows,
+            "v41_entry": pack_v41_entries}[record]
+    records = pack(rows)
+    idx = torch.randperm(n, generator=gen)[: bsz * k].view(bsz, 1, k)
+    idx[torch.rand(bsz, 1, k, generator=gen) < 0.2] = -1
+    cache = torch.full_like(records, 0xFF)
+    live = idx[idx >= 0]
+    cache[live] = records[live]
+    q = (torch.randn(bsz, 1, heads, dim, generator=gen) * 2).to(torch.bfloat16)
+    scope = SparseKV(row_record_cache(cache.to(device)), idx.to(torch.int32).to(device), record, rope_dims=rope_dims)
+    return q.to(device), scope, records
+
+
+def test_row_records_are_one_record_pages():
+    """A V4 row record (``pack_v4_rows``) is a one-token MODEL1 page; the reference reads row
+    caches of every format, and V4 records at any width (the tiny test models)."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 512, generator=gen) * 3
+    rows = pack_v4_rows(x, 64)
+    assert torch.equal(row_record_cache(rows)[:, 0], pack_v4_cache(x[:, None])[:, 0])  # the same 584 bytes
+    for record, dim, rope in (("v4", 512, 64), ("v4", 32, 8), ("v41_window", 64, 0), ("v41_entry", 512, 0)):
+        q, scope, records = row_record_case(3, 4, 6, record, gen, dim, rope or 64)
+        sinks = torch.randn(4, generator=gen)
+        out, lse = v4_sparse_decode_reference(q, [scope], sinks, dim**-0.5, compute_dtype=torch.float64)
+        if record == "v4":
+            kv = unpack_v4_rows(records, dim, rope, torch.float64)
+        else:
+            kv = unpack_records(records[:, None], record)[:, 0].double()
+        for b in range(3):
+            picks = scope.indices[b, 0][scope.indices[b, 0] >= 0].long()
+            logits = q[b, 0].double() @ kv[picks].T * dim**-0.5  # [H, k]
+            probs = torch.softmax(torch.cat([logits, sinks.double()[:, None]], -1), -1)[:, :-1]
+            assert torch.allclose(out[b, 0], probs @ kv[picks], atol=1e-9), (record, dim, b)
+            assert torch.allclose(lse[b, 0], torch.logsumexp(logits, -1), atol=1e-9)
+    with pytest.raises(ValueError, match="rope_dims"):  # the kernels read 64 RoPE dims only
+        check_inputs(q, [SparseKV(scope.cache, scope.indices, "v4", rope_dims=32)], None)
+
+
 _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     """
     import torch
@@ -304,6 +348,27 @@ def test_triton_kernel_v41_formats_and_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
+    assert rel_err(out, want) <= 2e-2
+    assert (lse.double() - want_lse).abs().max().item() < 5e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("record", ["v4", "v41_window", "v41_entry"])
+def test_triton_kernel_on_row_records(record):
+    """The row pools' layout (one-record pages, record number = row) through the kernel."""
+    from kernels.v4_sparse_decode_triton import v4_sparse_decode_triton
+
+    gen = torch.Generator().manual_seed(21)
+    q, window, _ = row_record_case(5, 16, 128, record if record != "v41_entry" else "v41_window", gen,
+                                   device="cuda")
+    _, entries, _ = row_record_case(5, 16, 700, record, gen, device="cuda")
+    entries = SparseKV(entries.cache, entries.indices, record, torch.tensor([700, 1, 0, 350, 64], dtype=torch.int32,
+                                                                            device="cuda"))
+    sinks = torch.randn(16, generator=gen).cuda()
+    out, lse = v4_sparse_decode_triton(q, [window, entries], sinks, SCALE)
+    want, want_lse = v4_sparse_decode_reference(q, [window, entries], sinks, SCALE, compute_dtype=torch.float64)
+    assert not out.isnan().any()
     assert rel_err(out, want) <= 2e-2
     assert (lse.double() - want_lse).abs().max().item() < 5e-3
 
