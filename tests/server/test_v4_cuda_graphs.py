@@ -15,7 +15,10 @@ import torch
 
 from server.sampling_params import SamplingParams
 from server.v4_cuda_graphs import V4DecodeGraphs
-from tests.server.test_v4_serving import V4, V41, make_core, prompts_for, run, run_logprobs, tokenizer_dir  # noqa: F401
+from tests.server import test_v4_serving as serving
+from tests.server.test_v4_serving import V4, V41, make_core, prompts_for, run, run_logprobs
+
+tokenizer_dir = serving.tokenizer_dir  # the fixtures' servable tokenizer (a pytest fixture)
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
