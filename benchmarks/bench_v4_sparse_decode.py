@@ -11,7 +11,11 @@ FlashMLA takes 64 or 128 heads: at 8 and 16 heads it runs padded to 64 (its time
 server would pay). FlashMLA is used when its build is at ``.flashmla/`` (or importable), else
 skipped.
 
-    python3 benchmarks/bench_v4_sparse_decode.py [--quick] [--sweep] [--reps 30]
+    python3 benchmarks/bench_v4_sparse_decode.py [--quick] [--sweep] [--reps 30] [--heads 8 16]
+
+The main columns are the default config (what ``auto`` runs); with ``--sweep`` every variant of
+``SWEEP`` and the kernel's first shapes (``legacy``) are timed too, the table shows legacy and the
+fastest, the JSON all of them.
 
 Prints a table last; with $OUT set, writes $OUT/bench_v4_sparse_decode.json.
 """
@@ -27,7 +31,8 @@ import torch
 
 from kernels.v4_cache_formats import V4_RECORD_BYTES
 from kernels.v4_sparse_decode import SparseKV, pack_v4_cache, v4_sparse_decode_reference
-from kernels.v4_sparse_decode_triton import SparseDecodeConfig, default_config, v4_sparse_decode_triton
+from kernels.v4_sparse_decode_triton import (SparseDecodeConfig, default_config, resolve_config,
+                                             v4_sparse_decode_triton)
 
 WINDOW = 128
 ENTRIES_PER_REQUEST = 4096
@@ -35,12 +40,30 @@ PAGE = 64
 REF_REQUESTS = 2
 HBM_PEAK = 4.8e12  # H200 spec sheet
 SCALE = 512**-0.5
-SWEEP = {  # alternatives to default_config, by heads
-    8: [SparseDecodeConfig(block_h=16, dv_split=1, num_warps=4, block_n=64)],
-    16: [SparseDecodeConfig(block_h=16, dv_split=1, num_warps=4, block_n=64)],
-    64: [SparseDecodeConfig(block_h=64, dv_split=1, num_warps=8)],
-    128: [SparseDecodeConfig(block_h=64, dv_split=2, num_warps=4)],
+C = SparseDecodeConfig
+# The kernel's first shapes (1 stage, 4-piece dequant before the MMAs, token-major grid): "legacy".
+LEGACY = {
+    16: C(block_h=16, dv_split=1, num_warps=4, num_stages=1, block_n=32, heads_first=False),
+    64: C(block_h=64, dv_split=2, num_warps=4, num_stages=1, block_n=32, heads_first=False),
+    128: C(block_h=128, dv_split=2, num_warps=8, num_stages=1, block_n=32, heads_first=False),
 }
+SWEEP = {  # alternatives to default_config, by heads (None fields: the default's)
+    16: {"st2": C(num_stages=2), "splits4": C(num_splits=4), "tokens_major": C(tokens_major=True),
+         "dv2_bn64": C(dv_split=2, block_n=64)},
+    64: {"w4_st2": C(num_warps=4, num_stages=2), "pad128": C(block_h=128),
+         "bh16_x4": C(block_h=16, dv_split=1, num_warps=4, num_stages=3)},
+    128: {"st3": C(num_stages=3), "bh64_w8": C(block_h=64),
+          "bh16_x8": C(block_h=16, dv_split=1, num_warps=4, num_stages=3)},
+}
+
+
+def sweep_configs(heads: int, sweep: bool) -> dict[str, SparseDecodeConfig]:
+    key = 16 if heads <= 16 else (64 if heads <= 64 else 128)
+    cfgs = {"default": default_config(heads)}
+    if sweep:
+        cfgs["legacy"] = LEGACY[key]
+        cfgs.update(SWEEP[key])
+    return cfgs
 
 
 def import_flashmla():
@@ -137,16 +160,27 @@ def bench_case(bsz, s_q, heads, topk, flash_mla, sweep: bool, reps: int) -> dict
     row = {"B": bsz, "s_q": s_q, "H": heads, "topk": topk, "ours": []}
     out = torch.empty(bsz, s_q, heads, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(bsz, s_q, heads, device="cuda")
-    for cfg in [default_config(heads)] + (SWEEP.get(heads, []) if sweep else []):
+    for name, cfg in sweep_configs(heads, sweep).items():
         def ours(cfg=cfg):
             return v4_sparse_decode_triton(q, scopes, sinks, SCALE, config=cfg, out=out, lse=lse)
-        ours()
-        acc = check(out, lse, want, want_lse)
-        us = timed_median(ours, reps)
-        row["ours"].append({"config": cfg.__dict__, "us": us, **acc})
-    best = min(row["ours"], key=lambda r: r["us"])
-    row.update(us=best["us"], tflops=flops / best["us"] * 1e-6, hbm_pct=100 * nbytes / (best["us"] * 1e-6) / HBM_PEAK,
-               rel_err=best["rel_err"], lse_err=best["lse_err"])
+        try:
+            out.fill_(float("nan"))
+            ours()
+            acc = check(out, lse, want, want_lse)
+            us = timed_median(ours, reps)
+        except Exception as exc:  # noqa: BLE001 — one failing variant must not lose the others
+            row["ours"].append({"name": name, "config": resolve_config(heads, cfg).__dict__,
+                                "error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        row["ours"].append({"name": name, "config": resolve_config(heads, cfg).__dict__, "us": us, **acc})
+    timed = [r for r in row["ours"] if "us" in r]
+    best = min(timed, key=lambda r: r["us"])
+    default = next(r for r in timed if r["name"] == "default")
+    legacy = next((r for r in timed if r["name"] == "legacy"), None)
+    row.update(us=default["us"], tflops=flops / default["us"] * 1e-6,
+               hbm_pct=100 * nbytes / (default["us"] * 1e-6) / HBM_PEAK, rel_err=default["rel_err"],
+               lse_err=default["lse_err"], best=best["name"], best_us=best["us"],
+               legacy_us=legacy["us"] if legacy else None)
     if flash_mla is not None:
         fm = flashmla_call(flash_mla, q, scopes, sinks)
         fo, fl = fm()
@@ -174,8 +208,10 @@ def fmt(r: dict) -> str:
     fm_s = "-"
     if fm:
         fm_s = f"{fm['us']:8.1f} {fm['tflops']:6.1f} {fm['rel_err']:.1e} {r['speedup']:5.2f}x"
+    legacy = f"{r['legacy_us']:8.1f}" if r.get("legacy_us") else "       -"
     return (f"{r['H']:4d} {r['topk']:5d} {r['B']:4d} {r['s_q']:3d} | {r['us']:8.1f} {r['tflops']:6.1f} "
-            f"{r['hbm_pct']:5.1f}% {r['rel_err']:.1e} {r['lse_err']:.1e} | {fm_s}")
+            f"{r['hbm_pct']:5.1f}% {r['rel_err']:.1e} {r['lse_err']:.1e} | {legacy} {r['best_us']:8.1f} "
+            f"{r['best']:>12} | {fm_s}")
 
 
 def main() -> None:
@@ -184,10 +220,13 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the alternative launch configs")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-flashmla", action="store_true")
+    ap.add_argument("--heads", type=int, nargs="*", help="only these head counts (default 64 128 8 16)")
     args = ap.parse_args()
     flash_mla = None if args.no_flashmla else import_flashmla()
     rows = []
     for bsz, s_q, heads, topk in cases(args.quick):
+        if args.heads and heads not in args.heads:
+            continue
         try:
             rows.append(bench_case(bsz, s_q, heads, topk, flash_mla, args.sweep, args.reps))
         except Exception as exc:  # noqa: BLE001 — one failing case must not lose the others
@@ -198,7 +237,8 @@ def main() -> None:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_v4_sparse_decode.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    print("\n   H  topk    B s_q |  ours µs TFLOP/s  HBM%  rel.err  lse.err | FlashMLA µs TFLOP/s rel.err  speedup")
+    print("\n   H  topk    B s_q |  ours µs TFLOP/s  HBM%  rel.err  lse.err |   legacy  best µs    best cfg |"
+          " FlashMLA µs TFLOP/s rel.err  speedup")
     for r in rows:
         print(fmt(r) if "error" not in r else f"{r['H']:4d} {r['topk']:5d} {r['B']:4d} {r['s_q']:3d} | {r['error']}")
 

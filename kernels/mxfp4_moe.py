@@ -45,6 +45,7 @@ from kernels.weight_formats import (
 
 SPAN = 128  # K span of one promotion = activation scale group
 EXACT_MIN_SHIFT = -8  # folds with s_i - s_max >= this are exact in e4m3
+FOLD_LUT_ROWS = 14  # fold tables for s_max - s_i = 0 .. 13; 13 and beyond flush every code to zero
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -91,6 +92,49 @@ def fold_underflow_fraction(scale: torch.Tensor, span: int = SPAN) -> float:
     upper bound on the inexact folds, since all-zero groups (floor scale) count but stay exact."""
     shift, _ = fold_shifts(scale, span)
     return (shift < EXACT_MIN_SHIFT).float().mean().item() if shift.numel() else 0.0
+
+
+def fold_lut(device: torch.device | str = "cpu") -> torch.Tensor:
+    """int32 [14, 2]: row k holds the e4m3 bytes of the e2m1 magnitudes 0..7 times 2^−k, four
+    bytes a word (magnitude m in byte m % 4 of word m // 4), cast with the reference's RNE.
+
+    The W4A8 kernel turns codes into folded e4m3 by looking bytes up in the row of
+    ``min(s_max − s_i, 13)`` (one PRMT per four codes on the GPU, :func:`fold_bytes_lut`), so
+    its fold equals :func:`fold_mxfp4_to_e4m3` at every shift. Device ops only (graph-safe)."""
+    k = torch.arange(FOLD_LUT_ROWS, device=device, dtype=torch.float32)
+    m = torch.arange(8, device=device)
+    normal = torch.exp2((m >> 1).float() - 1) * (1 + (m & 1).float() / 2)
+    mag = torch.where(m >= 2, normal, (m == 1).float() * 0.5)
+    b = (mag[None, :] * torch.exp2(-k)[:, None]).to(FP8_DTYPE).view(torch.uint8).to(torch.int32)
+    return (b.reshape(FOLD_LUT_ROWS, 2, 4) << (8 * torch.arange(4, device=device, dtype=torch.int32))).sum(-1).to(
+        torch.int32)
+
+
+def prmt(a: torch.Tensor, b: torch.Tensor, sel: int | torch.Tensor) -> torch.Tensor:
+    """PTX ``prmt.b32`` (default mode) on int64 tensors holding 32-bit words: output byte i is
+    byte ``sel[4i+2:4i]`` of the 8 bytes {b, a} (a = bytes 0..3), or that byte's sign bit
+    replicated when ``sel`` bit 4i+3 is set."""
+    src = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
+    sel = torch.as_tensor(sel, dtype=torch.int64, device=src.device)
+    out = torch.zeros_like(src)
+    for i in range(4):
+        nib = (sel >> (4 * i)) & 0xF
+        byte = (src >> ((nib & 7) * 8)) & 0xFF
+        byte = torch.where((nib & 8) != 0, torch.where((byte & 0x80) != 0, 0xFF, 0), byte)
+        out = out | (byte << (8 * i))
+    return out
+
+
+def fold_bytes_lut(word: torch.Tensor, tlo: torch.Tensor, thi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W4A8 kernel's code → e4m3 step on a 32-bit word of 4 packed bytes (8 codes), in
+    torch int64 ops mirroring its PTX instruction for instruction; ``tlo``/``thi`` a
+    :func:`fold_lut` row. Returns (e4m3 of the 4 low nibbles, e4m3 of the 4 high nibbles),
+    byte i of each from byte i of ``word``: 10 ALU ops per 8 codes."""
+    a = prmt(tlo, thi, word & 0x7777)  # [e(L0), e(H0), e(L1), e(H1)] magnitudes
+    b = prmt(tlo, thi, (word >> 16) & 0x7777)  # [e(L2), e(H2), e(L3), e(H3)]
+    lo = prmt(a, b, 0x6420) | ((word << 4) & 0x80808080)  # low-nibble sign bits 3 → 7
+    hi = prmt(a, b, 0x7531) | (word & 0x80808080)
+    return lo, hi
 
 
 def pair_columns(x: torch.Tensor, span: int = SPAN) -> torch.Tensor:
@@ -180,11 +224,15 @@ __all__ = [
     "EXACT_MIN_SHIFT",
     "SPAN",
     "check_mxfp4_experts",
+    "FOLD_LUT_ROWS",
+    "fold_bytes_lut",
+    "fold_lut",
     "fold_mxfp4_to_e4m3",
     "fold_shifts",
     "fold_underflow_fraction",
     "moe_mxfp4_reference",
     "pair_columns",
+    "prmt",
     "swiglu",
     "unpair_columns",
     "w4a8_weight_reference",

@@ -18,23 +18,27 @@ graph-safe: the token-slots are sorted into BLOCK_M-aligned per-expert blocks on
 3. down GEMM, same loop over I, y rounded to bf16 into the slot's row of [T·k, D].
 4. ``kernels.moe_triton``'s per-token sum of the k rows (fp32 out, deterministic).
 
-Nibble → operand in registers: ``(c & 7) << 9 | (c & 8) << 12`` is the fp16 of e2m1 code c times
-2^−14 (e2m1 has one exponent bias bit fewer, and its one subnormal maps onto fp16's). W4A8
-multiplies by the fp16 ``2^(14 + shift)`` (shift = s_i − s_max clamped at −14, where every value
-already flushes to zero in e4m3) and converts to e4m3 (``cvt.rn`` on the GPU: exact down to
-shift −8, round-to-nearest-even below). W4A16 widens to fp32, multiplies by ``2^(s_i − 113)``
-and converts to bf16 (exact for every scale byte ≤ 240).
+Nibble → operand in registers. W4A8, ``convert="lut"`` (default): the fold table row
+``min(s_max − s_i, 13)`` of ``kernels.mxfp4_moe.fold_lut`` (the e4m3 bytes of the 8 magnitudes
+at that shift, the reference's rounding) is looked up by PRMT, 4 packed bytes per inline-PTX call
+(``kernels.mxfp4_moe.fold_bytes_lut`` is its torch mirror; integer shifts under the interpreter).
+``convert="fp16"``: ``(c & 7) << 9 | (c & 8) << 12`` is the fp16 of code c times 2^−14, times
+the fp16 ``2^(14 + shift)``, ``cvt.rn`` to e4m3. W4A16 widens that fp16 to fp32, multiplies by
+``2^(s_i − 113)`` and converts to bf16 (exact for every scale byte ≤ 240).
+
+Split-K and the unfused gate/up epilogue (``MXFP4MoEConfig``) write fp32 partials that fixed-order
+kernels sum: results do not depend on scheduling.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace, dataclass
 
 import torch
 
 from kernels.fp8 import FP8_DTYPE
 from kernels.moe_triton import align_slots_to_blocks
-from kernels.mxfp4_moe import SPAN, check_mxfp4_experts, pair_columns
+from kernels.mxfp4_moe import SPAN, check_mxfp4_experts, fold_lut, pair_columns
 
 try:
     import triton
@@ -48,37 +52,82 @@ except ImportError:  # pragma: no cover - CPU-only installs
 MODES = ("w4a8", "w4a16")
 
 
+CONVERTS = ("lut", "fp16")
+
+
 @dataclass(frozen=True)
 class MXFP4MoEConfig:
+    """Tiles of the two GEMMs. ``split_k`` > 1 splits the K loop of gate/up (``split_k_down``:
+    of down) over that many programs writing fp32 partials, summed in a fixed order after.
+    The gate/up epilogue is fused (SwiGLU, routing weight, W4A8 quantization in the GEMM) when
+    ``split_k`` is 1 and, for W4A8, ``block_n`` is one 128-column span; otherwise the GEMM
+    stores fp32 gate/up partials and ``_finish_gate_up_kernel`` applies it. ``convert``: W4A8's
+    code → e4m3 step, ``lut`` (fold tables, PRMT) or ``fp16`` (fp16 multiply + convert)."""
+
     block_m: int = 16
-    block_n: int = 128  # gate/up: intermediate columns per program (W4A8: must be 128)
+    block_n: int = 128  # gate/up: intermediate columns per program
     block_n_down: int = 128
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
+    split_k_down: int = 1
+    convert: str = "lut"
 
 
-# (max average rows per local expert, config). Decode reads weights: small M, many programs.
-# Compiled offline for sm_90 (Triton 3.6): all three use 8 warps because the gate and up byte
-# tiles, their folds and two accumulators need it (4 warps: 255 registers and a 296 B stack at
-# 32 and 64 rows); 8 warps: 164 / 247 / 251 registers and no W4A8 stack. 64 rows issue wgmma,
-# 16 and 32 rows mma.sync. 128 rows spill (240 B) in the W4A8 gate/up.
+# (max average rows per local expert, config). Decode reads weights: small M, many programs;
+# prefill is bound by the MMA and the code conversion: larger M per converted weight tile.
+# Offline sm_90 compiles (Triton 3.6, test_default_configs_compile_for_sm90_without_spills):
+# registers and stacks in benchmarks/KERNEL_NOTES.md. First choices without a device; the
+# bench's --sweep times the alternatives.
 CONFIG_TABLE = (
     (16, MXFP4MoEConfig(16, 128, 128, 8, 8, 4)),
     (48, MXFP4MoEConfig(32, 128, 128, 8, 8, 4)),
-    (None, MXFP4MoEConfig(64, 128, 128, 8, 8, 3)),
+    (None, MXFP4MoEConfig(64, 64, 128, 8, 8, 3)),
 )
+# (max experts in use = min(T·k, E_local), split_k, split_k_down): at batch 1 the 6 experts give
+# only 108 gate/up and 240 down programs of 16 rows for 132 SMs.
+SPLIT_TABLE = ((8, 4, 2), (16, 2, 1), (None, 1, 1))
 
 
 def default_config(num_slots: int, n_local: int) -> MXFP4MoEConfig:
     rows = num_slots / max(n_local, 1)
-    for limit, cfg in CONFIG_TABLE:
-        if limit is None or rows <= limit:
-            return cfg
-    raise AssertionError("unreachable")
+    cfg = next(c for limit, c in CONFIG_TABLE if limit is None or rows <= limit)
+    used = min(num_slots, n_local)
+    _, split, split_down = next(r for r in SPLIT_TABLE if r[0] is None or used <= r[0])
+    return replace(cfg, split_k=split, split_k_down=split_down)
+
+
+def fused_gate_up(cfg: MXFP4MoEConfig, a8: bool) -> bool:
+    """Whether the gate/up GEMM applies its epilogue itself (else fp32 partials + finisher)."""
+    return cfg.split_k == 1 and (not a8 or cfg.block_n == SPAN)
+
+
 
 
 if triton is not None:
+
+    # PTX of the LUT conversion, 4 packed bytes at a time (see kernels.mxfp4_moe.fold_bytes_lut,
+    # its torch mirror): $0/$1 the e4m3 of the low/high nibbles, $2 the bytes, $3 and $7 the fold
+    # table words of the first of the 4 elements (all 4 share a 32-group: the bytes of one
+    # row-group are contiguous per thread, 16-byte loads).
+    _LUT_ASM = tl.constexpr("""
+    {
+    .reg .b32 s, a, b, t;
+    and.b32 s, $2, 0x7777;
+    prmt.b32 a, $3, $7, s;
+    shr.u32 s, $2, 16;
+    and.b32 s, s, 0x7777;
+    prmt.b32 b, $3, $7, s;
+    prmt.b32 $0, a, b, 0x6420;
+    prmt.b32 $1, a, b, 0x7531;
+    shl.b32 t, $2, 4;
+    and.b32 t, t, 0x80808080;
+    or.b32 $0, $0, t;
+    and.b32 t, $2, 0x80808080;
+    or.b32 $1, $1, t;
+    }
+    """)
 
     @triton.jit
     def _e2m1_fp16(code):
@@ -88,41 +137,69 @@ if triton is not None:
 
     @triton.jit
     def _load_span(W, S, rn, n_ok, kb, stride_wn, stride_sn, BLOCK_N: tl.constexpr):
-        """Packed bytes [4 groups, 16, BLOCK_N] and E8M0 bytes [4, BLOCK_N] of span kb (int32)."""
+        """Packed bytes [4 groups, 16, BLOCK_N] (int8, 16 contiguous bytes per group-row) and
+        E8M0 bytes [4, BLOCK_N] (int32) of span kb."""
         g = tl.arange(0, 4)
         j = tl.arange(0, 16)
         w_ptr = W + rn.to(tl.int64)[None, None, :] * stride_wn + kb * 64 + g[:, None, None] * 16 + j[None, :, None]
-        b = tl.load(w_ptr, mask=n_ok[None, None, :], other=0).to(tl.int32) & 0xFF
+        b = tl.load(w_ptr, mask=n_ok[None, None, :], other=0)
         s_ptr = S + rn.to(tl.int64)[None, :] * stride_sn + kb * 4 + g[:, None]
         s = tl.load(s_ptr, mask=n_ok[None, :], other=0).to(tl.int32) & 0xFF
         return b, s
 
     @triton.jit
-    def _fold_e4m3(b, s, BLOCK_N: tl.constexpr):
-        """→ (even-column e4m3 [64, N], odd-column e4m3 [64, N], span scale fp32 [N])."""
+    def _lut_byte(code, tlo, thi):
+        """e4m3 byte of e2m1 ``code`` (int32 0..15) from a fold table row (interpreter path)."""
+        mag = code & 7
+        word = tl.where(mag < 4, tlo, thi)
+        return ((word >> ((mag & 3) * 8)) & 0xFF) | ((code & 8) << 4)
+
+    @triton.jit
+    def _fold_e4m3(b, s, LUT, BLOCK_N: tl.constexpr, CONVERT: tl.constexpr):
+        """→ (even-column e4m3 [64, N], odd-column e4m3 [64, N], span scale fp32 [N]).
+
+        CONVERT 0: fp16 multiply by 2^(14+shift) and ``cvt.rn`` to e4m3. 1: fold tables via
+        PRMT (inline PTX, GPU). 2: the same tables in plain integer ops (interpreter)."""
         smax = tl.max(s, 0)
-        shift = tl.maximum(s - smax[None, :], -14)
-        f = ((29 + shift) << 10).to(tl.uint16).to(tl.float16, bitcast=True)[:, None, :]  # 2^(14+shift)
-        lo = (_e2m1_fp16(b & 15) * f).to(tl.float8e4nv)
-        hi = (_e2m1_fp16(b >> 4) * f).to(tl.float8e4nv)
+        if CONVERT == 0:
+            bi = b.to(tl.int32) & 0xFF
+            shift = tl.maximum(s - smax[None, :], -14)
+            f = ((29 + shift) << 10).to(tl.uint16).to(tl.float16, bitcast=True)[:, None, :]  # 2^(14+shift)
+            lo = (_e2m1_fp16(bi & 15) * f).to(tl.float8e4nv)
+            hi = (_e2m1_fp16(bi >> 4) * f).to(tl.float8e4nv)
+        else:
+            row = tl.minimum(smax[None, :] - s, 13) * 2
+            tlo = tl.load(LUT + row)[:, None, :]
+            thi = tl.load(LUT + row + 1)[:, None, :]
+            if CONVERT == 1:
+                lo8, hi8 = tl.inline_asm_elementwise(
+                    _LUT_ASM, "=r,=r,r,r,r,r,r,r,r,r,r", [b, tlo, thi], dtype=(tl.uint8, tl.uint8),
+                    is_pure=True, pack=4)
+            else:
+                bi = b.to(tl.int32) & 0xFF
+                lo8 = _lut_byte(bi & 15, tlo, thi).to(tl.uint8)
+                hi8 = _lut_byte(bi >> 4, tlo, thi).to(tl.uint8)
+            lo = lo8.to(tl.float8e4nv, bitcast=True)
+            hi = hi8.to(tl.float8e4nv, bitcast=True)
         scale = (smax << 23).to(tl.float32, bitcast=True)  # 2^(smax-127)
         return tl.reshape(lo, (64, BLOCK_N)), tl.reshape(hi, (64, BLOCK_N)), scale
 
     @triton.jit
     def _fold_bf16(b, s, BLOCK_N: tl.constexpr):
         """→ (even-column bf16 [64, N], odd-column bf16 [64, N]), scales applied."""
+        bi = b.to(tl.int32) & 0xFF
         f = ((tl.minimum(s, 240) + 14) << 23).to(tl.float32, bitcast=True)[:, None, :]  # 2^(s-113)
-        lo = (_e2m1_fp16(b & 15).to(tl.float32) * f).to(tl.bfloat16)
-        hi = (_e2m1_fp16(b >> 4).to(tl.float32) * f).to(tl.bfloat16)
+        lo = (_e2m1_fp16(bi & 15).to(tl.float32) * f).to(tl.bfloat16)
+        hi = (_e2m1_fp16(bi >> 4).to(tl.float32) * f).to(tl.bfloat16)
         return tl.reshape(lo, (64, BLOCK_N)), tl.reshape(hi, (64, BLOCK_N))
 
     @triton.jit
-    def _span_product(acc, a_lo, a_hi, sa, W, S, rn, n_ok, kb, stride_wn, stride_sn,
-                      A8: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _span_product(acc, a_lo, a_hi, sa, W, S, LUT, rn, n_ok, kb, stride_wn, stride_sn,
+                      A8: tl.constexpr, BLOCK_N: tl.constexpr, CONVERT: tl.constexpr):
         """acc + the span kb's contribution of one weight matrix."""
         b, s = _load_span(W, S, rn, n_ok, kb, stride_wn, stride_sn, BLOCK_N)
         if A8:
-            w_lo, w_hi, ws = _fold_e4m3(b, s, BLOCK_N)
+            w_lo, w_hi, ws = _fold_e4m3(b, s, LUT, BLOCK_N, CONVERT)
             p = tl.dot(a_lo, w_lo)
             p = tl.dot(a_hi, w_hi, p)
             acc += p * sa[:, None] * ws[None, :]
@@ -161,41 +238,9 @@ if triton is not None:
         tl.store(S + row * stride_sm + spans, scale, mask=spans < K // 128)
 
     @triton.jit
-    def _gate_up_kernel(
-        A, SA, W, SW, H, SH, SLOTS, BLOCK_EXPERT, TOPK_W,
-        n_slots, K, inter, top_k, grid_m, limit,
-        stride_am, stride_sam, stride_we, stride_wn, stride_swe, stride_swn, stride_hm, stride_shm,
-        A8: tl.constexpr, CLAMP: tl.constexpr, UE8M0: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    ):
-        """H[r] = weight · swiglu(gateₑ · x[tok(r)], upₑ · x[tok(r)]) for one block (expert e)."""
-        grid_n = tl.cdiv(inter, BLOCK_N)
-        pid_m, pid_n = _tile(tl.program_id(0), grid_m, grid_n, GROUP_M)
-        e = tl.load(BLOCK_EXPERT + pid_m)
-        if e < 0:
-            return
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        slot = tl.load(SLOTS + rows)
-        row_ok = slot < n_slots
-        tok = (slot // top_k).to(tl.int64)
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = rn < inter
-        a_ptr = A + tok[:, None] * stride_am + tl.arange(0, 64)[None, :]
-        wg = W + e.to(tl.int64) * stride_we
-        wu = wg + inter * stride_wn
-        sg = SW + e.to(tl.int64) * stride_swe
-        su = sg + inter * stride_swn
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        sa = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for kb in range(0, K // 128):
-            a_lo = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
-            a_hi = tl.load(a_ptr + 64, mask=row_ok[:, None], other=0.0)
-            if A8:
-                sa = tl.load(SA + tok * stride_sam + kb, mask=row_ok, other=0.0)
-            acc_g = _span_product(acc_g, a_lo, a_hi, sa, wg, sg, rn, n_ok, kb, stride_wn, stride_swn, A8, BLOCK_N)
-            acc_u = _span_product(acc_u, a_lo, a_hi, sa, wu, su, rn, n_ok, kb, stride_wn, stride_swn, A8, BLOCK_N)
-            a_ptr += 128
+    def _swiglu_store(acc_g, acc_u, rows, slot, row_ok, rn, n_ok, pid_n, TOPK_W, H, SH, limit,
+                      stride_hm, stride_shm, A8: tl.constexpr, CLAMP: tl.constexpr, UE8M0: tl.constexpr):
+        """H[rows] = weight · swiglu(gate, up) in paired order (W4A8: quantized, one 128-span)."""
         if CLAMP:
             acc_g = tl.minimum(acc_g, limit)
             acc_u = tl.clamp(acc_u, -limit, limit)
@@ -203,7 +248,7 @@ if triton is not None:
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u * wt[:, None]
         # Every row of a used block is written (padding rows are zeros): the down GEMM reads them.
         h_ptr = H + rows.to(tl.int64)[:, None] * stride_hm + _paired(rn)[None, :]
-        if A8:  # BLOCK_N == 128 and inter % 128 == 0: this program owns one whole span
+        if A8:  # the columns rn are one whole 128-span
             q, scale = _quantize_rows(h, UE8M0)
             tl.store(h_ptr, q.to(tl.uint8), mask=n_ok[None, :])
             tl.store(SH + rows.to(tl.int64) * stride_shm + pid_n, scale)
@@ -211,37 +256,143 @@ if triton is not None:
             tl.store(h_ptr, round_to_bf16(h).to(tl.bfloat16), mask=n_ok[None, :])
 
     @triton.jit
-    def _down_kernel(
-        A, SA, W, SW, Y, SLOTS, BLOCK_EXPERT,
-        n_slots, N, K, grid_m,
-        stride_am, stride_sam, stride_we, stride_wn, stride_swe, stride_swn, stride_ym,
-        A8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    def _gate_up_kernel(
+        A, SA, W, SW, H, SH, P, LUT, SLOTS, BLOCK_EXPERT, TOPK_W,
+        n_slots, K, inter, top_k, grid_m, limit, split_k,
+        stride_am, stride_sam, stride_we, stride_wn, stride_swe, stride_swn, stride_hm, stride_shm,
+        stride_ps, stride_pm,
+        A8: tl.constexpr, CLAMP: tl.constexpr, UE8M0: tl.constexpr, FUSED: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, CONVERT: tl.constexpr,
     ):
-        """Y[slot(r)] = bf16(downₑ · H[r]) for the real rows r of one block."""
+        """H[r] = weight · swiglu(gateₑ · x[tok(r)], upₑ · x[tok(r)]) for one block (expert e);
+        not FUSED: the fp32 gate and up products of K split program_id(1) into P instead."""
+        grid_n = tl.cdiv(inter, BLOCK_N)
+        pid_m, pid_n = _tile(tl.program_id(0), grid_m, grid_n, GROUP_M)
+        e = tl.load(BLOCK_EXPERT + pid_m)
+        if e < 0:
+            return
+        spans = K // 128
+        per_split = tl.cdiv(spans, split_k)
+        kb0 = tl.program_id(1) * per_split
+        kb1 = tl.minimum(kb0 + per_split, spans)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(SLOTS + rows)
+        row_ok = slot < n_slots
+        tok = (slot // top_k).to(tl.int64)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < inter
+        a_ptr = A + tok[:, None] * stride_am + kb0 * 128 + tl.arange(0, 64)[None, :]
+        wg = W + e.to(tl.int64) * stride_we
+        wu = wg + inter * stride_wn
+        sg = SW + e.to(tl.int64) * stride_swe
+        su = sg + inter * stride_swn
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sa = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for kb in range(kb0, kb1):
+            a_lo = tl.load(a_ptr, mask=row_ok[:, None], other=0.0)
+            a_hi = tl.load(a_ptr + 64, mask=row_ok[:, None], other=0.0)
+            if A8:
+                sa = tl.load(SA + tok * stride_sam + kb, mask=row_ok, other=0.0)
+            acc_g = _span_product(acc_g, a_lo, a_hi, sa, wg, sg, LUT, rn, n_ok, kb, stride_wn, stride_swn,
+                                  A8, BLOCK_N, CONVERT)
+            acc_u = _span_product(acc_u, a_lo, a_hi, sa, wu, su, LUT, rn, n_ok, kb, stride_wn, stride_swn,
+                                  A8, BLOCK_N, CONVERT)
+            a_ptr += 128
+        if FUSED:
+            _swiglu_store(acc_g, acc_u, rows, slot, row_ok, rn, n_ok, pid_n, TOPK_W, H, SH, limit,
+                          stride_hm, stride_shm, A8, CLAMP, UE8M0)
+        else:
+            p_ptr = P + tl.program_id(1) * stride_ps + rows.to(tl.int64)[:, None] * stride_pm + rn[None, :]
+            ok = row_ok[:, None] & n_ok[None, :]
+            tl.store(p_ptr, acc_g, mask=ok)
+            tl.store(p_ptr + inter, acc_u, mask=ok)
+
+    @triton.jit
+    def _finish_gate_up_kernel(
+        P, H, SH, SLOTS, TOPK_W, n_slots, inter, split_k, limit, stride_ps, stride_pm, stride_hm, stride_shm,
+        A8: tl.constexpr, CLAMP: tl.constexpr, UE8M0: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):
+        """The gate/up epilogue on the fp32 partials P [split, rows, 2I] (summed in split order),
+        BLOCK_M rows by one 128-column span per program."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(SLOTS + rows)
+        row_ok = slot < n_slots
+        rn = tl.program_id(1) * 128 + tl.arange(0, 128)
+        n_ok = rn < inter
+        p_ptr = P + rows.to(tl.int64)[:, None] * stride_pm + rn[None, :]
+        ok = row_ok[:, None] & n_ok[None, :]
+        acc_g = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, 128], dtype=tl.float32)
+        for s in range(0, split_k):
+            acc_g += tl.load(p_ptr, mask=ok, other=0.0)
+            acc_u += tl.load(p_ptr + inter, mask=ok, other=0.0)
+            p_ptr += stride_ps
+        _swiglu_store(acc_g, acc_u, rows, slot, row_ok, rn, n_ok, tl.program_id(1), TOPK_W, H, SH, limit,
+                      stride_hm, stride_shm, A8, CLAMP, UE8M0)
+
+    @triton.jit
+    def _down_kernel(
+        A, SA, W, SW, Y, LUT, SLOTS, BLOCK_EXPERT,
+        n_slots, N, K, grid_m, split_k,
+        stride_am, stride_sam, stride_we, stride_wn, stride_swe, stride_swn, stride_ys, stride_ym,
+        A8: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        GROUP_M: tl.constexpr, CONVERT: tl.constexpr,
+    ):
+        """Y[slot(r)] = bf16(downₑ · H[r]) for the real rows r of one block; SPLIT: the fp32
+        product of K split program_id(1) into Y[split, slot(r)]."""
         grid_n = tl.cdiv(N, BLOCK_N)
         pid_m, pid_n = _tile(tl.program_id(0), grid_m, grid_n, GROUP_M)
         e = tl.load(BLOCK_EXPERT + pid_m)
         if e < 0:
             return
+        spans = K // 128
+        per_split = tl.cdiv(spans, split_k)
+        kb0 = tl.program_id(1) * per_split
+        kb1 = tl.minimum(kb0 + per_split, spans)
         rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         slot = tl.load(SLOTS + rows)
         row_ok = slot < n_slots
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = rn < N
-        a_ptr = A + rows[:, None] * stride_am + tl.arange(0, 64)[None, :]
+        a_ptr = A + rows[:, None] * stride_am + kb0 * 128 + tl.arange(0, 64)[None, :]
         w = W + e.to(tl.int64) * stride_we
         s = SW + e.to(tl.int64) * stride_swe
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         sa = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for kb in range(0, K // 128):
+        for kb in range(kb0, kb1):
             a_lo = tl.load(a_ptr)
             a_hi = tl.load(a_ptr + 64)
             if A8:
                 sa = tl.load(SA + rows * stride_sam + kb)
-            acc = _span_product(acc, a_lo, a_hi, sa, w, s, rn, n_ok, kb, stride_wn, stride_swn, A8, BLOCK_N)
+            acc = _span_product(acc, a_lo, a_hi, sa, w, s, LUT, rn, n_ok, kb, stride_wn, stride_swn,
+                                A8, BLOCK_N, CONVERT)
             a_ptr += 128
         y_ptr = Y + slot.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-        tl.store(y_ptr, round_to_bf16(acc).to(tl.bfloat16), mask=row_ok[:, None] & n_ok[None, :])
+        ok = row_ok[:, None] & n_ok[None, :]
+        if SPLIT:
+            tl.store(y_ptr + tl.program_id(1) * stride_ys, acc, mask=ok)
+        else:
+            tl.store(y_ptr, round_to_bf16(acc).to(tl.bfloat16), mask=ok)
+
+    @triton.jit
+    def _sum_split_slots_kernel(
+        Y, IDS, OUT, N, top_k, expert_offset, n_local, split_k, stride_ys, stride_ym, stride_om,
+        BLOCK_N: tl.constexpr,
+    ):
+        """OUT[t] = Σ_j bf16(Σ_s Y[s, t·k + j]) over the choices j of local experts, in order."""
+        t = tl.program_id(0).to(tl.int64)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = rn < N
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in range(0, top_k):
+            e = tl.load(IDS + t * top_k + j) - expert_offset
+            own = (e >= 0) & (e < n_local)
+            y = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for s in range(0, split_k):
+                y += tl.load(Y + s * stride_ys + (t * top_k + j) * stride_ym + rn, mask=n_ok & own, other=0.0)
+            acc += round_to_bf16(y)
+        tl.store(OUT + t * stride_om + rn, acc, mask=n_ok)
 
 
 def quantize_paired_triton(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -295,12 +446,17 @@ def moe_mxfp4_triton(
         return out
     cfg = config or default_config(n_slots, n_local)
     a8 = mode == "w4a8"
-    if a8 and cfg.block_n != SPAN:
-        raise ValueError(f"the W4A8 gate/up epilogue quantizes one {SPAN}-column span per program: block_n "
-                         f"must be {SPAN}, got {cfg.block_n}")
+    if cfg.convert not in CONVERTS or cfg.split_k < 1 or cfg.split_k_down < 1:
+        raise ValueError(f"bad MXFP4 MoE config {cfg}: convert one of {', '.join(CONVERTS)}, split_k >= 1")
+    fused = fused_gate_up(cfg, a8)
+    if not fused and SPAN % cfg.block_n:
+        raise ValueError(f"a split or unfused gate/up GEMM needs block_n dividing {SPAN}, got {cfg.block_n}")
     slots, block_expert = align_slots_to_blocks(topk_ids, n_local, expert_offset, cfg.block_m)
     rows, grid_m = slots.shape[0], block_expert.shape[0]
     s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
+    # CONVERT: 0 fp16 multiply, 1 fold tables by PRMT (GPU), 2 the tables in integer ops (interpreter)
+    convert = 0 if cfg.convert == "fp16" else (1 if dev.type == "cuda" else 2)
+    lut = _lut(dev)
     if a8:
         a, sa = quantize_paired_triton(x, ue8m0)
         hid = torch.empty(rows, inter, dtype=torch.uint8, device=dev)
@@ -311,27 +467,51 @@ def moe_mxfp4_triton(
         hid = torch.empty(rows, inter, dtype=torch.bfloat16, device=dev)
         sh = hid
     wts = topk_weights.reshape(-1).float().contiguous()
-    _gate_up_kernel[(grid_m * triton.cdiv(inter, cfg.block_n),)](
-        a, sa, w13, s13, hid, sh, slots, block_expert, wts,
-        n_slots, d, inter, k, grid_m, float(limit),
+    part = hid if fused else torch.empty(cfg.split_k, rows, 2 * inter, dtype=torch.float32, device=dev)
+    _gate_up_kernel[(grid_m * triton.cdiv(inter, cfg.block_n), cfg.split_k)](
+        a, sa, w13, s13, hid, sh, part, lut, slots, block_expert, wts,
+        n_slots, d, inter, k, grid_m, float(limit), cfg.split_k,
         a.stride(0), sa.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
-        hid.stride(0), sh.stride(0),
-        A8=a8, CLAMP=limit > 0, UE8M0=ue8m0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        hid.stride(0), sh.stride(0), part.stride(0) if not fused else 0, part.stride(-2) if not fused else 0,
+        A8=a8, CLAMP=limit > 0, UE8M0=ue8m0, FUSED=fused, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        GROUP_M=cfg.group_m, CONVERT=convert, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if not fused:
+        fin_m = 16
+        _finish_gate_up_kernel[(rows // fin_m, inter // SPAN)](
+            part, hid, sh, slots, wts, n_slots, inter, cfg.split_k, float(limit),
+            part.stride(0), part.stride(1), hid.stride(0), sh.stride(0),
+            A8=a8, CLAMP=limit > 0, UE8M0=ue8m0, BLOCK_M=fin_m, num_warps=4)
     h = hid.view(FP8_DTYPE) if a8 else hid
-    y = torch.empty(n_slots, d, dtype=torch.bfloat16, device=dev)
-    _down_kernel[(grid_m * triton.cdiv(d, cfg.block_n_down),)](
-        h, sh, w2, s2, y, slots, block_expert,
-        n_slots, d, inter, grid_m,
-        h.stride(0), sh.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
-        A8=a8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, GROUP_M=cfg.group_m,
+    split = cfg.split_k_down > 1
+    y = torch.empty(cfg.split_k_down, n_slots, d, dtype=torch.float32 if split else torch.bfloat16, device=dev)
+    _down_kernel[(grid_m * triton.cdiv(d, cfg.block_n_down), cfg.split_k_down)](
+        h, sh, w2, s2, y, lut, slots, block_expert,
+        n_slots, d, inter, grid_m, cfg.split_k_down,
+        h.stride(0), sh.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), y.stride(1),
+        A8=a8, SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, GROUP_M=cfg.group_m, CONVERT=convert,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     sum_block = min(1024, triton.next_power_of_2(d))
-    _sum_slots_kernel[(t, triton.cdiv(d, sum_block))](
-        y, topk_ids.contiguous(), out, d, k, expert_offset, n_local, y.stride(0), out.stride(0),
-        BLOCK_N=sum_block, num_warps=4)
+    ids = topk_ids.contiguous()
+    if split:
+        _sum_split_slots_kernel[(t, triton.cdiv(d, sum_block))](
+            y, ids, out, d, k, expert_offset, n_local, cfg.split_k_down, y.stride(0), y.stride(1), out.stride(0),
+            BLOCK_N=sum_block, num_warps=4)
+    else:
+        _sum_slots_kernel[(t, triton.cdiv(d, sum_block))](
+            y[0], ids, out, d, k, expert_offset, n_local, y.stride(1), out.stride(0), BLOCK_N=sum_block, num_warps=4)
     return out
 
 
-__all__ = ["CONFIG_TABLE", "MODES", "MXFP4MoEConfig", "default_config", "moe_mxfp4_triton",
-           "quantize_paired_triton"]
+_LUTS: dict = {}
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    """The fold tables (``kernels.mxfp4_moe.fold_lut``), one copy per device."""
+    key = str(device)
+    if key not in _LUTS:
+        _LUTS[key] = fold_lut(device).reshape(-1).contiguous()
+    return _LUTS[key]
+
+
+__all__ = ["CONFIG_TABLE", "CONVERTS", "MODES", "MXFP4MoEConfig", "SPLIT_TABLE", "default_config",
+           "fused_gate_up", "moe_mxfp4_triton", "quantize_paired_triton"]

@@ -2,24 +2,27 @@
 
 Design (why, and the numbers it is expected to reach: benchmarks/KERNEL_NOTES.md):
 
-- A program owns one query token of one request, ``block_h`` of its heads (16..128: M of
-  the MMAs; 8 heads pad to 16) and one split of its key tiles (64 picked records each, the
-  window scope's tiles first, then the entries'). Records are gathered by pointer (any page
-  size) and dequantized once per program into fp16 tiles that serve both products (K = V).
-- Dequantization is the bound FlashMLA's Hopper kernel fights (its bf16 path converts
-  e4m3 → f16 → f32 → bf16); here the products run in fp16, so an e4m3 byte pair is one
-  ``cvt.f16x2.e4m3x2`` and its power-of-two scale one packed multiply. The query is kept
-  16-bit (bf16 → fp16 in one pass before the launch, so the kernel reads it into shared
-  memory as an MMA operand instead of holding it in registers). Why not FP8 products: the
-  per-64-dim record scales lie on Q·Kᵀ's reduction axis and, for P·V, on the token axis, so
-  FP8 would need seven rescaled partial products (QK) or seven rescaled copies of P (PV):
-  more CUDA-core work than it saves, and P·V needs the dequantized tile anyway. fp16 holds
-  every e4m3 × UE8M0 value of a latent exactly (|x| < 65504, normal above 2^-14) and gives
-  P 11 mantissa bits.
-- 512 dims = four pieces (256 | 128 | 64 | 64, the last the V4 record's bf16 rotated dims);
-  ``dv_split=2`` gives each of two programs half of the output dims (accumulator 256 wide,
-  Q·Kᵀ done by both): what keeps 64+ heads per program from spilling.
-- Split-KV when B·s_q·head blocks cannot fill the SMs: normalized partials + LSE, merged by
+- A program owns one query token of one request, ``block_h`` of its heads (M of the MMAs;
+  fewer heads pad to 16) and one split of its tiles of ``block_n`` picked records (the window
+  scope's tiles first, then the entries'). A token's head blocks sit side by side on grid axis
+  0, so the second gather of a record is an L2 hit. All heads in one program is not possible
+  past 64: a [128, 512] fp32 accumulator is the whole register file.
+- Records are gathered by pointer (any page size); with ``num_stages`` > 1 Triton turns the
+  index and record loads into cp.async stages in shared memory (what keeps HBM busy at 8-16
+  heads). Each of the four pieces (256 | 128 | 64 | 64 dims, the last the V4 record's bf16
+  rotated dims) is dequantized and handed to its Q·Kᵀ MMA before the next, so one piece's
+  registers are live at a time; with wgmma the piece's shared-memory copy also feeds P·V.
+- Products in fp16: an e4m3 byte pair is one ``cvt.f16x2.e4m3x2`` and its power-of-two scale
+  one packed multiply; fp16 holds e4m3 × UE8M0 values of a latent (|x| < 65504; below 2^-24
+  they flush, 2^-15 of a block's largest value). Not FP8: with q quantized per head row to
+  e4m3 the output is 2.7 % off float64 (P in e4m3: 1.6 %), over the 2 % budget, and the MMAs
+  are not what bounds this kernel (KERNEL_NOTES.md). q is cast bf16 → fp16 once before the
+  launch (an operand read from memory goes to shared memory; a converted one stays in registers).
+- ``dv_split=2`` gives each of two programs half of the output dims (Q·Kᵀ done by both): what
+  fits 64 and 128 rows on wgmma. ``tokens_major`` computes Sᵀ = K·Qᵀ (records fill M); Triton
+  then keeps K as a register operand of both products, so it only compiles clean at 32-record
+  tiles (a sweep variant).
+- Split-KV when the programs cannot fill the SMs: normalized partials + LSE, merged by
   ``_combine_kernel`` (which applies the sink). Launch shapes depend on tensor shapes only
   (never on index values or lengths): capturable in a CUDA graph.
 """
@@ -27,7 +30,7 @@ Design (why, and the numbers it is expected to reach: benchmarks/KERNEL_NOTES.md
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -43,25 +46,42 @@ DATA_BYTES = {"v4": V4_DATA_BYTES, "v41_window": 512, "v41_entry": 256}  # offse
 
 @dataclass(frozen=True)
 class SparseDecodeConfig:
-    """Launch shape; ``None`` fields are chosen from the shapes (:func:`default_config`)."""
+    """Launch shape; ``None`` fields are taken from :func:`default_config`."""
 
-    block_h: int | None = None  # heads per program: 16, 32, 64 or 128
-    dv_split: int | None = None  # 1: a program writes all 512 output dims; 2: half
+    block_h: int | None = None  # heads per program: 16, 32, 64 or 128 (M of the MMAs; fewer heads pad)
+    dv_split: int | None = None  # 1: a program writes all 512 output dims; 2: half (Q·Kᵀ done by both)
     num_warps: int | None = None
-    num_stages: int = 1
+    num_stages: int | None = None  # > 1: the index and record gathers are cp.async-pipelined
     num_splits: int | None = None
-    block_n: int = 32  # records per tile
+    block_n: int | None = None  # records per tile
+    tokens_major: bool | None = None  # Sᵀ = K·Qᵀ: records fill the MMA's M (a sweep variant)
+    heads_first: bool | None = None  # a token's head blocks on grid axis 0 (adjacent programs)
 
 
 def default_config(heads: int) -> SparseDecodeConfig:
-    """Per heads per GPU; checked offline for sm_90a (registers, spills: KERNEL_NOTES.md)."""
-    if heads <= 16:
-        return SparseDecodeConfig(block_h=16, dv_split=1, num_warps=4)
+    """Per heads per GPU: the spill-free (or least-spilling) shapes of the offline sm_90a compile
+    (``tests/kernels/test_v4_sparse_decode.py``, KERNEL_NOTES.md). Up to 32 heads: 16-row
+    programs on mma.sync with 3 pipelined stages of 32 records (255 registers, no spill: two
+    programs and ~110 KB of gathers in flight per SM); 64 and 128 heads: wgmma, half the output
+    dims per program, 2 stages."""
     if heads <= 32:
-        return SparseDecodeConfig(block_h=32, dv_split=1, num_warps=4)
+        return SparseDecodeConfig(block_h=16, dv_split=1, num_warps=4, num_stages=3, block_n=32,
+                                  tokens_major=False, heads_first=True)
     if heads <= 64:
-        return SparseDecodeConfig(block_h=64, dv_split=2, num_warps=4)
-    return SparseDecodeConfig(block_h=128, dv_split=2, num_warps=8)
+        return SparseDecodeConfig(block_h=64, dv_split=2, num_warps=8, num_stages=2, block_n=32,
+                                  tokens_major=False, heads_first=True)
+    return SparseDecodeConfig(block_h=128, dv_split=2, num_warps=8, num_stages=2, block_n=32,
+                              tokens_major=False, heads_first=True)
+
+
+def resolve_config(heads: int, config: SparseDecodeConfig | None) -> SparseDecodeConfig:
+    """``config`` with its ``None`` fields (but ``num_splits``) filled from :func:`default_config`."""
+    base = default_config(heads)
+    if config is None:
+        return base
+    fill = {k: getattr(base, k) for k in base.__dataclass_fields__
+            if getattr(config, k) is None and k != "num_splits"}
+    return replace(config, **fill)
 
 
 @triton.jit
@@ -108,11 +128,29 @@ def _piece(cache, cache16, drow, srow, valid, D0: tl.constexpr, W: tl.constexpr,
 
 
 @triton.jit
+def _qk(k, q, s, TM: tl.constexpr):
+    """Scores of one piece added to ``s`` (None: the first piece): q·kᵀ, or k·qᵀ when TM."""
+    if TM:
+        if s is None:
+            r = tl.dot(k, q)
+        else:
+            r = tl.dot(k, q, s)
+    else:
+        if s is None:
+            r = tl.dot(q, tl.trans(k))
+        else:
+            r = tl.dot(q, tl.trans(k), s)
+    return r
+
+
+@triton.jit
 def _attend_tile(acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd,
                  cache, cache16, page_stride, page_size, idx_row, K, length, t, sm_log2,
-                 FMT: tl.constexpr, REC: tl.constexpr, DATA: tl.constexpr, PART: tl.constexpr, BN: tl.constexpr):
+                 FMT: tl.constexpr, REC: tl.constexpr, DATA: tl.constexpr, PART: tl.constexpr, BN: tl.constexpr,
+                 TM: tl.constexpr):
     """One tile of BN picks of one scope: online softmax and P·V into the accumulators of PART
-    (0: all dims, 1: dims 0..255, 2: dims 256..511)."""
+    (0: all dims, 1: dims 0..255, 2: dims 256..511). TM (tokens-major): q pieces, scores and
+    accumulators are transposed (keys fill the MMA's M, heads its N)."""
     offs = t * BN + tl.arange(0, BN)
     idx = tl.load(idx_row + offs, mask=offs < K, other=-1)
     valid = (idx >= 0) & (offs < length)
@@ -125,37 +163,61 @@ def _attend_tile(acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd,
     else:
         drow = page * page_stride + slot * REC
         srow = drow + DATA
+    # Each piece goes to shared memory (its first MMA) before the next is dequantized, so at
+    # most one piece's registers are live (all four at once spill at 64-record tiles).
     ka = _piece(cache, cache16, drow, srow, valid, 0, 256, FMT, BN)
+    s = _qk(ka, qa, None, TM)
     kb = _piece(cache, cache16, drow, srow, valid, 256, 128, FMT, BN)
+    s = _qk(kb, qb, s, TM)
     kc = _piece(cache, cache16, drow, srow, valid, 384, 64, FMT, BN)
+    s = _qk(kc, qc, s, TM)
     kd = _piece(cache, cache16, drow, srow, valid, 448, 64, FMT, BN)
-    s = tl.dot(qa, tl.trans(ka))
-    s = tl.dot(qb, tl.trans(kb), s)
-    s = tl.dot(qc, tl.trans(kc), s)
-    s = tl.dot(qd, tl.trans(kd), s)
-    s = tl.where(valid[None, :], s * sm_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    p16 = p.to(tl.float16)
-    if PART != 2:
-        acc_a = tl.dot(p16, ka, acc_a * alpha[:, None])
-    if PART != 1:
-        acc_b = tl.dot(p16, kb, acc_b * alpha[:, None])
-        acc_c = tl.dot(p16, kc, acc_c * alpha[:, None])
-        acc_d = tl.dot(p16, kd, acc_d * alpha[:, None])
+    s = _qk(kd, qd, s, TM)
+    if TM:  # Sᵀ [BN, BH] = K·Qᵀ; softmax down the columns; Oᵀ += Vᵀ·Pᵀ
+        s = tl.where(valid[:, None], s * sm_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        p16 = p.to(tl.float16)
+        if PART != 2:
+            acc_a = tl.dot(tl.trans(ka), p16, acc_a * alpha[None, :])
+        if PART != 1:
+            acc_b = tl.dot(tl.trans(kb), p16, acc_b * alpha[None, :])
+            acc_c = tl.dot(tl.trans(kc), p16, acc_c * alpha[None, :])
+            acc_d = tl.dot(tl.trans(kd), p16, acc_d * alpha[None, :])
+    else:
+        s = tl.where(valid[None, :], s * sm_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p16 = p.to(tl.float16)
+        if PART != 2:
+            acc_a = tl.dot(p16, ka, acc_a * alpha[:, None])
+        if PART != 1:
+            acc_b = tl.dot(p16, kb, acc_b * alpha[:, None])
+            acc_c = tl.dot(p16, kc, acc_c * alpha[:, None])
+            acc_d = tl.dot(p16, kd, acc_d * alpha[:, None])
     return acc_a, acc_b, acc_c, acc_d, m_new, l_i
 
 
 @triton.jit
-def _store_piece(acc, scale_rows, dst, row_ok, D0: tl.constexpr, W: tl.constexpr, TO_BF16: tl.constexpr):
-    vals = acc * scale_rows[:, None]
+def _store_piece(acc, scale_rows, dst, row_ok, D0: tl.constexpr, W: tl.constexpr, TO_BF16: tl.constexpr,
+                 TM: tl.constexpr):
     cols = D0 + tl.arange(0, W)
-    if TO_BF16:
-        vals = vals.to(tl.bfloat16)
-    tl.store(dst[:, None] + cols[None, :], vals, mask=row_ok[:, None])
+    if TM:  # acc is [W, BH]
+        vals = acc * scale_rows[None, :]
+        if TO_BF16:
+            vals = vals.to(tl.bfloat16)
+        tl.store(dst[None, :] + cols[:, None], vals, mask=row_ok[None, :])
+    else:
+        vals = acc * scale_rows[:, None]
+        if TO_BF16:
+            vals = vals.to(tl.bfloat16)
+        tl.store(dst[:, None] + cols[None, :], vals, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -168,31 +230,56 @@ def _split_kernel(
     FMT0: tl.constexpr, REC0: tl.constexpr, DATA0: tl.constexpr, HAS_L0: tl.constexpr,
     FMT1: tl.constexpr, REC1: tl.constexpr, DATA1: tl.constexpr, HAS_L1: tl.constexpr, HAS_SCOPE1: tl.constexpr,
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, DV_SPLIT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+    TM: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
-    bt = tl.program_id(0)
+    if HEADS_FIRST:  # a token's head blocks run side by side: the second gather of a record hits L2
+        hb = tl.program_id(0)
+        bt = tl.program_id(1)
+    else:
+        hb = tl.program_id(1)
+        bt = tl.program_id(0)
     b = bt // S_Q
     tq = bt % S_Q
     split = tl.program_id(2)
     if DV_SPLIT == 1:
-        heads = tl.program_id(1) * BH + tl.arange(0, BH)
+        heads = hb * BH + tl.arange(0, BH)
         row_ok = heads < H
         _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
-                 C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss,
-                 l_sh, PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
-                 FMT0, REC0, DATA0, HAS_L0, FMT1, REC1, DATA1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 0, BH, BN)
+             C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss,
+             l_sh, PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
+             FMT0, REC0, DATA0, HAS_L0, FMT1, REC1, DATA1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 0, BH, BN, TM)
     else:
-        heads = (tl.program_id(1) // 2) * BH + tl.arange(0, BH)
+        heads = (hb // 2) * BH + tl.arange(0, BH)
         row_ok = heads < H
-        if tl.program_id(1) % 2 == 0:
+        if hb % 2 == 0:
             _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
                  C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss,
                  l_sh, PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
-                 FMT0, REC0, DATA0, HAS_L0, FMT1, REC1, DATA1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 1, BH, BN)
+                 FMT0, REC0, DATA0, HAS_L0, FMT1, REC1, DATA1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 1, BH, BN, TM)
         else:
             _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
                  C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss,
                  l_sh, PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
-                 FMT0, REC0, DATA0, HAS_L0, FMT1, REC1, DATA1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 2, BH, BN)
+                 FMT0, REC0, DATA0, HAS_L0, FMT1, REC1, DATA1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 2, BH, BN, TM)
+
+
+@triton.jit
+def _load_q(q_rows, qm, D0: tl.constexpr, W: tl.constexpr, TM: tl.constexpr):
+    """fp16 q piece as stored (a converted operand would stay in registers); [W, BH] when TM."""
+    if TM:
+        x = tl.load(q_rows[None, :] + (D0 + tl.arange(0, W))[:, None], mask=qm[None, :], other=0.0)
+    else:
+        x = tl.load(q_rows[:, None] + (D0 + tl.arange(0, W))[None, :], mask=qm[:, None], other=0.0)
+    return x
+
+
+@triton.jit
+def _zeros_acc(W: tl.constexpr, BH: tl.constexpr, TM: tl.constexpr):
+    if TM:
+        x = tl.zeros([W, BH], dtype=tl.float32)
+    else:
+        x = tl.zeros([BH, W], dtype=tl.float32)
+    return x
 
 
 @triton.jit
@@ -202,22 +289,18 @@ def _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K
          FMT0: tl.constexpr, REC0: tl.constexpr, DATA0: tl.constexpr, HAS_L0: tl.constexpr,
          FMT1: tl.constexpr, REC1: tl.constexpr, DATA1: tl.constexpr, HAS_L1: tl.constexpr,
          HAS_SCOPE1: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, PART: tl.constexpr,
-         BH: tl.constexpr, BN: tl.constexpr):
+         BH: tl.constexpr, BN: tl.constexpr, TM: tl.constexpr):
     """One program's work for output PART (see _attend_tile)."""
     q_rows = Q + b.to(tl.int64) * q_sb + tq * q_ss + heads * q_sh
-    qm = row_ok[:, None]
-    # fp16 as stored: a converted operand would stay in registers (wgmma's A from registers)
-    qa = tl.load(q_rows[:, None] + tl.arange(0, 256)[None, :], mask=qm, other=0.0)
-    qb = tl.load(q_rows[:, None] + 256 + tl.arange(0, 128)[None, :], mask=qm, other=0.0)
-    qc = tl.load(q_rows[:, None] + 384 + tl.arange(0, 64)[None, :], mask=qm, other=0.0)
-    qd = tl.load(q_rows[:, None] + 448 + tl.arange(0, 64)[None, :], mask=qm, other=0.0)
-    WA: tl.constexpr = 256 if PART != 2 else 16
-    WB: tl.constexpr = 128 if PART != 1 else 16
-    WC: tl.constexpr = 64 if PART != 1 else 16
-    acc_a = tl.zeros([BH, WA], dtype=tl.float32)
-    acc_b = tl.zeros([BH, WB], dtype=tl.float32)
-    acc_c = tl.zeros([BH, WC], dtype=tl.float32)
-    acc_d = tl.zeros([BH, WC], dtype=tl.float32)
+    qa = _load_q(q_rows, row_ok, 0, 256, TM)
+    qb = _load_q(q_rows, row_ok, 256, 128, TM)
+    qc = _load_q(q_rows, row_ok, 384, 64, TM)
+    qd = _load_q(q_rows, row_ok, 448, 64, TM)
+    # the accumulators another PART owns are [16, 16] placeholders (never touched)
+    acc_a = _zeros_acc(256, BH, TM) if PART != 2 else tl.zeros([16, 16], dtype=tl.float32)
+    acc_b = _zeros_acc(128, BH, TM) if PART != 1 else tl.zeros([16, 16], dtype=tl.float32)
+    acc_c = _zeros_acc(64, BH, TM) if PART != 1 else tl.zeros([16, 16], dtype=tl.float32)
+    acc_d = _zeros_acc(64, BH, TM) if PART != 1 else tl.zeros([16, 16], dtype=tl.float32)
     m_i = tl.full([BH], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BH], dtype=tl.float32)
 
@@ -232,7 +315,7 @@ def _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K
     for t in range(t_begin, tl.minimum(t_end, tiles0)):
         acc_a, acc_b, acc_c, acc_d, m_i, l_i = _attend_tile(
             acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd, C0, C0_16, c0_ps, c0_page, idx0, K0, len0, t,
-            sm_log2, FMT0, REC0, DATA0, PART, BN)
+            sm_log2, FMT0, REC0, DATA0, PART, BN, TM)
     if HAS_SCOPE1:
         tiles1 = tl.cdiv(K1, BN)
         if HAS_L1:
@@ -243,7 +326,7 @@ def _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K
         for t in range(tl.maximum(t_begin, tiles0) - tiles0, tl.minimum(t_end - tiles0, tiles1)):
             acc_a, acc_b, acc_c, acc_d, m_i, l_i = _attend_tile(
                 acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd, C1, C1_16, c1_ps, c1_page, idx1, K1, len1, t,
-                sm_log2, FMT1, REC1, DATA1, PART, BN)
+                sm_log2, FMT1, REC1, DATA1, PART, BN, TM)
 
     lonely = l_i == 0.0
     lse = tl.where(lonely, float("-inf"), (m_i + tl.log2(tl.where(lonely, 1.0, l_i))) * 0.6931471805599453)
@@ -261,11 +344,11 @@ def _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K
         if PART != 1:
             tl.store(LSE + b * l_sb + tq * l_ss + heads * l_sh, tl.where(lonely, float("inf"), lse), mask=row_ok)
     if PART != 2:
-        _store_piece(acc_a, inv, dst, row_ok, 0, 256, not SPLIT)
+        _store_piece(acc_a, inv, dst, row_ok, 0, 256, not SPLIT, TM)
     if PART != 1:
-        _store_piece(acc_b, inv, dst, row_ok, 256, 128, not SPLIT)
-        _store_piece(acc_c, inv, dst, row_ok, 384, 64, not SPLIT)
-        _store_piece(acc_d, inv, dst, row_ok, 448, 64, not SPLIT)
+        _store_piece(acc_b, inv, dst, row_ok, 256, 128, not SPLIT, TM)
+        _store_piece(acc_c, inv, dst, row_ok, 384, 64, not SPLIT, TM)
+        _store_piece(acc_d, inv, dst, row_ok, 448, 64, not SPLIT, TM)
 
 
 @triton.jit
@@ -306,9 +389,11 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def choose_num_splits(programs: int, tiles: int, sms: int) -> int:
-    """About two programs per SM; from shapes only (never index values)."""
-    return max(1, min(tiles, (2 * sms) // max(programs, 1), 32))
+def choose_num_splits(programs: int, tiles: int, sms: int, num_warps: int = 4) -> int:
+    """Enough programs to fill the SMs once at the residency the configs reach (two 4-warp
+    programs per SM, one 8-warp program); from shapes only (never index values)."""
+    per_sm = 2 if num_warps <= 4 else 1
+    return max(1, min(tiles, (per_sm * sms) // max(programs, 1), 32))
 
 
 def v4_sparse_decode_triton(
@@ -324,12 +409,10 @@ def v4_sparse_decode_triton(
         raise ValueError("q must have a unit last stride")
     q = q.to(torch.float16)  # one pass over q (the products run in fp16: module docstring)
     bsz, s_q, heads, _ = q.shape
-    base = default_config(heads)
-    cfg = config or base
-    block_h = cfg.block_h or base.block_h
-    dv_split = cfg.dv_split or base.dv_split
-    num_warps = cfg.num_warps or base.num_warps
-    bn = cfg.block_n
+    cfg = resolve_config(heads, config)
+    block_h, dv_split, bn = cfg.block_h, cfg.dv_split, cfg.block_n
+    if block_h not in (16, 32, 64, 128) or dv_split not in (1, 2) or bn not in (16, 32, 64, 128):
+        raise ValueError(f"config: block_h must be 16/32/64/128, dv_split 1/2, block_n 16..128, got {cfg}")
     if out is None:
         out = torch.empty(bsz, s_q, heads, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
     if lse is None:
@@ -344,7 +427,7 @@ def v4_sparse_decode_triton(
     tiles = sum(-(-s.indices.shape[-1] // bn) for s in sc)
     head_blocks = -(-heads // block_h)
     programs = bsz * s_q * head_blocks * dv_split
-    splits = cfg.num_splits or choose_num_splits(programs, tiles, num_sms(q.device))
+    splits = cfg.num_splits or choose_num_splits(programs, tiles, num_sms(q.device), cfg.num_warps)
     splits = max(1, min(splits, tiles))
     tiles_per_split = -(-tiles // splits)
     splits = -(-tiles // tiles_per_split)  # no empty trailing split
@@ -372,7 +455,9 @@ def v4_sparse_decode_triton(
     s0, s1 = sc[0], (sc[1] if len(sc) > 1 else None)
     k0, k1 = scope_consts(s0), scope_consts(s1)
     dummy = lse
-    _split_kernel[(bsz * s_q, head_blocks * dv_split, splits)](
+    grid = (head_blocks * dv_split, bsz * s_q, splits) if cfg.heads_first else (bsz * s_q, head_blocks * dv_split,
+                                                                                  splits)
+    _split_kernel[grid](
         q, q.stride(0), q.stride(1), q.stride(2),
         *scope_args(s0), *scope_args(s1),
         sinks if sinks is not None else dummy, out, out.stride(0), out.stride(1), out.stride(2),
@@ -382,7 +467,8 @@ def v4_sparse_decode_triton(
         FMT0=k0["FMT"], REC0=k0["REC"], DATA0=k0["DATA"], HAS_L0=k0["HAS_L"],
         FMT1=k1["FMT"], REC1=k1["REC"], DATA1=k1["DATA"], HAS_L1=k1["HAS_L"], HAS_SCOPE1=s1 is not None,
         HAS_SINK=sinks is not None, SPLIT=splits > 1, DV_SPLIT=dv_split, BH=block_h, BN=bn,
-        num_warps=num_warps, num_stages=cfg.num_stages,
+        TM=bool(cfg.tokens_major), HEADS_FIRST=bool(cfg.heads_first), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if splits > 1:
         ch = 16

@@ -22,6 +22,9 @@ import torch
 
 from kernels.fp8 import FP8_DTYPE
 from kernels.mxfp4_moe import (
+    FOLD_LUT_ROWS,
+    fold_bytes_lut,
+    fold_lut,
     fold_mxfp4_to_e4m3,
     fold_underflow_fraction,
     moe_mxfp4_reference,
@@ -112,6 +115,43 @@ def test_zero_groups_are_exact_at_any_shift():
     packed, scale = quantize_mxfp4(w)
     assert fold_underflow_fraction(scale) > 0
     assert torch.equal(w4a8_weight_reference(packed, scale), dequantize_mxfp4(packed, scale))
+
+
+def test_fold_lut_conversion_equals_the_fold_for_every_code_and_shift():
+    """The kernel's PRMT conversion (mirrored in torch int ops) on all 256 bytes = all 16 × 16
+    code pairs, at every byte position of a word, for fold shifts 0 .. −15 (table rows clamp at
+    13, where everything flushes), against fold_mxfp4_to_e4m3."""
+    lut = fold_lut()
+    assert lut.shape == (FOLD_LUT_ROWS, 2) and lut[0].tolist() == [0x3C383000, 0x4C484440]
+    assert lut[FOLD_LUT_ROWS - 1].tolist() == [0, 0]
+    g = torch.Generator().manual_seed(5)
+    for pos in range(4):
+        group = torch.randint(0, 256, (256, 16), generator=g, dtype=torch.int64)
+        group[:, pos] = torch.arange(256)  # byte `pos` of word 0 runs through every value
+        for shift in range(0, -16, -1):
+            top = torch.randint(0, 256, (256, 16), generator=g)
+            packed = torch.cat([top, group, group, group], 1).to(torch.uint8).view(torch.int8)
+            scale = torch.tensor([120, 120 + shift, 117, 100], dtype=torch.uint8).repeat(256, 1)
+            ref, _ = fold_mxfp4_to_e4m3(packed, scale)
+            ref = ref.view(torch.uint8)[:, 32:64].long()  # group 1: even columns = low nibbles
+            words = (group.reshape(256, 4, 4) << (8 * torch.arange(4))).sum(-1)
+            tlo, thi = lut[min(-shift, FOLD_LUT_ROWS - 1)].long()
+            lo, hi = fold_bytes_lut(words, tlo, thi)
+            byte = lambda w: ((w[..., None] >> (8 * torch.arange(4))) & 0xFF).reshape(256, 16)  # noqa: E731
+            assert torch.equal(byte(lo), ref[:, 0::2]), (pos, shift)
+            assert torch.equal(byte(hi), ref[:, 1::2]), (pos, shift)
+
+
+def test_default_config_splits_k_only_for_few_experts():
+    from kernels.mxfp4_moe_triton import MXFP4MoEConfig, default_config, fused_gate_up
+
+    one = default_config(6, 384)  # batch 1 of V4.1-Flash: 6 experts
+    assert (one.block_m, one.split_k, one.split_k_down) == (16, 4, 2) and not fused_gate_up(one, True)
+    many = default_config(96, 384)
+    assert (many.split_k, many.split_k_down) == (1, 1) and fused_gate_up(many, True)
+    prefill = default_config(8192 * 6, 384)
+    assert prefill.block_m == 64 and not fused_gate_up(prefill, True) and fused_gate_up(prefill, False)
+    assert fused_gate_up(MXFP4MoEConfig(64, 128), True)
 
 
 def test_pair_columns_roundtrip_and_order():
@@ -263,7 +303,10 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
         (5, 2, [0, 1, 3], 0, 1.0, small),       # experts 2 and 4 get nothing
         (12, 1, [2], 0, 1.0, small),            # one expert gets every token
         (6, 3, [0, 1, 2, 3, 4, 7, 9], 2, 0.0, MXFP4MoEConfig(32, 128, 128, 8, 4, 1)),  # foreign experts
-        (1, 2, None, 0, 1.0, None),
+        (1, 2, None, 0, 1.0, None),             # default at batch 1: split-K 4 / 2
+        # split-K of 2 spans into 3 (one split empty), unfused 64-column gate/up, fp16 convert
+        (4, 2, [0, 2, 4], 0, 1.0, MXFP4MoEConfig(16, 128, 128, 2, 4, 1, split_k=3, split_k_down=2)),
+        (7, 2, None, 1, 1.0, MXFP4MoEConfig(16, 64, 128, 2, 4, 1, split_k_down=3, convert="fp16")),
     ]
     for t, k, only, offset, limit, cfg in cases:
         wts, ids = routing(t, k, e + offset, seed=t, only=only)
@@ -295,25 +338,79 @@ def test_triton_kernels_under_interpreter():
 @pytest.mark.slow
 @pytest.mark.skipif(_PTXAS is None or not _PTXAS.exists(), reason="needs triton's bundled ptxas")
 def test_default_configs_compile_for_sm90_without_spills():
-    from kernels.mxfp4_moe_triton import CONFIG_TABLE, _down_kernel, _gate_up_kernel
+    """W4A8 gate/up and down of every table tile (and its split-K form for the decode tiles),
+    the gate/up finisher and the split sum; the PRMT conversion gets 16 contiguous bytes of one
+    32-group per thread (its 4-byte packs share a fold table)."""
+    import re
 
-    up_ints = ("n_slots", "K", "inter", "top_k", "grid_m", "stride_am", "stride_sam", "stride_we", "stride_wn",
-               "stride_swe", "stride_swn", "stride_hm", "stride_shm")
-    down_ints = ("n_slots", "N", "K", "grid_m", "stride_am", "stride_sam", "stride_we", "stride_wn", "stride_swe",
-                 "stride_swn", "stride_ym")
-    common = dict(SA="*fp32", W="*i8", SW="*u8", SLOTS="*i32", BLOCK_EXPERT="*i32")
-    for _, cfg in CONFIG_TABLE:
+    from kernels.mxfp4_moe_triton import (
+        CONFIG_TABLE,
+        _down_kernel,
+        _finish_gate_up_kernel,
+        _gate_up_kernel,
+        _sum_split_slots_kernel,
+        fused_gate_up,
+    )
+
+    up_ints = ("n_slots", "K", "inter", "top_k", "grid_m", "split_k", "stride_am", "stride_sam", "stride_we",
+               "stride_wn", "stride_swe", "stride_swn", "stride_hm", "stride_shm", "stride_ps", "stride_pm")
+    down_ints = ("n_slots", "N", "K", "grid_m", "split_k", "stride_am", "stride_sam", "stride_we", "stride_wn",
+                 "stride_swe", "stride_swn", "stride_ys", "stride_ym")
+    common = dict(SA="*fp32", W="*i8", SW="*u8", SLOTS="*i32", BLOCK_EXPERT="*i32", LUT="*i32", A="*fp8e4nv")
+    cfgs = [cfg for _, cfg in CONFIG_TABLE]
+    cfgs += [dataclasses.replace(c, split_k=4, split_k_down=2) for c in cfgs if c.block_m == 16]
+    for cfg in cfgs:
         opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        a = "*fp8e4nv"
-        types = dict(common, A=a, H="*u8", SH="*fp32", TOPK_W="*fp32", limit="fp32", **dict.fromkeys(up_ints, "i32"))
-        consts = dict(A8=True, CLAMP=True, UE8M0=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m)
-        ptx, usage = _compile_sm90(_gate_up_kernel, types, consts, **opts)
+        types = dict(common, H="*u8", SH="*fp32", P="*fp32", TOPK_W="*fp32", limit="fp32",
+                     **dict.fromkeys(up_ints, "i32"))
+        consts_up = dict(A8=True, CLAMP=True, UE8M0=False, FUSED=fused_gate_up(cfg, True), BLOCK_M=cfg.block_m,
+                         BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, CONVERT=1)
+        ptx, usage = _compile_sm90(_gate_up_kernel, types, consts_up, **opts)
         assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (cfg, usage)
-        assert ("wgmma" in ptx) == (cfg.block_m >= 64), cfg
-        types = dict(common, A=a, Y="*bf16", **dict.fromkeys(down_ints, "i32"))
-        consts = dict(A8=True, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, GROUP_M=cfg.group_m)
+        assert ("wgmma" in ptx) == (cfg.block_m >= 64) and "prmt.b32" in ptx, cfg
+        split = cfg.split_k_down > 1
+        types = dict(common, Y="*fp32" if split else "*bf16", **dict.fromkeys(down_ints, "i32"))
+        consts = dict(A8=True, SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, GROUP_M=cfg.group_m,
+                      CONVERT=1)
         _, usage = _compile_sm90(_down_kernel, types, consts, **opts)
         assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (cfg, usage)
+        # registers 0..3 of each thread (one 4-byte pack) = 4 consecutive bytes of one group-row
+        for lay in _compile_layouts(_gate_up_kernel, dict(common, H="*u8", SH="*fp32", P="*fp32", TOPK_W="*fp32",
+                                    limit="fp32", **dict.fromkeys(up_ints, "i32")),
+                                    dict(consts_up, FUSED=fused_gate_up(cfg, True)), **opts):
+            blocked = re.search(r"sizePerThread = \[1, (\d+), 1\], threadsPerWarp = \[\d+, \d+, \d+\], "
+                                r"warpsPerCTA = \[\d+, \d+, \d+\], order = \[1,", lay)
+            assert (blocked and int(blocked.group(1)) % 4 == 0) or "register = [[0, 1, 0], [0, 2, 0]" in lay, lay
+    ints = ("n_slots", "inter", "split_k", "stride_ps", "stride_pm", "stride_hm", "stride_shm")
+    _, usage = _compile_sm90(_finish_gate_up_kernel, dict(P="*fp32", H="*u8", SH="*fp32", SLOTS="*i32",
+                             TOPK_W="*fp32", limit="fp32", **dict.fromkeys(ints, "i32")),
+                             dict(A8=True, CLAMP=True, UE8M0=False, BLOCK_M=16), num_warps=4)
+    assert usage.endswith("LOCAL:0"), usage
+    ints = ("N", "top_k", "expert_offset", "n_local", "split_k", "stride_ys", "stride_ym", "stride_om")
+    _, usage = _compile_sm90(_sum_split_slots_kernel, dict(Y="*fp32", IDS="*i64", OUT="*fp32",
+                             **dict.fromkeys(ints, "i32")), dict(BLOCK_N=1024), num_warps=4)
+    assert usage.endswith("LOCAL:0"), usage
+
+
+def _compile_layouts(fn, types, consts, **options):
+    """The TTGIR layouts of the operands of every inline-asm op of an sm_90 compile."""
+    import inspect
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: "constexpr" if n in consts else types[n] for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in consts and (types[n].startswith("*") or n.startswith("stride"))}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    ttgir = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options).asm["ttgir"]
+    defs = dict(re.findall(r"^(#\w+) = (#ttg\.\w+<.*>)$", ttgir, re.M))
+    used = re.findall(r"tt\.elementwise_inline_asm .*? : tensor<[^,]*, (#\w+)>", ttgir)
+    assert used, "no inline asm in the kernel"
+    return [defs.get(u, u) for u in used]
 
 
 # ----------------------------------------------------------------------------- GPU

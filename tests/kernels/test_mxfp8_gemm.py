@@ -187,9 +187,10 @@ def run_interpreted(script: str) -> None:
 # ----------------------------------------------------------------------------- sm_90 compilation (CPU)
 
 
-def _compile_sm90(fn, types: dict, consts: dict, **options):
+def _compile_sm90(fn, types: dict, consts: dict, divisible: tuple[str, ...] = (), **options):
     """Compile a @triton.jit kernel for sm_90 without a GPU (Triton's bundled ptxas); returns
-    (ptx, ptxas resource usage line). Pointers and strides are 16-divisible, as at run time."""
+    (ptx, ptxas resource usage line). Pointers, strides and the ``divisible`` integer arguments
+    are 16-divisible, as at run time."""
     import inspect
     import re
 
@@ -200,7 +201,7 @@ def _compile_sm90(fn, types: dict, consts: dict, **options):
     names = list(inspect.signature(fn.fn).parameters)
     sig = {n: "constexpr" if n in consts else types[n] for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in consts and (types[n].startswith("*") or n.startswith("stride"))}
+             if n not in consts and (types[n].startswith("*") or n.startswith("stride") or n in divisible)}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"

@@ -36,11 +36,16 @@ def _pack(rows: torch.Tensor, record: str) -> torch.Tensor:
 
 
 def make_scope(bsz: int, s_q: int, k: int, record: str, page_size: int, with_lengths: bool, gen: torch.Generator,
-               device: str = "cpu", invalid_frac: float = 0.15) -> SparseKV:
-    """A cache whose only finite records are the picked ones, picks with −1s, and maybe lengths."""
+               device: str = "cpu", invalid_frac: float = 0.15, block_spread: int = 0) -> SparseKV:
+    """A cache whose only finite records are the picked ones, picks with −1s, and maybe lengths.
+    ``block_spread``: each 64-dim block of a row is scaled by 2^u, u uniform in
+    [−block_spread, block_spread / 2] (the per-block scales of a record then span that many binades)."""
     pages = -(-(bsz * s_q * k + 7) // page_size) + 1
     n = pages * page_size
     rows = torch.randn(pages, page_size, 512, generator=gen) * (1 + 3 * torch.rand(pages, page_size, 1, generator=gen))
+    if block_spread:
+        u = torch.randint(-block_spread, block_spread // 2 + 1, (pages, page_size, 8, 1), generator=gen)
+        rows = (rows.view(pages, page_size, 8, 64) * torch.exp2(u.float())).view(pages, page_size, 512)
     packed = _pack(rows, record)
     cache = _pack(torch.zeros(pages, page_size, 512), record)
     cache.as_strided((pages, cache.stride(0)), (cache.stride(0), 1)).fill_(0xFF)  # pads included
@@ -72,11 +77,11 @@ def _copy_records(dst: torch.Tensor, src: torch.Tensor, flat: torch.Tensor, reco
         dst[page, slot] = src[page, slot]
 
 
-def make_case(bsz, s_q, heads, specs, seed=0, device="cpu"):
+def make_case(bsz, s_q, heads, specs, seed=0, device="cpu", block_spread=0):
     """q, scopes, sinks for scope ``specs`` [(k, record, page_size, with_lengths)]."""
     gen = torch.Generator().manual_seed(seed)
     q = (torch.randn(bsz, s_q, heads, 512, generator=gen) * 2).to(torch.bfloat16)
-    scopes = [make_scope(bsz, s_q, k, rec, ps, wl, gen, device) for k, rec, ps, wl in specs]
+    scopes = [make_scope(bsz, s_q, k, rec, ps, wl, gen, device, block_spread=block_spread) for k, rec, ps, wl in specs]
     sinks = torch.randn(heads, generator=gen) * 3
     return q.to(device), scopes, sinks.to(device)
 
@@ -165,15 +170,23 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     import torch
     from tests.kernels.test_v4_sparse_decode import make_case, float64_loop, rel_err, SCALE
     from kernels.v4_sparse_decode_triton import SparseDecodeConfig as C, v4_sparse_decode_triton
-    cases = [  # (B, s_q, H, scopes, config)
-        (2, 2, 8, [(70, "v4", 16, False), (130, "v4", 5, True)], C()),
-        (1, 2, 16, [(64, "v4", 64, True), (70, "v4", 3, False)], C(block_h=16, dv_split=2, num_splits=3)),
-        (2, 1, 5, [(40, "v41_window", 7, False), (100, "v41_entry", 4, True)], C(num_splits=2)),
+    cases = [  # (B, s_q, H, scopes, config, block spread); default configs cover 16/64/128-row programs
+        (2, 2, 8, [(70, "v4", 16, False), (130, "v4", 5, True)], C(), 0),
+        (1, 2, 16, [(64, "v4", 64, True), (70, "v4", 3, False)], C(block_h=16, dv_split=2, num_splits=3), 0),
+        (2, 1, 5, [(40, "v41_window", 7, False), (100, "v41_entry", 4, True)], C(num_splits=2), 0),
+        (1, 2, 32, [(40, "v4", 16, False), (50, "v4", 7, True)], C(), 0),  # two 16-head blocks
+        (1, 1, 64, [(40, "v4", 16, False), (50, "v4", 7, True)], C(), 10),  # 64 rows, dims halved; spread
+        (1, 1, 128, [(33, "v4", 8, False), (40, "v4", 5, True)], C(num_splits=2), 0),
+        (2, 2, 16, [(50, "v4", 16, False), (70, "v4", 3, True)], C(tokens_major=True, num_splits=2), 10),
+        (2, 1, 16, [(40, "v41_window", 7, False), (60, "v41_entry", 4, True)], C(tokens_major=True), 0),
+        (2, 2, 24, [(40, "v4", 4, False), (60, "v4", 5, True)], C(heads_first=False, dv_split=2, block_n=64), 0),
     ]
-    for i, (bsz, s_q, h, specs, cfg) in enumerate(cases):
-        q, scopes, sinks = make_case(bsz, s_q, h, specs, seed=10 + i)
+    for i, (bsz, s_q, h, specs, cfg, spread) in enumerate(cases):
+        q, scopes, sinks = make_case(bsz, s_q, h, specs, seed=10 + i, block_spread=spread)
         if i == 2:
             scopes[0].indices[1] = -1; scopes[1].indices[1] = -1  # a request with no key
+        if i == 6:
+            sinks[0] = float("inf"); sinks[1] = float("-inf")  # a sink that takes all the mass, one absent
         out = torch.full((bsz, s_q, h, 512), float("nan"), dtype=torch.bfloat16)
         lse = torch.full((bsz, s_q, h), float("nan"))
         v4_sparse_decode_triton(q, scopes, sinks, SCALE, config=cfg, out=out, lse=lse)
@@ -196,6 +209,42 @@ def test_triton_kernel_under_interpreter():
     assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-4000:]
 
 
+_SM90_STACK_LIMIT = {16: 0, 64: 256, 128: 64}  # bytes of spill stack the default shapes compile to (or less)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads", sorted(_SM90_STACK_LIMIT))
+def test_default_configs_compile_for_sm90_pipelined(heads):
+    """The defaults the H200 runs, compiled here: cp.async-pipelined gathers, the MMA kind
+    (mma.sync for 16-row programs, wgmma from 64 rows) and at most the known spill stack."""
+    pytest.importorskip("triton")
+    from tests.kernels.test_mxfp8_gemm import _PTXAS, _compile_sm90
+
+    if not _PTXAS.exists():
+        pytest.skip("needs triton's bundled ptxas")
+    from kernels.v4_sparse_decode_triton import _split_kernel, resolve_config
+
+    cfg = resolve_config(heads, None)
+    types = dict(Q="*fp16", C0="*u8", C0_16="*bf16", I0="*i32", L0="*i32", C1="*u8", C1_16="*bf16", I1="*i32",
+                 L1="*i32", SINK="*fp32", OUT="*bf16", LSE="*fp32", PO="*fp32", PL="*fp32", sm_log2="fp32")
+    names = ("q_sb q_ss q_sh c0_ps c0_page i0_sb i0_ss K0 c1_ps c1_page i1_sb i1_ss K1 o_sb o_ss o_sh l_sb l_ss l_sh "
+             "S_Q H num_splits tiles_per_split").split()
+    types.update(dict.fromkeys(names, "i32"))
+    consts = dict(FMT0=0, REC0=584, DATA0=576, HAS_L0=False, FMT1=0, REC1=584, DATA1=576, HAS_L1=True,
+                  HAS_SCOPE1=True, HAS_SINK=True, SPLIT=True, DV_SPLIT=cfg.dv_split, BH=cfg.block_h, BN=cfg.block_n,
+                  TM=cfg.tokens_major, HEADS_FIRST=cfg.heads_first)
+    divisible = ("q_sb", "q_ss", "q_sh", "c0_ps", "c1_ps", "o_sb", "o_ss", "o_sh", "i0_sb", "i0_ss", "i1_sb", "i1_ss")
+    ptx, usage = _compile_sm90(_split_kernel, types, consts, divisible=divisible, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages)
+    assert "cp.async" in ptx, "the record gathers are not pipelined"
+    if cfg.block_h >= 64:
+        assert "wgmma.mma_async" in ptx, usage
+    else:
+        assert "mma.sync" in ptx and "wgmma" not in ptx, usage
+    stack = int(usage.split("STACK:")[1].split()[0])
+    assert usage.endswith("LOCAL:0") and stack <= _SM90_STACK_LIMIT[heads], (cfg, usage)
+
+
 GPU_CASES = [  # (B, s_q, H, top-k, page size of the entries)
     (4, 1, 8, 512, 64), (4, 2, 16, 2048, 64), (3, 2, 64, 512, 2), (2, 1, 128, 2048, 64), (2, 2, 128, 512, 61),
 ]
@@ -210,6 +259,27 @@ def test_triton_kernel_on_gpu(bsz, s_q, heads, topk, page):
     q, scopes, sinks = make_case(bsz, s_q, heads, [(128, "v4", 64, False), (topk, "v4", page, True)],
                                  seed=heads + topk, device="cuda")
     out, lse = v4_sparse_decode_triton(q, scopes, sinks, SCALE)
+    want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
+    assert not out.isnan().any()
+    assert rel_err(out, want) <= 2e-2
+    assert (lse.double() - want_lse).abs().max().item() < 5e-3
+
+
+GPU_VARIANTS = [  # (heads, config fields): the sweep shapes no default runs (the bench checks the rest)
+    (16, dict(tokens_major=True)), (16, dict(dv_split=2, block_n=64)), (64, dict(block_h=128)), (128, dict(block_h=64)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("heads,fields", GPU_VARIANTS)
+def test_triton_kernel_variants_on_gpu(heads, fields):
+    """Launch variants on the GPU, with per-block scales spread over 12 binades."""
+    from kernels.v4_sparse_decode_triton import SparseDecodeConfig, v4_sparse_decode_triton
+
+    q, scopes, sinks = make_case(3, 2, heads, [(128, "v4", 64, False), (512, "v4", 61, True)], seed=heads,
+                                 device="cuda", block_spread=8)
+    out, lse = v4_sparse_decode_triton(q, scopes, sinks, SCALE, config=SparseDecodeConfig(**fields))
     want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
     assert not out.isnan().any()
     assert rel_err(out, want) <= 2e-2
