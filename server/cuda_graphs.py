@@ -11,6 +11,7 @@ run eagerly. Every op on the decode path must therefore be free of host syncs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
@@ -81,17 +82,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture largest first, so smaller graphs reuse the same memory pool."""
-        for b in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", unit="graph"):
-            self._forward(b)  # warm-up: kernel selection, autotuning, lazy allocations
-            torch.cuda.synchronize(self.runner.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                out = self._forward(b)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[b] = (graph, out)
-        torch.cuda.synchronize(self.runner.device)
+        self.graphs, self.pool = capture_graphs(self.sizes, self._forward, self.runner.device)
         logger.info("captured %d decode CUDA graphs (batch %d..%d)", len(self.graphs), self.sizes[0], self.max_batch)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
@@ -116,23 +107,52 @@ class DecodeGraphs:
         return out[:n]
 
 
-def maybe_capture(runner, config, max_model_len: int) -> DecodeGraphs | None:
-    """Capture decode graphs when on CUDA, not --enforce-eager, and cudagraph_mode allows."""
-    if runner.device.type != "cuda" or config.enforce_eager or config.cudagraph_mode == "NONE":
-        return None
-    if runner.model.par.dispatch_moe:
+def capture_graphs(sizes: list[int], forward: Callable[[int], torch.Tensor], device: torch.device,
+                   ) -> tuple[dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]], object]:
+    """Capture ``forward(b)`` for every size b (after one eager warm-up each: kernel selection,
+    autotuning, lazy allocations), largest first so the smaller graphs reuse its memory pool;
+    ({b: (graph, its output)}, the pool)."""
+    graphs, pool = {}, None
+    for b in tqdm(sorted(sizes, reverse=True), desc="Capturing CUDA graphs", unit="graph"):
+        forward(b)
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward(b)
+        if pool is None:
+            pool = graph.pool()
+        graphs[b] = (graph, out)
+    torch.cuda.synchronize(device)
+    return graphs, pool
+
+
+def graph_capture_sizes(device: torch.device, config, par) -> list[int]:
+    """The decode sizes to capture, or [] (with one log line saying why) when graphs are off:
+    not on CUDA, ``--enforce-eager``, ``cudagraph_mode`` NONE, DP dispatch, or no size fits."""
+    if device.type != "cuda" or config.enforce_eager or config.cudagraph_mode == "NONE":
+        return []
+    if par.dispatch_moe:
         # DP ranks exchange their (different) row counts every step on the host; graphs would
         # need every rank padded to one captured size first (not implemented yet).
         logger.info("decode CUDA graphs off under DP > 1 (per-step row counts differ across ranks)")
-        return None
-    if not runner.decode_backend.support.cuda_graph_safe:
-        logger.info("decode CUDA graphs off: attention backend %r is not graph-safe (running eagerly)",
-                    runner.decode_backend.name)
-        return None
+        return []
     sizes = decode_capture_sizes(config)
     if not sizes:
         logger.info("decode CUDA graphs off: no capture size in %s is at most --max-num-seqs %d",
                     list(config.cudagraph_capture_sizes), config.max_num_seqs)
+    return sizes
+
+
+def maybe_capture(runner, config, max_model_len: int) -> DecodeGraphs | None:
+    """Capture decode graphs when on CUDA, not --enforce-eager, and cudagraph_mode allows."""
+    if runner.device.type != "cuda" or config.enforce_eager or config.cudagraph_mode == "NONE":
+        return None
+    if not runner.model.par.dispatch_moe and not runner.decode_backend.support.cuda_graph_safe:
+        logger.info("decode CUDA graphs off: attention backend %r is not graph-safe (running eagerly)",
+                    runner.decode_backend.name)
+        return None
+    sizes = graph_capture_sizes(runner.device, config, runner.model.par)
+    if not sizes:
         return None
     max_blocks = -(-max_model_len // config.block_size)
     graphs = DecodeGraphs(runner, sizes, max_blocks)

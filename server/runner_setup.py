@@ -26,7 +26,8 @@ from server.cuda_graphs import maybe_capture
 from server.kv_cache_spec import max_tokens_per_seq, plan_groups
 from server.runner import ModelRunner, determine_num_blocks, model_kv_cache_specs
 from server.scheduler import resolve_max_num_batched_tokens
-from server.v4_kv_specs import describe_v4_capacity, v4_family_kv_cache_specs
+from server.v4_cuda_graphs import maybe_capture_v4
+from server.v4_kv_specs import describe_v4_capacity, v4_family_kv_cache_specs, v4_pool_plan
 from server.v4_prefix_cache import describe_snapshot_policy
 from server.v4_runner import V4FamilyRunner, v4_num_blocks
 
@@ -154,8 +155,9 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
     """V4 / V4.1: the model with its per-request states (this rank's shard under ``par``;
     ``--load-format dummy``: random weights made on the device), the cache specs of
     server/v4_kv_specs.py sized from the byte budget (the TP group's minimum), prefix caching
-    by state snapshots (server/v4_prefix_cache.py), no decode graphs; ``--attention-backend``
-    picks the sparse decode backend for fp8 records (model/v4/sparse_attention.py)."""
+    by state snapshots (server/v4_prefix_cache.py), row pools sized once from the plan, decode
+    graphs (server/v4_cuda_graphs.py); ``--attention-backend`` picks the sparse decode backend
+    for fp8 records (model/v4/sparse_attention.py)."""
     if par is not None:
         check_v4_family_parallel(config, model_dir)
     if config.dtype == "auto":
@@ -178,8 +180,6 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
                     describe_snapshot_policy(envs.MLASERVE_V4_PREFIX_SNAPSHOT_INTERVAL, config.block_size, slots))
     else:
         logger.info("prefix caching is off for %s (--no-enable-prefix-caching)", model.config.model_type)
-    if device.type == "cuda" and config.cudagraph_mode != "NONE":
-        logger.info("CUDA graphs are not captured for DeepSeek-V4-family models: decode runs eagerly")
     max_model_len = resolve_max_model_len(config, model.config)
     step_tokens = resolve_max_num_batched_tokens(config, max_model_len)
     specs = v4_family_kv_cache_specs(model.config, config.block_size, config.kv_cache_dtype, dtype, step_tokens,
@@ -191,5 +191,11 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
     max_model_len = fit_kv_capacity(config, max_model_len, max_tokens_per_seq(groups))
     logger.info("KV cache (%s, --kv-cache-dtype %s): %s", model.config.model_type, config.kv_cache_dtype,
                 describe_v4_capacity(groups, max_model_len))
+    # The row pools, once, at the plan's sizes: their addresses never move (CUDA graphs).
+    model.configure_cache(config.kv_cache_dtype, page_rows=config.block_size, plan=v4_pool_plan(groups),
+                          attention_backend=config.attention_backend)
+    logger.info("row pools: %d bytes (the plan's groups: %d bytes)", model.cache_pools().num_bytes(),
+                sum(g.num_bytes for g in groups))
     runner = V4FamilyRunner(model, config, num_blocks, device, specs)
+    runner.decode_graphs = maybe_capture_v4(model, config, max_model_len)
     return RunnerSetup(model, runner, num_blocks, max_model_len)

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from model.v4.cache_pool import PoolPlan
 from server.kv_cache_spec import KVCacheGroup, KVCacheSpec
 
 
@@ -250,6 +251,20 @@ def v4_family_kv_cache_specs(model_config, block_size: int, kv_cache_dtype: str,
         specs.append(IndexerKeySpec(block_size, u8, layers, ratio=ratio, entry_bytes=key))
     specs.append(PerRequestStateSpec(block_size, u8, (), state_bytes=state, snapshot_slots=snapshot_slots))
     return specs
+
+
+def v4_pool_plan(groups: list[KVCacheGroup]) -> PoolPlan:
+    """The model's fixed row-pool sizes (model/v4/cache_pool.py) from the planned groups: a
+    ring unit per state page (running requests and snapshots), and per compressed-entry /
+    indexer-key group one pool page per block, holding that block's entries."""
+    states, pages = 0, {}
+    for g in groups:
+        if isinstance(g.spec, PerRequestStateSpec):
+            states = g.num_blocks
+        elif isinstance(g.spec, CompressedSpec):
+            kind = "keys" if isinstance(g.spec, IndexerKeySpec) else "entries"
+            pages[kind, g.spec.ratio] = (g.num_blocks, g.spec.entries_per_page)
+    return PoolPlan(states, pages)
 
 
 def v4_capacity(groups: list[KVCacheGroup], max_model_len: int) -> dict:

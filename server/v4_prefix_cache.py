@@ -270,7 +270,8 @@ class SnapshotStore:
 
     def drop(self, keys) -> None:
         for key in keys:
-            self.states.pop(key, None)
+            if (state := self.states.pop(key, None)) is not None:
+                state.release()
 
     def restore(self, key: str):
         return self.states[key].clone()

@@ -28,7 +28,8 @@ the projections every chunk — the same result at extra cost.
 State lifetime: created at a sequence's first chunk (position 0), advanced in place by every
 step, dropped when the sequence finishes or is aborted (``release``) and when it is preempted
 (recompute: its next chunk starts at position 0 again with a fresh state); a dropped state's
-pool units go back to the pools. The ``n``
+pool units go back to the pools at once (``state.release()``). The pools are sized once from
+the block manager's plan (server/runner_setup.py), so its accounting bounds them. The ``n``
 sequences of one request that run the same prompt chunk in the same step compute it once:
 the others get a clone of the resulting state and the same logits (they sample with their
 own generators).
@@ -47,9 +48,9 @@ state (the latent rows are replicated work). The engine's plan carries the seque
 share keys and the sequences whose states were dropped since the last plan (finished,
 aborted, preempted), so a TP worker creates, shares and drops states exactly as the engine
 does. Under DP the forwards of a step (each prompt chunk's and the one batched decode) are
-kept in lockstep (server/v4_dp_lockstep.py). CUDA graphs are not captured for these models
-(one log line at start-up); the batched decode's index tensors and padded gathers are the
-shapes a captured graph would replay.
+kept in lockstep (server/v4_dp_lockstep.py). A step of one-token chunks only replays a
+captured decode graph (server/v4_cuda_graphs.py; ``decode_graphs``, set at start-up) when its
+batch fits the largest captured size; every other batched decode runs eagerly.
 """
 
 from __future__ import annotations
@@ -161,8 +162,11 @@ class V4FamilyRunner(ModelRunner):
 
     def _drop_states(self, seq_ids) -> None:
         for sid in seq_ids:
-            if self.states.pop(sid, None) is not None and self.plan_broadcaster is not None:
-                self._released.append(sid)
+            state = self.states.pop(sid, None)
+            if state is not None:
+                state.release()
+                if self.plan_broadcaster is not None:
+                    self._released.append(sid)
 
     def _state_at(self, seq_id: int, start: int):
         if start == 0:
@@ -207,7 +211,8 @@ class V4FamilyRunner(ModelRunner):
         """Prompt chunks through their sequences' states one by one, every one-token chunk of the
         step in one batched forward (``model.decode``); float32 logits of ``plan.logit_rows``."""
         for sid in plan.released:  # a TP worker: the engine dropped these states
-            self.states.pop(sid, None)
+            if (state := self.states.pop(sid, None)) is not None:
+                state.release()
         self.snapshots.drop(plan.snapshot_drops)  # a TP worker: and evicted these snapshots
         input_ids = self._input_ids(plan, fills, pending)
         if profile is not None:
@@ -230,7 +235,10 @@ class V4FamilyRunner(ModelRunner):
             if q == 1 and key is None and not takes:
                 decode.append((len(parts), self._state_at(sid, start), offset, bool(rows)))
             elif done is not None and done[1] == rows and not takes and (start == 0 or sid in self.states):
-                self._state_at(sid, start)  # checks the position
+                if start:
+                    self._state_at(sid, start)  # checks the position
+                if (old := self.states.pop(sid, None)) is not None:
+                    old.release()  # before the clone takes its units
                 self.states[sid] = done[0].clone()
                 self.num_shared_chunks += 1
                 logits = done[2]
@@ -246,7 +254,7 @@ class V4FamilyRunner(ModelRunner):
             parts.append(logits)
             offset += q
         if decode:
-            self._decode(input_ids, decode, parts)
+            self._decode(input_ids, decode, parts, pure=len(decode) == len(plan.seq_ids))
         self.lockstep.finish()
         parts = [p for p in parts if p is not None]
         if not parts:
@@ -254,11 +262,17 @@ class V4FamilyRunner(ModelRunner):
         return torch.cat(parts)
 
     def _decode(self, input_ids: torch.Tensor, decode: list[tuple[int, object, int, bool]],
-                parts: list[torch.Tensor | None]) -> None:
-        """Advance every one-token chunk's state in one forward; logits into ``parts`` where wanted."""
+                parts: list[torch.Tensor | None], pure: bool) -> None:
+        """Advance every one-token chunk's state in one forward (a captured graph when the step
+        is ``pure``: one-token chunks only, at most the largest captured size); logits into
+        ``parts`` where wanted."""
         rows = to_device([d[2] for d in decode], torch.long, input_ids.device)
         self.lockstep.before_forward()
-        out = self.model.decode(input_ids[rows], [d[1] for d in decode])
+        graphs, states = self.decode_graphs, [d[1] for d in decode]
+        if pure and graphs is not None and graphs.fits(len(decode)):
+            out = graphs.run(input_ids[rows], states)
+        else:
+            out = self.model.decode(input_ids[rows], states)
         self.num_batched_decodes += len(decode)
         need = [k for k, d in enumerate(decode) if d[3]]
         if not need:
@@ -287,4 +301,6 @@ class V4FamilyRunner(ModelRunner):
         self.lockstep.finish()
 
     def _dummy_forward(self) -> None:
-        self.model(torch.zeros(1, dtype=torch.long, device=self.device), self.model.new_state())
+        state = self.model.new_state()  # the pools' spare units (model/v4/cache_pool.py)
+        self.model(torch.zeros(1, dtype=torch.long, device=self.device), state)
+        state.release()

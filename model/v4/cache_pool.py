@@ -11,9 +11,13 @@ that advance together. A request's :class:`RowLease` owns units of each pool:
 - paged pools: rows 0, 1, … of a growing list (compressed entries, indexer keys) in pages of
   R rows, listed in the lease's page table.
 
-Appending a row writes it in place (a full pool doubles: amortized O(1) per row). A batch of
-requests reads its rows with one gather through flat row indices (``unit·R + row``): fixed
-buffers plus index tensors and lengths, the layout a CUDA graph can replay. Unit 0 of every
+Appending a row writes it in place. Under the server a pool is sized once at start-up from
+the block manager's plan (:class:`PoolPlan`: the units every spec got from the memory
+budget), so its tensor never moves (CUDA graphs keep its address) and the pools never hold
+more than the budget; a pool made without a plan (a model used on its own: tests, training
+checks, the start-up profiling run) doubles when full instead. A batch of requests reads its
+rows with one gather through flat row indices (``unit·R + row``): fixed buffers plus index
+tensors and lengths, the layout a CUDA graph can replay. Unit 0 of every
 pool belongs to nobody: batched writes that must not land (a request whose compressor window
 did not close this step) go there. Unwritten rows are poisoned (NaN, or 0xFF bytes, which
 decode to NaN) so that a read past a length shows up; readers mask what they gather.
@@ -31,6 +35,25 @@ from dataclasses import dataclass
 import torch
 
 SCRATCH_UNIT = 0
+SPARE_UNITS = 1  # per pool beyond the plan: a DP rank's throwaway dummy forward (not accounted)
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Fixed pool sizes from the block manager's plan (server/v4_kv_specs.py): ring pools hold
+    ``states`` requests (running ones and prefix-cache snapshots); the paged pool of each
+    (kind, ratio) (kind ``entries`` or ``keys``, one row per ``ratio`` tokens) holds ``pages``
+    pages of ``rows`` rows — the spec's blocks, one pool page per block, so a request of n
+    tokens holds exactly the pages the block manager gave it."""
+
+    states: int
+    pages: dict[tuple[str, int], tuple[int, int]]
+
+    def paged(self, name: str, kind: str, ratio: int) -> tuple[int, int]:
+        """(pages, rows per page) of paged pool ``name``."""
+        if (kind, ratio) not in self.pages:
+            raise ValueError(f"row pool {name}: the KV-cache plan has no {kind} group of ratio {ratio}")
+        return self.pages[kind, ratio]
 
 
 @dataclass(frozen=True)
@@ -61,9 +84,12 @@ class RowPool:
     """Rows of many requests for ``num_layers`` layers; see the module doc."""
 
     def __init__(self, name: str, num_layers: int, rows_per_unit: int, ring: bool, codec: RowCodec,
-                 device: torch.device | str, initial_units: int = 8) -> None:
+                 device: torch.device | str, initial_units: int = 8, ratio: int = 1, fixed: bool = False) -> None:
+        """``ratio``: tokens per row of a paged pool (its rows per request grow as n // ratio);
+        ``fixed``: exactly ``initial_units`` units (the scratch unit included), never more."""
         self.name, self.num_layers, self.rows_per_unit, self.ring, self.codec = (
             name, num_layers, rows_per_unit, ring, codec)
+        self.ratio, self.fixed = ratio, fixed
         self.data = _poison(torch.empty(num_layers, max(initial_units, 2), rows_per_unit, codec.width,
                                         dtype=codec.dtype, device=device))
         self._free = list(range(self.data.shape[1] - 1, SCRATCH_UNIT, -1))
@@ -78,6 +104,9 @@ class RowPool:
 
     def allocate(self) -> int:
         if not self._free:
+            if self.fixed:
+                raise RuntimeError(f"row pool {self.name}: all {self.num_units - 1} units are in use (sized once "
+                                   "from the KV-cache plan; the block manager admits no more)")
             old = self.num_units
             self.data = torch.cat([self.data, _poison(torch.empty_like(self.data))], dim=1)
             self._free = list(range(2 * old - 1, old - 1, -1))
@@ -101,12 +130,20 @@ class RowPool:
 
 class RowLease:
     """One request's units in every pool of a :class:`CachePools`; they go back to the pools
-    when the lease is garbage (the request's state was dropped)."""
+    on :meth:`release` (the runner drops a state) or when the lease is garbage."""
 
     def __init__(self, pools: CachePools) -> None:
         self.pools = pools
-        self.units: dict[str, list[int]] = {name: [p.allocate()] if p.ring else [] for name, p in pools.items()}
-        weakref.finalize(self, _release_units, pools, self.units)
+        self.units: dict[str, list[int]] = {}
+        try:
+            for name, p in pools.items():
+                self.units[name] = [p.allocate()] if p.ring else []
+        finally:  # a full fixed pool raised: what was taken goes back with the lease
+            self._release = weakref.finalize(self, _release_units, pools, self.units)
+
+    def release(self) -> None:
+        """Give every unit back now (once; the lease holds nothing after)."""
+        self._release()
 
     def reserve(self, name: str, num_rows: int) -> None:
         """Make paged pool ``name`` hold rows [0, num_rows) for this request."""
@@ -148,20 +185,53 @@ class RowLease:
 def _release_units(pools: CachePools, units: dict[str, list[int]]) -> None:
     for name, held in units.items():
         pools[name].release(held)
+        held.clear()
 
 
 class CachePools(dict):
-    """The pools of one model (name → :class:`RowPool`), made once per model and cache dtype."""
+    """The pools of one model (name → :class:`RowPool`), made once per model and cache dtype:
+    of the fixed sizes of ``plan``, or growing on demand without one."""
+
+    def __init__(self, plan: PoolPlan | None = None) -> None:
+        super().__init__()
+        self.plan = plan
 
     def add(self, pool: RowPool) -> RowPool:
         self[pool.name] = pool
         return pool
+
+    def ring(self, name: str, num_layers: int, rows: int, codec: RowCodec, device) -> RowPool:
+        """A ring pool of ``rows`` rows per request (one unit each)."""
+        if self.plan is None:
+            return self.add(RowPool(name, num_layers, rows, True, codec, device))
+        units = self.plan.states + SPARE_UNITS + 1  # + the scratch unit
+        return self.add(RowPool(name, num_layers, rows, True, codec, device, units, fixed=True))
+
+    def paged(self, name: str, kind: str, ratio: int, num_layers: int, page_rows: int, codec: RowCodec,
+              device) -> RowPool:
+        """A paged pool of one row per ``ratio`` tokens (``kind``: ``entries`` or ``keys``), in
+        pages of ``page_rows`` rows — or of the plan's pages and rows per page."""
+        if self.plan is None:
+            return self.add(RowPool(name, num_layers, page_rows, False, codec, device, ratio=ratio))
+        pages, rows = self.plan.paged(name, kind, ratio)
+        return self.add(RowPool(name, num_layers, rows, False, codec, device, pages + SPARE_UNITS + 1, ratio=ratio,
+                                fixed=True))
+
+    def num_free(self) -> dict[str, int]:
+        """Free units per pool (a pool with nothing leased has all but the scratch unit free)."""
+        return {name: p.num_free for name, p in self.items()}
 
     def lease(self) -> RowLease:
         return RowLease(self)
 
     def num_bytes(self) -> int:
         return sum(p.data.numel() * p.data.element_size() for p in self.values())
+
+    def page_widths(self, max_tokens: int) -> dict[str, int]:
+        """Page-table width of every paged pool that a request of up to ``max_tokens`` tokens
+        needs: the fixed gather shapes of a captured decode."""
+        return {name: max(1, -(-(max_tokens // p.ratio) // p.rows_per_unit))
+                for name, p in self.items() if not p.ring}
 
 
 @dataclass
@@ -177,7 +247,9 @@ class BatchIndex:
 
     @classmethod
     def build(cls, pools: CachePools, leases: list[RowLease], positions: list[int],
-              device: torch.device) -> BatchIndex:
+              device: torch.device, page_widths: dict[str, int] | None = None) -> BatchIndex:
+        """``page_widths``: fixed page-table widths (:meth:`CachePools.page_widths`); default:
+        the widest lease of the batch."""
         ring, paged = {}, {}
         for name, pool in pools.items():
             if pool.ring:
@@ -185,6 +257,11 @@ class BatchIndex:
                                           dtype=torch.long).to(device)
             else:
                 width = max(1, max(len(le.units[name]) for le in leases))
+                if page_widths is not None:
+                    if width > page_widths[name]:
+                        raise ValueError(f"row pool {name}: a request holds {width} pages, more than the "
+                                         f"{page_widths[name]} of --max-model-len")
+                    width = page_widths[name]
                 paged[name] = torch.tensor([le.unit_table(name, width) for le in leases],
                                            dtype=torch.long).to(device)
         return cls(torch.tensor(positions, dtype=torch.long).to(device), ring, paged)

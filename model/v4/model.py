@@ -43,7 +43,8 @@ from model.v4.mhc import HyperConnection, HyperHead, collapse_streams, expand_st
 from model.v4.moe import V4MoE
 from model.v4.rope import RotaryTable
 from model.parallel import ParallelContext, StepRows
-from model.v4.cache_pool import BatchIndex, CachePools, RowPool, plain_codec
+from model.v4.cache_pool import BatchIndex, CachePools, PoolPlan, plain_codec
+from model.v4.decode_buffers import DecodeBuffers, DecodeInputs
 from model.v4.sparse_attention import V4SparseDecodeBackend, choose_sparse_decode
 from model.v4.state import V4RequestState
 from model.v4_loader import load_v4_into_module, read_v4_config
@@ -115,32 +116,35 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.compress_rope = RotaryTable(config.qk_rope_head_dim, config.compress_rope)
         self.sparse_decode: V4SparseDecodeBackend | None = None  # see configure_cache
 
-    def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64,
+    def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64, plan: PoolPlan | None = None,
                         attention_backend: str = "auto") -> None:
         """How new states store their rows: ``auto`` (the model dtype) or ``fp8`` (V4's 584-byte
         records for window rows and entries, e4m3 + one fp32 scale for index keys; lossy), in
-        pages of ``page_rows`` entries, and the sparse-decode backend the batched decode attends
-        packed records with (``attention_backend``: model/v4/sparse_attention.py). Replaces the
-        pools: states made before keep the old ones."""
+        pages of ``page_rows`` entries that grow on demand — or, with ``plan``, in pools of the
+        plan's fixed sizes, allocated now — and the sparse-decode backend the batched decode
+        attends packed records with (``attention_backend``: model/v4/sparse_attention.py).
+        Replaces the pools: states made before keep the old ones."""
         c = self.config
         v4_row_codecs(c, kv_cache_dtype, self.dtype)[0](c.head_dim)  # validates
         self.sparse_decode = choose_sparse_decode(
             attention_backend, kv_cache_dtype, self.lm_head.weight.device, self.model.layers[0].self_attn.num_heads,
             c.head_dim, c.qk_rope_head_dim, page_rows, self.dtype, ("v4",))
-        self._cache_settings = (kv_cache_dtype, page_rows)
+        self._cache_settings = (kv_cache_dtype, page_rows, plan)
         self._pools = None
+        if plan is not None:
+            self.cache_pools()
 
     def cache_pools(self) -> CachePools:
         """The row pools every state of this model leases units of (model/v4/state.py)."""
         if getattr(self, "_pools", None) is None:
-            self._pools = self._build_pools(*getattr(self, "_cache_settings", ("auto", 64)))
+            self._pools = self._build_pools(*getattr(self, "_cache_settings", ("auto", 64, None)))
         return self._pools
 
-    def _build_pools(self, kv_cache_dtype: str, page_rows: int) -> CachePools:
+    def _build_pools(self, kv_cache_dtype: str, page_rows: int, plan: PoolPlan | None) -> CachePools:
         c, device, dtype = self.config, self.lm_head.weight.device, self.dtype
         row_codec, key_codec = v4_row_codecs(c, kv_cache_dtype, dtype)
-        pools = CachePools()
-        pools.add(RowPool("window", c.num_hidden_layers, c.sliding_window, True, row_codec(c.head_dim), device))
+        pools = CachePools(plan)
+        pools.ring("window", c.num_hidden_layers, c.sliding_window, row_codec(c.head_dim), device)
         self._paged: list[tuple[str, int]] = []
         groups: dict[str, list[V4Attention]] = {}
         for layer in self.model.layers:
@@ -149,15 +153,16 @@ class DeepseekV4ForCausalLM(nn.Module):
                 groups.setdefault(f"{attn.kind}{attn.ratio}.", []).append(attn)
         for prefix, attns in groups.items():
             comp = attns[0].compressor
-            parts = [(prefix, comp, row_codec)]
+            parts = [(prefix, comp, row_codec, "entries")]
             if attns[0].kind == "csa":
-                parts.append((prefix + "index_", comp.indexer, key_codec))
-            for name, module, codec in parts:
+                parts.append((prefix + "index_", comp.indexer, key_codec, "keys"))
+            for name, module, codec, kind in parts:
                 width = module.kv_proj.weight.shape[0]
                 raw = plain_codec(width, dtype)
-                pools.add(RowPool(name + "kv", len(attns), module.ring_rows, True, raw, device))
-                pools.add(RowPool(name + "gate", len(attns), module.ring_rows, True, raw, device))
-                pools.add(RowPool(name + "entries", len(attns), page_rows, False, codec(module.head_dim), device))
+                pools.ring(name + "kv", len(attns), module.ring_rows, raw, device)
+                pools.ring(name + "gate", len(attns), module.ring_rows, raw, device)
+                pools.paged(name + "entries", kind, module.ratio, len(attns), page_rows, codec(module.head_dim),
+                            device)
                 self._paged.append((name + "entries", module.ratio))
             for i, attn in enumerate(attns):
                 attn.compressor.bind_pools(prefix, i)
@@ -205,16 +210,34 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Final-normed hidden states [B, D] of one new token per request: ``input_ids[b]`` at
         position ``states[b].num_tokens``; advances every state by one (as B calls of
         :meth:`forward` with one token each would)."""
-        self._check_ids(input_ids)
-        if len(states) != input_ids.shape[0] or len({id(s) for s in states}) != len(states):
-            raise ValueError(f"decode needs one distinct state per token: {input_ids.shape[0]} tokens, "
+        inputs = self.prepare_decode(input_ids, states)
+        out = self.decode_batch(input_ids, inputs)
+        self.finish_decode(states, inputs)
+        return out
+
+    def prepare_decode(self, input_ids: torch.Tensor, states: list[V4RequestState],
+                       page_widths: dict[str, int] | None = None, check_ids: bool = True) -> DecodeInputs:
+        """The host side of :meth:`decode`: check the states, reserve the pages of the new
+        entries, build the batch index (page tables ``page_widths`` wide, default the widest
+        request). ``check_ids=False`` skips the vocabulary range check (a device sync; the
+        captured decode's ids come from the sampler and admitted prompts)."""
+        if check_ids:
+            self._check_ids(input_ids)
+        if input_ids.dim() != 1 or len(states) != input_ids.shape[0] or len({id(s) for s in states}) != len(states):
+            raise ValueError(f"decode needs one distinct state per token: {tuple(input_ids.shape)} tokens, "
                              f"{len(states)} states")
         pools = self.cache_pools()
         for s in states:
             self._check_state(s)
             self._reserve(s, s.num_tokens + 1)
-        batch = BatchIndex.build(pools, [s.lease for s in states], [s.num_tokens for s in states],
-                                 input_ids.device)
+        index = BatchIndex.build(pools, [s.lease for s in states], [s.num_tokens for s in states],
+                                 input_ids.device, page_widths)
+        return DecodeInputs(index)
+
+    def decode_batch(self, input_ids: torch.Tensor, inputs: DecodeInputs) -> torch.Tensor:
+        """The device side of :meth:`decode`: no host sync, shapes from B and the page-table
+        widths only (what a CUDA graph captures, model/v4/decode_buffers.py)."""
+        batch, pools = inputs.index, self.cache_pools()
         n, par = input_ids.shape[0], self.par
         rows = par.step_rows(n, input_ids.device)
         x = first_rows(par, n)(self.model.embed_tokens(input_ids))
@@ -223,9 +246,17 @@ class DeepseekV4ForCausalLM(nn.Module):
             rope = self.compress_rope if layer.uses_compress_rope else self.main_rope
             streams = layer(streams, input_ids,
                             lambda h, a=layer.self_attn, r=rope: a.decode(h, batch, pools, r, self.sparse_decode), rows)
+        return final_rows(par, self.model.norm(self.model.hc_head(streams)), n)
+
+    def finish_decode(self, states: list[V4RequestState], inputs: DecodeInputs) -> None:
+        """Advance the states of a :meth:`decode_batch` by their token."""
         for s in states:
             s.num_tokens += 1
-        return final_rows(par, self.model.norm(self.model.hc_head(streams)), n)
+
+    def decode_buffers(self, max_batch: int, max_tokens: int) -> DecodeBuffers:
+        """Persistent decode inputs for up to ``max_batch`` requests of up to ``max_tokens`` tokens."""
+        pools = self.cache_pools()
+        return DecodeBuffers(pools, max_batch, pools.page_widths(max_tokens), self.lm_head.weight.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [T, vocab] for hidden rows [T, D]."""

@@ -89,6 +89,8 @@ class PackedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(num_experts, hidden, inter, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.forward_every_expert(x, indices, weights)
         out = torch.zeros_like(x)
         for e in torch.unique(indices).tolist():
             j = e - self.expert_offset
@@ -98,6 +100,22 @@ class PackedExperts(nn.Module):
             gate, up = F.linear(x[token], self.gate_up_proj[j]).chunk(2, dim=-1)
             y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[j]) * weights[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
+        return out
+
+    def forward_every_expert(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` without host syncs or data-dependent shapes (what a captured decode
+        graph runs): every local expert on every row, each row keeping its chosen experts'
+        outputs only, added in the same (ascending expert) order. It reads every local
+        expert's weights, so it pays off only where launches cost more than that."""
+        out = torch.zeros_like(x)
+        local = indices - self.expert_offset
+        for j in range(self.num_experts):
+            picked = local == j
+            chosen = picked.any(dim=-1, keepdim=True)
+            w = torch.where(picked, weights, torch.zeros_like(weights)).sum(dim=-1, keepdim=True)
+            gate, up = F.linear(x, self.gate_up_proj[j]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[j]) * w
+            out += torch.where(chosen, y.to(out.dtype), torch.zeros((), dtype=out.dtype, device=out.device))
         return out
 
 

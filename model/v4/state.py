@@ -60,3 +60,7 @@ class V4RequestState:
     def clone(self) -> V4RequestState:
         """An independent copy (its own pool units holding the same rows)."""
         return V4RequestState(self.lease.copy(), self.num_tokens)
+
+    def release(self) -> None:
+        """Give the pool units back now (the state is dropped; it must not be used after)."""
+        self.lease.release()

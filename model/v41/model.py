@@ -50,7 +50,8 @@ from model.v41.mhc import (
     one_hot_pre,
 )
 from model.v41.moe import MoE
-from model.v4.cache_pool import BatchIndex, CachePools, RowPool, plain_codec
+from model.v4.cache_pool import BatchIndex, CachePools, PoolPlan, plain_codec
+from model.v4.decode_buffers import DecodeBuffers, DecodeInputs
 from model.v4.sparse_attention import V4SparseDecodeBackend, choose_sparse_decode
 from model.v41.state import RequestState
 from model.parallel import ParallelContext, StepRows
@@ -179,43 +180,45 @@ class DeepseekV41ForCausalLM(nn.Module):
         for name in names:
             params[name].copy_(tensors[name].to(params[name].dtype))
 
-    def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64,
+    def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64, plan: PoolPlan | None = None,
                         attention_backend: str = "auto") -> None:
         """How new states store their rows: ``auto`` (the model dtype, values already rounded to
         the trained FP8/FP4 grids) or ``fp8`` (the packed records: window rows e4m3 + ue8m0 per
         32, entries e2m1 + e4m3 per 16, index keys e2m1 + ue8m0 per 32; the same values), in
-        pages of ``page_rows`` entries, and the sparse-decode backend the batched decode attends
-        packed records with (``attention_backend``: model/v4/sparse_attention.py). Replaces the
-        pools: states made before keep the old ones."""
+        pages of ``page_rows`` entries that grow on demand — or, with ``plan``, in pools of the
+        plan's fixed sizes, allocated now — and the sparse-decode backend the batched decode
+        attends packed records with (``attention_backend``: model/v4/sparse_attention.py).
+        Replaces the pools: states made before keep the old ones."""
         c, weight = self.config, self.lm_head.weight
         v41_row_codecs(c, kv_cache_dtype, weight.dtype)  # validates
         self.sparse_decode = choose_sparse_decode(
             attention_backend, kv_cache_dtype, weight.device, self.model.layers[0].attn.num_heads, c.head_dim,
             c.qk_rope_head_dim, page_rows, weight.dtype, ("v41_window", "v41_entry"))
-        self._cache_settings = (kv_cache_dtype, page_rows)
+        self._cache_settings = (kv_cache_dtype, page_rows, plan)
         self._pools = None
+        if plan is not None:
+            self.cache_pools()
 
     def cache_pools(self) -> CachePools:
         """The row pools every state of this model leases units of (model/v41/state.py)."""
         if getattr(self, "_pools", None) is None:
-            self._pools = self._build_pools(*getattr(self, "_cache_settings", ("auto", 64)))
+            self._pools = self._build_pools(*getattr(self, "_cache_settings", ("auto", 64, None)))
         return self._pools
 
-    def _build_pools(self, kv_cache_dtype: str, page_rows: int) -> CachePools:
+    def _build_pools(self, kv_cache_dtype: str, page_rows: int, plan: PoolPlan | None) -> CachePools:
         c, weight = self.config, self.lm_head.weight
         window, entry, key = v41_row_codecs(c, kv_cache_dtype, weight.dtype)
-        pools = CachePools()
-        pools.add(RowPool("window", c.num_hidden_layers, c.sliding_window, True, window, weight.device))
+        pools = CachePools(plan)
+        pools.ring("window", c.num_hidden_layers, c.sliding_window, window, weight.device)
         self._paged: list[tuple[str, int]] = []
         for s in c.kv_source_layer_ids:
             attn, ratio, pre = self.model.layers[s].attn, c.compress_ratios[s], f"src{s}."
             if ratio > 1:
                 for part in ("kv", "gate"):
-                    pools.add(RowPool(pre + part, 1, ratio, True, plain_codec(c.head_dim, torch.float32),
-                                      weight.device))
+                    pools.ring(pre + part, 1, ratio, plain_codec(c.head_dim, torch.float32), weight.device)
             parts = [("entries", entry)] + ([("keys", key)] if attn.indexer is not None else [])
             for part, codec in parts:
-                pools.add(RowPool(pre + part, 1, page_rows, False, codec, weight.device))
+                pools.paged(pre + part, part, ratio, 1, page_rows, codec, weight.device)
                 self._paged.append((pre + part, ratio))
         return pools
 
@@ -266,16 +269,33 @@ class DeepseekV41ForCausalLM(nn.Module):
     def decode(self, input_ids: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
         """One new token per request (``input_ids[b]`` at ``states[b].num_tokens``) -> logits
         [B, vocab] fp32; advances every state by one, as B one-token :meth:`forward` calls would."""
-        c = self.config
+        inputs = self.prepare_decode(input_ids, states)
+        out = self.decode_batch(input_ids, inputs)
+        self.finish_decode(states, inputs)
+        return out
+
+    def prepare_decode(self, input_ids: torch.Tensor, states: list[RequestState],
+                       page_widths: dict[str, int] | None = None, check_ids: bool = True) -> DecodeInputs:
+        """The host side of :meth:`decode`: check the states, reserve the pages of the new
+        entries, build the batch index (page tables ``page_widths`` wide, default the widest
+        request) and hash the engram n-grams (``check_ids`` is V4's flag; V4.1 checks none)."""
         if input_ids.dim() != 1 or len(states) != input_ids.shape[0] or len({id(s) for s in states}) != len(states):
             raise ValueError(f"decode needs one distinct state per token: {tuple(input_ids.shape)} tokens, "
                              f"{len(states)} states")
         for s in states:
             self._begin(input_ids, s, 1)
         pools = self.cache_pools()
-        batch = BatchIndex.build(pools, [s.lease for s in states], [s.num_tokens for s in states], input_ids.device)
+        index = BatchIndex.build(pools, [s.lease for s in states], [s.num_tokens for s in states], input_ids.device,
+                                 page_widths)
         hash_ids, histories = self._hash_ids(input_ids, [s.engram_history for s in states])
-        n, par = len(states), self.par
+        return DecodeInputs(index, hash_ids, histories)
+
+    @torch.no_grad()
+    def decode_batch(self, input_ids: torch.Tensor, inputs: DecodeInputs) -> torch.Tensor:
+        """The device side of :meth:`decode`: no host sync, shapes from B and the page-table
+        widths only (what a CUDA graph captures, model/v4/decode_buffers.py)."""
+        c, batch, pools = self.config, inputs.index, self.cache_pools()
+        n, par = input_ids.shape[0], self.par
         rows = par.step_rows(n, input_ids.device)
         x = first_rows(par, n)(self.model.embed(input_ids))
         streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
@@ -283,14 +303,27 @@ class DeepseekV41ForCausalLM(nn.Module):
         step: dict = {}
         for layer in self.model.layers:
             rope = self.model.compress_rope if layer.attn.ratio else self.model.main_rope
-            streams, pre = layer(streams, pre, hash_ids, n,
+            streams, pre = layer(streams, pre, inputs.hash_ids, n,
                                  lambda h, a=layer.attn, r=rope: a.decode(h, batch, r, step, pools, self.sparse_decode),
                                  rows)
         hidden = final_rows(par, self.model.norm(collapse_streams(streams, pre)), n)
-        for s, history in zip(states, histories):
+        return par.gather_vocab(self.lm_head(hidden).float())[..., : c.vocab_size]
+
+    def finish_decode(self, states: list[RequestState], inputs: DecodeInputs) -> None:
+        """Advance the states of a :meth:`decode_batch` by their token (position, engram look-back)."""
+        for s, history in zip(states, inputs.histories):
             s.num_tokens += 1
             s.engram_history = history
-        return par.gather_vocab(self.lm_head(hidden).float())[..., : c.vocab_size]
+
+    def decode_buffers(self, max_batch: int, max_tokens: int) -> DecodeBuffers:
+        """Persistent decode inputs for up to ``max_batch`` requests of up to ``max_tokens`` tokens."""
+        pools, device = self.cache_pools(), self.lm_head.weight.device
+        hash_shape = None
+        if self.config.engram_layer_ids:
+            if self.hasher is None:
+                raise RuntimeError("this checkpoint has engram layers: call bind_tokenizer(tokenizer.json) first")
+            hash_shape = tuple(self.hasher.decode_rows(torch.zeros(1, dtype=torch.long), [[]])[0].shape[1:])
+        return DecodeBuffers(pools, max_batch, pools.page_widths(max_tokens), device, hash_shape)
 
 
 def v41_row_codecs(config: V41Config, kv_cache_dtype: str, dtype: torch.dtype):

@@ -130,12 +130,27 @@ class MoE(nn.Module):
         if self.w13_mxfp4 is not None:
             return moe_experts_mxfp4(x, self.w13_mxfp4, self.w13_mxfp4_scale, self.w2_mxfp4, self.w2_mxfp4_scale,
                                      weights, ids, self.limit, backend=self.mxfp4_backend).float()
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.routed_every_expert(x, weights, ids)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(ids).tolist():
             if e not in self.local_experts:
                 continue  # another rank's expert
             rows, slot = torch.where(ids == e)
             out[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()
+        return out
+
+    def routed_every_expert(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`routed` without host syncs or data-dependent shapes (what a captured decode
+        graph runs): every local expert on every row, each row keeping its chosen experts'
+        outputs only, added in the same (ascending expert) order; it reads every local
+        expert's weights."""
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in self.local_experts:
+            picked = ids == e
+            w = torch.where(picked, weights, torch.zeros_like(weights)).sum(dim=-1, keepdim=True)
+            y = self.experts[e](x, w).float()
+            out += torch.where(picked.any(dim=-1, keepdim=True), y, torch.zeros((), device=x.device))
         return out
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None,

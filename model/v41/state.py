@@ -43,3 +43,7 @@ class RequestState:
 
     def clone(self) -> RequestState:
         return RequestState(self.lease.copy(), self.num_tokens, list(self.engram_history))
+
+    def release(self) -> None:
+        """Give the pool units back now (the state is dropped; it must not be used after)."""
+        self.lease.release()

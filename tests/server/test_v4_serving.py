@@ -140,6 +140,9 @@ def assert_no_leaks(core: EngineCore) -> None:
     core.step()  # an empty step hands the evictions to the runner
     assert len(core.runner.snapshots) == 0 and bm.num_cached_free_blocks == 0
     assert bm.num_free_blocks == bm.num_total_blocks
+    pools = core.runner.model.cache_pools()  # sized once from the plan; every unit back
+    assert pools.plan is not None and all(p.fixed for p in pools.values())
+    assert pools.num_free() == {name: p.num_units - 1 for name, p in pools.items()}
 
 
 def prompts_for(fixture: str, count: int, seed: int = 0) -> list[list[int]]:
