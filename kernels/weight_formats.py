@@ -79,9 +79,13 @@ def dequantize_fp8_blocks(
 
 
 def fp4_codes_to_float(codes: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes 0..15 (uint8) to float32 values."""
-    table = torch.tensor(E2M1_MAGNITUDES + tuple(-m for m in E2M1_MAGNITUDES), device=codes.device)
-    return table[codes.long()]
+    """e2m1 codes 0..15 (uint8) to float32 values (``E2M1_MAGNITUDES``, bit 3 the sign), decoded
+    arithmetically rather than through a lookup table so that no host tensor is made: it runs
+    inside CUDA-graph capture. Magnitude code m = 2e + f: 0.5·f for e = 0, else 2^(e−1)·(1 + f/2)."""
+    c = codes.to(torch.int32)
+    e, f = (c >> 1) & 3, (c & 1).float()
+    value = torch.where(e == 0, 0.5 * f, (1 << (e - 1).clamp_min(0)).float() * (1.0 + 0.5 * f))
+    return torch.where(c >= 8, -value, value)
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -20,3 +21,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def release_gpu_memory(request):
+    """After a GPU test, free what its engines held: they preallocate their KV pools (most of the
+    device at the default --gpu-memory-utilization) and sit in reference cycles, so without a
+    collection the next test's engine would size its cache from a nearly full device."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()

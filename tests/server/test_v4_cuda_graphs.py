@@ -10,6 +10,8 @@ rounding), and one graph replay = the eager decode at B = 1, 3, 8.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -70,12 +72,14 @@ def test_served_with_graphs_matches_enforce_eager(fixture, tokenizer_dir):
     got = {}
     for eager in (True, False):
         core = make_core(fixture, tokenizer_dir, device="cuda", dtype="float32", max_model_len=256,
-                         max_num_seqs=8, enforce_eager=eager)
+                         max_num_seqs=8, enforce_eager=eager, kv_cache_memory_bytes=1 << 30)
         assert (core.runner.decode_graphs is None) == eager
         got[eager] = run_logprobs(core, prompts, params)
         if not eager:
             assert core.runner.decode_graphs.num_replays > 0
             assert core.runner.decode_graphs.sizes == [1, 2, 4, 8]
+        del core
+        gc.collect()
     for rid in got[True]:
         eager_ids, graph_ids = got[True][rid][1], got[False][rid][1]
         assert graph_ids == eager_ids, rid
