@@ -7,7 +7,7 @@ import importlib.util
 
 import torch
 
-from kernels.mxfp4_moe import SPAN, moe_mxfp4_reference
+from kernels.mxfp4_moe import SPAN, moe_mxfp4_reference, moe_mxfp4_reference_every_expert
 from kernels.mxfp4_moe_triton import moe_mxfp4_triton
 
 BACKENDS = ("auto", "w4a8", "w4a16", "reference")
@@ -37,9 +37,19 @@ def moe_experts_mxfp4(
     limit: float,
     expert_offset: int = 0,
     backend: str = "auto",
+    sync_free: bool | None = None,
 ) -> torch.Tensor:
-    """Routed MXFP4 experts → fp32 [T, D] (the caller adds the shared expert and casts)."""
+    """Routed MXFP4 experts → fp32 [T, D] (the caller adds the shared expert and casts).
+
+    The Triton paths have no host syncs (fixed-shape token grouping), so CUDA graphs capture
+    them as they are; the reference groups tokens on the host, so with ``sync_free`` (default:
+    while the current CUDA stream is capturing) it runs every local expert on every row."""
     path = mxfp4_backend(x.device, w13.shape[1] // 2, x.shape[-1], backend)
+    if sync_free is None:
+        sync_free = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if path == "reference" and sync_free:
+        return moe_mxfp4_reference_every_expert(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit,
+                                                expert_offset)
     if path == "reference":
         return moe_mxfp4_reference(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit,
                                    "w4a16", expert_offset)

@@ -220,6 +220,36 @@ def moe_mxfp4_reference(
     return out
 
 
+def moe_mxfp4_reference_every_expert(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    limit: float,
+    expert_offset: int = 0,
+) -> torch.Tensor:
+    """:func:`moe_mxfp4_reference` (``w4a16``) without host syncs or data-dependent shapes, for
+    CUDA-graph capture where the Triton kernels cannot run (D or I not a multiple of 128):
+    every local expert on every row, each row keeping its chosen experts' outputs, added in
+    ascending expert order as the reference does. Reads and dequantizes every local expert."""
+    e_local, _, inter = check_mxfp4_experts(x, w13, w13_scale, w2, w2_scale)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    local = topk_ids - expert_offset
+    zero = torch.zeros((), dtype=torch.float32, device=x.device)
+    for e in range(e_local):
+        picked = local == e
+        wt = torch.where(picked, topk_weights.float(), zero).sum(dim=-1, keepdim=True)
+        w13e = dequantize_mxfp4(w13[e], w13_scale[e], dtype=x.dtype)
+        w2e = dequantize_mxfp4(w2[e], w2_scale[e], dtype=x.dtype)
+        gate, up = F.linear(x, w13e[:inter]).float(), F.linear(x, w13e[inter:]).float()
+        y = F.linear((wt * swiglu(gate, up, limit)).to(x.dtype), w2e).float()
+        out += torch.where(picked.any(dim=-1, keepdim=True), y, zero)
+    return out
+
+
 __all__ = [
     "EXACT_MIN_SHIFT",
     "SPAN",
@@ -231,6 +261,7 @@ __all__ = [
     "fold_shifts",
     "fold_underflow_fraction",
     "moe_mxfp4_reference",
+    "moe_mxfp4_reference_every_expert",
     "pair_columns",
     "prmt",
     "swiglu",

@@ -16,7 +16,7 @@ from model.v4.model import DeepseekV4ForCausalLM, load_deepseek_v4
 from model.v4_loader import read_config_json, read_v4_config
 from model.v4_random import init_random_weights, initializer_std
 from model.v41.engram import build_compressed_token_map
-from model.v41.model import DeepseekV41ForCausalLM, load_deepseek_v41
+from model.v41.model import DeepseekV41ForCausalLM, choose_stacked_mxfp4, load_deepseek_v41
 
 logger = logging.getLogger(__name__)
 
@@ -24,34 +24,42 @@ V4_FAMILY_MODEL_TYPES = ("deepseek_v4", *V41_MODEL_TYPES)
 
 
 def load_v4_family(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                   par: ParallelContext | None = None) -> DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
+                   par: ParallelContext | None = None, mxfp4_experts: bool = True,
+                   ) -> DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
     """The V4 or V4.1 model of ``checkpoint_dir``, weights loaded (and, for V4.1, the tokenizer
-    bound); ``par``: this rank's shard under TP / DP / EP. Both take one request's next tokens
+    bound); ``par``: this rank's shard under TP / DP / EP; ``mxfp4_experts``: V4.1's MXFP4
+    routed experts stay stacked MXFP4 (False: dequantized). Both take one request's next tokens
     and a ``new_state()``; V4's forward returns hidden states (``compute_logits`` makes logits),
     V4.1's returns float32 logits."""
     model_type = read_config_json(checkpoint_dir).get("model_type")
     if model_type == "deepseek_v4":
         return load_deepseek_v4(checkpoint_dir, dtype, device, par)
     if model_type in V41_MODEL_TYPES:
-        return load_deepseek_v41(checkpoint_dir, dtype, device, par)
+        return load_deepseek_v41(checkpoint_dir, dtype, device, par, mxfp4_experts)
     raise CheckpointError(f"{checkpoint_dir!r} holds model_type {model_type!r}, not one of the "
                           f"DeepSeek-V4 family ({', '.join(V4_FAMILY_MODEL_TYPES)})")
 
 
 def random_v4_family(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-                     seed: int = 0, par: ParallelContext | None = None,
+                     seed: int = 0, par: ParallelContext | None = None, mxfp4_experts: bool = True,
                      ) -> DeepseekV4ForCausalLM | DeepseekV41ForCausalLM:
     """The model ``config.json`` describes (this rank's shard under ``par``), built on ``device``
     with random weights (model/v4_random.py; the same ``seed`` gives the same weights, and the
-    ranks of a group the same replicated tensors); no weight files are read.
+    ranks of a group the same replicated tensors); no weight files are read. A V4.1 config
+    with ``expert_dtype: fp4`` gets stacked MXFP4 experts (random codes and scales, made on
+    the device) unless ``mxfp4_experts`` is False.
 
     V4.1's engram hasher takes the directory's ``tokenizer.json`` when its compressed vocabulary
     has the config's size, else the synthetic ``id mod engram_compressed_vocab_size`` map (one
     log line): hashing costs the same, and the weights mean nothing either way."""
     config = read_v4_config(checkpoint_dir, V4_FAMILY_MODEL_TYPES)
-    cls = DeepseekV4ForCausalLM if config.model_type == "deepseek_v4" else DeepseekV41ForCausalLM
     with torch.device(device):
-        model = cls(config, dtype, par)
+        if config.model_type == "deepseek_v4":
+            cls, model = DeepseekV4ForCausalLM, DeepseekV4ForCausalLM(config, dtype, par)
+        else:
+            fp4 = config.quantization is not None and config.quantization.expert_dtype == "fp4"
+            stacked = mxfp4_experts and fp4 and choose_stacked_mxfp4(config, par)
+            cls, model = DeepseekV41ForCausalLM, DeepseekV41ForCausalLM(config, dtype, par, stacked)
     init_random_weights(model, seed, initializer_std(config), config.n_routed_experts)
     if cls is DeepseekV41ForCausalLM and config.engram_layer_ids:
         tokenizer = os.path.join(checkpoint_dir, "tokenizer.json")

@@ -17,6 +17,8 @@ yields ``(hf_name, value)`` one tensor at a time from memory-mapped files:
 * ``keep_quantized=True``: they come as :class:`kernels.weight_formats.QuantizedWeight`
   records (``data``, ``scale``, ``format`` in ``fp8_block``/``mxfp4``, ``block``) in stored
   form, already cut to this rank (V4 experts stacked to [E, 2I, K/2] / [E, D, I/2]).
+* ``keep_quantized=predicate``: only the model tensors whose name it accepts (V4.1's routed
+  experts held as stacked MXFP4, model/v41/moe.py).
 * A weight whose scale the model lists as a tensor of its own (V4.1 engram tables:
   ``engram.embed.weight`` + ``engram.embed.scale``) gets its values and its scale separately,
   unmultiplied: cast to the model dtype (the scale decoded from E8M0), or with
@@ -34,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -387,6 +389,19 @@ def _rows_for(plan: V4CheckpointPlan, t: _Target) -> tuple[int, int] | None:
     return start, stop
 
 
+def stored_mxfp4_experts(model_dir: str) -> bool:
+    """Whether a V4.1 checkpoint stores its routed experts as MXFP4 (int8 bytes with a scale),
+    from the header of its first per-expert ``w1`` (no data read)."""
+    files = CheckpointFiles(model_dir)
+    try:
+        for key in files.files:
+            if ".experts." in key and key.endswith(".w1.weight"):
+                return files.slice(key).get_dtype() == "I8"
+    finally:
+        files.close()
+    return False
+
+
 def _materialize(plan: V4CheckpointPlan, files: CheckpointFiles, t: _Target, keep_quantized: bool):
     """Read the target's stored tensor(s); returns (value, whether it still needs cutting)."""
     spec = plan.shard
@@ -448,12 +463,13 @@ def _finish(t: _Target, value, keep_quantized: bool):
 def iter_v4_weights(
     model_dir: str,
     expected: Mapping,
-    keep_quantized: bool = False,
+    keep_quantized: bool | Callable[[str], bool] = False,
     shard_spec: ShardSpec | None = None,
     device: str | torch.device = "cpu",
     progress: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Yield ``(hf_name, tensor or QuantizedWeight)`` for every expected tensor, one at a time."""
+    """Yield ``(hf_name, tensor or QuantizedWeight)`` for every expected tensor, one at a time;
+    ``keep_quantized``: for all tensors, or a predicate on the model tensor's name."""
     plan = plan_v4_checkpoint(model_dir, expected, shard_spec)
     for category, (count, nbytes) in plan.skipped.items():
         if count:
@@ -466,7 +482,8 @@ def iter_v4_weights(
         targets = tqdm(targets, desc="Loading weights", unit="tensor", leave=False)
     try:
         for t in targets:
-            value, cut = _materialize(plan, files, t, keep_quantized)
+            keep = keep_quantized(t.name) if callable(keep_quantized) else keep_quantized
+            value, cut = _materialize(plan, files, t, keep)
             try:
                 if cut:
                     value = shard(value, t.name, t.shape, *plan.shard.for_tensor(t.name))

@@ -13,6 +13,9 @@ tensors zero or uninitialized, ``torch.empty``):
   dequantization scales: ones;
 - attention sinks, mHC biases, compressor position biases and router selection biases: zeros
   (the models' own initial values);
+- V4.1's stacked MXFP4 routed experts (``*_mxfp4`` int8, ``*_mxfp4_scale`` E8M0): uniform
+  random bytes (every e2m1 code equally likely, RMS ≈ 2.93) and per-group scales of
+  ``2^(b-1)`` or ``2^b`` at random, ``b`` picked so the weights' RMS is about ``std``;
 - V4's hash-routing table ``tid2eid``: ``num_experts_per_tok`` distinct random experts per
   token, so hash layers spread tokens over the experts as learned routing does.
 
@@ -21,6 +24,8 @@ A tensor no rule names is an error naming it, so a new parameter cannot silently
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -28,6 +33,7 @@ _ONES = ("norm.weight", "layernorm.weight", "hc.scale", "hc_scale", "_scale", "q
          "embed.scale")
 _ZEROS = ("sinks", "attn_sink", "hc.base", "hc_base", "_base", "position_bias", "e_score_correction_bias",
           "gate.bias", "gate.bias_vl")
+_E2M1_RMS = 2.926  # RMS of the 16 e2m1 codes, each equally likely
 _INDEX_ROWS = 1 << 14  # tid2eid rows drawn at once (a [rows, experts] float scratch)
 
 
@@ -36,6 +42,19 @@ def initializer_std(config) -> float:
     raw = config.raw or {}
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     return float(text.get("initializer_range", raw.get("initializer_range", 0.02)))
+
+
+def _random_mxfp4(name: str, t: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """Fill stacked MXFP4 codes (int8) or their E8M0 scales in place (see the module doc)."""
+    if t.dtype == torch.int8:
+        t.copy_(torch.randint(-128, 128, t.shape, generator=gen, device=t.device, dtype=torch.int8))
+        return
+    # scales 2^(b-1) / 2^b at random: mean square 0.625·4^b, so b = log2(std / (RMS·√0.625))
+    top = 127 + round(math.log2(std / (_E2M1_RMS * math.sqrt(0.625))))
+    if not 1 <= top <= 254:
+        raise ValueError(f"--load-format dummy: initializer std {std} is out of the E8M0 range of {name!r}")
+    t.view(torch.uint8).copy_(torch.randint(top - 1, top + 1, t.shape, generator=gen, device=t.device,
+                                            dtype=torch.uint8))
 
 
 def _random_experts(table: torch.Tensor, num_experts: int, gen: torch.Generator) -> None:
@@ -56,6 +75,8 @@ def init_random_weights(model: nn.Module, seed: int, std: float, num_experts: in
     for name, t in tensors:
         if name.endswith("tid2eid"):
             _random_experts(t, num_experts, gen)
+        elif name.endswith(("_mxfp4", "_mxfp4_scale")):
+            _random_mxfp4(name, t, std, gen)
         elif not t.is_floating_point():
             if isinstance(t, nn.Parameter):
                 raise ValueError(f"--load-format dummy: no random values for the {t.dtype} parameter {name!r}")

@@ -39,7 +39,7 @@ from torch import nn
 from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
 from model.layers.norm import RMSNorm
 from model.v4.rope import RotaryTable
-from model.v4_loader import CheckpointError, load_v4_into_module, read_v4_config
+from model.v4_loader import CheckpointError, iter_v4_weights, read_v4_config, stored_mxfp4_experts
 from model.v41.attention import Attention
 from model.v41.config import V41Config
 from model.v41.engram import Engram, EngramHasher, build_compressed_token_map, synthetic_compressed_token_map
@@ -49,7 +49,7 @@ from model.v41.mhc import (
     mhc_site_weights,
     one_hot_pre,
 )
-from model.v41.moe import MoE
+from model.v41.moe import MoE, stacked_mxfp4_unsupported
 from model.v4.cache_pool import BatchIndex, CachePools, PoolPlan, plain_codec
 from model.v4.decode_buffers import DecodeBuffers, DecodeInputs
 from model.v4.sparse_attention import V4SparseDecodeBackend, choose_sparse_decode
@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 
 # Checkpoint tensors of parts this model does not build: DSpark draft blocks, vision tower,
 # aligner and image delimiter embeddings.
+_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.ffn\.(experts\.\d+\.w[123]\.weight)")
+_STACKED_EXPERTS = re.compile(r"\.ffn\.w(13|2)_mxfp4(_scale)?$")
 UNUSED_WEIGHT_PATTERN = re.compile(r"((^|\.)(mtp|dspark)\.|^(model\.)?vision\.|^(model\.)?aligner\."
                                    r"|^(model\.)?image_(start|end|newline)$)")
 
@@ -78,14 +80,14 @@ def split_unused_weights(names) -> tuple[list[str], list[str]]:
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype,
-                 par: ParallelContext | None = None) -> None:
+                 par: ParallelContext | None = None, mxfp4_experts: bool = False) -> None:
         super().__init__()
         c = config
         self.layer_idx = layer_idx
         self.par = par = par or ParallelContext()
         self.norm_eps, self.hc_eps, self.sinkhorn_iters = c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters
         self.attn = Attention(c, layer_idx, dtype, par.tp_size)
-        self.ffn = MoE(c, dtype, par)
+        self.ffn = MoE(c, dtype, par, mxfp4_experts)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.engram = Engram(c, layer_idx, dtype, par) if layer_idx in c.engram_layer_ids else None
@@ -123,11 +125,12 @@ class DecoderLayer(nn.Module):
 
 
 class TextModel(nn.Module):
-    def __init__(self, config: V41Config, dtype: torch.dtype, par: ParallelContext) -> None:
+    def __init__(self, config: V41Config, dtype: torch.dtype, par: ParallelContext,
+                 mxfp4_experts: bool = False) -> None:
         super().__init__()
         c = config
         self.embed = vocab_embedding(c.vocab_size, c.hidden_size, par, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, par) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, par, mxfp4_experts) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.main_rope = RotaryTable(c.qk_rope_head_dim, c.main_rope)
         self.compress_rope = RotaryTable(c.qk_rope_head_dim, c.compress_rope)
@@ -135,12 +138,14 @@ class TextModel(nn.Module):
 
 class DeepseekV41ForCausalLM(nn.Module):
     def __init__(self, config: V41Config, dtype: torch.dtype = torch.bfloat16,
-                 par: ParallelContext | None = None) -> None:
-        """``par``: this rank's place in TP / DP / EP (model/v4_parallel.py); None: one device."""
+                 par: ParallelContext | None = None, mxfp4_experts: bool = False) -> None:
+        """``par``: this rank's place in TP / DP / EP (model/v4_parallel.py); None: one device.
+        ``mxfp4_experts``: the routed experts are held as stacked MXFP4 only (model/v41/moe.py)."""
         super().__init__()
         self.config = config
         self.par = par = par or ParallelContext()
-        self.model = TextModel(config, dtype, par)
+        self.mxfp4_experts = mxfp4_experts
+        self.model = TextModel(config, dtype, par, mxfp4_experts)
         self.lm_head = nn.Linear(config.hidden_size, -(-config.vocab_size // par.tp_size), bias=False, dtype=dtype)
         self.hasher: EngramHasher | None = None
         self.sparse_decode: V4SparseDecodeBackend | None = None  # see configure_cache
@@ -158,13 +163,40 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.hasher = EngramHasher(c, synthetic_compressed_token_map(c.vocab_size, c.engram_compressed_vocab_size))
         return self
 
+    def checkpoint_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The HF-V4.1 tensors this model loads, {name: (shape on this rank, dtype)}: its state
+        dict, with stacked MXFP4 experts listed as the checkpoint's per-expert tensors."""
+        out = {name: (tuple(t.shape), t.dtype) for name, t in self.state_dict(keep_vars=True).items()
+               if not (self.mxfp4_experts and _STACKED_EXPERTS.search(name))}
+        if self.mxfp4_experts:
+            for i, layer in enumerate(self.model.layers):
+                for name, shape in layer.ffn.expert_tensor_shapes().items():
+                    out[f"model.layers.{i}.ffn.{name}"] = (shape, torch.int8)
+        return out
+
+    def stacked_expert(self, name: str) -> tuple[MoE, str] | None:
+        """(the MoE, the name inside it) of a per-expert tensor held in stacked MXFP4, else None."""
+        m = _EXPERT_TENSOR.fullmatch(name) if self.mxfp4_experts else None
+        return (self.model.layers[int(m[1])].ffn, m[2]) if m else None
+
+    @torch.no_grad()
+    def load_tensor(self, name: str, value, state: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Copy one :meth:`checkpoint_tensors` tensor in (plain values are cast; per-expert
+        tensors of stacked MXFP4 experts are placed in the stacks, quantized if given plain)."""
+        expert = self.stacked_expert(name)
+        if expert is not None:
+            expert[0].load_expert(expert[1], value)
+        else:
+            dst = (state if state is not None else self.state_dict(keep_vars=True))[name]
+            dst.copy_(value.to(dst.dtype))
+
     @torch.no_grad()
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy in-memory HF-V4.1-named tensors in (cast to each parameter's dtype); DSpark/vision
         tensors are skipped (a checkpoint directory goes through :func:`load_deepseek_v41`).
         A missing, unexpected or mis-shaped tensor is one ValueError line naming it."""
         names, _ = split_unused_weights(tensors)
-        params = self.state_dict()
+        params = self.checkpoint_tensors()
         missing = sorted(set(params) - set(names))
         unexpected = sorted(set(names) - set(params))
         if missing or unexpected:
@@ -173,12 +205,13 @@ class DeepseekV41ForCausalLM(nn.Module):
                 f"(first: {missing[:1]}), {len(unexpected)} unexpected (first: {unexpected[:1]})"
             )
         for name in names:
-            src, dst = tensors[name], params[name]
-            if tuple(src.shape) != tuple(dst.shape):
+            src, (shape, _) = tensors[name], params[name]
+            if tuple(src.shape) != tuple(shape):
                 raise ValueError(
-                    f"tensor {name}: checkpoint shape {tuple(src.shape)}, model expects {tuple(dst.shape)}")
+                    f"tensor {name}: checkpoint shape {tuple(src.shape)}, model expects {tuple(shape)}")
+        state = self.state_dict(keep_vars=True)
         for name in names:
-            params[name].copy_(tensors[name].to(params[name].dtype))
+            self.load_tensor(name, tensors[name], state)
 
     def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64, plan: PoolPlan | None = None,
                         attention_backend: str = "auto") -> None:
@@ -340,20 +373,36 @@ def v41_row_codecs(config: V41Config, kv_cache_dtype: str, dtype: torch.dtype):
 
 
 def load_deepseek_v41(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16,
-                      device: str | torch.device = "cpu", par: ParallelContext | None = None) -> DeepseekV41ForCausalLM:
+                      device: str | torch.device = "cpu", par: ParallelContext | None = None,
+                      mxfp4_experts: bool = True) -> DeepseekV41ForCausalLM:
     """Build the text model ``config.json`` describes on ``device``, stream its weights in
-    (FP8/FP4 dequantized on the CPU to ``dtype``; engram tables keep their scale tensor) and,
-    when it has engram layers, bind the checkpoint's ``tokenizer.json``. Errors are one
-    :class:`model.loader.CheckpointError` line. ``par``: load this rank's shard
-    (model/v4_parallel.py)."""
+    (FP8 dequantized on the CPU to ``dtype``; engram tables keep their scale tensor) and,
+    when it has engram layers, bind the checkpoint's ``tokenizer.json``. Routed experts
+    stored as MXFP4 stay packed in stacked MXFP4 tensors on the device (model/v41/moe.py)
+    unless ``mxfp4_experts`` is False (then, as other experts, per-expert modules in
+    ``dtype``). Errors are one :class:`model.loader.CheckpointError` line. ``par``: load this
+    rank's shard (model/v4_parallel.py)."""
     config = read_v4_config(checkpoint_dir, ("deepseek_v41", "deepseek_v41_text"))
     par = par or ParallelContext()
     tokenizer = os.path.join(checkpoint_dir, "tokenizer.json")
     if config.engram_layer_ids and not os.path.isfile(tokenizer):
         raise CheckpointError(f"{checkpoint_dir!r} has engram layers but no tokenizer.json to hash tokens with")
+    stacked = mxfp4_experts and stored_mxfp4_experts(checkpoint_dir) and choose_stacked_mxfp4(config, par)
     with torch.device(device):
-        model = DeepseekV41ForCausalLM(config, dtype, par)
-    load_v4_into_module(model, checkpoint_dir, device=device, shard_spec=shard_spec(par))
+        model = DeepseekV41ForCausalLM(config, dtype, par, stacked)
+    state = model.state_dict(keep_vars=True)
+    for name, value in iter_v4_weights(checkpoint_dir, model.checkpoint_tensors(), device=device,
+                                       shard_spec=shard_spec(par),
+                                       keep_quantized=lambda n: model.stacked_expert(n) is not None):
+        model.load_tensor(name, value, state)
     if config.engram_layer_ids:
         model.bind_tokenizer(tokenizer)
     return model.eval()
+
+
+def choose_stacked_mxfp4(config: V41Config, par: ParallelContext | None = None) -> bool:
+    """Whether MXFP4 routed experts can be held stacked on this rank; logs why not."""
+    reason = stacked_mxfp4_unsupported(config, par)
+    if reason:
+        logger.info("DeepSeek-V4.1: MXFP4 routed experts dequantized to per-expert modules (%s)", reason)
+    return reason is None

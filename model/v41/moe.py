@@ -16,10 +16,18 @@ rank's index is an empty placeholder, so tensor names keep their global expert i
 of every expert's intermediate dim, the shared expert its intermediate slice, and the block
 returns this rank's partial sum.
 
-Routed experts can also run from stacked MXFP4 weights (:meth:`MoE.use_mxfp4_experts`, or
-:meth:`MoE.pack_experts_mxfp4` from the loaded ones) through ``kernels.mxfp4_experts``: W4A8 on
-SM90, W4A16 on other GPUs, and on CPU the torch reference, which is this module's own math on
-the dequantized weights (the same results as the per-expert modules); on one rank only.
+Routed experts can also run from stacked MXFP4 weights through ``kernels.mxfp4_experts``:
+W4A8 on SM90, W4A16 on other GPUs, and on CPU the torch reference, which is this module's own
+math on the dequantized weights (the same results as the per-expert modules). A MoE built with
+``mxfp4_experts=True`` holds only those (``w13_mxfp4`` [E, 2I, D/2] int8 + ``w13_mxfp4_scale``
+[E, 2I, D/32] E8M0, ``w2_mxfp4`` [E, D, I/2] + [E, D, I/32], this rank's experts or slice, in
+its state dict) and empty placeholders for the per-expert modules; the checkpoint's per-expert
+tensors (HF names ``experts.E.w1.weight`` …) go into the stacks through :meth:`MoE.load_expert`.
+A MoE with per-expert modules switches to stacked MXFP4 with :meth:`MoE.use_mxfp4_experts` or
+:meth:`MoE.pack_experts_mxfp4` (then the stacks are extra, outside the state dict).
+
+CUDA-graph capture: stacked MXFP4 experts run their kernel path, which has no host syncs;
+per-expert modules run :meth:`MoE.routed_every_expert` (every local expert on every row).
 """
 
 from __future__ import annotations
@@ -28,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.mxfp4_experts import BACKENDS, moe_experts_mxfp4
-from kernels.weight_formats import MXFP4, MXFP4_GROUP, QuantizedWeight, quantize
+from kernels.mxfp4_experts import BACKENDS, moe_experts_mxfp4, mxfp4_backend
+from kernels.weight_formats import E8M0_DTYPE, MXFP4, MXFP4_GROUP, QuantizedWeight, quantize
 from model.v4.moe import clamped_swiglu, normalize_routing_weights, sqrt_softplus
 from model.layers.linear import divide
 from model.parallel import ParallelContext, StepRows
@@ -76,8 +84,24 @@ class Expert(nn.Module):
         return self.w2(h.to(x.dtype))
 
 
+def stream_capturing(x: torch.Tensor) -> bool:
+    """Whether ``x``'s work is being captured into a CUDA graph (no host syncs allowed)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def stacked_mxfp4_unsupported(config: V41Config, par: ParallelContext | None = None) -> str | None:
+    """Why this rank's routed experts cannot be held as stacked MXFP4 (one line), or None."""
+    _, inter = local_experts(config.n_routed_experts, config.moe_intermediate_size, par or ParallelContext())
+    for name, k in (("hidden_size", config.hidden_size), ("the per-rank expert intermediate size", inter)):
+        if k % MXFP4_GROUP:
+            return f"{name} {k} is not a multiple of the MXFP4 group {MXFP4_GROUP}"
+    return None
+
+
 class MoE(nn.Module):
-    def __init__(self, config: V41Config, dtype: torch.dtype, par: ParallelContext | None = None) -> None:
+    def __init__(self, config: V41Config, dtype: torch.dtype, par: ParallelContext | None = None,
+                 mxfp4_experts: bool = False) -> None:
+        """``mxfp4_experts``: hold the routed experts as stacked MXFP4 only (module doc)."""
         super().__init__()
         c = config
         self.par = par = par or ParallelContext()
@@ -85,26 +109,71 @@ class MoE(nn.Module):
         self.gate = Router(c, dtype)
         local, inter = local_experts(c.n_routed_experts, c.moe_intermediate_size, par)
         self.local_experts = local
+        self.hidden, self.inter = c.hidden_size, inter
         self.experts = nn.ModuleList(
-            Expert(c.hidden_size, inter, c.swiglu_limit, dtype) if e in local else nn.Identity()
+            Expert(c.hidden_size, inter, c.swiglu_limit, dtype) if e in local and not mxfp4_experts
+            else nn.Identity()
             for e in range(c.n_routed_experts)
         )
         shared = divide(c.moe_intermediate_size * c.n_shared_experts, par.tp_size, "shared expert intermediate size")
         self.shared_experts = Expert(c.hidden_size, shared, c.swiglu_limit, dtype)
         self.limit = c.swiglu_limit
         self.mxfp4_backend = "auto"
-        # Stacked MXFP4 routed experts (w13 = w1 rows then w3 rows); buffers so .to() moves
-        # them, not persistent so the state dict keeps HF-V4.1's names.
-        for name in ("w13_mxfp4", "w13_mxfp4_scale", "w2_mxfp4", "w2_mxfp4_scale"):
-            self.register_buffer(name, None, persistent=False)
+        self.mxfp4_path: str | None = None  # the MXFP4 path the last routed call took
+        self.stacked_mxfp4 = mxfp4_experts
+        # Stacked MXFP4 routed experts (w13 = w1 rows then w3 rows): in the state dict when they
+        # are the only copy, else extra buffers (so .to() moves them) outside it.
+        if mxfp4_experts:
+            reason = stacked_mxfp4_unsupported(c, par)
+            if reason:
+                raise ValueError(f"stacked MXFP4 experts: {reason}")
+            e, d = len(local), c.hidden_size
+            self.register_buffer("w13_mxfp4", torch.empty(e, 2 * inter, d // 2, dtype=torch.int8))
+            self.register_buffer("w13_mxfp4_scale", torch.empty(e, 2 * inter, d // MXFP4_GROUP, dtype=E8M0_DTYPE))
+            self.register_buffer("w2_mxfp4", torch.empty(e, d, inter // 2, dtype=torch.int8))
+            self.register_buffer("w2_mxfp4_scale", torch.empty(e, d, inter // MXFP4_GROUP, dtype=E8M0_DTYPE))
+        else:
+            for name in ("w13_mxfp4", "w13_mxfp4_scale", "w2_mxfp4", "w2_mxfp4_scale"):
+                self.register_buffer(name, None, persistent=False)
+
+    def expert_tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Stacked MXFP4 only: the per-expert tensors the stacks take, by their name inside this
+        module (``experts.E.w1.weight`` …), with their logical shapes on this rank."""
+        d, inter = self.hidden, self.inter
+        shapes = {"w1": (inter, d), "w3": (inter, d), "w2": (d, inter)}
+        return {f"experts.{e}.{p}.weight": shape for e in self.local_experts for p, shape in shapes.items()}
+
+    @torch.no_grad()
+    def load_expert(self, name: str, w: QuantizedWeight | torch.Tensor) -> None:
+        """Copy one per-expert tensor (``experts.E.w1.weight`` …, MXFP4 as stored, or plain
+        values, quantized here) into the stacks."""
+        parts = name.split(".")
+        if not self.stacked_mxfp4 or len(parts) != 4 or parts[0] != "experts" or parts[2] not in ("w1", "w2", "w3"):
+            raise ValueError(f"{name!r} is not a routed-expert tensor of this MXFP4 MoE")
+        e, part = int(parts[1]), parts[2]
+        if e not in self.local_experts:
+            raise ValueError(f"expert {e} is not on this rank (experts {self.local_experts.start}.."
+                             f"{self.local_experts.stop - 1})")
+        shape = self.expert_tensor_shapes()[name]
+        if not isinstance(w, QuantizedWeight):
+            w = quantize(w, MXFP4, (1, MXFP4_GROUP))
+        if w.format != MXFP4 or tuple(w.block) != (1, MXFP4_GROUP) or tuple(w.shape) != shape:
+            raise ValueError(f"{name} must be MXFP4 {shape} with one scale per {MXFP4_GROUP}, got "
+                             f"{w.format} {tuple(w.shape)} block {tuple(w.block)}")
+        j, inter = e - self.local_experts.start, self.inter
+        if part == "w2":
+            data, scale = self.w2_mxfp4[j], self.w2_mxfp4_scale[j]
+        else:
+            rows = slice(0, inter) if part == "w1" else slice(inter, 2 * inter)
+            data, scale = self.w13_mxfp4[j, rows], self.w13_mxfp4_scale[j, rows]
+        data.copy_(w.data.view(torch.int8))
+        scale.view(torch.uint8).copy_(w.scale.view(torch.uint8))
 
     def use_mxfp4_experts(self, w13: QuantizedWeight, w2: QuantizedWeight, backend: str = "auto") -> None:
         """Run the routed experts from MXFP4 ``w13`` [E, 2I, D] (gate rows, then up rows) and
-        ``w2`` [E, D, I]; ``backend`` as :func:`kernels.mxfp4_moe.mxfp4_backend`. One rank only
-        (every expert whole and local)."""
-        if len(self.local_experts) != self.num_experts or self.par.tp_size > 1:
-            raise ValueError("stacked MXFP4 experts run on one rank only (no TP or EP split of the experts)")
-        e, inter, d = self.num_experts, self.experts[0].w1.out_features, self.experts[0].w1.in_features
+        ``w2`` [E, D, I] of this rank's experts (E local, I this rank's slice); ``backend`` as
+        :func:`kernels.mxfp4_experts.mxfp4_backend`."""
+        e, inter, d = len(self.local_experts), self.inter, self.hidden
         for name, w, shape in (("w13", w13, (e, 2 * inter, d)), ("w2", w2, (e, d, inter))):
             if w.format != MXFP4 or tuple(w.block) != (1, MXFP4_GROUP) or tuple(w.shape) != shape:
                 raise ValueError(f"{name} must be MXFP4 {shape} with one scale per {MXFP4_GROUP}, got "
@@ -119,18 +188,25 @@ class MoE(nn.Module):
     def pack_experts_mxfp4(self, backend: str = "auto") -> None:
         """Quantize the loaded per-expert weights to stacked MXFP4 and run from those. Exact for
         weights loaded from an MXFP4 checkpoint: a dequantized group requantizes to the same
-        values (its new scale may differ by a power of two, with the codes shifted to match)."""
-        w13 = torch.stack([torch.cat([ex.w1.weight, ex.w3.weight]) for ex in self.experts])
-        w2 = torch.stack([ex.w2.weight for ex in self.experts])
+        values (its new scale may differ by a power of two, with the codes shifted to match).
+        A MoE that holds stacked MXFP4 only just takes the ``backend``."""
+        if self.stacked_mxfp4:
+            self.mxfp4_backend = backend
+            return
+        experts = [self.experts[e] for e in self.local_experts]
+        w13 = torch.stack([torch.cat([ex.w1.weight, ex.w3.weight]) for ex in experts])
+        w2 = torch.stack([ex.w2.weight for ex in experts])
         self.use_mxfp4_experts(quantize(w13, MXFP4, (1, MXFP4_GROUP)), quantize(w2, MXFP4, (1, MXFP4_GROUP)),
                                backend)
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Σ of this rank's chosen experts, fp32 [N, hidden]."""
         if self.w13_mxfp4 is not None:
+            self.mxfp4_path = mxfp4_backend(x.device, self.inter, self.hidden, self.mxfp4_backend)
             return moe_experts_mxfp4(x, self.w13_mxfp4, self.w13_mxfp4_scale, self.w2_mxfp4, self.w2_mxfp4_scale,
-                                     weights, ids, self.limit, backend=self.mxfp4_backend).float()
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                                     weights, ids, self.limit, self.local_experts.start, self.mxfp4_path,
+                                     sync_free=stream_capturing(x)).float()
+        if stream_capturing(x):
             return self.routed_every_expert(x, weights, ids)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(ids).tolist():
@@ -168,6 +244,8 @@ class MoE(nn.Module):
         """Training: every expert runs on every token of x [N, hidden], weighted by its routing
         weight (0 where not chosen), so there is no data-dependent indexing or host sync.
         Returns (the same output as :meth:`forward`, the chosen expert ids [N, k])."""
+        if self.stacked_mxfp4:
+            raise ValueError("training runs per-expert weights: load the model with mxfp4_experts=False")
         weights, ids = self.gate(x)
         dense = torch.zeros(x.shape[0], self.num_experts, dtype=weights.dtype, device=x.device)
         dense = dense.scatter(1, ids, weights)
