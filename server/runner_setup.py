@@ -164,10 +164,11 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     else:
         dtype = DTYPE_NAMES[config.dtype]
+    mxfp4_experts = not envs.MLASERVE_V41_DEQUANTIZE_EXPERTS
     if config.load_format == "dummy":
-        model = random_v4_family(model_dir, dtype, device, config.seed, par)
+        model = random_v4_family(model_dir, dtype, device, config.seed, par, mxfp4_experts)
     else:
-        model = load_v4_family(model_dir, dtype, device, par)
+        model = load_v4_family(model_dir, dtype, device, par, mxfp4_experts)
     try:
         model.configure_cache(config.kv_cache_dtype, page_rows=config.block_size,
                               attention_backend=config.attention_backend)

@@ -95,6 +95,20 @@ def decode_weights(model: nn.Module) -> DecodeWeights:
                          top_k=c.num_experts_per_tok, moe_layers=len(layers))
 
 
+def expert_format(model: nn.Module) -> str:
+    """How the routed experts ran: ``mxfp4 (w4a8)`` etc. for V4.1's stacked MXFP4 experts (the
+    path their last call took; ``mxfp4`` before any), else the experts' weight dtype."""
+    for layer in model.model.layers:
+        moe = layer.mlp if hasattr(layer, "mlp") else layer.ffn
+        if getattr(moe, "w13_mxfp4", None) is not None:
+            path = getattr(moe, "mxfp4_path", None)
+            return f"mxfp4 ({path})" if path else "mxfp4"
+        weights = [p for p in moe.experts.parameters()]
+        if weights:
+            return str(weights[0].dtype).replace("torch.", "")
+    return "none"
+
+
 def decode_roofline(model: nn.Module, step_profile: dict, kv_bytes_per_request: float,
                     bandwidth: float = H200_HBM_BYTES_PER_S) -> dict | None:
     """The roofline at the measured mean decode batch of ``step_profile`` (StepProfiler.summary())
@@ -113,11 +127,12 @@ def decode_roofline(model: nn.Module, step_profile: dict, kv_bytes_per_request: 
             "kv_bytes_per_request": kv_bytes_per_request, "hbm_bytes_per_s": bandwidth,
             "roofline_ms": 1e3 * roofline_s, "measured_mean_ms": 1e3 * measured_s,
             "fraction_of_roofline": roofline_s / measured_s if measured_s > 0 else 0.0,
-            "weights_dtype": str(next(model.parameters()).dtype).replace("torch.", "")}
+            "weights_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+            "expert_format": expert_format(model)}
 
 
 def format_roofline(r: dict) -> str:
     return (f"Decode HBM roofline: {r['total_bytes'] / 1e9:.4g} GB per step at mean batch "
             f"{r['mean_decode_batch']:.1f} ({r['expected_experts_per_layer']:.1f} of {r['weights']['num_experts']} "
-            f"experts per layer) -> {r['roofline_ms']:.4g} ms at {r['hbm_bytes_per_s'] / 1e12:.1f} TB/s; measured "
+            f"experts per layer, routed experts {r.get('expert_format', '?')}) -> {r['roofline_ms']:.4g} ms at {r['hbm_bytes_per_s'] / 1e12:.1f} TB/s; measured "
             f"{r['measured_mean_ms']:.4g} ms per decode step ({100 * r['fraction_of_roofline']:.3g}% of roofline)")

@@ -17,6 +17,7 @@ from server.bench.roofline import (
     decode_step_bytes,
     decode_weights,
     expected_distinct_experts,
+    expert_format,
     format_roofline,
 )
 
@@ -77,6 +78,7 @@ def test_decode_roofline_against_a_step_profile():
     assert r["roofline_ms"] == pytest.approx(1e3 * r["total_bytes"] / H200_HBM_BYTES_PER_S)
     assert r["fraction_of_roofline"] == pytest.approx(r["roofline_ms"] / 8.0)
     assert "ms per decode step" in format_roofline(r)
+    assert r["expert_format"] == "bfloat16" and "routed experts bfloat16" in format_roofline(r)
     assert decode_roofline(model, {"kinds": {"prefill": profile["kinds"]["prefill"]}}, 0.0) is None
 
 
@@ -90,3 +92,9 @@ def test_decode_weights_count_stacked_mxfp4_experts_when_the_model_runs_them():
     # 4-bit codes (two per byte) plus one E8M0 byte per 32 values: 17/64 of the bf16 bytes
     assert w.expert_bytes == bf16.expert_bytes * 17 // 64
     assert w.dense_bytes == bf16.dense_bytes  # the per-expert bf16 copies are not read
+    assert expert_format(model) == "mxfp4"
+    stacked = DeepseekV41ForCausalLM(cfg, torch.bfloat16, mxfp4_experts=True)  # as an MXFP4 checkpoint loads
+    assert decode_weights(stacked) == w
+    moe = stacked.model.layers[0].ffn
+    moe.mxfp4_path = "w4a8"  # what a call on an H200 records
+    assert expert_format(stacked) == "mxfp4 (w4a8)"
