@@ -28,6 +28,7 @@ from kernels.mxfp4_moe import (
     fold_mxfp4_to_e4m3,
     fold_underflow_fraction,
     moe_mxfp4_reference,
+    moe_mxfp4_reference_every_expert,
     pair_columns,
     unpair_columns,
     w4a8_weight_reference,
@@ -203,6 +204,22 @@ def test_references_against_fp32_and_each_other():
                                   expert_offset=2)
     keep = (ids >= 2).float()
     assert rel_err(shifted, _fp32_moe(x, w13, s13, w2, s2, wts * keep, ids, 0.0)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sync_free_reference_equals_the_reference(dtype):
+    """What CUDA-graph capture runs where the kernels cannot (D or I off 128): every local
+    expert on every row, this rank's experts only (expert_offset), the reference's result."""
+    e, d, inter, t, k = 5, 64, 96, 8, 2
+    w13, s13, w2, s2 = experts(e, d, inter, seed=4, spread=3)
+    x = torch.randn(t, d).to(dtype)
+    wts, ids = routing(t, k, 7, seed=5, only=[0, 2, 3, 5, 6])  # 7 experts, this rank holds 1..5
+    args = (x, w13, s13, w2, s2, wts, ids, 10.0)
+    ref = moe_mxfp4_reference(*args, "w4a16", 1)
+    free = moe_mxfp4_reference_every_expert(*args, 1)
+    assert (free - ref).abs().max().item() <= (1e-6 if dtype == torch.float32 else 1e-2 * ref.abs().max().item())
+    assert torch.equal(moe_experts_mxfp4(*args, 1, sync_free=True), free)
+    assert torch.equal(moe_experts_mxfp4(*args, 1), ref)  # CPU, not capturing: the reference
 
 
 def test_bad_shapes_and_backends_are_one_line_errors():
