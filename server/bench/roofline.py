@@ -134,5 +134,6 @@ def decode_roofline(model: nn.Module, step_profile: dict, kv_bytes_per_request: 
 def format_roofline(r: dict) -> str:
     return (f"Decode HBM roofline: {r['total_bytes'] / 1e9:.4g} GB per step at mean batch "
             f"{r['mean_decode_batch']:.1f} ({r['expected_experts_per_layer']:.1f} of {r['weights']['num_experts']} "
-            f"experts per layer, routed experts {r.get('expert_format', '?')}) -> {r['roofline_ms']:.4g} ms at {r['hbm_bytes_per_s'] / 1e12:.1f} TB/s; measured "
+            f"experts per layer, routed experts {r.get('expert_format', '?')}) -> {r['roofline_ms']:.4g} ms "
+            f"at {r['hbm_bytes_per_s'] / 1e12:.1f} TB/s; measured "
             f"{r['measured_mean_ms']:.4g} ms per decode step ({100 * r['fraction_of_roofline']:.3g}% of roofline)")
