@@ -1,0 +1,96 @@
+"""DeepSeek-V4.1 served from a checkpoint whose routed experts are MXFP4 (the released format):
+the engine keeps them stacked MXFP4 (model/v41/moe.py) unless MLASERVE_V41_DEQUANTIZE_EXPERTS=1.
+
+CPU: the stacked experts (torch reference) through the engine and its decode-graph path give
+the dequantized per-expert model's greedy tokens. GPU: served with decode CUDA graphs, every
+MoE ran the W4A8 kernels on SM90 (W4A16 elsewhere) and the chosen tokens' logprobs match the
+float32 CPU reference, teacher-forced on the same tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from model.checkpoint import load_config_dict, write_random_checkpoint
+from server.sampling_params import SamplingParams
+from tests.server import test_v4_serving as serving
+from tests.server.test_v4_cuda_graphs import EagerReplay
+from tests.server.test_v4_serving import make_core, run, run_logprobs
+
+tokenizer_dir = serving.tokenizer_dir  # the fixtures' servable 320-token tokenizer (a pytest fixture)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def mxfp4_checkpoint(out_dir: str, dim: int = 64, inter: int = 32) -> str:
+    """tiny-v41 (8 layers, 4 experts, two engram layers) in the released format: FP8 linears,
+    MXFP4 routed experts; ``dim`` / ``inter``: hidden and expert intermediate size."""
+    cfg = load_config_dict("tiny-v41")
+    cfg["text_config"].update(hidden_size=dim, moe_intermediate_size=inter)
+    return write_random_checkpoint(cfg, out_dir, fp8=True, seed=11)
+
+
+def _prompts(count: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 320, (int(n),), generator=g).tolist()
+            for n in torch.randint(3, 20, (count,), generator=g)]
+
+
+def test_served_stacked_mxfp4_gives_the_dequantized_tokens(tmp_path, tokenizer_dir, monkeypatch):
+    ckpt = mxfp4_checkpoint(str(tmp_path / "ckpt"))
+    prompts = _prompts(4, seed=1)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    core = make_core(ckpt, tokenizer_dir, max_num_seqs=4, max_num_batched_tokens=32)
+    assert core.runner.model.mxfp4_experts
+    graphs = EagerReplay(core.runner.model, [1, 2, 4], 1024)
+    graphs.capture()
+    core.runner.decode_graphs = graphs
+    got = run(core, prompts, params)
+    assert graphs.num_replays > 0
+    assert {layer.ffn.mxfp4_path for layer in core.runner.model.model.layers} == {"reference"}
+    monkeypatch.setenv("MLASERVE_V41_DEQUANTIZE_EXPERTS", "1")
+    plain = make_core(ckpt, tokenizer_dir, max_num_seqs=4, max_num_batched_tokens=32)
+    assert not plain.runner.model.mxfp4_experts
+    assert run(plain, prompts, params) == got
+
+
+@pytest.mark.gpu
+def test_served_mxfp4_runs_the_w4a8_kernels_under_graphs_and_matches_the_cpu_reference(tmp_path, tokenizer_dir):
+    """bf16 weights and activations, e4m3 activations in the experts (W4A8: ~4 % relative on the
+    MoE output, benchmarks/KERNEL_NOTES.md) against the float32 W4A16 reference: the bound on
+    the chosen tokens' logprobs is 0.25 nats (max) and 0.05 (mean)."""
+    from model.v41.model import load_deepseek_v41
+
+    ckpt = mxfp4_checkpoint(str(tmp_path / "ckpt"), dim=128, inter=128)  # the kernels' 128 multiples
+    prompts = _prompts(6, seed=5)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1)
+    core = make_core(ckpt, tokenizer_dir, device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=8,
+                     kv_cache_memory_bytes=1 << 30)
+    model = core.runner.model
+    assert model.mxfp4_experts and core.runner.decode_graphs is not None
+    served = run_logprobs(core, prompts, params)
+    assert core.runner.decode_graphs.num_replays > 0
+    want = "w4a8" if torch.cuda.get_device_capability()[0] == 9 else "w4a16"
+    assert {layer.ffn.mxfp4_path for layer in model.model.layers} == {want}
+    del core, model
+    gc.collect()
+    ref = load_deepseek_v41(ckpt, torch.float32)
+    diffs = []
+    for rid, (_, ids, lps) in served.items():
+        prompt = prompts[int(rid)]
+        with torch.no_grad():
+            logits = ref(torch.tensor(prompt + ids), ref.new_state())
+        rows = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+        diffs += [abs(rows[j, tok].item() - lp) for j, (tok, lp, _) in enumerate(lps)]
+    print(f"MXFP4 {want} served vs CPU reference: chosen-token logprob |diff| max {max(diffs):.4f} "
+          f"mean {sum(diffs) / len(diffs):.4f} over {len(diffs)} tokens")
+    assert max(diffs) < 0.25 and sum(diffs) / len(diffs) < 0.05
