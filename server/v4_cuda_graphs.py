@@ -15,8 +15,10 @@ masks and the padded gathers are intermediates of the graph, at fixed addresses 
 memory pool.
 
 Steps with prompt chunks, and decode batches above the largest captured size, run eagerly.
-Under capture the routed experts take their sync-free path (every local expert on every row,
-model/v4/moe.py, model/v41/moe.py).
+Under capture V4.1's stacked MXFP4 experts run their kernels as in eager mode (fixed-shape
+token grouping, no host syncs; kernels/mxfp4_experts.py); bf16 experts (V4, V4.1 with
+per-expert modules) take their sync-free path, every local expert on every row
+(model/v4/moe.py, model/v41/moe.py), which reads every expert's weights.
 """
 
 from __future__ import annotations
