@@ -47,14 +47,13 @@ def initializer_std(config) -> float:
 def _random_mxfp4(name: str, t: torch.Tensor, std: float, gen: torch.Generator) -> None:
     """Fill stacked MXFP4 codes (int8) or their E8M0 scales in place (see the module doc)."""
     if t.dtype == torch.int8:
-        t.copy_(torch.randint(-128, 128, t.shape, generator=gen, device=t.device, dtype=torch.int8))
+        t.random_(-128, 128, generator=gen)  # in place: no second copy of the largest tensors
         return
     # scales 2^(b-1) / 2^b at random: mean square 0.625·4^b, so b = log2(std / (RMS·√0.625))
     top = 127 + round(math.log2(std / (_E2M1_RMS * math.sqrt(0.625))))
     if not 1 <= top <= 254:
         raise ValueError(f"--load-format dummy: initializer std {std} is out of the E8M0 range of {name!r}")
-    t.view(torch.uint8).copy_(torch.randint(top - 1, top + 1, t.shape, generator=gen, device=t.device,
-                                            dtype=torch.uint8))
+    t.view(torch.uint8).random_(top - 1, top + 1, generator=gen)
 
 
 def _random_experts(table: torch.Tensor, num_experts: int, gen: torch.Generator) -> None:
