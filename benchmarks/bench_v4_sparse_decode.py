@@ -5,7 +5,7 @@ Each case: B requests x s_q query tokens x H heads; per query token 128 window r
 of 64-record pages) plus top-k compressed entries picked at random from 4096 per request (a
 second cache). Both kernels are first checked against the float64 reference on the first
 requests (relative error of out, max |Δ lse|), then timed as CUDA-graph replays with the L2
-emptied before each (a 256 MB write), median of ``--reps``. FLOPs = 2·B·s_q·H·(128 + k)·1024
+emptied before each (a 256 MB read), median over ``--reps`` ms of replays. FLOPs = 2·B·s_q·H·(128 + k)·1024
 (FlashMLA's count); bytes = the records each query token gathers (584 B each) + q + out.
 FlashMLA takes 64 or 128 heads: at 8 and 16 heads it runs padded to 64 (its time is what a
 server would pay). FlashMLA is used when its build is at ``.flashmla/`` (or importable), else
@@ -29,6 +29,7 @@ import sys
 
 import torch
 
+from benchmarks.bench_mla_decode import time_call
 from kernels.v4_cache_formats import V4_RECORD_BYTES
 from kernels.v4_sparse_decode import SparseKV, pack_v4_cache, v4_sparse_decode_reference
 from kernels.v4_sparse_decode_triton import (SparseDecodeConfig, default_config, resolve_config,
@@ -118,29 +119,10 @@ def rel_err(a, b) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def timed_median(fn, reps: int) -> float:
-    """µs: median CUDA-graph replay, the L2 emptied (256 MB written) before each."""
-    fn()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+def timed_us(fn, reps_ms: int) -> float:
+    """µs per call: the median CUDA-graph replay over ~``reps_ms`` ms, L2 emptied before each
+    (the project's timer, ``benchmarks.bench_mla_decode.time_call``)."""
+    return time_call(fn, (5, reps_ms), use_graph=True)[0] * 1e6
 
 
 def check(out, lse, want, want_lse) -> dict:
@@ -167,7 +149,7 @@ def bench_case(bsz, s_q, heads, topk, flash_mla, sweep: bool, reps: int) -> dict
             out.fill_(float("nan"))
             ours()
             acc = check(out, lse, want, want_lse)
-            us = timed_median(ours, reps)
+            us = timed_us(ours, reps)
         except Exception as exc:  # noqa: BLE001 — one failing variant must not lose the others
             row["ours"].append({"name": name, "config": resolve_config(heads, cfg).__dict__,
                                 "error": f"{type(exc).__name__}: {exc}"[:300]})
@@ -184,7 +166,7 @@ def bench_case(bsz, s_q, heads, topk, flash_mla, sweep: bool, reps: int) -> dict
     if flash_mla is not None:
         fm = flashmla_call(flash_mla, q, scopes, sinks)
         fo, fl = fm()
-        row["flashmla"] = {"us": timed_median(fm, reps), **check(fo, fl, want, want_lse)}
+        row["flashmla"] = {"us": timed_us(fm, reps), **check(fo, fl, want, want_lse)}
         row["flashmla"]["tflops"] = flops / row["flashmla"]["us"] * 1e-6
         row["speedup"] = row["flashmla"]["us"] / row["us"]
     return row
@@ -218,7 +200,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="B=128 and top-k 512/2048 only")
     ap.add_argument("--sweep", action="store_true", help="also time the alternative launch configs")
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=30, help="milliseconds of timed replays per case")
     ap.add_argument("--no-flashmla", action="store_true")
     ap.add_argument("--heads", type=int, nargs="*", help="only these head counts (default 64 128 8 16)")
     args = ap.parse_args()

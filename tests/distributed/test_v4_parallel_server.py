@@ -23,6 +23,7 @@ import sys
 import httpx
 import pytest
 
+from tests.server import test_v4_serving as serving
 from tests.server.live_server import live_server
 
 pytestmark = pytest.mark.slow
@@ -34,14 +35,7 @@ FLAGS = ("--device", "cpu", "--served-model-name", "m", "--block-size", "16", "-
 TOL = 5e-5
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory) -> str:
-    """The fixtures' 320-token vocabulary as a servable tokenizer directory (dev-v4-s0 has none)."""
-    d = tmp_path_factory.mktemp("v4-tokenizer")
-    with open(os.path.join(V41, "tokenizer.json"), encoding="utf-8") as src:
-        (d / "tokenizer.json").write_text(src.read(), encoding="utf-8")
-    (d / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>"}))
-    return str(d)
+tokenizer_dir = serving.tokenizer_dir  # the fixtures' servable 320-token tokenizer (a pytest fixture)
 
 
 def _prompts() -> list[list[int]]:

@@ -23,12 +23,7 @@ from tests.server.test_v4_serving import make_core, run, run_logprobs
 tokenizer_dir = serving.tokenizer_dir  # the fixtures' servable 320-token tokenizer (a pytest fixture)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = serving.one_torch_thread  # autouse: one intra-op thread, as the live servers run
 
 
 def mxfp4_checkpoint(out_dir: str, dim: int = 64, inter: int = 32) -> str:

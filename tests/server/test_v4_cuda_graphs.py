@@ -38,12 +38,7 @@ class EagerReplay(V4DecodeGraphs):
         return self._forward(b)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+one_torch_thread = serving.one_torch_thread  # autouse: one intra-op thread, as the live servers run
 
 
 @pytest.mark.parametrize("fixture", [V4, V41], ids=["v4", "v41"])
