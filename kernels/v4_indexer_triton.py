@@ -1,0 +1,154 @@
+"""Triton lightning-indexer scores for DeepSeek-V4.1 (contract and reference: kernels/v4_indexer.py).
+
+Design (the expected numbers: benchmarks/KERNEL_NOTES.md):
+
+- A program owns ``block_q`` queries of one request (decode: 1; a prefill chunk: 4, so the
+  MMA's N is 4 × 32 heads = 128) and a run of ``tiles_per_program`` tiles of ``block_n`` keys.
+  Keys fill the MMA's M: Sᵀ [block_n, block_q·heads] = K·Qᵀ.
+- Each 32-dim block is one FP8 MMA (K = 32): the record's 16 bytes of e2m1 pairs become e4m3
+  bytes with integer ops (e2m1 → e4m3 is exact), the query block is e4m3 already; the
+  product of two e2m1 vectors of 32 is exact in the fp32 accumulator, and the two power-of-two
+  scales multiply it exactly. Only the sum over the d/32 blocks and the head sum round.
+- ReLU, the head weights (H^-½ folded in), the d^-½ scale, the visibility mask and V4.1's
+  candidate mask are applied on the tile; the candidate source also gets the max of every
+  block of ``block_size`` keys (the input of the block top-k) from the same tile.
+- Tiles past a program's largest visible count store −inf without reading keys (causal
+  prefill does half the work; decode at fixed graph widths skips the padding). The grid
+  depends on shapes only (never on counts): capturable in a CUDA graph.
+- The memory roofline at decode: every visible key's 68 bytes once per request (and per
+  query block in a prefill); 8 kFLOP per key and request (32 heads × 128 dims), so ~120
+  FLOP per byte — under the FP8 ridge of an H200, a bandwidth-bound kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.v4_indexer import SCALE_BLOCK, check_inputs
+
+
+@triton.jit
+def _e2m1_to_e4m3(n):
+    """e2m1 codes (uint8 0..15) → the bytes of the same values in e4m3, exactly: magnitude
+    codes 2..7 (1 … 6) are ``(code << 2) + 0x30``, code 1 (0.5) is 0x30, code 0 is zero."""
+    mag = n & 7
+    bits = tl.where(mag >= 2, (mag << 2) + 0x30, tl.where(mag == 1, 0x30, 0)).to(tl.uint8)
+    return bits | ((n & 8) << 4).to(tl.uint8)
+
+
+@triton.jit
+def _index_scores_kernel(
+    Q8, QS, W, KEYS, PT, pt_stride, page_rows, VIS, ALLOWED, al_stride, OUT, out_stride, BMAX, bm_stride,
+    num_q, num_keys, q_per_req, softmax_scale, TILES: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, REC: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
+    HAS_ALLOWED: tl.constexpr, WANT_BMAX: tl.constexpr,
+):
+    NB: tl.constexpr = D // 32
+    M: tl.constexpr = BQ * H
+    q0 = tl.program_id(0) * BQ
+    req = (q0 // q_per_req).to(tl.int64)
+    rows_m = tl.arange(0, M)  # query-head rows of the MMA's N
+    qi = q0 + rows_m // H
+    q_ok = qi < num_q
+    qi64 = qi.to(tl.int64)
+    head = rows_m % H
+    w = tl.load(W + qi64 * H + head, mask=q_ok, other=0.0)
+    qj = q0 + tl.arange(0, BQ)  # the tile's queries
+    qj_ok = qj < num_q
+    vis = tl.load(VIS + qj, mask=qj_ok, other=0)
+    vis_max = tl.max(vis, 0)
+    cols = tl.arange(0, 32)
+    k_first = tl.program_id(1) * TILES * BN
+    for t in range(TILES):
+        offs = k_first + t * BN + tl.arange(0, BN)
+        in_range = offs < num_keys
+        if k_first + t * BN < vis_max:
+            valid = (offs < vis_max) & in_range
+            page = tl.load(PT + req * pt_stride + offs // page_rows, mask=valid, other=0).to(tl.int64)
+            rec = KEYS + (page * page_rows + offs % page_rows) * REC
+            acc = tl.zeros([BN, M], dtype=tl.float32)
+            for b in tl.static_range(NB):
+                packed = tl.load(rec[:, None] + (b * 16 + tl.arange(0, 16))[None, :], mask=valid[:, None], other=0)
+                k8 = tl.reshape(tl.join(_e2m1_to_e4m3(packed & 15), _e2m1_to_e4m3(packed >> 4)), [BN, 32])
+                k8 = k8.to(tl.float8e4nv, bitcast=True)
+                e = tl.load(rec + D // 2 + b, mask=valid, other=127)
+                k_scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+                q8 = tl.load(Q8 + (qi64 * H + head)[:, None] * D + b * 32 + cols[None, :], mask=q_ok[:, None],
+                             other=0).to(tl.float8e4nv, bitcast=True)
+                q_scale = tl.load(QS + (qi64 * H + head) * NB + b, mask=q_ok, other=0.0)
+                part = tl.dot(k8, tl.trans(q8))  # [BN, M], exact
+                acc += part * k_scale[:, None] * q_scale[None, :]
+            s = tl.maximum(acc, 0.0) * softmax_scale * w[None, :]
+            s = tl.sum(tl.reshape(s, [BN, BQ, H]), 2)  # [BN, BQ]
+            keep = offs[:, None] < vis[None, :]
+            if HAS_ALLOWED:
+                ok = tl.load(ALLOWED + qj.to(tl.int64)[None, :] * al_stride + (offs // BS)[:, None],
+                             mask=keep & qj_ok[None, :], other=0)
+                keep = keep & (ok != 0)
+            s = tl.where(keep, s, float("-inf"))
+        else:
+            s = tl.full([BN, BQ], float("-inf"), dtype=tl.float32)
+        tl.store(OUT + qj.to(tl.int64)[None, :] * out_stride + offs[:, None], s,
+                 mask=in_range[:, None] & qj_ok[None, :])
+        if WANT_BMAX:
+            bmax = tl.max(tl.reshape(s, [BN // BS, BS, BQ]), 1)  # [BN / BS, BQ]
+            blocks = (k_first + t * BN) // BS + tl.arange(0, BN // BS)
+            tl.store(BMAX + qj.to(tl.int64)[None, :] * bm_stride + blocks[:, None], bmax,
+                     mask=(blocks[:, None] * BS < num_keys) & qj_ok[None, :])
+
+
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def launch_shape(num_q: int, num_keys: int, block_q: int, block_n: int, sms: int) -> tuple[int, int]:
+    """(query programs, tiles per program): about four programs per SM, at most 16 tiles each;
+    from shapes only."""
+    q_programs = -(-num_q // block_q)
+    tiles = -(-num_keys // block_n)
+    per_program = max(1, min(16, q_programs * tiles // (4 * sms)))
+    return q_programs, per_program
+
+
+def index_scores_triton(
+    q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, page_table: torch.Tensor,
+    page_rows: int, visible: torch.Tensor, num_keys: int, softmax_scale: float, queries_per_request: int = 1,
+    allowed: torch.Tensor | None = None, block_size: int = 8, want_block_max: bool = False,
+    block_n: int = 128, block_q: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`kernels.v4_indexer.index_scores_reference` as one launch; no host sync."""
+    check_inputs(q8, q_scale, weights, keys, page_table, page_rows, visible, num_keys, queries_per_request, allowed,
+                 block_size)
+    nq, heads, d = q8.shape
+    if block_q is None:
+        block_q = 1 if queries_per_request == 1 else 4
+    if heads & (heads - 1) or block_q * heads < 16 or d % SCALE_BLOCK:
+        raise ValueError(f"the Triton indexer takes a power-of-two number of heads (block_q · heads ≥ 16) and "
+                         f"d % {SCALE_BLOCK} == 0, got {heads} heads, d {d}")
+    if keys.stride(1) != 1 or keys.stride(0) != keys.shape[1]:
+        raise ValueError("keys must be contiguous records")
+    if queries_per_request % block_q:
+        raise ValueError(f"block_q {block_q} must divide the {queries_per_request} queries per request")
+    if block_n % block_size or block_n & (block_n - 1) or block_size & (block_size - 1):
+        raise ValueError(f"block_n {block_n} must be a power of two and a multiple of block_size {block_size}")
+    device = q8.device
+    scores = torch.empty(nq, num_keys, dtype=torch.float32, device=device)
+    bmax = (torch.empty(nq, -(-num_keys // block_size), dtype=torch.float32, device=device)
+            if want_block_max else None)
+    if nq == 0 or num_keys == 0:
+        return scores, bmax
+    q_programs, per_program = launch_shape(nq, num_keys, block_q, block_n, num_sms(device))
+    grid = (q_programs, -(-num_keys // (per_program * block_n)))
+    vis = visible.to(torch.int32)
+    al = allowed.view(torch.uint8) if allowed is not None else vis
+    _index_scores_kernel[grid](
+        q8.contiguous().view(torch.uint8), q_scale.contiguous(), weights.contiguous(), keys, page_table,
+        page_table.stride(0), page_rows, vis, al, al.stride(0) if allowed is not None else 0,
+        scores, scores.stride(0), bmax if bmax is not None else scores, bmax.stride(0) if bmax is not None else 0,
+        nq, num_keys, queries_per_request, float(softmax_scale), TILES=per_program,
+        H=heads, D=d, REC=keys.shape[1], BQ=block_q, BN=block_n, BS=block_size,
+        HAS_ALLOWED=allowed is not None, WANT_BMAX=want_block_max, num_warps=4,
+    )
+    return scores, bmax
