@@ -188,8 +188,8 @@ INDEXER_BACKENDS = {cls.name: cls for cls in (TritonIndexer, IndexerBackend)}
 def triton_unsupported_reason(device: torch.device, index_head_dim: int) -> str | None:
     if device.type != "cuda":
         return f"needs a CUDA device, the model is on {device.type}"
-    if index_head_dim % 128:
-        return f"reads 128-dim blocks of keys; index_head_dim is {index_head_dim}"
+    if index_head_dim % SCALE_BLOCK:
+        return f"reads {SCALE_BLOCK}-dim blocks of keys; index_head_dim is {index_head_dim}"
     try:
         import triton  # noqa: F401
     except ImportError:

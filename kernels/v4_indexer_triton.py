@@ -3,7 +3,7 @@
 Design (the expected numbers: benchmarks/KERNEL_NOTES.md):
 
 - A program owns ``block_q`` queries of one request (decode: 1; a prefill chunk: 4, so the
-  MMA's N is 4 × 32 heads = 128) and a run of ``tiles_per_program`` tiles of ``block_n`` keys.
+  MMA's N is 4 × 32 heads = 128; heads pad to a power of two ≥ 16) and a run of ``tiles_per_program`` tiles of ``block_n`` keys.
   Keys fill the MMA's M: Sᵀ [block_n, block_q·heads] = K·Qᵀ.
 - Each 32-dim block is one FP8 MMA (K = 32): the record's 16 bytes of e2m1 pairs become e4m3
   bytes with integer ops (e2m1 → e4m3 is exact), the query block is e4m3 already; the
@@ -42,18 +42,18 @@ def _e2m1_to_e4m3(n):
 def _index_scores_kernel(
     Q8, QS, W, KEYS, PT, pt_stride, page_rows, VIS, ALLOWED, al_stride, OUT, out_stride, BMAX, bm_stride,
     num_q, num_keys, q_per_req, softmax_scale, TILES: tl.constexpr,
-    H: tl.constexpr, D: tl.constexpr, REC: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, REC: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
     HAS_ALLOWED: tl.constexpr, WANT_BMAX: tl.constexpr,
 ):
     NB: tl.constexpr = D // 32
-    M: tl.constexpr = BQ * H
+    M: tl.constexpr = BQ * HP  # heads padded to HP (≥ 16 rows for the MMA; padded heads weigh 0)
     q0 = tl.program_id(0) * BQ
     req = (q0 // q_per_req).to(tl.int64)
     rows_m = tl.arange(0, M)  # query-head rows of the MMA's N
-    qi = q0 + rows_m // H
-    q_ok = qi < num_q
+    qi = q0 + rows_m // HP
+    head = rows_m % HP
+    q_ok = (qi < num_q) & (head < H)
     qi64 = qi.to(tl.int64)
-    head = rows_m % H
     w = tl.load(W + qi64 * H + head, mask=q_ok, other=0.0)
     qj = q0 + tl.arange(0, BQ)  # the tile's queries
     qj_ok = qj < num_q
@@ -81,7 +81,7 @@ def _index_scores_kernel(
                 part = tl.dot(k8, tl.trans(q8))  # [BN, M], exact
                 acc += part * k_scale[:, None] * q_scale[None, :]
             s = tl.maximum(acc, 0.0) * softmax_scale * w[None, :]
-            s = tl.sum(tl.reshape(s, [BN, BQ, H]), 2)  # [BN, BQ]
+            s = tl.sum(tl.reshape(s, [BN, BQ, HP]), 2)  # [BN, BQ]
             keep = offs[:, None] < vis[None, :]
             if HAS_ALLOWED:
                 ok = tl.load(ALLOWED + qj.to(tl.int64)[None, :] * al_stride + (offs // BS)[:, None],
@@ -103,6 +103,12 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
+def default_shape(queries_per_request: int) -> tuple[int, int]:
+    """(block_n, block_q): decode 128 keys × 1 query (the MMA's N = the heads); a prefill 64
+    keys × 4 queries (N = 128 query heads; 128-key tiles spill at 4 warps, sm_90 compile)."""
+    return (128, 1) if queries_per_request == 1 else (64, 4)
+
+
 def launch_shape(num_q: int, num_keys: int, block_q: int, block_n: int, sms: int) -> tuple[int, int]:
     """(query programs, tiles per program): about four programs per SM, at most 16 tiles each;
     from shapes only."""
@@ -116,20 +122,22 @@ def index_scores_triton(
     q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, page_table: torch.Tensor,
     page_rows: int, visible: torch.Tensor, num_keys: int, softmax_scale: float, queries_per_request: int = 1,
     allowed: torch.Tensor | None = None, block_size: int = 8, want_block_max: bool = False,
-    block_n: int = 128, block_q: int | None = None,
+    block_n: int | None = None, block_q: int | None = None, num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`kernels.v4_indexer.index_scores_reference` as one launch; no host sync."""
+    """:func:`kernels.v4_indexer.index_scores_reference` as one launch; no host sync. Launch
+    shape (None: :func:`default_shape`): ``block_n`` keys per tile, ``block_q`` queries per
+    program, ``num_warps``."""
     check_inputs(q8, q_scale, weights, keys, page_table, page_rows, visible, num_keys, queries_per_request, allowed,
                  block_size)
     nq, heads, d = q8.shape
-    if block_q is None:
-        block_q = 1 if queries_per_request == 1 else 4
-    if heads & (heads - 1) or block_q * heads < 16 or d % SCALE_BLOCK:
-        raise ValueError(f"the Triton indexer takes a power-of-two number of heads (block_q · heads ≥ 16) and "
-                         f"d % {SCALE_BLOCK} == 0, got {heads} heads, d {d}")
+    default_n, default_q = default_shape(queries_per_request)
+    block_n, block_q = block_n or default_n, block_q or default_q
+    if block_q & (block_q - 1):
+        raise ValueError(f"block_q must be a power of two, got {block_q}")
     if keys.stride(1) != 1 or keys.stride(0) != keys.shape[1]:
         raise ValueError("keys must be contiguous records")
-    if queries_per_request % block_q:
+    one_request = page_table.shape[0] == 1
+    if queries_per_request % block_q and not one_request:
         raise ValueError(f"block_q {block_q} must divide the {queries_per_request} queries per request")
     if block_n % block_size or block_n & (block_n - 1) or block_size & (block_size - 1):
         raise ValueError(f"block_n {block_n} must be a power of two and a multiple of block_size {block_size}")
@@ -147,8 +155,8 @@ def index_scores_triton(
         q8.contiguous().view(torch.uint8), q_scale.contiguous(), weights.contiguous(), keys, page_table,
         page_table.stride(0), page_rows, vis, al, al.stride(0) if allowed is not None else 0,
         scores, scores.stride(0), bmax if bmax is not None else scores, bmax.stride(0) if bmax is not None else 0,
-        nq, num_keys, queries_per_request, float(softmax_scale), TILES=per_program,
-        H=heads, D=d, REC=keys.shape[1], BQ=block_q, BN=block_n, BS=block_size,
-        HAS_ALLOWED=allowed is not None, WANT_BMAX=want_block_max, num_warps=4,
+        nq, num_keys, nq + block_q if one_request else queries_per_request, float(softmax_scale), TILES=per_program,
+        H=heads, HP=max(16, triton.next_power_of_2(heads)), D=d, REC=keys.shape[1], BQ=block_q, BN=block_n, BS=block_size,
+        HAS_ALLOWED=allowed is not None, WANT_BMAX=want_block_max, num_warps=num_warps,
     )
     return scores, bmax

@@ -155,8 +155,15 @@ class Attention(nn.Module):
                 entries = pools[name].get(0, lease.rows(name, 0, n)).to(q.dtype)
                 if self.indexer is not None and self.source_pools + "keys" in pools:
                     name = self.source_pools + "keys"
-                    keys = pools[name].get(0, lease.rows(name, 0, n)).to(q.dtype)
-                    all_picks[self.layer_idx] = self.indexer.topk_picks(x, q_res, keys, positions, cos, sin, step)
+                    if self.indexer.backend is not None:  # packed records scored in place
+                        pool = pools[name]
+                        all_picks[self.layer_idx] = self.indexer.prefill_packed_picks(
+                            x, q_res, pool.flat(0), lease.units[name], pool.rows_per_unit, n, positions, cos, sin,
+                            step)
+                    else:
+                        keys = pools[name].get(0, lease.rows(name, 0, n)).to(q.dtype)
+                        all_picks[self.layer_idx] = self.indexer.topk_picks(x, q_res, keys, positions, cos, sin,
+                                                                            step)
             picks = all_picks.get(self.index_source)
 
         out = torch.empty_like(q)
@@ -194,8 +201,16 @@ class Attention(nn.Module):
             counts = (p + 1) // self.source_ratio
             all_picks = step.setdefault("topk_picks", {})
             if self.indexer is not None and self.source_pools + "keys" in pools:
-                index_keys = batch.gather_prefix(pools, self.source_pools + "keys", 0, counts)
-                all_picks[self.layer_idx] = self.indexer.decode_picks(x, q_res, index_keys, counts, cos, sin, step)
+                name = self.source_pools + "keys"
+                if self.indexer.backend is not None:  # packed records scored in place
+                    pool = pools[name]
+                    all_picks[self.layer_idx] = self.indexer.decode_packed_picks(
+                        x, q_res, pool.flat(0), batch.page_tables[name], pool.rows_per_unit, counts,
+                        batch.capacity(pools, name), cos, sin, step)
+                else:
+                    index_keys = batch.gather_prefix(pools, name, 0, counts)
+                    all_picks[self.layer_idx] = self.indexer.decode_picks(x, q_res, index_keys, counts, cos, sin,
+                                                                          step)
             picks = all_picks.get(self.index_source)
             if sparse is None:
                 entries = batch.gather_prefix(pools, self.source_pools + "entries", 0, counts).to(q.dtype)
