@@ -19,14 +19,11 @@ Selection on top of the scores (shared by every backend; fixed shapes, no host s
 step, :func:`candidate_blocks`: per query the ``topk_blocks`` blocks with the highest max
 score, the block of its newest visible key always among them.
 
-Backends (:func:`choose_indexer`): ``torch`` (this module's reference on the records) and
-``triton``; ``auto`` takes Triton on CUDA and keeps the model's own path (decoded keys)
-elsewhere.
+The backends that compute the scores (this reference, the Triton kernel) are chosen in
+kernels/attention/v4_indexer.py.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +32,6 @@ from kernels.microscaling import quantize_fp4_blocks
 from kernels.v4_cache_formats import V41_INDEX_KEY_BLOCK, unpack_v41_index_keys, v41_index_key_bytes
 from kernels.weight_formats import fp4_codes_to_float
 
-logger = logging.getLogger(__name__)
 SCALE_BLOCK = V41_INDEX_KEY_BLOCK  # 32: queries and keys share the block
 
 
@@ -159,65 +155,3 @@ def index_scores_reference(
         masked |= ~blocks_to_entries(allowed, block_size, num_keys)
     scores = scores.masked_fill(masked, float("-inf"))
     return scores, (block_max(scores, block_size) if want_block_max else None)
-
-
-# ---- backends -------------------------------------------------------------------------------
-class IndexerBackend:
-    """Scores of packed key records: ``scores(...)`` has :func:`index_scores_reference`'s contract."""
-
-    name = "torch"
-    cuda_graph_safe = False
-
-    def scores(self, *args, **kwargs):
-        return index_scores_reference(*args, **kwargs)
-
-
-class TritonIndexer(IndexerBackend):
-    name = "triton"
-    cuda_graph_safe = True
-
-    def scores(self, *args, **kwargs):
-        from kernels.v4_indexer_triton import index_scores_triton
-
-        return index_scores_triton(*args, **kwargs)
-
-
-INDEXER_BACKENDS = {cls.name: cls for cls in (TritonIndexer, IndexerBackend)}
-
-
-def triton_unsupported_reason(device: torch.device, index_head_dim: int) -> str | None:
-    if device.type != "cuda":
-        return f"needs a CUDA device, the model is on {device.type}"
-    if index_head_dim % SCALE_BLOCK:
-        return f"reads {SCALE_BLOCK}-dim blocks of keys; index_head_dim is {index_head_dim}"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "the triton package is not installed"
-    return None
-
-
-def choose_indexer(requested: str, kv_cache_dtype: str, device: torch.device | str,
-                   index_head_dim: int) -> IndexerBackend | None:
-    """The backend that scores a V4.1 model's packed key records, or None for the model's own
-    path on decoded keys (rows kept in the model dtype, or ``auto`` off CUDA). ``requested``:
-    auto, triton or torch; one that cannot run raises ValueError naming it."""
-    device = torch.device(device)
-    if requested not in ("auto", *INDEXER_BACKENDS):
-        raise ValueError(f"indexer backend {requested!r}: one of auto, {', '.join(INDEXER_BACKENDS)}")
-    packed = kv_cache_dtype.startswith("fp8")
-    if not packed:
-        if requested != "auto":
-            raise ValueError(f"indexer backend {requested}: reads packed key records (--kv-cache-dtype fp8), got "
-                             f"--kv-cache-dtype {kv_cache_dtype}")
-        return None
-    reason = triton_unsupported_reason(device, index_head_dim)
-    if requested == "auto":
-        if reason is not None:
-            logger.info("V4.1 indexer: the model's torch path on decoded keys (triton %s)", reason)
-            return None
-        requested = "triton"
-    elif requested == "triton" and reason is not None:
-        raise ValueError(f"indexer backend triton: {reason}")
-    logger.info("V4.1 indexer backend: %s", requested)
-    return INDEXER_BACKENDS[requested]()

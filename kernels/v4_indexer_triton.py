@@ -3,7 +3,8 @@
 Design (the expected numbers: benchmarks/KERNEL_NOTES.md):
 
 - A program owns ``block_q`` queries of one request (decode: 1; a prefill chunk: 4, so the
-  MMA's N is 4 × 32 heads = 128; heads pad to a power of two ≥ 16) and a run of ``tiles_per_program`` tiles of ``block_n`` keys.
+  MMA's N is 4 × 32 heads = 128; heads pad to a power of two ≥ 16) and a run of ``TILES``
+  tiles of ``block_n`` keys.
   Keys fill the MMA's M: Sᵀ [block_n, block_q·heads] = K·Qᵀ.
 - Each 32-dim block is one FP8 MMA (K = 32): the record's 16 bytes of e2m1 pairs become e4m3
   bytes with integer ops (e2m1 → e4m3 is exact), the query block is e4m3 already; the
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.v4_indexer import SCALE_BLOCK, check_inputs
+from kernels.v4_indexer import check_inputs
 
 
 @triton.jit
@@ -42,7 +43,8 @@ def _e2m1_to_e4m3(n):
 def _index_scores_kernel(
     Q8, QS, W, KEYS, PT, pt_stride, page_rows, VIS, ALLOWED, al_stride, OUT, out_stride, BMAX, bm_stride,
     num_q, num_keys, q_per_req, softmax_scale, TILES: tl.constexpr,
-    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, REC: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr,
+    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, REC: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr,
+    BS: tl.constexpr,
     HAS_ALLOWED: tl.constexpr, WANT_BMAX: tl.constexpr,
 ):
     NB: tl.constexpr = D // 32
@@ -103,10 +105,11 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def default_shape(queries_per_request: int) -> tuple[int, int]:
-    """(block_n, block_q): decode 128 keys × 1 query (the MMA's N = the heads); a prefill 64
-    keys × 4 queries (N = 128 query heads; 128-key tiles spill at 4 warps, sm_90 compile)."""
-    return (128, 1) if queries_per_request == 1 else (64, 4)
+def default_shape(queries_per_request: int) -> tuple[int, int, int]:
+    """(block_n, block_q, num_warps): decode 128 keys × 1 query on 4 warps (the MMA's N = the
+    heads); a prefill 64 keys × 4 queries on 8 warps (N = 128 query heads; 128-key tiles, or 4
+    warps, spill on sm_90 at 32 heads × 128)."""
+    return (128, 1, 4) if queries_per_request == 1 else (64, 4, 8)
 
 
 def launch_shape(num_q: int, num_keys: int, block_q: int, block_n: int, sms: int) -> tuple[int, int]:
@@ -122,7 +125,7 @@ def index_scores_triton(
     q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, page_table: torch.Tensor,
     page_rows: int, visible: torch.Tensor, num_keys: int, softmax_scale: float, queries_per_request: int = 1,
     allowed: torch.Tensor | None = None, block_size: int = 8, want_block_max: bool = False,
-    block_n: int | None = None, block_q: int | None = None, num_warps: int = 4,
+    block_n: int | None = None, block_q: int | None = None, num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kernels.v4_indexer.index_scores_reference` as one launch; no host sync. Launch
     shape (None: :func:`default_shape`): ``block_n`` keys per tile, ``block_q`` queries per
@@ -130,8 +133,8 @@ def index_scores_triton(
     check_inputs(q8, q_scale, weights, keys, page_table, page_rows, visible, num_keys, queries_per_request, allowed,
                  block_size)
     nq, heads, d = q8.shape
-    default_n, default_q = default_shape(queries_per_request)
-    block_n, block_q = block_n or default_n, block_q or default_q
+    default_n, default_q, default_warps = default_shape(queries_per_request)
+    block_n, block_q, num_warps = block_n or default_n, block_q or default_q, num_warps or default_warps
     if block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
     if keys.stride(1) != 1 or keys.stride(0) != keys.shape[1]:
@@ -156,7 +159,8 @@ def index_scores_triton(
         page_table.stride(0), page_rows, vis, al, al.stride(0) if allowed is not None else 0,
         scores, scores.stride(0), bmax if bmax is not None else scores, bmax.stride(0) if bmax is not None else 0,
         nq, num_keys, nq + block_q if one_request else queries_per_request, float(softmax_scale), TILES=per_program,
-        H=heads, HP=max(16, triton.next_power_of_2(heads)), D=d, REC=keys.shape[1], BQ=block_q, BN=block_n, BS=block_size,
+        H=heads, HP=max(16, triton.next_power_of_2(heads)), D=d, REC=keys.shape[1], BQ=block_q, BN=block_n,
+        BS=block_size,
         HAS_ALLOWED=allowed is not None, WANT_BMAX=want_block_max, num_warps=num_warps,
     )
     return scores, bmax

@@ -17,7 +17,7 @@ Roles, per layer with a compressed branch:
 The top-k picks (-1 where fewer entries than ``index_topk`` are visible) become the attention's
 additive bias over the compressed entries: 0 on picks, -inf elsewhere.
 
-With packed key records (``--kv-cache-dtype fp8``) an :class:`~kernels.v4_indexer.IndexerBackend`
+With packed key records (``--kv-cache-dtype fp8``) an :class:`~kernels.attention.v4_indexer.IndexerBackend`
 (the Triton kernel on CUDA) scores the records in place (:meth:`Indexer.packed_picks`): the
 same scores from the same e2m1 values, then the same selection.
 """
@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 from kernels.microscaling import fake_quant_fp4
-from kernels.v4_indexer import (IndexerBackend, blocks_to_entries, candidate_blocks, quantize_index_queries,
-                                score_values, select_candidate_blocks, topk_picks)
+from kernels.attention.v4_indexer import IndexerBackend
+from kernels.v4_indexer import (blocks_to_entries, candidate_blocks, quantize_index_queries, score_values,
+                                select_candidate_blocks, topk_picks)
 from model.layers.norm import RMSNorm
 from model.v4.rope import apply_trailing_rope
 from model.v41.config import V41Config

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
-from kernels.v4_indexer import choose_indexer
+from kernels.attention.v4_indexer import choose_indexer
 from model.layers.norm import RMSNorm
 from model.v4.rope import RotaryTable
 from model.v4_loader import CheckpointError, iter_v4_weights, read_v4_config, stored_mxfp4_experts
@@ -223,7 +223,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         plan's fixed sizes, allocated now — and the sparse-decode backend the batched decode
         attends packed records with (``attention_backend``: model/v4/sparse_attention.py), and
         the indexer's scorer of packed key records (``indexer_backend``: auto, triton or torch;
-        kernels/v4_indexer.py). Replaces the pools: states made before keep the old ones."""
+        kernels/attention/v4_indexer.py). Replaces the pools: states made before keep the old ones."""
         c, weight = self.config, self.lm_head.weight
         v41_row_codecs(c, kv_cache_dtype, weight.dtype)  # validates
         self.sparse_decode = choose_sparse_decode(
