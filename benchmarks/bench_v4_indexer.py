@@ -43,8 +43,11 @@ PAGE = 64
 QUERY_BLOCK = 256  # prefill queries per launch (model/v41/indexer.py)
 TARGET = 0.30
 REF_ROWS = 2
-SWEEP = [dict(block_n=64), dict(block_n=256), dict(block_n=256, num_warps=8), dict(block_n=128, num_warps=8)]
-PREFILL_SWEEP = [dict(block_q=2, block_n=64, num_warps=4), dict(block_q=2, block_n=128, num_warps=8)]
+SWEEP = [dict(block_n=64), dict(block_n=256, num_warps=8), dict(block_n=128, num_warps=8), dict(num_stages=1),
+         dict(skip_dead_tiles=False)]
+PREFILL_SWEEP = [dict(block_q=2, block_n=64, num_warps=4, num_stages=3), dict(block_q=4, block_n=32, num_warps=4,
+                                                                               num_stages=3),
+                 dict(num_stages=1)]
 
 
 def paged_keys(num_requests: int, num_keys: int, gen: torch.Generator):

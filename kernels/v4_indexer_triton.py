@@ -13,9 +13,11 @@ Design (the expected numbers: benchmarks/KERNEL_NOTES.md):
 - ReLU, the head weights (H^-½ folded in), the d^-½ scale, the visibility mask and V4.1's
   candidate mask are applied on the tile; the candidate source also gets the max of every
   block of ``block_size`` keys (the input of the block top-k) from the same tile.
-- Tiles past a program's largest visible count store −inf without reading keys (causal
-  prefill does half the work; decode at fixed graph widths skips the padding). The grid
-  depends on shapes only (never on counts): capturable in a CUDA graph.
+- Tiles past a program's largest visible count store −inf without reading keys or running
+  MMAs (causal prefill does half the work; decode at fixed graph widths skips the padding):
+  two loops, the live tiles' trip count from the counts, so the first stays branch-free and
+  Triton pipelines its key loads (cp.async, ``num_stages``). The grid depends on shapes only
+  (never on counts): capturable in a CUDA graph.
 - The memory roofline at decode: every visible key's 68 bytes once per request (and per
   query block in a prefill); 8 kFLOP per key and request (32 heads × 128 dims), so ~120
   FLOP per byte — under the FP8 ridge of an H200, a bandwidth-bound kernel.
@@ -44,8 +46,7 @@ def _index_scores_kernel(
     Q8, QS, W, KEYS, PT, pt_stride, page_rows, VIS, ALLOWED, al_stride, OUT, out_stride, BMAX, bm_stride,
     num_q, num_keys, q_per_req, softmax_scale, TILES: tl.constexpr,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, REC: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr,
-    BS: tl.constexpr,
-    HAS_ALLOWED: tl.constexpr, WANT_BMAX: tl.constexpr,
+    BS: tl.constexpr, HAS_ALLOWED: tl.constexpr, WANT_BMAX: tl.constexpr, SKIP: tl.constexpr,
 ):
     NB: tl.constexpr = D // 32
     M: tl.constexpr = BQ * HP  # heads padded to HP (≥ 16 rows for the MMA; padded heads weigh 0)
@@ -63,53 +64,62 @@ def _index_scores_kernel(
     vis_max = tl.max(vis, 0)
     cols = tl.arange(0, 32)
     k_first = tl.program_id(1) * TILES * BN
-    for t in range(TILES):
+    # tiles with a visible key for some query of the program, then the rest (−inf, no reads)
+    live = tl.minimum(tl.maximum(tl.cdiv(vis_max - k_first, BN), 0), TILES) if SKIP else TILES
+    for t in range(0, live):
         offs = k_first + t * BN + tl.arange(0, BN)
-        in_range = offs < num_keys
-        if k_first + t * BN < vis_max:
-            valid = (offs < vis_max) & in_range
-            page = tl.load(PT + req * pt_stride + offs // page_rows, mask=valid, other=0).to(tl.int64)
-            rec = KEYS + (page * page_rows + offs % page_rows) * REC
-            acc = tl.zeros([BN, M], dtype=tl.float32)
-            for b in tl.static_range(NB):
-                packed = tl.load(rec[:, None] + (b * 16 + tl.arange(0, 16))[None, :], mask=valid[:, None], other=0)
-                k8 = tl.reshape(tl.join(_e2m1_to_e4m3(packed & 15), _e2m1_to_e4m3(packed >> 4)), [BN, 32])
-                k8 = k8.to(tl.float8e4nv, bitcast=True)
-                e = tl.load(rec + D // 2 + b, mask=valid, other=127)
-                k_scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-                q8 = tl.load(Q8 + (qi64 * H + head)[:, None] * D + b * 32 + cols[None, :], mask=q_ok[:, None],
-                             other=0).to(tl.float8e4nv, bitcast=True)
-                q_scale = tl.load(QS + (qi64 * H + head) * NB + b, mask=q_ok, other=0.0)
-                part = tl.dot(k8, tl.trans(q8))  # [BN, M], exact
-                acc += part * k_scale[:, None] * q_scale[None, :]
-            s = tl.maximum(acc, 0.0) * softmax_scale * w[None, :]
-            s = tl.sum(tl.reshape(s, [BN, BQ, HP]), 2)  # [BN, BQ]
-            keep = offs[:, None] < vis[None, :]
-            if HAS_ALLOWED:
-                ok = tl.load(ALLOWED + qj.to(tl.int64)[None, :] * al_stride + (offs // BS)[:, None],
-                             mask=keep & qj_ok[None, :], other=0)
-                keep = keep & (ok != 0)
-            s = tl.where(keep, s, float("-inf"))
-        else:
-            s = tl.full([BN, BQ], float("-inf"), dtype=tl.float32)
-        tl.store(OUT + qj.to(tl.int64)[None, :] * out_stride + offs[:, None], s,
-                 mask=in_range[:, None] & qj_ok[None, :])
-        if WANT_BMAX:
-            bmax = tl.max(tl.reshape(s, [BN // BS, BS, BQ]), 1)  # [BN / BS, BQ]
-            blocks = (k_first + t * BN) // BS + tl.arange(0, BN // BS)
-            tl.store(BMAX + qj.to(tl.int64)[None, :] * bm_stride + blocks[:, None], bmax,
-                     mask=(blocks[:, None] * BS < num_keys) & qj_ok[None, :])
+        valid = (offs < vis_max) & (offs < num_keys)
+        page = tl.load(PT + req * pt_stride + offs // page_rows, mask=valid, other=0).to(tl.int64)
+        rec = KEYS + (page * page_rows + offs % page_rows) * REC
+        acc = tl.zeros([BN, M], dtype=tl.float32)
+        for b in tl.static_range(NB):
+            packed = tl.load(rec[:, None] + (b * 16 + tl.arange(0, 16))[None, :], mask=valid[:, None], other=0)
+            k8 = tl.reshape(tl.join(_e2m1_to_e4m3(packed & 15), _e2m1_to_e4m3(packed >> 4)), [BN, 32])
+            k8 = k8.to(tl.float8e4nv, bitcast=True)
+            e = tl.load(rec + D // 2 + b, mask=valid, other=127)
+            k_scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+            q8 = tl.load(Q8 + (qi64 * H + head)[:, None] * D + b * 32 + cols[None, :], mask=q_ok[:, None],
+                         other=0).to(tl.float8e4nv, bitcast=True)
+            q_scale = tl.load(QS + (qi64 * H + head) * NB + b, mask=q_ok, other=0.0)
+            part = tl.dot(k8, tl.trans(q8))  # [BN, M], exact
+            acc += part * k_scale[:, None] * q_scale[None, :]
+        s = tl.maximum(acc, 0.0) * softmax_scale * w[None, :]
+        s = tl.sum(tl.reshape(s, [BN, BQ, HP]), 2)  # [BN, BQ]
+        keep = offs[:, None] < vis[None, :]
+        if HAS_ALLOWED:
+            ok = tl.load(ALLOWED + qj.to(tl.int64)[None, :] * al_stride + (offs // BS)[:, None],
+                         mask=keep & qj_ok[None, :], other=0)
+            keep = keep & (ok != 0)
+        _store_tile(tl.where(keep, s, float("-inf")), OUT, out_stride, BMAX, bm_stride, qj, qj_ok, k_first + t * BN,
+                    num_keys, BN, BQ, BS, WANT_BMAX)
+    for t in range(live, TILES):
+        _store_tile(tl.full([BN, BQ], float("-inf"), dtype=tl.float32), OUT, out_stride, BMAX, bm_stride, qj, qj_ok,
+                    k_first + t * BN, num_keys, BN, BQ, BS, WANT_BMAX)
+
+
+@triton.jit
+def _store_tile(s, OUT, out_stride, BMAX, bm_stride, qj, qj_ok, first, num_keys, BN: tl.constexpr, BQ: tl.constexpr,
+                BS: tl.constexpr, WANT_BMAX: tl.constexpr):
+    """Scores s [BN, BQ] of keys first … first + BN − 1 (and, WANT_BMAX, their block maxima)."""
+    offs = first + tl.arange(0, BN)
+    tl.store(OUT + qj.to(tl.int64)[None, :] * out_stride + offs[:, None], s,
+             mask=(offs < num_keys)[:, None] & qj_ok[None, :])
+    if WANT_BMAX:
+        bmax = tl.max(tl.reshape(s, [BN // BS, BS, BQ]), 1)  # [BN / BS, BQ]
+        blocks = first // BS + tl.arange(0, BN // BS)
+        tl.store(BMAX + qj.to(tl.int64)[None, :] * bm_stride + blocks[:, None], bmax,
+                 mask=(blocks[:, None] * BS < num_keys) & qj_ok[None, :])
 
 
 def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def default_shape(queries_per_request: int) -> tuple[int, int, int]:
-    """(block_n, block_q, num_warps): decode 128 keys × 1 query on 4 warps (the MMA's N = the
-    heads); a prefill 64 keys × 4 queries on 8 warps (N = 128 query heads; 128-key tiles, or 4
-    warps, spill on sm_90 at 32 heads × 128)."""
-    return (128, 1, 4) if queries_per_request == 1 else (64, 4, 8)
+def default_shape(queries_per_request: int) -> tuple[int, int, int, int]:
+    """(block_n, block_q, num_warps, num_stages): decode 128 keys × 1 query on 4 warps, 3
+    stages (the MMA's N = the heads); a prefill 64 keys × 4 queries on 8 warps, 2 stages (N =
+    128 query heads; 128-key tiles, 4 warps or 3 stages spill on sm_90 at 32 heads × 128)."""
+    return (128, 1, 4, 3) if queries_per_request == 1 else (64, 4, 8, 2)
 
 
 def launch_shape(num_q: int, num_keys: int, block_q: int, block_n: int, sms: int) -> tuple[int, int]:
@@ -126,15 +136,18 @@ def index_scores_triton(
     page_rows: int, visible: torch.Tensor, num_keys: int, softmax_scale: float, queries_per_request: int = 1,
     allowed: torch.Tensor | None = None, block_size: int = 8, want_block_max: bool = False,
     block_n: int | None = None, block_q: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, skip_dead_tiles: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kernels.v4_indexer.index_scores_reference` as one launch; no host sync. Launch
     shape (None: :func:`default_shape`): ``block_n`` keys per tile, ``block_q`` queries per
-    program, ``num_warps``."""
+    program, ``num_warps``, ``num_stages``; ``skip_dead_tiles`` False computes the tiles past
+    every query's count too (masked loads read nothing)."""
     check_inputs(q8, q_scale, weights, keys, page_table, page_rows, visible, num_keys, queries_per_request, allowed,
                  block_size)
     nq, heads, d = q8.shape
-    default_n, default_q, default_warps = default_shape(queries_per_request)
-    block_n, block_q, num_warps = block_n or default_n, block_q or default_q, num_warps or default_warps
+    default_n, default_q, default_warps, default_stages = default_shape(queries_per_request)
+    block_n, block_q = block_n or default_n, block_q or default_q
+    num_warps, num_stages = num_warps or default_warps, num_stages or default_stages
     if block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
     if keys.stride(1) != 1 or keys.stride(0) != keys.shape[1]:
@@ -161,6 +174,7 @@ def index_scores_triton(
         nq, num_keys, nq + block_q if one_request else queries_per_request, float(softmax_scale), TILES=per_program,
         H=heads, HP=max(16, triton.next_power_of_2(heads)), D=d, REC=keys.shape[1], BQ=block_q, BN=block_n,
         BS=block_size,
-        HAS_ALLOWED=allowed is not None, WANT_BMAX=want_block_max, num_warps=num_warps,
+        HAS_ALLOWED=allowed is not None, WANT_BMAX=want_block_max, SKIP=skip_dead_tiles, num_warps=num_warps,
+        num_stages=num_stages,
     )
     return scores, bmax

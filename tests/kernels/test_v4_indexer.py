@@ -26,6 +26,7 @@ from kernels.attention.v4_indexer import IndexerBackend, choose_indexer
 from kernels.v4_indexer import index_scores_reference, quantize_index_queries, topk_picks
 from model.v41.config import parse_v41_config
 from model.v41.indexer import Indexer
+from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "dev-v41-s0"
@@ -223,7 +224,7 @@ def test_reference_rejects_bad_inputs():
 
 
 # ---- the Triton kernel without a GPU ----------------------------------------------------------
-_INTERPRET_SCRIPT = textwrap.dedent(
+_INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     """
     import torch
     from tests.kernels.test_v4_indexer import kernel_cases
@@ -283,7 +284,7 @@ _PTXAS = (Path(importlib.util.find_spec("triton").origin).parent / "backends/nvi
 @pytest.mark.skipif(_PTXAS is None or not _PTXAS.exists(), reason="needs triton's bundled ptxas")
 def test_default_shapes_compile_for_sm90_on_fp8_wgmma_without_spills():
     """V4.1-Flash's shapes (32 heads × 128), decode and prefill defaults, every mask variant:
-    the MMAs are FP8 wgmma, no local memory, no spill stack."""
+    the MMAs are FP8 wgmma, the key loads cp.async-pipelined, no local memory, no spill stack."""
     from kernels.v4_indexer_triton import _index_scores_kernel, default_shape
     from tests.kernels.test_mxfp8_gemm import _compile_sm90
 
@@ -291,10 +292,11 @@ def test_default_shapes_compile_for_sm90_on_fp8_wgmma_without_spills():
     types = dict(Q8="*u8", QS="*fp32", W="*fp32", KEYS="*u8", PT="*i64", VIS="*i32", ALLOWED="*u8", OUT="*fp32",
                  BMAX="*fp32", softmax_scale="fp32", **dict.fromkeys(ints, "i32"))
     for qpr, allowed, bmax in ((1, False, True), (1, True, False), (256, False, True), (256, True, False)):
-        bn, bq, warps = default_shape(qpr)
-        consts = dict(H=32, HP=32, D=128, REC=68, BQ=bq, BN=bn, BS=8, HAS_ALLOWED=allowed, WANT_BMAX=bmax, TILES=16)
-        ptx, usage = _compile_sm90(_index_scores_kernel, types, consts, num_warps=warps, num_stages=3)
-        assert "wgmma" in ptx and "e4m3" in ptx, usage
+        bn, bq, warps, stages = default_shape(qpr)
+        consts = dict(H=32, HP=32, D=128, REC=68, BQ=bq, BN=bn, BS=8, HAS_ALLOWED=allowed, WANT_BMAX=bmax, TILES=16,
+                      SKIP=True)
+        ptx, usage = _compile_sm90(_index_scores_kernel, types, consts, num_warps=warps, num_stages=stages)
+        assert "wgmma" in ptx and "e4m3" in ptx and "cp.async" in ptx, usage
         assert usage.endswith("LOCAL:0") and " STACK:0 " in usage, (consts, usage)
 
 
