@@ -224,6 +224,27 @@ def test_reference_rejects_bad_inputs():
 
 
 # ---- the Triton kernel without a GPU ----------------------------------------------------------
+def test_prmt_conversion_is_exact_on_every_byte():
+    """The kernel's PTX (e2m1 pairs → e4m3, 4 bytes a call) mirrored instruction for instruction
+    by ``kernels.mxfp4_moe.fold_bytes_lut`` with the kernel's tables: every byte value gives the
+    e4m3 of both its codes, each output byte from the same input byte."""
+    import re
+
+    from kernels.mxfp4_moe import fold_bytes_lut
+    from kernels.v4_indexer_triton import _E2M1_TO_E4M3_ASM
+    from kernels.weight_formats import fp4_codes_to_float
+
+    tables = [int(t, 16) for t in re.findall(r"mov.b32 t(?:lo|hi), (0x[0-9A-F]+);", _E2M1_TO_E4M3_ASM.value)]
+    v = torch.arange(256, dtype=torch.int64)
+    word = v | (v.roll(1) << 8) | (v.roll(2) << 16) | (v.roll(3) << 24)  # four different bytes per word
+    lo, hi = fold_bytes_lut(word, torch.tensor(tables[0]), torch.tensor(tables[1]))
+    for i in range(4):
+        byte = (word >> (8 * i)) & 0xFF
+        for out, code in ((lo, byte & 15), (hi, byte >> 4)):
+            got = ((out >> (8 * i)) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).float()
+            assert torch.equal(got, fp4_codes_to_float(code.to(torch.uint8)).float())
+
+
 _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     """
     import torch
@@ -294,9 +315,9 @@ def test_default_shapes_compile_for_sm90_on_fp8_wgmma_without_spills():
     for qpr, allowed, bmax in ((1, False, True), (1, True, False), (256, False, True), (256, True, False)):
         bn, bq, warps, stages = default_shape(qpr)
         consts = dict(H=32, HP=32, D=128, REC=68, BQ=bq, BN=bn, BS=8, HAS_ALLOWED=allowed, WANT_BMAX=bmax, TILES=16,
-                      SKIP=True)
+                      SKIP=True, PRMT=True)
         ptx, usage = _compile_sm90(_index_scores_kernel, types, consts, num_warps=warps, num_stages=stages)
-        assert "wgmma" in ptx and "e4m3" in ptx and "cp.async" in ptx, usage
+        assert "wgmma" in ptx and "e4m3" in ptx and "cp.async" in ptx and "prmt.b32" in ptx, usage
         assert usage.endswith("LOCAL:0") and " STACK:0 " in usage, (consts, usage)
 
 
