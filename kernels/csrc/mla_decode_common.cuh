@@ -40,6 +40,11 @@ struct TileRange {
   }
 };
 
+// Lets the grid launched after this one with programmatic dependent launch (the split combine,
+// mla_decode_combine_sm90a.cu) schedule its CTAs now; they wait in griddepcontrol.wait until
+// this grid has finished, so only the launch latency moves under this kernel.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::); }
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }

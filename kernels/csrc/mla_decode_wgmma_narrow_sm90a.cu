@@ -77,6 +77,7 @@ template <int N>
 __global__ void __launch_bounds__(kThreads, 1)
     mla_decode_fp8_narrow_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
   using Plan = NarrowPlan<N>;
+  launch_dependents();  // the split combine's launch, under this kernel
   // This thread's accumulator columns (query rows) are 8j + 2q4 + e; column index c = 2j + e.
   constexpr int kCols = N / 4;
   extern __shared__ __align__(128) uint8_t smem_raw[];

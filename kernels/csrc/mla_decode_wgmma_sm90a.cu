@@ -94,6 +94,7 @@ static_assert(kRows * kChunks % kThreads == 0, "whole copies per thread");
 __global__ void __launch_bounds__(kThreads, 1)
     mla_decode_fp8_wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
+  launch_dependents();  // the split combine's launch, under this kernel
   uint8_t* smem = smem_raw + ((kSmemAlign - (smem_addr(smem_raw) & (kSmemAlign - 1))) & (kSmemAlign - 1));
   uint8_t* q_s = smem + kSmemQ;
   uint8_t* k_s = smem + kSmemK;
