@@ -253,7 +253,7 @@ def estimate_split_us(splits: int, bsz: int, rows: int, max_tiles: int, num_sms:
     per_cta = model.cta_us + tiles * model.tile_time(kernel, min(total, num_sms), per_request)
     t = waves * per_cta
     if splits > 1:
-        part_bytes = 2 * total * rows_per_cta(rows, kernel) * (D_LATENT + 1) * 4  # written, read back
+        part_bytes = 2 * total * rows_per_cta(rows, kernel) * (2 * D_LATENT + 4)  # bf16 O, fp32 LSE: written, read
         t += model.combine_us + part_bytes / model.l2_bytes_per_us
     return t
 
@@ -345,7 +345,7 @@ def mla_decode_cuda(
         return out, lse
     part_o = part_l = None
     if splits > 1:
-        part_o = torch.empty(bsz * rows, splits, D_LATENT, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(bsz * rows, splits, D_LATENT, dtype=torch.bfloat16, device=q.device)
         part_l = torch.empty(bsz * rows, splits, dtype=torch.float32, device=q.device)
     p = _Params(
         q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),

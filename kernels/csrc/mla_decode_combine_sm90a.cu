@@ -1,11 +1,14 @@
 // Split-KV combine of the paged MLA decode kernels in this directory: merges the normalized
-// partial outputs and LSEs that the splits of a request wrote (Params::part_o, part_l) into
-// out [B, s_q, H, 512] (bf16, times out_scale) and lse [B, s_q, H].
+// partial outputs (bf16) and LSEs (fp32) that the splits of a request wrote (Params::part_o,
+// part_l) into out [B, s_q, H, 512] (bf16, times out_scale) and lse [B, s_q, H].
 //
 // Why a kernel of its own, launched with programmatic dependent launch (PDL):
 // - Small batches split each request's tiles over many CTAs, so the merge reads up to 128
 //   partials per row; a warp takes a quarter (128 dims) of one row, so even B = 1 gives
-//   4 x rows warps, and a lane's four floats of every split are independent 16-byte loads.
+//   4 x rows warps, and a lane's four dims of every split are independent 8-byte loads.
+// - bf16 partials halve the bytes the splits write and this kernel reads back (through L2) at
+//   the small batches that split most; the weights and the sum stay fp32, so the merge adds one
+//   bf16 rounding of each partial (2^-9 relative) to the output's own.
 // - The decode kernels trigger their dependents as they start (griddepcontrol.launch_dependents),
 //   so this grid is launched while they run and its CTAs wait in griddepcontrol.wait (which
 //   returns once the decode grid has finished and its writes are visible): the launch latency
@@ -58,21 +61,23 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) mla_decode_combine_kernel(c
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
 
-  const float* po = p.part_o + flat * ns * kDim + quarter * 128 + 4 * lane;
+  const __nv_bfloat16* po = p.part_o + flat * ns * kDim + quarter * 128 + 4 * lane;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int n = min(32, ns - 32 * i);
     if (n <= 0) break;
-    const float* base = po + static_cast<long long>(32 * i) * kDim;
+    const __nv_bfloat16* base = po + static_cast<long long>(32 * i) * kDim;
 #pragma unroll 4
     for (int k = 0; k < n; ++k) {
       const float ws = __shfl_sync(0xffffffffu, w[i], k);
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(base + static_cast<long long>(k) * kDim));
-      acc.x = fmaf(ws, v.x, acc.x);
-      acc.y = fmaf(ws, v.y, acc.y);
-      acc.z = fmaf(ws, v.z, acc.z);
-      acc.w = fmaf(ws, v.w, acc.w);
+      const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(base + static_cast<long long>(k) * kDim));
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      acc.x = fmaf(ws, lo.x, acc.x);
+      acc.y = fmaf(ws, lo.y, acc.y);
+      acc.z = fmaf(ws, hi.x, acc.z);
+      acc.w = fmaf(ws, hi.y, acc.w);
     }
   }
 

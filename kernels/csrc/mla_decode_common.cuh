@@ -19,7 +19,7 @@ struct Params {
   long long o_sb, o_ss, o_sh;
   float* lse;                  // [B, s_q, H] when num_splits == 1
   long long l_sb, l_ss, l_sh;
-  float* part_o;               // [B * rows, num_splits, 512] when num_splits > 1
+  __nv_bfloat16* part_o;       // [B * rows, num_splits, 512] when num_splits > 1: normalized, unscaled
   float* part_l;               // [B * rows, num_splits]
   int batch, s_q, heads, num_splits, page_size;
   float scale_log2;            // softmax_scale * q_scale * k_scale * log2(e)

@@ -137,7 +137,7 @@ def test_split_planner_counts_waves_and_partials():
     two_waves = mdc.estimate_split_us(32, 4, 128, 128, 132, "wgmma")  # 256 CTAs x 4 tiles
     tile = model.tile_time("wgmma", 128, 2)
     assert one_wave == pytest.approx(model.cta_us + 8 * tile + model.combine_us
-                                     + 2 * 128 * 64 * 513 * 4 / model.l2_bytes_per_us)
+                                     + 2 * 128 * 64 * (2 * 512 + 4) / model.l2_bytes_per_us)
     assert two_waves > one_wave  # the second wave pays the fixed cost again, and twice the partials
     assert mdc.estimate_split_us(1, 4, 128, 128, 132, "wgmma") == pytest.approx(model.cta_us + 128 * tile)
     # Memory-bound narrow tiles: a full GPU shares HBM; a lone CTA is held by its own TMA ring.
