@@ -78,6 +78,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     mla_decode_fp8_narrow_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
   using Plan = NarrowPlan<N>;
   launch_dependents();  // the split combine's launch, under this kernel
+  if (threadIdx.x == 0) prefetch_tensor_map(&kv_map);
   // This thread's accumulator columns (query rows) are 8j + 2q4 + e; column index c = 2j + e.
   constexpr int kCols = N / 4;
   extern __shared__ __align__(128) uint8_t smem_raw[];

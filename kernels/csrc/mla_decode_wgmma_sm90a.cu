@@ -96,6 +96,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     mla_decode_fp8_wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   launch_dependents();  // the split combine's launch, under this kernel
+  if (threadIdx.x == 0) prefetch_tensor_map(&kv_map);
   uint8_t* smem = smem_raw + ((kSmemAlign - (smem_addr(smem_raw) & (kSmemAlign - 1))) & (kSmemAlign - 1));
   uint8_t* q_s = smem + kSmemQ;
   uint8_t* k_s = smem + kSmemK;
