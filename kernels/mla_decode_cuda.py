@@ -286,13 +286,15 @@ def mla_decode_cuda(
     lse: torch.Tensor | None = None,
     kernel: str | None = None,
     merge_splits: bool = True,
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode; returns (out [B, s_q, H, 512] in ``out_dtype``, default bf16; lse
     [B, s_q, H] float32). The kernel writes bf16; another ``out_dtype`` costs one cast.
     ``kernel`` (``narrow`` or ``wgmma``) defaults to ``choose_kernel(s_q * H)``, ``num_splits``
     (1 to MAX_SPLITS) to ``choose_num_splits``. ``merge_splits=False`` skips the split-KV
     combine, leaving out and lse unwritten when there are splits (benchmarks time the decode
-    kernel alone with it).
+    kernel alone with it); ``pdl=False`` launches the combine as a plain stream-ordered kernel
+    instead of with programmatic dependent launch (same result; benchmarks measure the gain).
 
     Every request needs ``seq_lens[b] >= s_q``. No host synchronization, launch shape from
     tensor shapes only: capturable in a CUDA graph (pass ``out``/``lse`` to reuse buffers).
@@ -309,7 +311,7 @@ def mla_decode_cuda(
         if out is not None:
             raise ValueError(f"out must be bf16 for the cuda backend, not {out.dtype}")
         out16, lse = mla_decode_cuda(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, q_scale,
-                                     k_scale, torch.bfloat16, num_splits, None, lse, kernel, merge_splits)
+                                     k_scale, torch.bfloat16, num_splits, None, lse, kernel, merge_splits, pdl)
         return out16.to(out_dtype), lse
     page = kv_cache.shape[1]
     if page % TILE:
@@ -337,7 +339,7 @@ def mla_decode_cuda(
     if out.data_ptr() % 16 or any(st % 8 for st in out.stride()[:3]):
         # the kernels write 16-byte runs of a row: other layouts go through a copy
         tmp, lse = mla_decode_cuda(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, q_scale,
-                                   k_scale, out_dtype, num_splits, None, lse, kernel, merge_splits)
+                                   k_scale, out_dtype, num_splits, None, lse, kernel, merge_splits, pdl)
         return out.copy_(tmp), lse
     if lse.shape != (bsz, s_q, h) or lse.dtype != torch.float32:
         raise ValueError("lse must be float32 [B, s_q, H]")
@@ -366,9 +368,9 @@ def mla_decode_cuda(
         else:
             err = _library().mla_decode_fp8_wgmma_sm90(ctypes.byref(p), kv_cache.shape[0], ctypes.c_void_p(stream))
         _raise_on_error(err, kernel)
-        if splits > 1 and merge_splits:  # launched with PDL: it starts while the decode runs
-            _raise_on_error(_library().mla_decode_split_combine_sm90(ctypes.byref(p), 1, ctypes.c_void_p(stream)),
-                            "combine")
+        if splits > 1 and merge_splits:  # with PDL its launch overlaps the decode kernel
+            err = _library().mla_decode_split_combine_sm90(ctypes.byref(p), int(pdl), ctypes.c_void_p(stream))
+            _raise_on_error(err, "combine")
     return out, lse
 
 

@@ -415,6 +415,10 @@ def test_small_batches_split_many_ways_against_float64(case):
     lse = torch.full((bsz, s_q, heads), float("nan"), device="cuda")
     mdc.mla_decode_cuda(q, kv, tables, seq_lens, LSE_SM_SCALE, q_scale=Q_SCALE, k_scale=K_SCALE, out=out, lse=lse)
     _check_f64(q, kv, tables, seq_lens, out, lse)
+    # The combine as a plain stream-ordered launch: the same bits.
+    plain_out, plain_lse = mdc.mla_decode_cuda(q, kv, tables, seq_lens, LSE_SM_SCALE, q_scale=Q_SCALE,
+                                               k_scale=K_SCALE, pdl=False)
+    assert torch.equal(plain_out, out) and torch.equal(plain_lse, lse)
 
 
 @gpu
