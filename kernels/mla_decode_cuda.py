@@ -214,7 +214,11 @@ class SplitCostModel:
     cost plus its tiles, a launch takes ``waves`` of them, and splitting adds the partials'
     round trip through L2 and the combine."""
 
-    tile_us: dict  # kernel -> one CTA's time per 64-token tile when its SM is the bound
+    # One CTA's time per 64-token tile when its SM is the bound: the 64-row kernel takes 195 µs
+    # for 124 tiles per SM at B=128, 128 heads (compute-bound); the narrow kernel's compute per
+    # 16-32 row tile is well under the HBM share it gets at full occupancy (1.3 µs).
+    wgmma_tile_us: float = 1.57
+    narrow_tile_us: float = 0.5
     cta_us: float = 2.0  # per CTA: Q load, the first tile's latency, the epilogue
     combine_us: float = 1.0  # the combine's own time (its launch hides under the decode: PDL)
     l2_bytes_per_us: float = 5e6  # partials written by the splits and read back by the combine
@@ -225,12 +229,11 @@ class SplitCostModel:
         """A tile's time in one of ``active_ctas`` CTAs: its SM's compute, or its share of HBM
         (``readers_per_tile`` CTAs of a request read each tile; L2 serves all but the first)."""
         hbm = active_ctas * TILE * (D_LATENT + D_ROPE) / readers_per_tile / self.hbm_bytes_per_us
-        return max(self.tile_us[kernel], hbm, TILE * (D_LATENT + D_ROPE) / self.sm_bytes_per_us)
+        compute = self.narrow_tile_us if kernel == "narrow" else self.wgmma_tile_us
+        return max(compute, hbm, TILE * (D_LATENT + D_ROPE) / self.sm_bytes_per_us)
 
 
-# 64-row kernel: 195 µs for 124 tiles per SM at B=128, 128 heads (compute-bound); narrow kernel:
-# its compute per 16-32 row tile is well under the HBM share it gets at full occupancy (1.3 µs).
-SPLIT_COST = SplitCostModel(tile_us={"wgmma": 1.57, "narrow": 0.5})
+SPLIT_COST = SplitCostModel()
 
 
 def rows_per_cta(rows: int, kernel: str) -> int:
@@ -258,6 +261,7 @@ def estimate_split_us(splits: int, bsz: int, rows: int, max_tiles: int, num_sms:
     return t
 
 
+@functools.lru_cache(maxsize=4096)  # called per layer on eager steps: one search per shape
 def choose_num_splits(bsz: int, rows: int, max_tiles: int, num_sms: int, kernel: str,
                       model: SplitCostModel = SPLIT_COST) -> int:
     """The split count the cost model says is fastest (the fewest among equals). Depends only on
