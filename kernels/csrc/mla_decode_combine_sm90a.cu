@@ -5,7 +5,7 @@
 // Why a kernel of its own, launched with programmatic dependent launch (PDL):
 // - Small batches split each request's tiles over many CTAs, so the merge reads up to 128
 //   partials per row; a warp takes a quarter (128 dims) of one row, so even B = 1 gives
-//   4 x rows warps, and a lane's four dims of every split are independent 8-byte loads.
+//   4 x rows warps, and a lane loads its four dims of 32 splits at once (8-byte loads).
 // - bf16 partials halve the bytes the splits write and this kernel reads back (through L2) at
 //   the small batches that split most; the weights and the sum stay fp32, so the merge adds one
 //   bf16 rounding of each partial (2^-9 relative) to the output's own.
@@ -63,17 +63,22 @@ __global__ void __launch_bounds__(32 * kWarpsPerCta) mla_decode_combine_kernel(c
 
   const __nv_bfloat16* po = p.part_o + flat * ns * kDim + quarter * 128 + 4 * lane;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  // 32 splits at a time: all 32 loads issued before the first use, so a row costs one L2 round
+  // trip per 32 splits (a split past ns loads nothing and weighs 0).
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int n = min(32, ns - 32 * i);
-    if (n <= 0) break;
+    if (32 * i >= ns) break;
     const __nv_bfloat16* base = po + static_cast<long long>(32 * i) * kDim;
-#pragma unroll 4
-    for (int k = 0; k < n; ++k) {
+    uint2 raw[32];
+#pragma unroll
+    for (int k = 0; k < 32; ++k)
+      raw[k] = 32 * i + k < ns ? __ldcg(reinterpret_cast<const uint2*>(base + static_cast<long long>(k) * kDim))
+                               : make_uint2(0u, 0u);
+#pragma unroll
+    for (int k = 0; k < 32; ++k) {
       const float ws = __shfl_sync(0xffffffffu, w[i], k);
-      const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(base + static_cast<long long>(k) * kDim));
-      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+      const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[k].x));
+      const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[k].y));
       acc.x = fmaf(ws, lo.x, acc.x);
       acc.y = fmaf(ws, lo.y, acc.y);
       acc.z = fmaf(ws, hi.x, acc.z);
