@@ -422,7 +422,7 @@ def fmt_row(r: dict) -> str:
         cfg += f" splits={r['splits']}"
     cfg += f" [{r.get('timing', '?')}]"
     sass = f" regs={r['regs']} spills={r['spills']} QGMMA={r['QGMMA']} HGMMA={r['HGMMA']}" if "regs" in r else ""
-    return (f"B={r['B']:4d} H={r['H']:4d} s_q={r['s_q']} {r['variant']:12s} {r['us']:9.1f} us "
+    return (f"B={r['B']:4d} S={r['S']:6d} H={r['H']:4d} s_q={r['s_q']} {r['variant']:12s} {r['us']:9.1f} us "
             f"{r['tbs']:5.2f} TB/s ({r['pct_hbm']:5.1f}%) {r['tflops']:6.1f} TFLOP/s ({r['pct_bf16']:5.1f}% bf16) "
             f"relerr {r['relerr']:.2e} lse {r['lse_err']:.1e} {cfg}{sass}")
 
@@ -433,8 +433,8 @@ def markdown(rows: list[dict], ceil: dict) -> str:
         f"{ceil['bf16_tflops']:.0f} TFLOP/s, fp8 GEMM {ceil['fp8_tflops']:.0f} TFLOP/s. Times are "
         "CUDA-graph replays unless the config says eager.",
         "",
-        "| B | H | s_q | variant | µs | TB/s | % HBM | TFLOP/s | % bf16 | rel. err | config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| B | S | H | s_q | variant | µs | TB/s | % HBM | TFLOP/s | % bf16 | rel. err | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["variant"].startswith("sweep"):
@@ -442,8 +442,9 @@ def markdown(rows: list[dict], ceil: dict) -> str:
         cfg = r.get("config", "")
         cfg = " ".join(f"{k}={v}" for k, v in cfg.items()) if isinstance(cfg, dict) else str(cfg)
         cfg += " (eager)" if r.get("timing") == "eager" else ""
-        lines.append(f"| {r['B']} | {r['H']} | {r['s_q']} | {r['variant']} | {r['us']:.1f} | {r['tbs']:.2f} | "
-                     f"{r['pct_hbm']:.0f} | {r['tflops']:.0f} | {r['pct_bf16']:.0f} | {r['relerr']:.1e} | {cfg} |")
+        lines.append(f"| {r['B']} | {r['S']} | {r['H']} | {r['s_q']} | {r['variant']} | {r['us']:.1f} | "
+                     f"{r['tbs']:.2f} | {r['pct_hbm']:.0f} | {r['tflops']:.0f} | {r['pct_bf16']:.0f} | "
+                     f"{r['relerr']:.1e} | {cfg} |")
     return "\n".join(lines) + "\n"
 
 
