@@ -310,6 +310,18 @@ def test_page_size_128_and_strided_query():
     assert rel_err(out, ref) < WGMMA_REL_TOL and (lse - ref_lse).abs().max().item() < LSE_TOL
 
 
+def _eager_then_captured(call, out, lse):
+    """Runs ``call`` (which fills ``out``/``lse``) eagerly, then captures it: the graph and the
+    eager results."""
+    call()
+    torch.cuda.synchronize()
+    want_out, want_lse = out.clone(), lse.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph, want_out, want_lse
+
+
 @gpu
 @needs_hopper
 def test_cuda_graph_replay_matches_eager():
@@ -317,12 +329,7 @@ def test_cuda_graph_replay_matches_eager():
     out = torch.empty(4, 1, 16, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(4, 1, 16, device="cuda")
     call = lambda: mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, out=out, lse=lse)  # noqa: E731
-    call()
-    torch.cuda.synchronize()
-    want_out, want_lse = out.clone(), lse.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph, want_out, want_lse = _eager_then_captured(call, out, lse)
     out.fill_(float("nan"))
     sl.copy_(torch.tensor([70, 1, 640, 4000], dtype=torch.int32))
     graph.replay()
@@ -440,12 +447,7 @@ def test_small_batch_graph_replay_with_new_lengths(heads):
                             lse=lse)
 
     seq_lens.copy_(torch.tensor([5000, 1], dtype=torch.int32))
-    call()
-    torch.cuda.synchronize()
-    want_out, want_lse = out.clone(), lse.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph, want_out, want_lse = _eager_then_captured(call, out, lse)
     out.fill_(float("nan"))
     lse.fill_(float("nan"))
     graph.replay()
