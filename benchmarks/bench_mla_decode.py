@@ -359,8 +359,9 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
 
 def sweep_split_counts(case: Case, args8: tuple, ref8, record) -> None:
     """cuda-fp8 at each split count of SPLIT_SWEEP (and the planner's), with the combine and
-    without it (the decode kernel alone): rows ``sweep-splits``; and the planner's split count
-    with the combine launched without PDL: row ``sweep-no-pdl``."""
+    without it (the decode kernel alone): rows ``sweep-splits``; the planner's split count with
+    the combine launched without PDL: row ``sweep-no-pdl``; past 32 rows, the narrow kernel
+    (32-row CTAs) at its planned split count: row ``sweep-narrow``."""
     from kernels.mla_decode_cuda import TILE, choose_kernel, choose_num_splits, mla_decode_cuda
     from kernels.mla_decode_triton import _num_sms
 
@@ -379,6 +380,11 @@ def sweep_split_counts(case: Case, args8: tuple, ref8, record) -> None:
     if planned > 1:  # the combine as a plain launch after the decode, not a programmatic dependent one
         record("sweep-no-pdl", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE, num_splits=planned,
                                                        pdl=False), ref8, 1, dict(config=kernel, splits=planned))
+    if kernel == "wgmma":  # the narrow kernel's 32-row CTAs instead: twice the CTAs for the same tiles
+        narrow = choose_num_splits(case.bsz, rows, max_tiles, _num_sms(args8[0].device), "narrow")
+        record("sweep-narrow", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE, kernel="narrow",
+                                                       num_splits=narrow), ref8, 1,
+               dict(config="narrow", splits=narrow))
 
 
 def speedup_table(rows: list[dict]) -> str:
@@ -391,8 +397,8 @@ def speedup_table(rows: list[dict]) -> str:
              f"{TARGET_SPEEDUP}x others",
              "",
              "| B | S | H | s_q | ours µs | splits | FlashInfer µs | FlashMLA µs | others / ours | meets | "
-             "best split (µs) | planned split: kernel / + combine / + combine without PDL µs |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "best split (µs) | planned split: kernel / + combine / + combine without PDL µs | narrow kernel µs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (bsz, seq, heads, s_q), rs in sorted(points.items()):
         us = {r["variant"]: r["us"] for r in rs if not r["variant"].startswith("sweep")}
         ours, fi, fm = us.get("cuda-fp8"), us.get("fi-fa3-bf16"), us.get("flashmla-bf16")
@@ -402,6 +408,7 @@ def speedup_table(rows: list[dict]) -> str:
         best = min((r for r in sweep if r["merged"]), key=lambda r: r["us"], default=None)
         plan = {r["merged"]: r["us"] for r in sweep if r["planned"]}
         no_pdl = next((r["us"] for r in rs if r["variant"] == "sweep-no-pdl"), None)
+        narrow = next((r["us"] for r in rs if r["variant"] == "sweep-narrow"), None)
         planned = next((r.get("splits", "") for r in rs if r["variant"] == "cuda-fp8"), "")
 
         def f(t):
@@ -411,7 +418,7 @@ def speedup_table(rows: list[dict]) -> str:
         best_s = f"{best['splits']} ({best['us']:.1f})" if best else "-"
         ratio_s = f"{ratio:.2f}" if ratio else "-"
         lines.append(f"| {bsz} | {seq} | {heads} | {s_q} | {f(ours)} | {planned} | {f(fi)} | {f(fm)} | {ratio_s} | "
-                     f"{verdict} | {best_s} | {f(plan.get(False))} / {f(plan.get(True))} / {f(no_pdl)} |")
+                     f"{verdict} | {best_s} | {f(plan.get(False))} / {f(plan.get(True))} / {f(no_pdl)} | {f(narrow)} |")
     return "\n".join(lines) + "\n"
 
 
