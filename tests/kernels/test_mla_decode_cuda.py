@@ -217,6 +217,7 @@ NARROW_CASES = [  # (B, s_q, H, lens): 16 and 32 rows, 8 heads, rows not a multi
     (2, 2, 10, [3, 129]),
     (1, 3, 16, [1000]),
     (4, 1, 16, [63, 64, 65, 128]),
+    (2, 1, 128, [2048, 300]),  # four 32-row CTAs per request (the benchmark's narrow arm at 128 heads)
 ]
 
 
