@@ -17,7 +17,8 @@ kernel's per-block products on FP8 tensor cores are exact and only the fp32 sums
 Selection on top of the scores (shared by every backend; fixed shapes, no host sync):
 :func:`topk_picks` (the top ``k``, −1 where fewer keys are visible) and V4.1's two-level
 step, :func:`candidate_blocks`: per query the ``topk_blocks`` blocks with the highest max
-score, the block of its newest visible key always among them.
+score, the block of its newest visible key always among them. Ties go to the lower index
+(:mod:`kernels.topk`), so a request's picks do not depend on its batch.
 
 The backends that compute the scores (this reference, the Triton kernel) are chosen in
 kernels/attention/v4_indexer.py.
@@ -29,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.microscaling import quantize_fp4_blocks
+from kernels.topk import ordered_topk
 from kernels.v4_cache_formats import V41_INDEX_KEY_BLOCK, unpack_v41_index_keys, v41_index_key_bytes
 from kernels.weight_formats import fp4_codes_to_float
 
@@ -52,8 +54,8 @@ def candidate_blocks(block_scores: torch.Tensor, visible: torch.Tensor, topk_blo
     newest = (visible - 1).div(block_size, rounding_mode="floor")
     block_ids = torch.arange(num_blocks, device=block_scores.device)
     pinned = block_scores.masked_fill(block_ids == newest, float("inf"))
-    top = pinned.topk(min(topk_blocks, num_blocks), dim=-1)
-    return torch.zeros_like(pinned, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    values, indices = ordered_topk(pinned, min(topk_blocks, num_blocks))
+    return torch.zeros_like(pinned, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
 
 
 def select_candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int,
@@ -68,9 +70,10 @@ def blocks_to_entries(blocks: torch.Tensor, block_size: int, num_entries: int) -
 
 
 def topk_picks(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The top ``min(k, n)`` entries of scores [..., n] (unordered), −1 where the score is −inf."""
-    top = scores.topk(min(k, scores.shape[-1]), dim=-1, sorted=False)
-    return torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
+    """The top ``min(k, n)`` entries of scores [..., n] (ties to the lower index,
+    :func:`kernels.topk.ordered_topk`), −1 where the score is −inf."""
+    values, indices = ordered_topk(scores, min(k, scores.shape[-1]))
+    return torch.where(values > float("-inf"), indices, torch.full_like(indices, -1))
 
 
 def score_values(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, softmax_scale: float) -> torch.Tensor:
