@@ -16,10 +16,10 @@ Correctness first: the kernel's scores against the torch reference on the same r
 (first requests / queries; unused pages NaN-poisoned), the picks the same up to ties. Then
 timing: CUDA-graph replays, L2 emptied before each, median (``benchmarks.bench_mla_decode.time_call``).
 ``kernel`` is the scoring launch alone; ``total`` adds the query quantization and the
-selection (torch.topk). The ratio is ``total`` / attention against the 30 % target; ``GB/s``
+selection (``kernels.topk.ordered_topk``). The ratio is ``total`` / attention against the 30 % target; ``GB/s``
 counts each visible key's 68 bytes once per launch plus the float32 scores written.
 
-    python3 benchmarks/bench_v4_indexer.py [--quick] [--sweep] [--reps 30]
+    python3 -m benchmarks.bench_v4_indexer [--quick] [--sweep] [--reps 30]
 
 Prints a table last; with $OUT set, writes $OUT/bench_v4_indexer.json.
 """
