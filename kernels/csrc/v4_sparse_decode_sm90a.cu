@@ -1,0 +1,412 @@
+// DeepSeek-V4 sparse decode (FlashMLA's MODEL1 records: 448 e4m3 dims with a UE8M0 exponent per
+// 64, then 64 bf16 RoPE dims), 64 query heads per CTA, Hopper (sm_90a) wgmma in fp16.
+//
+// Contract: kernels/v4_sparse_decode.py (lse without the sink, out scaled by 1/(1+e^(sink-lse)),
+// no valid key -> out 0 and lse +inf); the Python side is kernels/v4_sparse_decode_cuda.py. Why
+// this design (the budget and the cost model: benchmarks/KERNEL_NOTES.md):
+//
+// - A CTA = one query token x 64 heads x one split of the token's 32-record tiles (the window
+//   scope's tiles, then the selected entries'). 128 heads take two CTAs side by side on the grid
+//   (the second gather of a record is an L2 hit): all 128 heads x 512 fp32 output values would
+//   be the SM's whole register file.
+// - Warpgroup 0 is the producer: it gathers each tile's records by index (cp.async, 16 bytes,
+//   four raw stages in flight) and dequantizes each record once into fp16 in shared memory
+//   (two stages): e4m3 pairs take one cvt to f16x2 and one packed multiply by the power-of-two
+//   scale; the RoPE dims bf16 -> fp16. Each producer thread converts exactly the bytes it
+//   copied, so a thread's own cp.async wait is all the synchronization the raw stages need.
+// - Warpgroups 1 and 2 are the consumers, each owning half of the 512 output dims (128 fp32
+//   accumulators per thread). S = Q.K^T is split the same way: each consumer computes the
+//   partial scores over its 256 dims (m64n32k16, both operands in shared memory), the two
+//   exchange partials through shared memory and both hold the full scores (a + b = b + a: the
+//   same softmax bit for bit in both). P stays in registers as the A operand of O += P.V
+//   (m64n256k16, V = the same fp16 tile read N-major).
+// - Records the indices leave out (-1, past a scope's length, the tile's tail) are never
+//   loaded (zero-filled copies) and their scores are -inf: poisoned cache pages never reach
+//   the products. Split-KV writes normalized partials and the natural-log LSE; the combine
+//   (kernels/v4_sparse_decode_triton.py) merges them and applies the sink. Launch shapes come
+//   from tensor shapes only: capturable in a CUDA graph.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "mla_decode_common.cuh"
+#include "sm90_async.cuh"
+
+// Mirrored by kernels/v4_sparse_decode_cuda.py (same order and types).
+struct SparseScope {
+  const uint8_t* cache;   // MODEL1 pages: page_size 576-byte data rows, then 8-byte scale rows
+  long long page_stride;  // bytes
+  const int* indices;     // [B, s_q, k]: page * page_size + slot, -1 = none
+  long long idx_sb, idx_ss;
+  const int* lengths;     // [B] or null: only indices[b, :, :lengths[b]] count
+  int page_size, k, tiles;
+};
+
+struct SparseParams {
+  const __nv_bfloat16* q;  // [B, s_q, H, 512]
+  long long q_sb, q_ss, q_sh;
+  SparseScope scope[2];
+  const float* sinks;      // [H] or null
+  __nv_bfloat16* out;      // [B, s_q, H, 512] when num_splits == 1
+  long long o_sb, o_ss, o_sh;
+  float* lse;              // [B, s_q, H] when num_splits == 1
+  long long l_sb, l_ss, l_sh;
+  float* part_o;           // [B * s_q * num_splits, H, 512] when num_splits > 1
+  float* part_l;           // [B * s_q * num_splits, H]
+  int num_scopes, batch, s_q, heads, num_splits, tiles_per_split;
+  float scale_log2;        // softmax_scale * log2(e)
+};
+
+namespace {
+
+constexpr int kHeads = 64;    // query rows per CTA (wgmma M)
+constexpr int kRec = 32;      // records per tile (N of Q.K^T, K of P.V)
+constexpr int kDim = 512;
+constexpr int kThreads = 384;  // producer + two consumers
+constexpr int kKStages = 2;
+constexpr int kRawStages = 4;
+constexpr int kDataBytes = 576;  // 448 e4m3 + 64 bf16
+constexpr int kE4m3Chunks = 28;  // 16-byte chunks of e4m3 per record
+constexpr int kChunks = 36;      // 16-byte chunks of a record's data row
+constexpr float kLn2 = 0.6931471805599453f;
+// Registers per thread after the hand-over: the producer keeps 56, each consumer gets 224
+// ((56 + 2 x 224) x 128 = 64512 of the 65536).
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = 224;
+
+// fp16 tiles in shared memory (Q and each K stage): eight boxes of 64 dims (128-byte rows, one
+// per head or record), 16-byte chunk j of row r at box + 128 r + 16 (j ^ (r & 7)): wgmma's
+// 128-byte swizzle, read K-major for Q.K^T and N-major (V) for P.V. Boxes start on 1024 bytes.
+constexpr int kQBox = kHeads * 128;          // 8192
+constexpr int kQBytes = 8 * kQBox;           // 65536
+constexpr int kKBox = kRec * 128;            // 4096
+constexpr int kKBytes = 8 * kKBox;           // 32768
+// A raw stage: the tile's data rows, then each producer thread's copy of its record's scales.
+constexpr int kRawData = kRec * kDataBytes;  // 18432
+constexpr int kRawBytes = kRawData + kRec * 4 * 8;
+constexpr int kXchgBytes = 16 * 128 * 4;     // one consumer's partial scores
+
+constexpr int kSmemQ = 0;
+constexpr int kSmemK = kSmemQ + kQBytes;
+constexpr int kSmemRaw = kSmemK + kKStages * kKBytes;
+constexpr int kSmemXchg = kSmemRaw + kRawStages * kRawBytes;
+constexpr int kSmemBias = kSmemXchg + 2 * kXchgBytes;       // per K stage and record: 0 or -inf
+constexpr int kSmemBars = kSmemBias + kKStages * kRec * 4;  // full[2], empty[2]
+constexpr int kSmemBytes = kSmemBars + 2 * kKStages * 8 + 1024;
+static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds the SM's 227 KB");
+
+constexpr int kBarConsumersA = 1, kBarConsumersB = 2;  // named barriers of the two consumers
+
+__device__ __forceinline__ int swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Dequantize one 16-byte raw chunk c (< 36) of a record into the fp16 K stage at `kt`, row r:
+// chunks below 28 are 16 e4m3 values (dims 16c..) times 2^(e - 127), the rest 8 bf16 RoPE values
+// (dims 448 + 8 (c - 28)..).
+__device__ __forceinline__ void convert_chunk(uint8_t* kt, int r, int c, uint4 x, uint32_t exps_lo, uint32_t exps_hi) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  if (c < kE4m3Chunks) {
+    const int si = c >> 2;
+    const uint32_t e = ((si < 4 ? exps_lo >> (8 * si) : exps_hi >> (8 * (si - 4)))) & 0xFF;
+    const __half s = __float2half_rn(__uint_as_float(e << 23));
+    const __half2 s2 = __halves2half2(s, s);
+    uint32_t h[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[k] & 0xFFFF), __NV_E4M3);
+      const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[k] >> 16), __NV_E4M3);
+      const __half2 a = __hmul2(__half2(lo), s2), b = __hmul2(__half2(hi), s2);
+      h[2 * k] = *reinterpret_cast<const uint32_t*>(&a);
+      h[2 * k + 1] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+    uint8_t* box = kt + (c >> 2) * kKBox;
+    const int j = (c & 3) * 2;
+    *reinterpret_cast<uint4*>(box + swizzled(r, j)) = make_uint4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<uint4*>(box + swizzled(r, j + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+  } else {
+    uint32_t h[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&w[k]);
+      h[k] = pack_half2(__low2float(b), __high2float(b));
+    }
+    *reinterpret_cast<uint4*>(kt + 7 * kKBox + swizzled(r, c - kE4m3Chunks)) = make_uint4(h[0], h[1], h[2], h[3]);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) v4_sparse_decode_kernel(const __grid_constant__ SparseParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint8_t* q_s = smem + kSmemQ;
+  uint8_t* k_s = smem + kSmemK;
+  uint8_t* raw_s = smem + kSmemRaw;
+  float* xchg = reinterpret_cast<float*>(smem + kSmemXchg);
+  float* bias_s = reinterpret_cast<float*>(smem + kSmemBias);
+  const uint32_t bar_full = smem_addr(smem + kSmemBars), bar_empty = bar_full + 8 * kKStages;
+
+  const int tid = threadIdx.x;
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+  const int head_block = blockIdx.x, bt = blockIdx.y, split = blockIdx.z;
+  const int b = bt / p.s_q, tq = bt % p.s_q;
+  const int tiles_total = p.scope[0].tiles + (p.num_scopes > 1 ? p.scope[1].tiles : 0);
+  const int tile0 = split * p.tiles_per_split;
+  const int n = max(0, min(p.tiles_per_split, tiles_total - tile0));  // tiles of this CTA
+
+  // Q (bf16 -> fp16, rows past the heads zero) into the swizzled tile, by every thread.
+  for (int i = tid; i < kHeads * 64; i += kThreads) {
+    const int row = i >> 6, ch = i & 63, head = head_block * kHeads + row;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (head < p.heads) {
+      const uint4 x = *reinterpret_cast<const uint4*>(p.q + b * p.q_sb + tq * p.q_ss + head * p.q_sh + 8 * ch);
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+      uint32_t h[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const __nv_bfloat162 bb = *reinterpret_cast<const __nv_bfloat162*>(&w[k]);
+        h[k] = pack_half2(__low2float(bb), __high2float(bb));
+      }
+      v = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+    *reinterpret_cast<uint4*>(q_s + (ch >> 3) * kQBox + swizzled(row, ch & 7)) = v;
+  }
+  if (tid == 0) {
+    for (int s = 0; s < kKStages; ++s) {
+      mbar_init_count(bar_full + 8 * s, 128);
+      mbar_init_count(bar_empty + 8 * s, 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  fence_async_shared();
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---- producer: thread i copies and converts chunks (i & 3) + 4m of record i / 4 ----------
+    setmaxnreg_dec<kProducerRegs>();
+    const int r = tid >> 2, part = tid & 3;
+    // The flat record number of this thread's record in tile t, or -1.
+    auto fetch_index = [&](int t) -> int {
+      if (t >= n) return -1;
+      const int g = tile0 + t;
+      const int sc = g < p.scope[0].tiles ? 0 : 1;
+      const SparseScope& s = p.scope[sc];
+      const int pos = (g - (sc ? p.scope[0].tiles : 0)) * kRec + r;
+      const int len = s.lengths ? min(s.k, s.lengths[b]) : s.k;
+      return pos < len ? s.indices[b * s.idx_sb + tq * s.idx_ss + pos] : -1;
+    };
+    uint32_t valid_bits = 0;  // bit (t % kRawStages): this thread's record of tile t is valid
+    auto issue = [&](int t, int rec) {
+      if (t < n) {
+        const int slot = t % kRawStages;
+        const int sc = tile0 + t < p.scope[0].tiles ? 0 : 1;
+        const SparseScope& s = p.scope[sc];
+        const bool valid = rec >= 0;
+        valid_bits = (valid_bits & ~(1u << slot)) | (static_cast<uint32_t>(valid) << slot);
+        const long long page = valid ? rec / s.page_size : 0, slot_in_page = valid ? rec - page * s.page_size : 0;
+        const uint8_t* data = s.cache + page * s.page_stride + slot_in_page * kDataBytes;
+        const uint8_t* scales = s.cache + page * s.page_stride + static_cast<long long>(s.page_size) * kDataBytes +
+                                slot_in_page * 8;
+        const uint32_t dst = smem_addr(raw_s + slot * kRawBytes);
+#pragma unroll
+        for (int m = 0; m < kChunks / 4; ++m) {
+          const int c = part + 4 * m;
+          cp_async_16(dst + r * kDataBytes + c * 16, valid ? data + c * 16 : s.cache, valid ? 16 : 0);
+        }
+        cp_async_8(dst + kRawData + (r * 4 + part) * 8, valid ? scales : s.cache, valid ? 8 : 0);
+      }
+      cp_async_commit();  // one group per tile, empty ones too: the wait below counts groups
+    };
+    for (int t = 0; t < kRawStages - 1; ++t) issue(t, fetch_index(t));
+    int next = fetch_index(kRawStages - 1);
+    for (int t = 0; t < n; ++t) {
+      // The slot of tile t + 3 held tile t - 1, which this thread converted last iteration.
+      issue(t + kRawStages - 1, next);
+      next = fetch_index(t + kRawStages);
+      cp_async_wait<kRawStages - 1>();  // this thread's copies of tile t have landed
+      const int ks = t % kKStages;
+      if (t >= kKStages) mbar_wait(bar_empty + 8 * ks, ((t / kKStages) - 1) & 1);
+      const uint8_t* raw = raw_s + (t % kRawStages) * kRawBytes;
+      uint8_t* kt = k_s + ks * kKBytes;
+      const uint2 ex = *reinterpret_cast<const uint2*>(raw + kRawData + (r * 4 + part) * 8);
+#pragma unroll
+      for (int m = 0; m < kChunks / 4; ++m) {
+        const int c = part + 4 * m;
+        convert_chunk(kt, r, c, *reinterpret_cast<const uint4*>(raw + r * kDataBytes + c * 16), ex.x, ex.y);
+      }
+      if (part == 0) bias_s[ks * kRec + r] = (valid_bits >> (t % kRawStages)) & 1 ? 0.f : -INFINITY;
+      fence_async_shared();  // the fp16 tile is read by wgmma (the async proxy)
+      mbar_arrive(bar_full + 8 * ks);
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  // ---- consumers: warpgroup 1 + c owns output dims 256c..256c+255 ---------------------------
+  setmaxnreg_inc<kConsumerRegs>();
+  const int c = wg - 1, tw = tid & 127;
+  const int warp = tw >> 5, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
+  const uint32_t q_base = smem_addr(q_s), k_base = smem_addr(k_s);
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  float* xchg_own = xchg + c * (kXchgBytes / 4);
+  const float* xchg_other = xchg + (1 - c) * (kXchgBytes / 4);
+
+  for (int t = 0; t < n; ++t) {
+    const int ks = t % kKStages;
+    mbar_wait(bar_full + 8 * ks, (t / kKStages) & 1);
+    const uint32_t kt = k_base + ks * kKBytes;
+    // Partial S over this consumer's 256 dims: 16 k-steps of 16 dims (32 bytes of a box row).
+    float s[16];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 16; ++kk) {
+      const int gk = 16 * c + kk, box = gk >> 2, off = (gk & 3) * 32;
+      const uint64_t dq = make_desc(desc_lo(q_base + box * kQBox + off, 16), 1024, kSwizzle128);
+      const uint64_t dk = make_desc(desc_lo(kt + box * kKBox + off, 16), 1024, kSwizzle128);
+      wgmma_m64n32k16_f16(s, dq, dk, kk);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s);
+    // Exchange the partials (the same thread of the other consumer holds the same positions).
+#pragma unroll
+    for (int v = 0; v < 4; ++v)
+      *reinterpret_cast<float4*>(xchg_own + (v * 128 + tw) * 4) = make_float4(s[4 * v], s[4 * v + 1], s[4 * v + 2], s[4 * v + 3]);
+    named_barrier_sync(kBarConsumersA, 256);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const float4 x = *reinterpret_cast<const float4*>(xchg_other + (v * 128 + tw) * 4);
+      s[4 * v] += x.x;
+      s[4 * v + 1] += x.y;
+      s[4 * v + 2] += x.z;
+      s[4 * v + 3] += x.w;
+    }
+    named_barrier_sync(kBarConsumersB, 256);  // both read: the buffers may be written again
+
+    // Online softmax in log2 units; rows 16 warp + g + 8i, records 8j + 2q4 + e at s[4j + 2i + e].
+    const float* bias = bias_s + ks * kRec;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 bb = *reinterpret_cast<const float2*>(bias + 8 * j + 2 * q4);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        s[4 * j + 2 * i] = fmaf(s[4 * j + 2 * i], p.scale_log2, bb.x);
+        s[4 * j + 2 * i + 1] = fmaf(s[4 * j + 2 * i + 1], p.scale_log2, bb.y);
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run[i], mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      alpha[i] = exp2f(m_run[i] - m_use);
+      m_run[i] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        s[4 * j + 2 * i] = exp2f(s[4 * j + 2 * i] - m_use);
+        s[4 * j + 2 * i + 1] = exp2f(s[4 * j + 2 * i + 1] - m_use);
+        sum += s[4 * j + 2 * i] + s[4 * j + 2 * i + 1];
+      }
+      l_run[i] = l_run[i] * alpha[i] + sum;
+    }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
+    }
+    // P as the A fragments of the two k-steps (records 16kk..16kk+15).
+    uint32_t a[2][4];
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      a[kk][0] = pack_half2(s[8 * kk], s[8 * kk + 1]);
+      a[kk][1] = pack_half2(s[8 * kk + 2], s[8 * kk + 3]);
+      a[kk][2] = pack_half2(s[8 * kk + 4], s[8 * kk + 5]);
+      a[kk][3] = pack_half2(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+    // O[64 x this consumer's 256 dims] += P . V: V rows of 16 records, 4 boxes of 64 dims.
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const uint64_t dv = make_desc(desc_lo(kt + 4 * c * kKBox + kk * 16 * 128, kKBox), 1024, kSwizzle128);
+      wgmma_m64n256k16_f16_rs_tnspb(o, a[kk], dv, 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+    mbar_arrive(bar_empty + 8 * ks);  // this consumer is done with the stage
+  }
+
+  // ---- epilogue -------------------------------------------------------------------------------
+  const bool split_kv = p.num_splits > 1;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float l = l_run[i];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int head = head_block * kHeads + 16 * warp + g + 8 * i;
+    const bool lonely = !(l > 0.f);
+    const float lse = lonely ? -INFINITY : (m_run[i] + log2f(l)) * kLn2;
+    float factor = lonely ? 0.f : 1.f / l;
+    if (!split_kv && p.sinks != nullptr && !lonely && head < p.heads) factor /= 1.f + expf(p.sinks[head] - lse);
+    if (head >= p.heads) continue;
+    if (split_kv) {
+      const long long flat = static_cast<long long>(bt) * p.num_splits + split;
+      float* dst = p.part_o + (flat * p.heads + head) * kDim + 256 * c + 2 * q4;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * i] * factor, o[4 * j + 2 * i + 1] * factor);
+      if (c == 0 && q4 == 0) p.part_l[flat * p.heads + head] = lse;
+    } else {
+      __nv_bfloat16* dst = p.out + b * p.o_sb + tq * p.o_ss + head * p.o_sh + 256 * c + 2 * q4;
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
+            __floats2bfloat162_rn(o[4 * j + 2 * i] * factor, o[4 * j + 2 * i + 1] * factor);
+      if (c == 0 && q4 == 0) p.lse[b * p.l_sb + tq * p.l_ss + head * p.l_sh] = lonely ? INFINITY : lse;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Returns a cudaError_t (0 = success).
+int v4_sparse_decode_sm90(const SparseParams* p, void* stream) {
+  static bool configured = false;
+  if (!configured) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(v4_sparse_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    configured = true;
+  }
+  const dim3 grid((p->heads + kHeads - 1) / kHeads, p->batch * p->s_q, p->num_splits);
+  v4_sparse_decode_kernel<<<grid, kThreads, kSmemBytes, static_cast<cudaStream_t>(stream)>>>(*p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int v4_sparse_decode_sm90_smem_bytes() { return kSmemBytes; }
+
+// The size of SparseParams as this library was built, checked against the ctypes mirror at load.
+int v4_sparse_decode_sm90_params_bytes() { return static_cast<int>(sizeof(SparseParams)); }
+
+}  // extern "C"
