@@ -40,6 +40,15 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+// A named-barrier sync that also returns whether `pred` held for any of the `count` threads
+// (a decision all of them then take alike).
+__device__ __forceinline__ bool named_barrier_any(int id, int count, bool pred) {
+  uint32_t out;
+  asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred p, %2, %3, p;\nselp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(out) : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(count) : "memory");
+  return out != 0;
+}
+
 // mbarriers with one arrival per phase: the arming thread's; the TMA's bytes complete the phase.
 __device__ __forceinline__ void mbar_init(uint32_t bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");

@@ -260,23 +260,42 @@ __global__ void __launch_bounds__(kThreads, 1) v4_sparse_decode_kernel(const __g
   float* xchg_own = xchg + c * (kXchgBytes / 4);
   const float* xchg_other = xchg + (1 - c) * (kXchgBytes / 4);
 
-  for (int t = 0; t < n; ++t) {
-    const int ks = t % kKStages;
-    mbar_wait(bar_full + 8 * ks, (t / kKStages) & 1);
-    const uint32_t kt = k_base + ks * kKBytes;
-    // Partial S over this consumer's 256 dims: 16 k-steps of 16 dims (32 bytes of a box row).
-    float s[16];
+  // Partial S over this consumer's 256 dims of tile t: 16 k-steps of 16 dims (32 bytes of a box
+  // row), issued asynchronously.
+  auto issue_qk = [&](int t, float (&acc)[16]) {
+    const uint32_t kt = k_base + (t % kKStages) * kKBytes;
+    mbar_wait(bar_full + 8 * (t % kKStages), (t / kKStages) & 1);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 16; ++kk) {
       const int gk = 16 * c + kk, box = gk >> 2, off = (gk & 3) * 32;
       const uint64_t dq = make_desc(desc_lo(q_base + box * kQBox + off, 16), 1024, kSwizzle128);
       const uint64_t dk = make_desc(desc_lo(kt + box * kKBox + off, 16), 1024, kSwizzle128);
-      wgmma_m64n32k16_f16(s, dq, dk, kk);
+      wgmma_m64n32k16_f16(acc, dq, dk, kk);
     }
     wgmma_commit();
+  };
+  // Tile t + 1's scores run on the tensor cores under tile t's exchange and softmax; both
+  // groups (those scores, tile t's P.V) land before the loop's back edge: anything in flight
+  // across it, or wgmma groups that differ between paths, make ptxas serialize every wgmma
+  // (the last tile issues its own scores again, unused, for the same reason).
+  // O is rescaled lazily: a row's reference maximum moves only when a score passes it by
+  // kRescaleSlack (log2 units; P <= 2^8 then, well inside fp16), decided for both consumers at
+  // once. (O may change while the next scores are in flight: they do not touch it. A wait inside
+  // the rare branch instead makes ptxas serialize the pipeline.)
+  constexpr float kRescaleSlack = 8.f;
+  float s_next[16];
+  if (n > 0) {
+    issue_qk(0, s_next);
     wgmma_wait<0>();
-    fence_regs(s);
+    fence_regs(s_next);
+  }
+  for (int t = 0; t < n; ++t) {
+    const int ks = t % kKStages;
+    float s[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i] = s_next[i];
+    issue_qk(min(t + 1, n - 1), s_next);
     // Exchange the partials (the same thread of the other consumer holds the same positions).
 #pragma unroll
     for (int v = 0; v < 4; ++v)
@@ -290,9 +309,7 @@ __global__ void __launch_bounds__(kThreads, 1) v4_sparse_decode_kernel(const __g
       s[4 * v + 2] += x.z;
       s[4 * v + 3] += x.w;
     }
-    named_barrier_sync(kBarConsumersB, 256);  // both read: the buffers may be written again
-
-    // Online softmax in log2 units; rows 16 warp + g + 8i, records 8j + 2q4 + e at s[4j + 2i + e].
+    // Scores in log2 units; rows 16 warp + g + 8i, records 8j + 2q4 + e at s[4j + 2i + e].
     const float* bias = bias_s + ks * kRec;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -303,28 +320,27 @@ __global__ void __launch_bounds__(kThreads, 1) v4_sparse_decode_kernel(const __g
         s[4 * j + 2 * i + 1] = fmaf(s[4 * j + 2 * i + 1], p.scale_log2, bb.y);
       }
     }
-    float alpha[2];
+    float mx[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      float mx = -INFINITY;
+      mx[i] = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[i], mx);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      alpha[i] = exp2f(m_run[i] - m_use);
-      m_run[i] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        s[4 * j + 2 * i] = exp2f(s[4 * j + 2 * i] - m_use);
-        s[4 * j + 2 * i + 1] = exp2f(s[4 * j + 2 * i + 1] - m_use);
-        sum += s[4 * j + 2 * i] + s[4 * j + 2 * i + 1];
-      }
-      l_run[i] = l_run[i] * alpha[i] + sum;
+      for (int j = 0; j < 4; ++j) mx[i] = fmaxf(mx[i], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
     }
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+    const bool move0 = mx[0] > m_run[0] + kRescaleSlack, move1 = mx[1] > m_run[1] + kRescaleSlack;
+    // Both consumers have read the partials (the buffers may be written again) and agree on
+    // whether any row moves (they hold the same scores).
+    if (named_barrier_any(kBarConsumersB, 256, move0 || move1)) {
+      float alpha[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const bool move = i == 0 ? move0 : move1;
+        alpha[i] = move ? exp2f(m_run[i] - mx[i]) : 1.f;  // 0 from -inf: O and l are 0 then
+        if (move) m_run[i] = mx[i];
+        l_run[i] *= alpha[i];
+      }
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
         o[4 * j] *= alpha[0];
@@ -332,6 +348,18 @@ __global__ void __launch_bounds__(kThreads, 1) v4_sparse_decode_kernel(const __g
         o[4 * j + 2] *= alpha[1];
         o[4 * j + 3] *= alpha[1];
       }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float m_use = m_run[i] == -INFINITY ? 0.f : m_run[i];
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        s[4 * j + 2 * i] = exp2f(s[4 * j + 2 * i] - m_use);
+        s[4 * j + 2 * i + 1] = exp2f(s[4 * j + 2 * i + 1] - m_use);
+        sum += s[4 * j + 2 * i] + s[4 * j + 2 * i + 1];
+      }
+      l_run[i] += sum;
     }
     // P as the A fragments of the two k-steps (records 16kk..16kk+15).
     uint32_t a[2][4];
@@ -343,6 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1) v4_sparse_decode_kernel(const __g
       a[kk][3] = pack_half2(s[8 * kk + 6], s[8 * kk + 7]);
     }
     // O[64 x this consumer's 256 dims] += P . V: V rows of 16 records, 4 boxes of 64 dims.
+    const uint32_t kt = k_base + ks * kKBytes;
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
@@ -351,6 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1) v4_sparse_decode_kernel(const __g
     }
     wgmma_commit();
     wgmma_wait<0>();
+    fence_regs(s_next);
     fence_regs(o);
     mbar_arrive(bar_empty + 8 * ks);  // this consumer is done with the stage
   }
