@@ -34,6 +34,7 @@ LIBRARY_NAME = "v4_sparse_decode_sm90a"
 HEADS_PER_CTA = 64
 TILE = 32  # records per tile
 MAX_SPLITS = 32
+V_DESC = (TILE * 128, 1024)  # V read N-major: bytes between 64-dim boxes, between 8-record groups
 LOG2E = 1.4426950408889634
 # Shared memory of a CTA (mirror of the .cu plan): fp16 Q, two fp16 K stages, four raw stages
 # (data rows + a copy of the scales per producer thread), the consumers' partial scores, the
@@ -66,6 +67,7 @@ class _Params(ctypes.Structure):
         ("num_scopes", ctypes.c_int), ("batch", ctypes.c_int), ("s_q", ctypes.c_int), ("heads", ctypes.c_int),
         ("num_splits", ctypes.c_int), ("tiles_per_split", ctypes.c_int),
         ("scale_log2", ctypes.c_float),
+        ("v_desc_lead", ctypes.c_uint32), ("v_desc_stride", ctypes.c_uint32),
     ]
 
 
@@ -131,9 +133,12 @@ def check_cuda_inputs(q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.
 def v4_sparse_decode_cuda(
     q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.Tensor | None, softmax_scale: float,
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None, num_splits: int | None = None,
+    v_desc: tuple[int, int] = V_DESC,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, s_q, H, 512] bf16, lse [B, s_q, H] float32); no host sync. A 16-bit or float32
-    q that is not bf16 is cast once (the kernel converts bf16 to fp16 as it loads)."""
+    q that is not bf16 is cast once (the kernel converts bf16 to fp16 as it loads).
+    ``num_splits`` overrides the plan (tests, benchmarks); ``v_desc`` (leading, stride bytes of
+    V's N-major wgmma descriptor) exists for a device check that tells a swapped pair."""
     if q.dtype != torch.bfloat16 and q.is_floating_point():
         q = q.to(torch.bfloat16)
     if q.stride(-1) != 1 or q.data_ptr() % 16 or any(st % 8 for st in q.stride()[:3]):
@@ -177,7 +182,7 @@ def v4_sparse_decode_cuda(
         out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
         lse.data_ptr(), lse.stride(0), lse.stride(1), lse.stride(2),
         part_o.data_ptr() if part_o is not None else None, part_l.data_ptr() if part_l is not None else None,
-        len(scopes), bsz, s_q, heads, splits, per, float(softmax_scale) * LOG2E,
+        len(scopes), bsz, s_q, heads, splits, per, float(softmax_scale) * LOG2E, *v_desc,
     )
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream

@@ -59,6 +59,9 @@ struct SparseParams {
   float* part_l;           // [B * s_q * num_splits, H]
   int num_scopes, batch, s_q, heads, num_splits, tiles_per_split;
   float scale_log2;        // softmax_scale * log2(e)
+  // V's N-major descriptor: bytes between 64-dim boxes (leading) and between 8-record groups
+  // (stride); 4096 and 1024 (a parameter so that a device check can tell a swapped pair).
+  uint32_t v_desc_lead, v_desc_stride;
 };
 
 namespace {
@@ -375,7 +378,8 @@ __global__ void __launch_bounds__(kThreads, 1) v4_sparse_decode_kernel(const __g
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
-      const uint64_t dv = make_desc(desc_lo(kt + 4 * c * kKBox + kk * 16 * 128, kKBox), 1024, kSwizzle128);
+      const uint64_t dv = make_desc(desc_lo(kt + 4 * c * kKBox + kk * 16 * 128, p.v_desc_lead), p.v_desc_stride,
+                                    kSwizzle128);
       wgmma_m64n256k16_f16_rs_tnspb(o, a[kk], dv, 1);
     }
     wgmma_commit();
