@@ -29,7 +29,7 @@ from kernels.v4_cache_formats import V4_DATA_BYTES, V4_ROPE_DIMS
 from kernels.v4_sparse_decode import HEAD_DIM, MAX_SCOPES, SparseKV, check_inputs
 
 SOURCES = (mdc.CSRC / "v4_sparse_decode_sm90a.cu",)
-HEADERS = (mdc.CSRC / "mla_decode_common.cuh", mdc.CSRC / "sm90_async.cuh")
+HEADERS = (mdc.CSRC / "v4_sparse_decode_common.cuh", mdc.CSRC / "mla_decode_common.cuh", mdc.CSRC / "sm90_async.cuh")
 LIBRARY_NAME = "v4_sparse_decode_sm90a"
 HEADS_PER_CTA = 64
 TILE = 32  # records per tile
