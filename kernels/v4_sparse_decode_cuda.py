@@ -6,8 +6,9 @@ one split of the token's 32-record tiles; a producer warpgroup gathers and dequa
 record once into fp16 shared memory, two consumer warpgroups run Q·Kᵀ and P·V on fp16 wgmma,
 each with half of the 512 output dims (design and budget: benchmarks/KERNEL_NOTES.md).
 
-Made for 64 and 128 heads per GPU (fewer heads run padded to 64 rows; the backend registry
-sends them to the Triton kernel). V4.1's window and entry records are not read here (Triton).
+Up to 32 heads per GPU a second kernel (``v4_sparse_decode_narrow_sm90a.cu``, memory-bound) holds
+all of a token's heads (16 or 32 rows) in one CTA on mma.sync, with the same producer; 33-63
+heads run the 64-head kernel padded. V4.1's window and entry records are not read here (Triton).
 
 Build: nvcc (sm_90a) at first use through ``kernels.mla_decode_cuda.build_library`` (same
 per-user cache, file lock and flags as the MLA decode kernels), called through ``ctypes``.
@@ -28,19 +29,32 @@ from kernels import mla_decode_cuda as mdc
 from kernels.v4_cache_formats import V4_DATA_BYTES, V4_ROPE_DIMS
 from kernels.v4_sparse_decode import HEAD_DIM, MAX_SCOPES, SparseKV, check_inputs
 
-SOURCES = (mdc.CSRC / "v4_sparse_decode_sm90a.cu",)
-HEADERS = (mdc.CSRC / "v4_sparse_decode_common.cuh", mdc.CSRC / "mla_decode_common.cuh", mdc.CSRC / "sm90_async.cuh")
+SOURCES = (mdc.CSRC / "v4_sparse_decode_sm90a.cu", mdc.CSRC / "v4_sparse_decode_narrow_sm90a.cu")
+HEADERS = (mdc.CSRC / "v4_sparse_decode_common.cuh", mdc.CSRC / "mla_decode_common.cuh",
+           mdc.CSRC / "sm90_async.cuh")
 LIBRARY_NAME = "v4_sparse_decode_sm90a"
-HEADS_PER_CTA = 64
+HEADS_PER_CTA = 64  # the wgmma kernel
+NARROW_MAX_HEADS = 32  # up to this many heads: the mma.sync kernel, all heads in one CTA
 TILE = 32  # records per tile
 MAX_SPLITS = 32
 V_DESC = (TILE * 128, 1024)  # V read N-major: bytes between 64-dim boxes, between 8-record groups
 LOG2E = 1.4426950408889634
-# Shared memory of a CTA (mirror of the .cu plan): fp16 Q, two fp16 K stages, four raw stages
-# (data rows + a copy of the scales per producer thread), the consumers' partial scores, the
-# per-record biases, four mbarriers and room to align to 1024 bytes.
-SMEM_BYTES = (HEADS_PER_CTA * 1024 + 2 * TILE * 1024 + 4 * (TILE * V4_DATA_BYTES + TILE * 32) + 2 * 16 * 128 * 4
-              + 2 * TILE * 4 + 4 * 8 + 1024)
+
+
+def smem_bytes(rows: int) -> int:
+    """Shared memory of a CTA of ``rows`` query rows (mirror of the .cu plans): fp16 Q, two fp16
+    K stages, four raw stages (data rows + a copy of the scales per producer thread), the
+    consumers' partial scores, the per-record biases, four mbarriers, 1024 bytes to align."""
+    return (rows * 1024 + 2 * TILE * 1024 + 4 * (TILE * V4_DATA_BYTES + TILE * 32) + 2 * 16 * 128 * 4
+            + 2 * TILE * 4 + 4 * 8 + 1024)
+
+
+def cta_rows(heads: int) -> int:
+    """Query rows per CTA: 16 or 32 (narrow kernel, every head of a token), else 64 (wgmma)."""
+    return 16 if heads <= 16 else (32 if heads <= NARROW_MAX_HEADS else HEADS_PER_CTA)
+
+
+SMEM_BYTES = smem_bytes(HEADS_PER_CTA)
 
 
 class _Scope(ctypes.Structure):
@@ -79,7 +93,9 @@ def build_library(nvcc: str | None = None, out_dir: Path | None = None) -> Path:
 def _library_in(cache: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(out_dir=cache)))
     for fn, argtypes in (("v4_sparse_decode_sm90", [ctypes.POINTER(_Params), ctypes.c_void_p]),
-                         ("v4_sparse_decode_sm90_params_bytes", []), ("v4_sparse_decode_sm90_smem_bytes", [])):
+                         ("v4_sparse_decode_narrow_sm90", [ctypes.POINTER(_Params), ctypes.c_void_p]),
+                         ("v4_sparse_decode_sm90_params_bytes", []), ("v4_sparse_decode_sm90_smem_bytes", []),
+                         ("v4_sparse_decode_narrow_sm90_smem_bytes", [ctypes.c_int])):
         getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, ctypes.c_int
     if lib.v4_sparse_decode_sm90_params_bytes() != ctypes.sizeof(_Params):
         raise mdc.CudaKernelUnavailable("SparseParams layout of the built library differs from "
@@ -108,7 +124,7 @@ def plan_splits(bsz: int, s_q: int, heads: int, tiles: int, num_sms: int) -> tup
     trailing split; from shapes only, so the launch can be captured in a CUDA graph."""
     if tiles < 1:
         raise ValueError(f"sparse decode needs at least one key tile, got {tiles}")
-    ctas = bsz * s_q * -(-heads // HEADS_PER_CTA)
+    ctas = bsz * s_q * (1 if heads <= NARROW_MAX_HEADS else -(-heads // HEADS_PER_CTA))
     splits = max(1, min(tiles, MAX_SPLITS, num_sms // max(ctas, 1)))
     per = -(-tiles // splits)
     return -(-tiles // per), per
@@ -186,7 +202,9 @@ def v4_sparse_decode_cuda(
     )
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        err = library().v4_sparse_decode_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
+        lib = library()
+        launch = lib.v4_sparse_decode_narrow_sm90 if heads <= NARROW_MAX_HEADS else lib.v4_sparse_decode_sm90
+        err = launch(ctypes.byref(p), ctypes.c_void_p(stream))
     if err != 0:
         raise RuntimeError(f"v4_sparse_decode_sm90: cudaError_t {err}")
     if splits > 1:

@@ -7,9 +7,10 @@ per-request picks, not a block table over one latent cache).
     triton  our Triton kernel (kernels/v4_sparse_decode_triton.py); SM90, every record format
             at 512 dims (V4: 64 RoPE dims), 8..128 heads per GPU, CUDA graphs; a float32 q is
             taken as bf16
-    cuda    our CUDA C++ kernel (kernels/v4_sparse_decode_cuda.py); SM90, V4 MODEL1 records,
-            64+ heads per GPU (64 per CTA, records dequantized once per CTA), CUDA graphs;
-            caches it does not read (one-record row pools) go to the Triton kernel
+    cuda    our CUDA C++ kernels (kernels/v4_sparse_decode_cuda.py); SM90, V4 MODEL1 records,
+            8..128 heads per GPU (records dequantized once per CTA of 64 heads, or of all
+            heads up to 32), CUDA graphs; caches it does not read (one-record row pools) go to
+            the Triton kernel
 
 ``auto`` (:func:`select_v4_decode_backend`): cuda where it runs (one log line says why not),
 then triton, then torch.
@@ -87,20 +88,16 @@ class TritonV4SparseDecode(V4SparseDecodeBackend):
 
 
 class CudaV4SparseDecode(TritonV4SparseDecode):
-    """The CUDA C++ kernel for V4 records at 64+ heads; a call whose caches it does not read
-    (pages not on 16 bytes: one-record row pools) runs the Triton kernel instead. The library
-    is built in ``unsupported_reason``, so a failed build is a start-up fallback, not a
-    first-step error."""
+    """The CUDA C++ kernels for V4 records; a call whose caches they do not read (pages not on
+    16 bytes: one-record row pools) runs the Triton kernel instead. The library is built in
+    ``unsupported_reason``, so a failed build is a start-up fallback, not a first-step error."""
 
     name = "cuda"
     record_formats = ("v4",)
-    min_heads = 64  # fewer heads are memory-bound: the Triton kernel has no 64-row padding
 
     @classmethod
     def unsupported_reason(cls, spec, formats=()):
         reason = super().unsupported_reason(spec, formats)
-        if reason is None and spec.num_heads < cls.min_heads:
-            reason = f"runs {cls.min_heads}+ heads per GPU; the model has {spec.num_heads} (Triton runs fewer)"
         if reason is None:
             from kernels.mla_decode_cuda import CudaKernelUnavailable
             from kernels.v4_sparse_decode_cuda import library

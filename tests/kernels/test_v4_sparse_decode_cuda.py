@@ -33,6 +33,9 @@ def test_library_builds_and_matches_the_ctypes_mirror(tmp_path):
     assert lib.v4_sparse_decode_sm90_params_bytes() == ctypes.sizeof(v4c._Params)
     assert lib.v4_sparse_decode_sm90_smem_bytes() == v4c.SMEM_BYTES
     assert v4c.SMEM_BYTES + mdc.SMEM_RESERVED_PER_CTA <= mdc.SMEM_PER_SM
+    for heads in (8, 16, 24, 32):
+        assert lib.v4_sparse_decode_narrow_sm90_smem_bytes(heads) == v4c.smem_bytes(v4c.cta_rows(heads))
+    assert lib.v4_sparse_decode_narrow_sm90_smem_bytes(64) == -1
 
 
 def test_split_planning_fills_the_gpu_from_shapes_only():
@@ -41,6 +44,8 @@ def test_split_planning_fills_the_gpu_from_shapes_only():
     # 4 tokens x 128 heads = 8 CTAs: 16 splits would fill 128 SMs; no empty trailing split
     splits, per = v4c.plan_splits(4, 1, 128, 68, 132)
     assert 8 * splits <= 132 and (splits - 1) * per < 68 <= splits * per
+    # up to 32 heads one CTA holds every head of a token: 4 tokens -> 33 splits wanted, 32 cap
+    assert v4c.plan_splits(4, 1, 16, 68, 132)[0] == 23  # 68 tiles / 3 per split
     for bsz, heads, tiles in ((1, 64, 3), (2, 128, 100), (3, 16, 20), (64, 8, 68)):
         splits, per = v4c.plan_splits(bsz, 1, heads, tiles, 132)
         assert 1 <= splits <= min(tiles, v4c.MAX_SPLITS) and (splits - 1) * per < tiles <= splits * per
@@ -73,9 +78,9 @@ def test_registry_on_cpu_keeps_torch_and_names_the_flag():
 
 # ----------------------------------------------------------------------------- GPU
 
-GPU_CASES = [  # (B, s_q, H, top-k, page size of the entries)
-    (4, 1, 64, 512, 64), (3, 2, 64, 2048, 61), (2, 1, 128, 2048, 64), (2, 2, 128, 512, 2),
-    (4, 1, 8, 512, 64), (3, 2, 16, 2048, 64),
+GPU_CASES = [  # (B, s_q, H, top-k, page size of the entries): the wgmma kernel (64+), the narrow one
+    (4, 1, 64, 512, 64), (3, 2, 64, 2048, 61), (2, 1, 128, 2048, 64), (2, 2, 128, 512, 2), (2, 1, 48, 512, 64),
+    (4, 1, 8, 512, 64), (3, 2, 16, 2048, 64), (2, 2, 32, 512, 61), (2, 1, 24, 2048, 2),
 ]
 
 
@@ -149,14 +154,14 @@ def test_cuda_kernel_lonely_query_and_graph_replay():
 
 @pytest.mark.gpu
 @needs_gpu
-def test_registry_auto_picks_cuda_at_64_heads_and_triton_below():
+def test_registry_auto_picks_cuda_for_v4_records():
     dev = torch.device("cuda")
     spec = AttentionSpec(dev, torch.uint8, 64, 512, 64, 64, SCALE, torch.bfloat16, 2)
     backend = select_v4_decode_backend("auto", spec, ("v4",))
     assert backend.name == "cuda"
     assert select_v4_decode_backend("auto", spec, ("v4", "v41_entry")).name == "triton"
     small = AttentionSpec(dev, torch.uint8, 16, 512, 64, 64, SCALE, torch.bfloat16, 2)
-    assert select_v4_decode_backend("auto", small, ("v4",)).name == "triton"
+    assert select_v4_decode_backend("auto", small, ("v4",)).name == "cuda"
     # a one-record row cache goes through the Triton kernel inside the cuda backend
     gen = torch.Generator().manual_seed(3)
     q, rows, _ = row_record_case(2, 64, 96, "v4", gen, device="cuda")
