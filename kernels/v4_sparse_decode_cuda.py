@@ -6,6 +6,7 @@ one split of the token's 32-record tiles; a producer warpgroup gathers and dequa
 record once into fp16 shared memory, two consumer warpgroups run Q·Kᵀ and P·V on fp16 wgmma,
 each with half of the 512 output dims (design and budget: benchmarks/KERNEL_NOTES.md).
 
+MODEL1 pages and one-record rows (the V4 family's 584-byte row pools) are both read.
 Up to 32 heads per GPU a second kernel (``v4_sparse_decode_narrow_sm90a.cu``, memory-bound) holds
 all of a token's heads (16 or 32 rows) in one CTA on mma.sync, with the same producer; 33-63
 heads run the 64-head kernel padded. V4.1's window and entry records are not read here (Triton).
@@ -113,9 +114,9 @@ def unsupported_reason(scopes: Sequence[SparseKV]) -> str | None:
     for i, sc in enumerate(scopes):
         if sc.record != "v4" or sc.rope_dims != V4_ROPE_DIMS:
             return f"scopes[{i}]: the cuda kernel reads V4 MODEL1 records only, not {sc.record!r}"
-        if sc.cache.data_ptr() % 16 or sc.cache.stride(0) % 16:
-            return (f"scopes[{i}].cache: pages must start on 16 bytes (stride {sc.cache.stride(0)}); "
-                    "one-record row caches are read by the Triton kernel")
+        if sc.cache.data_ptr() % 8 or sc.cache.stride(0) % 8:
+            return (f"scopes[{i}].cache: pages must start on 8 bytes (at {sc.cache.data_ptr() % 16} mod 16, "
+                    f"stride {sc.cache.stride(0)})")
     return None
 
 

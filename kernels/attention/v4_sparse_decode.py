@@ -9,8 +9,8 @@ per-request picks, not a block table over one latent cache).
             taken as bf16
     cuda    our CUDA C++ kernels (kernels/v4_sparse_decode_cuda.py); SM90, V4 MODEL1 records,
             8..128 heads per GPU (records dequantized once per CTA of 64 heads, or of all
-            heads up to 32), CUDA graphs; caches it does not read (one-record row pools) go to
-            the Triton kernel
+            heads up to 32), CUDA graphs, MODEL1 pages and one-record row pools; a cache
+            not on 8 bytes goes to the Triton kernel
 
 ``auto`` (:func:`select_v4_decode_backend`): cuda where it runs (one log line says why not),
 then triton, then torch.
@@ -89,7 +89,7 @@ class TritonV4SparseDecode(V4SparseDecodeBackend):
 
 class CudaV4SparseDecode(TritonV4SparseDecode):
     """The CUDA C++ kernels for V4 records; a call whose caches they do not read (pages not on
-    16 bytes: one-record row pools) runs the Triton kernel instead. The library is built in
+    8 bytes) runs the Triton kernel instead. The library is built in
     ``unsupported_reason``, so a failed build is a start-up fallback, not a first-step error."""
 
     name = "cuda"

@@ -17,7 +17,7 @@
 // Mirrored by kernels/v4_sparse_decode_cuda.py (same order and types).
 struct SparseScope {
   const uint8_t* cache;   // MODEL1 pages: page_size 576-byte data rows, then 8-byte scale rows
-  long long page_stride;  // bytes
+  long long page_stride;  // bytes, a multiple of 8 (16: MODEL1 pages; 584: one-record rows)
   const int* indices;     // [B, s_q, k]: page * page_size + slot, -1 = none
   long long idx_sb, idx_ss;
   const int* lengths;     // [B] or null: only indices[b, :, :lengths[b]] count
@@ -139,8 +139,8 @@ __device__ __forceinline__ void load_q_tile(const SparseParams& p, int b, int tq
 }
 
 // The producer warpgroup (tid 0..127): thread i copies 16-byte chunks (i & 3) + 4m of record
-// i / 4 of each tile by cp.async into the raw stages (records left out by the indices are
-// zero-filled, never loaded), then, once the consumers released the fp16 stage, converts
+// i / 4 of each tile by cp.async into the raw stages (as two 8-byte copies where the cache's
+// records are on 8 bytes only; records left out by the indices are zero-filled, never loaded), then, once the consumers released the fp16 stage, converts
 // exactly the bytes it copied (its own cp.async wait is all the raw stages need), writes the
 // record's score bias (0, or -inf for a record left out) and arrives on the stage's `full`
 // mbarrier (128 arrivals). `empty` completes when the consumers are done with a stage.
@@ -172,10 +172,20 @@ __device__ __forceinline__ void produce_tiles(const SparseParams& p, const CtaTi
       const uint8_t* scales = s.cache + page * s.page_stride + static_cast<long long>(s.page_size) * kDataBytes +
                               slot_in_page * 8;
       const uint32_t dst = smem_addr(raw_s + slot * kRawBytes);
+      if (((s.page_stride | reinterpret_cast<uintptr_t>(s.cache)) & 15) == 0) {  // MODEL1 pages
 #pragma unroll
-      for (int m = 0; m < kChunks / 4; ++m) {
-        const int c = part + 4 * m;
-        cp_async_16(dst + r * kDataBytes + c * 16, valid ? data + c * 16 : s.cache, valid ? 16 : 0);
+        for (int m = 0; m < kChunks / 4; ++m) {
+          const int c = part + 4 * m;
+          cp_async_16(dst + r * kDataBytes + c * 16, valid ? data + c * 16 : s.cache, valid ? 16 : 0);
+        }
+      } else {  // one-record rows of 584 bytes (the V4 family's row pools): on 8 bytes only
+#pragma unroll
+        for (int m = 0; m < kChunks / 4; ++m) {
+          const int c = part + 4 * m;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            cp_async_8(dst + r * kDataBytes + c * 16 + 8 * h, valid ? data + c * 16 + 8 * h : s.cache, valid ? 8 : 0);
+        }
       }
       cp_async_8(dst + kRawData + (r * 4 + part) * 8, valid ? scales : s.cache, valid ? 8 : 0);
     }

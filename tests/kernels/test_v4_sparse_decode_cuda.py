@@ -13,7 +13,7 @@ import torch
 from kernels import mla_decode_cuda as mdc
 from kernels import v4_sparse_decode_cuda as v4c
 from kernels.attention import AttentionSpec, BackendUnavailable, CudaV4SparseDecode, select_v4_decode_backend
-from kernels.v4_sparse_decode import v4_sparse_decode_reference
+from kernels.v4_sparse_decode import SparseKV, v4_sparse_decode_reference
 from tests.kernels.test_v4_sparse_decode import SCALE, make_case, rel_err, row_record_case
 
 REL_TOL = 2e-2  # fp16 products, fp32 softmax: the bound vs float64
@@ -62,10 +62,12 @@ def test_bad_inputs_name_the_tensor():
     with pytest.raises(ValueError, match="sinks must be float32"):
         v4c.check_cuda_inputs(q, scopes[:1], sinks[:2])
     gen = torch.Generator().manual_seed(2)
-    _, rows, _ = row_record_case(1, 4, 16, "v4", gen)  # 584-byte rows: not on 16 bytes
-    with pytest.raises(ValueError, match=r"scopes\[0\].cache.*Triton"):
-        v4c.check_cuda_inputs(q, [rows], sinks)
-    assert v4c.unsupported_reason(scopes[:1]) is None
+    _, rows, _ = row_record_case(1, 4, 16, "v4", gen)  # 584-byte rows: on 8 bytes, read
+    assert v4c.unsupported_reason([rows]) is None and v4c.unsupported_reason(scopes[:1]) is None
+    buf = torch.zeros(rows.cache.numel() + 8, dtype=torch.uint8)
+    shifted = buf[4:4 + rows.cache.numel()].view(rows.cache.shape)  # records on 4 bytes
+    with pytest.raises(ValueError, match=r"scopes\[0\].cache: pages must start on 8 bytes"):
+        v4c.check_cuda_inputs(q, [SparseKV(shifted, rows.indices, "v4")], sinks)
 
 
 def test_registry_on_cpu_keeps_torch_and_names_the_flag():
@@ -162,10 +164,16 @@ def test_registry_auto_picks_cuda_for_v4_records():
     assert select_v4_decode_backend("auto", spec, ("v4", "v41_entry")).name == "triton"
     small = AttentionSpec(dev, torch.uint8, 16, 512, 64, 64, SCALE, torch.bfloat16, 2)
     assert select_v4_decode_backend("auto", small, ("v4",)).name == "cuda"
-    # a one-record row cache goes through the Triton kernel inside the cuda backend
+    # one-record row caches (the serving pools), both kernels; a cache on 4 bytes goes to Triton
     gen = torch.Generator().manual_seed(3)
-    q, rows, _ = row_record_case(2, 64, 96, "v4", gen, device="cuda")
-    sinks = torch.randn(64, generator=gen).cuda()
-    out, lse = backend.decode(q, [rows], sinks, SCALE)
-    want, _ = v4_sparse_decode_reference(q, [rows], sinks, SCALE, compute_dtype=torch.float64)
-    assert rel_err(out, want) <= REL_TOL
+    for heads in (64, 16):
+        q, rows, _ = row_record_case(3, heads, 96, "v4", gen, device="cuda")
+        sinks = torch.randn(heads, generator=gen).cuda()
+        want, want_lse = v4_sparse_decode_reference(q, [rows], sinks, SCALE, compute_dtype=torch.float64)
+        out, lse = v4c.v4_sparse_decode_cuda(q, [rows], sinks, SCALE)
+        assert rel_err(out, want) <= REL_TOL, heads
+        assert (lse.double() - want_lse).abs().max().item() < LSE_TOL, heads
+        buf = torch.empty(rows.cache.numel() + 8, dtype=torch.uint8, device="cuda")
+        shifted = buf[4:4 + rows.cache.numel()].view(rows.cache.shape).copy_(rows.cache)
+        out, _ = backend.decode(q, [SparseKV(shifted, rows.indices, "v4")], sinks, SCALE)
+        assert rel_err(out, want) <= REL_TOL, heads
