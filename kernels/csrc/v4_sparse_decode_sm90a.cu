@@ -9,8 +9,9 @@
 //   scope's tiles, then the selected entries'). 128 heads take two CTAs side by side on the grid
 //   (the second gather of a record is an L2 hit): all 128 heads x 512 fp32 output values would
 //   be the SM's whole register file.
-// - Warpgroup 0 is the producer: it gathers each tile's records by index (cp.async, 16 bytes,
-//   four raw stages in flight) and dequantizes each record once into fp16 in shared memory
+// - Warpgroup 0 is the producer (v4_sparse_decode_common.cuh): it gathers each tile's records by
+//   index (cp.async, 16 bytes, or 8 for one-record row pools; four raw stages in flight) and
+//   dequantizes each record once into fp16 in shared memory
 //   (two stages): e4m3 pairs take one cvt to f16x2 and one packed multiply by the power-of-two
 //   scale; the RoPE dims bf16 -> fp16. Each producer thread converts exactly the bytes it
 //   copied, so a thread's own cp.async wait is all the synchronization the raw stages need.
@@ -19,7 +20,8 @@
 //   partial scores over its 256 dims (m64n32k16, both operands in shared memory), the two
 //   exchange partials through shared memory and both hold the full scores (a + b = b + a: the
 //   same softmax bit for bit in both). P stays in registers as the A operand of O += P.V
-//   (m64n256k16, V = the same fp16 tile read N-major).
+//   (m64n256k16, V = the same fp16 tile read N-major). The next tile's scores are issued before
+//   this tile's exchange and softmax.
 // - Records the indices leave out (-1, past a scope's length, the tile's tail) are never
 //   loaded (zero-filled copies) and their scores are -inf: poisoned cache pages never reach
 //   the products. Split-KV writes normalized partials and the natural-log LSE; the combine
