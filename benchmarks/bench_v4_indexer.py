@@ -15,9 +15,10 @@ layers (:func:`with_model_ratio`).
 Correctness first: the kernel's scores against the torch reference on the same records
 (first requests / queries; unused pages NaN-poisoned), the picks the same up to ties. Then
 timing: CUDA-graph replays, L2 emptied before each, median (``benchmarks.bench_mla_decode.time_call``).
-``kernel`` is the scoring launch alone; ``total`` adds the query quantization and the
-selection (``kernels.topk.ordered_topk``). The ratio is ``total`` / attention against the 30 % target; ``GB/s``
-counts each visible key's 68 bytes once per launch plus the float32 scores written.
+``kernel`` is the scoring launch alone (writing the int64 top-k keys, as the model runs it);
+``total`` adds the query quantization and the selection (one ``torch.topk`` on the keys).
+The ratio is ``total`` / attention against the 30 % target; ``GB/s`` counts each visible
+key's 68 bytes once per launch plus its 8-byte top-k key written.
 
     python3 -m benchmarks.bench_v4_indexer [--quick] [--sweep] [--reps 30]
 
@@ -34,7 +35,8 @@ import torch
 
 from benchmarks.bench_mla_decode import time_call
 from kernels.v4_cache_formats import pack_v41_entries, pack_v41_index_keys, pack_v41_window_rows
-from kernels.v4_indexer import candidate_blocks, index_scores_reference, quantize_index_queries, topk_picks
+from kernels.v4_indexer import (candidate_blocks, index_scores_reference, quantize_index_queries, topk_picks,
+                                topk_picks_from_keys)
 from kernels.v4_indexer_triton import index_scores_triton
 from kernels.v4_sparse_decode import SparseKV
 from kernels.v4_sparse_decode_triton import v4_sparse_decode_triton
@@ -127,22 +129,24 @@ def decode_case(bsz: int, num_keys: int, reps: int, sweep: bool, gen: torch.Gene
         err = check_scores(got[:n], want)
         if bmax:
             err = max(err, check_scores(got_b[:n], want_b))
-        ties = same_picks_up_to_ties(topk_picks(got[:n], TOPK).cpu(), topk_picks(want, TOPK).cpu(), want.cpu())
+        keys, _ = index_scores_triton(*args, al, BLOCK, bmax, keys_out=True)
+        ties = same_picks_up_to_ties(topk_picks_from_keys(keys[:n], TOPK).cpu(), topk_picks(want, TOPK).cpu(),
+                                     want.cpu())
 
         def kernel(al=al, bmax=bmax, nk=nk, vk=vk, **shape):
             return index_scores_triton(q8, qs, w, pool, tables, PAGE, vk, nk, DIM**-0.5, 1, al, BLOCK, bmax,
-                                       **shape)
+                                       keys_out=True, **shape)
 
         def total(al=al, bmax=bmax, nk=nk, vk=vk):
             a8, a_s = quantize_index_queries(q_raw)
-            scores, bm = index_scores_triton(a8, a_s, w, pool, tables, PAGE, vk, nk, DIM**-0.5, 1, al, BLOCK,
-                                             bmax)
-            picks = topk_picks(scores, TOPK)
+            keys, bm = index_scores_triton(a8, a_s, w, pool, tables, PAGE, vk, nk, DIM**-0.5, 1, al, BLOCK,
+                                           bmax, keys_out=True)
+            picks = topk_picks_from_keys(keys, TOPK)
             return picks, (candidate_blocks(bm, vk.view(-1, 1), TOPK_BLOCKS, BLOCK) if bmax else None)
 
         k_us = timed_us(kernel, reps)
         entry = {"kernel_us": k_us, "total_us": timed_us(total, reps), "rel_err": err, "picks_ok": ties,
-                 "GBps": (bsz * nk * (68 + 4)) / (k_us * 1e-6) * 1e-9}
+                 "GBps": (bsz * nk * (68 + 8)) / (k_us * 1e-6) * 1e-9}
         if sweep and kind == "plain":
             entry["sweep"] = {json.dumps(s): timed_us(lambda s=s: kernel(**s), reps) for s in SWEEP}
         row[kind] = entry
@@ -177,10 +181,10 @@ def prefill_case(context: int, chunk: int, reps: int, sweep: bool, gen: torch.Ge
         keys, seen = context // ratio, (positions + 1) // ratio
         for s in range(0, chunk, QUERY_BLOCK):
             e = min(chunk, s + QUERY_BLOCK)
-            scores, bm = index_scores_triton(a8[s:e], a_s[s:e], w[s:e], pool, tables, PAGE, seen[s:e], keys,
-                                             DIM**-0.5, e - s, None if allowed is None else allowed[s:e], BLOCK,
-                                             bmax, **shape)
-            picks.append(topk_picks(scores, TOPK))
+            ordered, bm = index_scores_triton(a8[s:e], a_s[s:e], w[s:e], pool, tables, PAGE, seen[s:e], keys,
+                                              DIM**-0.5, e - s, None if allowed is None else allowed[s:e], BLOCK,
+                                              bmax, keys_out=True, **shape)
+            picks.append(topk_picks_from_keys(ordered, TOPK))
             if bmax:
                 candidate_blocks(bm, seen[s:e].view(-1, 1), TOPK_BLOCKS, BLOCK)
         return picks
@@ -192,8 +196,10 @@ def prefill_case(context: int, chunk: int, reps: int, sweep: bool, gen: torch.Ge
     want, _ = index_scores_reference(q8[idx], qs[idx], w[idx], pool, tables, PAGE, vis[idx], context, DIM**-0.5,
                                      idx.numel())
     row["rel_err"] = check_scores(got[idx - s], want)
-    row["picks_ok"] = same_picks_up_to_ties(topk_picks(got[idx - s], TOPK).cpu(), topk_picks(want, TOPK).cpu(),
-                                            want.cpu())
+    keys, _ = index_scores_triton(q8[s:e], qs[s:e], w[s:e], pool, tables, PAGE, vis[s:e], context, DIM**-0.5, e - s,
+                                  keys_out=True)
+    row["picks_ok"] = same_picks_up_to_ties(topk_picks_from_keys(keys[idx - s], TOPK).cpu(),
+                                            topk_picks(want, TOPK).cpu(), want.cpu())
     keys_read = sum(int(vis[min(chunk, b + QUERY_BLOCK) - 1]) for b in range(0, chunk, QUERY_BLOCK))
     nblocks = -(-context // BLOCK)
     allowed = torch.zeros(chunk, nblocks, dtype=torch.bool, device="cuda")

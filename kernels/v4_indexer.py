@@ -15,7 +15,8 @@ is exact) and float32 power-of-two scales per 32 (:func:`quantize_index_queries`
 kernel's per-block products on FP8 tensor cores are exact and only the fp32 sums round.
 
 Selection on top of the scores (shared by every backend; fixed shapes, no host sync):
-:func:`topk_picks` (the top ``k``, −1 where fewer keys are visible) and V4.1's two-level
+:func:`topk_picks` (the top ``k``, −1 where fewer keys are visible; :func:`topk_picks_from_keys`
+when a backend returns the scores' top-k keys) and V4.1's two-level
 step, :func:`candidate_blocks`: per query the ``topk_blocks`` blocks with the highest max
 score, the block of its newest visible key always among them. Ties go to the lower index
 (:mod:`kernels.topk`), so a request's picks do not depend on its batch.
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.microscaling import quantize_fp4_blocks
-from kernels.topk import ordered_topk
+from kernels.topk import NEG_INF_KEY_MAX, order_keys, ordered_topk
 from kernels.v4_cache_formats import V41_INDEX_KEY_BLOCK, unpack_v41_index_keys, v41_index_key_bytes
 from kernels.weight_formats import fp4_codes_to_float
 
@@ -74,6 +75,12 @@ def topk_picks(scores: torch.Tensor, k: int) -> torch.Tensor:
     :func:`kernels.topk.ordered_topk`), −1 where the score is −inf."""
     values, indices = ordered_topk(scores, min(k, scores.shape[-1]))
     return torch.where(values > float("-inf"), indices, torch.full_like(indices, -1))
+
+
+def topk_picks_from_keys(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`topk_picks` of the scores whose :func:`kernels.topk.order_keys` are ``keys``."""
+    values, indices = keys.topk(min(k, keys.shape[-1]), dim=-1)
+    return torch.where(values > NEG_INF_KEY_MAX, indices, torch.full_like(indices, -1))
 
 
 def score_values(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, softmax_scale: float) -> torch.Tensor:
@@ -136,8 +143,10 @@ def index_scores_reference(
     q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, page_table: torch.Tensor,
     page_rows: int, visible: torch.Tensor, num_keys: int, softmax_scale: float, queries_per_request: int = 1,
     allowed: torch.Tensor | None = None, block_size: int = 8, want_block_max: bool = False,
+    keys_out: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(scores float32 [Q, num_keys] with −inf where masked, their :func:`block_max` or None).
+    """(scores float32 [Q, num_keys] with −inf where masked — or, ``keys_out``, their int64
+    :func:`kernels.topk.order_keys` — and their :func:`block_max` or None).
 
     q8 / q_scale [Q, heads, d] / [Q, heads, d/32] (:func:`quantize_index_queries`), weights
     [Q, heads] float32, keys the uint8 record pool [rows, d/2 + d/32], page_table [R, pages]
@@ -157,4 +166,5 @@ def index_scores_reference(
     if allowed is not None:
         masked |= ~blocks_to_entries(allowed, block_size, num_keys)
     scores = scores.masked_fill(masked, float("-inf"))
-    return scores, (block_max(scores, block_size) if want_block_max else None)
+    bmax = block_max(scores, block_size) if want_block_max else None
+    return (order_keys(scores) if keys_out else scores), bmax

@@ -12,8 +12,10 @@ Design (the expected numbers: benchmarks/KERNEL_NOTES.md):
   product of two e2m1 vectors of 32 is exact in the fp32 accumulator, and the two power-of-two
   scales multiply it exactly. Only the sum over the d/32 blocks and the head sum round.
 - ReLU, the head weights (H^-½ folded in), the d^-½ scale, the visibility mask and V4.1's
-  candidate mask are applied on the tile; the candidate source also gets the max of every
-  block of ``block_size`` keys (the input of the block top-k) from the same tile.
+  candidate mask are applied on the tile, which stores scores or (``keys_out``, the model's
+  path) the int64 keys of the ordered top-k (kernels/topk.py), so the selection is one select;
+  the candidate source also gets the max of every block of ``block_size`` keys (the input of
+  the block top-k) from the same tile.
 - Tiles past a program's largest visible count store −inf without reading keys or running
   MMAs (causal prefill does half the work; decode at fixed graph widths skips the padding):
   two loops, the live tiles' trip count from the counts, so the first stays branch-free and
@@ -85,6 +87,7 @@ def _index_scores_kernel(
     num_q, num_keys, q_per_req, softmax_scale, TILES: tl.constexpr,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, REC: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr,
     BS: tl.constexpr, HAS_ALLOWED: tl.constexpr, WANT_BMAX: tl.constexpr, SKIP: tl.constexpr, PRMT: tl.constexpr,
+    KEYS_OUT: tl.constexpr,
 ):
     NB: tl.constexpr = D // 32
     M: tl.constexpr = BQ * HP  # heads padded to HP (≥ 16 rows for the MMA; padded heads weigh 0)
@@ -128,19 +131,26 @@ def _index_scores_kernel(
                          mask=keep & qj_ok[None, :], other=0)
             keep = keep & (ok != 0)
         _store_tile(tl.where(keep, s, float("-inf")), OUT, out_stride, BMAX, bm_stride, qj, qj_ok, k_first + t * BN,
-                    num_keys, BN, BQ, BS, WANT_BMAX)
+                    num_keys, BN, BQ, BS, WANT_BMAX, KEYS_OUT)
     for t in range(live, TILES):
         _store_tile(tl.full([BN, BQ], float("-inf"), dtype=tl.float32), OUT, out_stride, BMAX, bm_stride, qj, qj_ok,
-                    k_first + t * BN, num_keys, BN, BQ, BS, WANT_BMAX)
+                    k_first + t * BN, num_keys, BN, BQ, BS, WANT_BMAX, KEYS_OUT)
 
 
 @triton.jit
 def _store_tile(s, OUT, out_stride, BMAX, bm_stride, qj, qj_ok, first, num_keys, BN: tl.constexpr, BQ: tl.constexpr,
-                BS: tl.constexpr, WANT_BMAX: tl.constexpr):
-    """Scores s [BN, BQ] of keys first … first + BN − 1 (and, WANT_BMAX, their block maxima)."""
+                BS: tl.constexpr, WANT_BMAX: tl.constexpr, KEYS_OUT: tl.constexpr):
+    """Scores s [BN, BQ] of keys first … first + BN − 1, or (KEYS_OUT) their int64 top-k keys
+    (kernels/topk.py's ``order_keys``); WANT_BMAX: their block maxima too."""
     offs = first + tl.arange(0, BN)
-    tl.store(OUT + qj.to(tl.int64)[None, :] * out_stride + offs[:, None], s,
-             mask=(offs < num_keys)[:, None] & qj_ok[None, :])
+    dst = OUT + qj.to(tl.int64)[None, :] * out_stride + offs[:, None]
+    ok = (offs < num_keys)[:, None] & qj_ok[None, :]
+    if KEYS_OUT:
+        bits = tl.where(s == 0.0, 0.0, s).to(tl.int32, bitcast=True)  # −0.0 is 0.0
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+        tl.store(dst, (ordered << 32) | (0xFFFFFFFF - offs.to(tl.int64))[:, None], mask=ok)
+    else:
+        tl.store(dst, s, mask=ok)
     if WANT_BMAX:
         bmax = tl.max(tl.reshape(s, [BN // BS, BS, BQ]), 1)  # [BN / BS, BQ]
         blocks = first // BS + tl.arange(0, BN // BS)
@@ -171,7 +181,7 @@ def launch_shape(num_q: int, num_keys: int, block_q: int, block_n: int, sms: int
 def index_scores_triton(
     q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, page_table: torch.Tensor,
     page_rows: int, visible: torch.Tensor, num_keys: int, softmax_scale: float, queries_per_request: int = 1,
-    allowed: torch.Tensor | None = None, block_size: int = 8, want_block_max: bool = False,
+    allowed: torch.Tensor | None = None, block_size: int = 8, want_block_max: bool = False, keys_out: bool = False,
     block_n: int | None = None, block_q: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, skip_dead_tiles: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -195,7 +205,7 @@ def index_scores_triton(
     if block_n % block_size or block_n & (block_n - 1) or block_size & (block_size - 1):
         raise ValueError(f"block_n {block_n} must be a power of two and a multiple of block_size {block_size}")
     device = q8.device
-    scores = torch.empty(nq, num_keys, dtype=torch.float32, device=device)
+    scores = torch.empty(nq, num_keys, dtype=torch.int64 if keys_out else torch.float32, device=device)
     bmax = (torch.empty(nq, -(-num_keys // block_size), dtype=torch.float32, device=device)
             if want_block_max else None)
     if nq == 0 or num_keys == 0:
@@ -212,7 +222,7 @@ def index_scores_triton(
         H=heads, HP=max(16, triton.next_power_of_2(heads)), D=d, REC=keys.shape[1], BQ=block_q, BN=block_n,
         BS=block_size,
         HAS_ALLOWED=allowed is not None, WANT_BMAX=want_block_max, SKIP=skip_dead_tiles,
-        PRMT=device.type == "cuda", num_warps=num_warps,
+        PRMT=device.type == "cuda", KEYS_OUT=keys_out, num_warps=num_warps,
         num_stages=num_stages,
     )
     return scores, bmax

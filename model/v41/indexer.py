@@ -30,7 +30,7 @@ from torch import nn
 from kernels.microscaling import fake_quant_fp4
 from kernels.attention.v4_indexer import IndexerBackend
 from kernels.v4_indexer import (blocks_to_entries, candidate_blocks, quantize_index_queries, score_values,
-                                select_candidate_blocks, topk_picks)
+                                select_candidate_blocks, topk_picks, topk_picks_from_keys)
 from model.layers.norm import RMSNorm
 from model.v4.rope import apply_trailing_rope
 from model.v41.config import V41Config
@@ -149,13 +149,13 @@ class Indexer(nn.Module):
         candidate source's mask [Q, blocks], when published."""
         q8, q_scale = quantize_index_queries(self.raw_queries(q_res, cos, sin))
         allowed = candidates if self.uses_candidates else None
-        scores, bmax = backend.scores(q8, q_scale, self.head_weights(x), records, page_table, page_rows, visible,
-                                      num_keys, self.head_dim**-0.5, queries_per_request, allowed, self.block_size,
-                                      self.is_candidate_source)
+        keys, bmax = backend.scores(q8, q_scale, self.head_weights(x), records, page_table, page_rows, visible,
+                                    num_keys, self.head_dim**-0.5, queries_per_request, allowed, self.block_size,
+                                    self.is_candidate_source, keys_out=True)
         own = None
         if self.is_candidate_source:
             own = candidate_blocks(bmax, visible.view(-1, 1), self.topk_blocks, self.block_size)
-        return topk_picks(scores, self.index_topk), own
+        return topk_picks_from_keys(keys, self.index_topk), own
 
     def raw_queries(self, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """:meth:`queries` before the FP4 rounding."""

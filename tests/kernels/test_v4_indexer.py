@@ -23,7 +23,8 @@ import torch
 
 from kernels.v4_cache_formats import pack_v41_index_keys, unpack_v41_index_keys
 from kernels.attention.v4_indexer import IndexerBackend, choose_indexer
-from kernels.v4_indexer import index_scores_reference, quantize_index_queries, topk_picks
+from kernels.topk import order_keys
+from kernels.v4_indexer import index_scores_reference, quantize_index_queries, topk_picks, topk_picks_from_keys
 from model.v41.config import parse_v41_config
 from model.v41.indexer import Indexer
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
@@ -205,9 +206,12 @@ def test_backend_choice_and_errors():
 
 
 def test_topk_picks_mark_invisible_picks():
-    s = torch.tensor([[3.0, float("-inf"), 1.0, float("-inf")]])
-    assert sorted(topk_picks(s, 3).tolist()[0]) == [-1, 0, 2]
-    assert topk_picks(s, 9).shape == (1, 4)
+    s = torch.tensor([[3.0, float("-inf"), 1.0, float("-inf")], [0.0, -0.0, -2.0, 0.0]])
+    assert topk_picks(s, 3).tolist() == [[0, 2, -1], [0, 1, 3]]
+    assert topk_picks(s, 9).shape == (2, 4)
+    keys = order_keys(s)
+    assert torch.equal(topk_picks_from_keys(keys, 3), topk_picks(s, 3))
+    assert torch.equal(scores_from_keys(keys), torch.where(s == 0, 0.0, s))
 
 
 def test_reference_rejects_bad_inputs():
@@ -286,6 +290,15 @@ def kernel_cases(device: str, small: bool):
                 got = index_scores_triton(*args)
                 yield got[0], want[0]
                 yield got[1], want[1]
+                keys, _ = index_scores_triton(*args, keys_out=True)
+                assert torch.equal(keys & 0xFFFFFFFF, (0xFFFFFFFF - torch.arange(n, device=device)).expand_as(keys))
+                yield scores_from_keys(keys), want[0]
+
+
+def scores_from_keys(keys: torch.Tensor) -> torch.Tensor:
+    """The float32 scores of ``kernels.topk.order_keys`` keys (their high 32 bits)."""
+    ordered = keys >> 32
+    return torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(torch.int32).view(torch.float32)
 
 
 @pytest.mark.slow
@@ -315,7 +328,7 @@ def test_default_shapes_compile_for_sm90_on_fp8_wgmma_without_spills():
     for qpr, allowed, bmax in ((1, False, True), (1, True, False), (256, False, True), (256, True, False)):
         bn, bq, warps, stages = default_shape(qpr)
         consts = dict(H=32, HP=32, D=128, REC=68, BQ=bq, BN=bn, BS=8, HAS_ALLOWED=allowed, WANT_BMAX=bmax, TILES=16,
-                      SKIP=True, PRMT=True)
+                      SKIP=True, PRMT=True, KEYS_OUT=True)
         ptx, usage = _compile_sm90(_index_scores_kernel, types, consts, num_warps=warps, num_stages=stages)
         assert "wgmma" in ptx and "e4m3" in ptx and "cp.async" in ptx and "prmt.b32" in ptx, usage
         assert usage.endswith("LOCAL:0") and " STACK:0 " in usage, (consts, usage)
