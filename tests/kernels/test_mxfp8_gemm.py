@@ -86,9 +86,38 @@ def test_split_k_only_where_tiles_leave_sms_idle():
     assert split_k_for(10, 40, 132) == 20 and split_k_for(40, 64, 132) == 4
     assert split_k_for(10, 3, 132) == 1 and split_k_for(10, 40, 132, max_split=8) == 8
     assert default_config(1, 1280, 5120)["SPLIT_K"] == 20  # wq_a decode: 10 tiles → 200 programs
-    assert default_config(1, 1280, 5120, quantize_out=True)["SPLIT_K"] == 1
+    assert default_config(1, 1280, 5120, quantize_out=True)["SPLIT_K"] == 20  # the reduce quantizes
     assert default_config(8192, 5120, 8192)["SPLIT_K"] == 1
     assert default_config(128, 1280, 5120)["SPLIT_K"] == 10  # partials capped at the weight's bytes
+
+
+def test_cuda_config_and_operand_checks():
+    from kernels.mxfp8_gemm_cuda import default_cuda_config, unsupported_reason
+
+    # decode: 64-row tiles, K split to one wave; prefill: 128-row tiles, no split
+    assert default_cuda_config(1, 1280, 5120) == {"consumers": 1, "SPLIT_K": 20}
+    assert default_cuda_config(64, 5120, 8192) == {"consumers": 1, "SPLIT_K": 4}
+    assert default_cuda_config(65, 8192, 4096) == {"consumers": 2, "SPLIT_K": 4}
+    assert default_cuda_config(8192, 5120, 8192) == {"consumers": 2, "SPLIT_K": 1}
+    assert default_cuda_config(3, 64, 32)["SPLIT_K"] == 1  # one K stage cannot split
+    x8, xs = quantize_mxfp8(activations(4, 256))
+    w8, ws = weight(256, 128)
+    assert unsupported_reason(x8, xs, w8, ws, 4, 256, 128, 2) is None
+    assert "multiple of 128" in unsupported_reason(x8, xs, w8[:192], ws[:6], 4, 192, 128, 2)
+    assert "odd" in unsupported_reason(x8, xs, w8, ws, 4, 255, 128, 2)
+    assert "16-byte" in unsupported_reason(x8[:, 1:], xs, w8, ws, 4, 256, 128, 2)
+
+
+def test_backend_choice_is_validated():
+    from kernels.mxfp8_gemm import mxfp8_gemm
+    from kernels.mxfp8_gemm_cuda import CudaKernelUnavailable
+
+    x8, xs = quantize_mxfp8(activations(4, 64))
+    w8, ws = weight(64, 64)
+    with pytest.raises(ValueError, match="unknown MXFP8 GEMM backend"):
+        mxfp8_gemm(x8, xs, w8, ws, backend="cutlass")
+    with pytest.raises(CudaKernelUnavailable, match="CUDA tensors"):
+        mxfp8_gemm(x8, xs, w8, ws, backend="cuda")
 
 
 def test_operand_validation():
@@ -165,6 +194,13 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         r8, rs = quantize_mxfp8(z)
         assert same(z8, r8) and torch.equal(zs, rs), t
         assert z8.shape == (t, groups * r) and zs.shape == (t, groups * r // 32)
+    # split-K with the quantizing reduce: the same bytes as quantizing the same split's bf16 sum
+    for t in (1, 129):
+        x8, xs = quantize_mxfp8_triton(activations(t, groups * kg, seed=t + 7))
+        cfg = dict(default_config(t, groups * r, kg, groups), SPLIT_K=2, BLOCK_K=32)
+        z8, zs = mxfp8_gemm(x8, xs, w8, ws, groups=groups, quantize_out=True, config=cfg)
+        u8, us = quantize_mxfp8_triton(mxfp8_gemm(x8, xs, w8, ws, groups=groups, config=cfg))
+        assert same(z8, u8) and torch.equal(zs, us), t
     print("interpreter ok")
     """
 )
@@ -221,7 +257,7 @@ _PTXAS = Path(importlib.util.find_spec("triton").origin).parent / "backends/nvid
 def test_default_configs_compile_for_sm90_with_wgmma_and_no_spills():
     """The kernels the H200 will run, compiled here: the default tiles of V4.1-Flash's linears
     and of wo_a's quantizing epilogue, the split-K sum and the quantization (with inverse RoPE)."""
-    from kernels.mxfp8_gemm import _mxfp8_gemm_kernel, _split_sum_kernel, default_config
+    from kernels.mxfp8_gemm import _mxfp8_gemm_kernel, _split_sum_kernel, _split_sum_quant_kernel, default_config
     from kernels.mxfp8_quant_triton import _mxfp8_quant_kernel
 
     ints = ("M", "N", "K_GROUP", "N_GROUP", "K_STEPS", "stride_am", "stride_sam", "stride_bn", "stride_sbn",
@@ -242,12 +278,37 @@ def test_default_configs_compile_for_sm90_with_wgmma_and_no_spills():
     _, usage = _compile_sm90(_split_sum_kernel, {"W": "*fp32", "C": "*bf16", "MN": "i32", "SPLITS": "i32"},
                              {"BLOCK": 1024, "OUT_BF16": True}, num_warps=4)
     assert " STACK:0 " in usage
+    _, usage = _compile_sm90(_split_sum_quant_kernel, {"W": "*fp32", "Q": "*u8", "S": "*u8", "M": "i32", "N": "i32",
+                                                       "SPLITS": "i32"}, {"BLOCK_M": 8, "BLOCKS": 8}, num_warps=4)
+    assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), usage
     qtypes = dict(X="*bf16", Y="*u8", S="*u8", COS="*bf16", SIN="*bf16", **dict.fromkeys(
         ("M", "K", "stride_xm", "stride_ym", "stride_sm", "stride_cm"), "i32"))
     for rope in (0, 64):
         consts = {"BLOCK_M": 8, "BLOCKS": 16, "HEAD_DIM": 512, "ROPE": rope, "ROUND_BF16": True}
         _, usage = _compile_sm90(_mxfp8_quant_kernel, qtypes, consts, num_warps=4, enable_fp_fusion=False)
         assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), usage
+
+
+_NVCC = Path("/usr/local/cuda-13.0/bin/nvcc")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _NVCC.exists() and not os.environ.get("CUDA_HOME"), reason="needs nvcc")
+def test_cuda_gemm_compiles_for_sm90a_without_spills_or_serialized_wgmma():
+    """Every instantiation of kernels/csrc/mxfp8_gemm_sm90a.cu: no local memory, and no ptxas
+    warning that it had to serialize the wgmmas (which would undo the promotion overlap)."""
+    from kernels.mla_decode_cuda import find_nvcc
+    from kernels.mxfp8_gemm_cuda import NVCC_FLAGS, SOURCES
+
+    nvcc = find_nvcc() or str(_NVCC)
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mxfp8_gemm_{os.getpid()}.so"
+    res = subprocess.run([nvcc, *NVCC_FLAGS, "-Xptxas", "-v", "-o", str(out), *map(str, SOURCES)],
+                         capture_output=True, text=True, timeout=600)
+    out.unlink(missing_ok=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    spills = [line for line in res.stderr.splitlines() if "spill" in line]
+    assert len(spills) == 4 and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), spills
+    assert "C7510" not in res.stderr and "serialized" not in res.stderr, res.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- GPU
