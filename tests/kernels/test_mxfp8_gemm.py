@@ -334,9 +334,12 @@ def test_gpu_quant_matches_reference():
 # V4.1-Flash: wq_a 5120→1280, wq_b 1280→32768, wo_b 8192→5120, a ragged N and a tiny K
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("shape", [(1, 1280, 5120), (129, 32768, 1280), (300, 5120, 8192), (16, 1000, 512),
-                                   (4096, 1280, 5120), (3, 64, 32)])
-def test_gpu_gemm_matches_reference(shape):
+                                   (4096, 1280, 5120), (3, 64, 32), (37, 250, 160), (200, 384, 224)])
+def test_gpu_gemm_matches_reference(shape, backend):
+    """K off the 128-wide stage (160, 224: unaligned scale rows, a zero-filled last stage), N
+    off the tile and off 32 (250), M off both tile heights; bf16, fp32 and split-K outputs."""
     from kernels.mxfp8_gemm import mxfp8_gemm, mxfp8_linear
     from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
 
@@ -345,12 +348,21 @@ def test_gpu_gemm_matches_reference(shape):
     w8, ws = weight(n, k, seed=n, device="cuda")
     x8, xs = quantize_mxfp8_triton(x)
     ref = mxfp8_gemm_reference(x8, xs, w8, ws, out_dtype=torch.float32)
-    y = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32)
+    y = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, backend=backend)
     # same products; the FP8 MMA's own narrower accumulation of each 32-slice and the fp32 sum
     # order differ from the reference (a wrong scale would be an O(1) error)
     assert rel_err(y, ref) < 1e-4
-    yb = mxfp8_linear(x, w8, ws)
+    yb = mxfp8_gemm(x8, xs, w8, ws, backend=backend)
     assert yb.dtype == torch.bfloat16 and rel_err(yb, ref) < 1e-2
+    if backend == "cuda":
+        from kernels.mxfp8_gemm_cuda import default_cuda_config
+
+        for consumers in (1, 2):  # both tile heights, unsplit and split where K allows
+            for split in sorted({1, default_cuda_config(m, n, k)["SPLIT_K"]}):
+                cfg = {"consumers": consumers, "SPLIT_K": split}
+                yc = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, backend="cuda", config=cfg)
+                assert rel_err(yc, ref) < 1e-4, cfg
+    assert rel_err(mxfp8_linear(x, w8, ws), ref) < 1e-2
 
 
 def capture(fn):
@@ -368,22 +380,29 @@ def capture(fn):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("tp", ["tp1", "tp8"])
 @pytest.mark.parametrize("tokens", [1, 129, 8193])
-def test_gpu_wo_a_epilogue_bytes_match_separate_quant(tokens):
-    """V4.1-Flash wo_a: 8 groups of 8 heads × 512 → 1024; z's e4m3 bytes and scales from the
-    fused epilogue equal quantizing its bf16 output separately, eager and in graph replays."""
-    from kernels.mxfp8_gemm import default_config, mxfp8_gemm
+def test_gpu_wo_a_epilogue_bytes_match_separate_quant(tokens, tp, backend):
+    """V4.1-Flash wo_a (TP1: 8 groups of 8 heads × 512 → 1024; TP8: one group): z's e4m3 bytes
+    and scales (wo_b's input) from the fused epilogue, or from the quantizing split-K reduce,
+    equal quantizing its bf16 output separately, eager and in graph replays."""
+    from kernels.mxfp8_gemm import _sm_count, default_config, mxfp8_gemm
+    from kernels.mxfp8_gemm_cuda import default_cuda_config
     from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
 
-    groups, r, kg = 8, 1024, 4096
+    groups, r, kg = (8, 1024, 4096) if tp == "tp1" else (1, 1024, 4096)
     w8, ws = weight(groups * r, kg, seed=5, device="cuda")
     x = activations(tokens, groups * kg, seed=tokens, device="cuda")
     x8, xs = quantize_mxfp8_triton(x)
-    z8, zs = mxfp8_gemm(x8, xs, w8, ws, groups=groups, quantize_out=True)
-    # the same tiling as the fused launch (the bf16 GEMM alone may split K, which sums in
-    # another order and moves some bf16 roundings of z: a different z, not a different quant)
-    same_tiles = default_config(tokens, groups * r, kg, groups, quantize_out=True)
-    z = mxfp8_gemm(x8, xs, w8, ws, groups=groups, config=same_tiles)
+    # the same tiling and split as the fused launch (another split sums in another order and
+    # moves some bf16 roundings of z: a different z, not a different quantization)
+    if backend == "cuda":
+        same_tiles = default_cuda_config(tokens, groups * r, kg, _sm_count(0))
+    else:
+        same_tiles = default_config(tokens, groups * r, kg, groups, _sm_count(0), quantize_out=True)
+    z8, zs = mxfp8_gemm(x8, xs, w8, ws, groups=groups, quantize_out=True, backend=backend)
+    z = mxfp8_gemm(x8, xs, w8, ws, groups=groups, config=same_tiles, backend=backend)
     u8, us = quantize_mxfp8_triton(z)
     assert _bytes_equal(z8, u8) and torch.equal(zs, us)
     r8, rs = quantize_mxfp8(z)
@@ -394,11 +413,11 @@ def test_gpu_wo_a_epilogue_bytes_match_separate_quant(tokens):
     static = x.clone()
 
     def fused():
-        return mxfp8_gemm(*quantize_mxfp8_triton(static), w8, ws, groups=groups, quantize_out=True)
+        return mxfp8_gemm(*quantize_mxfp8_triton(static), w8, ws, groups=groups, quantize_out=True, backend=backend)
 
     def separate():
         q, s = quantize_mxfp8_triton(static)
-        return quantize_mxfp8_triton(mxfp8_gemm(q, s, w8, ws, groups=groups, config=same_tiles))
+        return quantize_mxfp8_triton(mxfp8_gemm(q, s, w8, ws, groups=groups, config=same_tiles, backend=backend))
 
     g_fused, (gz8, gzs) = capture(fused)
     g_sep, (gu8, gus) = capture(separate)
