@@ -7,8 +7,8 @@ accumulator) has to overlap the next slice's wgmma; the kernel issues slice j+1 
 promotes slice j, from two partial register sets (design notes in the .cu file and
 benchmarks/KERNEL_NOTES.md, "MXFP8 GEMM in CUDA C++").
 
-Tiles are 64 × 128 (one consumer warpgroup, M ≤ 64) or 128 × 128 (two), K in 128-byte TMA
-stages. Where the tiles leave SMs idle, K is split: fp32 partials in a workspace, summed in a
+Persistent CTAs (one per SM) walk the output tiles, 64 × 128 (one consumer warpgroup, M ≤ 64)
+or 128 × 128 (two), K in 128-byte TMA stages. Where the tiles leave SMs idle, K is split: fp32 partials in a workspace, summed in a
 fixed order by a Triton launch (with ``quantize_out`` that launch also rounds to bf16 and
 quantizes, the same integer rules as the epilogue: the bytes do not depend on the split).
 
@@ -44,7 +44,8 @@ class _GemmParams(ctypes.Structure):
         ("ldsa", ctypes.c_longlong), ("ldsb", ctypes.c_longlong), ("ldc", ctypes.c_longlong),
         ("ldsc", ctypes.c_longlong), ("split_stride", ctypes.c_longlong),
         ("m", ctypes.c_int), ("n", ctypes.c_int), ("k_group", ctypes.c_int), ("n_group", ctypes.c_int),
-        ("mode", ctypes.c_int), ("k_iters_per_split", ctypes.c_int), ("scales_u32", ctypes.c_int),
+        ("mode", ctypes.c_int), ("splits", ctypes.c_int), ("k_iters_per_split", ctypes.c_int),
+        ("scales_u32", ctypes.c_int),
     ]
 
 
@@ -54,7 +55,7 @@ def _library() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.mxfp8_gemm_sm90.argtypes = [ctypes.POINTER(_GemmParams), ctypes.c_void_p, ctypes.c_longlong,
                                     ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
-                                    ctypes.c_int, ctypes.c_void_p]
+                                    ctypes.c_void_p]
     lib.mxfp8_gemm_sm90.restype = ctypes.c_int
     lib.mxfp8_gemm_sm90_params_bytes.restype = ctypes.c_int
     if lib.mxfp8_gemm_sm90_params_bytes() != ctypes.sizeof(_GemmParams):
@@ -152,12 +153,12 @@ def mxfp8_gemm_cuda(
         xs.data_ptr(), ws.data_ptr(), dst.data_ptr(), scales.data_ptr() if mode == MODES["quant"] else None,
         xs.stride(0), ws.stride(0), dst.stride(-2), scales.stride(0) if scales is not None else 0,
         dst.stride(0) if split > 1 else 0,
-        m, n, kg, n // groups if groups > 1 else n, mode, k_stages // split, int(aligned),
+        m, n, kg, n // groups if groups > 1 else n, mode, split, k_stages // split, int(aligned),
     )
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev).cuda_stream
         err = _library().mxfp8_gemm_sm90(ctypes.byref(p), x8.data_ptr(), x8.stride(0), x8.shape[1], w8.data_ptr(),
-                                         w8.stride(0), consumers, split, ctypes.c_void_p(stream))
+                                         w8.stride(0), consumers, ctypes.c_void_p(stream))
     if err != 0:
         reasons = {-1: "bad argument", -2: "the driver refused an operand's TMA tensor map"}
         raise RuntimeError(f"mxfp8_gemm_sm90: {reasons.get(err, f'cudaError_t {err}')}")

@@ -9,13 +9,19 @@
 //   ~1000 TFLOP/s). That FMA must run while the tensor cores work on the next slice: two partial
 //   register sets per thread, the wgmma of slice j+1 issued before slice j is promoted
 //   (wgmma.wait_group 1 then waits only for slice j).
-// - A CTA = a 64-row (one consumer warpgroup) or 128-row (two) x 128-column output tile and a
-//   split of K; one thread of a producer warpgroup issues the TMA loads (128 K bytes of A's rows and B's rows per
-//   stage, 128-byte swizzle, wgmma's K-major layout) into a ring of stages, an mbarrier pair per
-//   stage (full: the TMA's bytes landed; empty: every consumer warp is done with it).
-// - Registers per consumer thread: 64 accumulators + 2 x 64 partials; the rest is addressing
-//   and the stage's scale words (loaded from global one stage ahead, into registers: the
-//   activation scales are [M, K/32] bytes, rows too short for a TMA box).
+// - Persistent CTAs (one per SM), each walking work units = output tile x split of K: a 64-row
+//   (one consumer warpgroup) or 128-row (two) x 128-column tile. One thread of a producer
+//   warpgroup issues the TMA loads (128 K bytes of A's rows and of B's rows per stage, 128-byte
+//   swizzle, wgmma's K-major layout) into a ring of stages and runs ahead across work units, so
+//   the next tile's loads overlap this one's epilogue; an mbarrier pair per stage (full: the
+//   bytes landed; empty: every consumer warp is done with it).
+// - The stage's scales travel with it: the producer warp's lanes copy the rows' 4 scale bytes
+//   (one word per row, cp.async with a zero fill past M, completing on the stage's full
+//   barrier) and the 4 column blocks' words into shared memory. Activation scale rows ([M, K/32]
+//   bytes) are too short for a TMA box. Shapes whose scale rows are not 4-byte aligned (K not a
+//   multiple of 128) take a synchronous byte-copy path.
+// - Registers per consumer thread: 64 accumulators + 2 x 64 partials (setmaxnreg moves the
+//   producer's registers to the consumers).
 // - Nothing is in flight across the loop's back edge (ptxas serializes every wgmma otherwise):
 //   a stage's four slices run issue 0, issue 1, wait 1, promote 0, issue 2, wait 1, promote 1,
 //   issue 3, wait 1, promote 2, wait 0, promote 3; the un-overlapped last promotion of one
@@ -47,6 +53,7 @@ struct GemmParams {
   long long split_stride;  // elements between split-K partials
   int m, n, k_group, n_group;  // K per group; output columns per group (n when groups == 1)
   int mode;              // 0 bf16, 1 fp32, 2 fp32 split-K partial, 3 MXFP8
+  int splits;            // splits of K (work units = tiles x splits)
   int k_iters_per_split;  // 128-wide K stages per split
   int scales_u32;        // scale rows 4-byte aligned with K a multiple of 128: one word per stage
 };
@@ -68,7 +75,9 @@ struct Plan {
   static constexpr int kStageBytes = kABytes + kBBytes;
   static constexpr int kStages = kRingBytes / kStageBytes;  // 6 (128 rows) or 8 (64 rows)
   static constexpr int kThreads = 128 * (kConsumers + 1);   // + the producer warpgroup
-  static constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + barriers, alignment
+  // per stage: one scale word per row of A, then one per 32-column block of B
+  static constexpr int kScaleWords = kBlockM + kBlockN / 32;
+  static constexpr int kSmemBytes = kStages * (kStageBytes + 4 * kScaleWords + 16) + 1024;  // + barriers, alignment
 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
@@ -78,6 +87,14 @@ __device__ __forceinline__ void mbar_init_count(uint32_t bar, uint32_t count) {
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// 4-byte global -> shared copy; src_bytes = 0 zero-fills.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+// One arrival on `bar` once this thread's earlier cp.asyncs have landed (counted in the init).
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 // One box of a 2-D tensor map (coordinates in elements, innermost first) to shared memory.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
@@ -155,131 +172,30 @@ __device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64
     for (int v = 0; v < 4; ++v) acc[4 * i + v] = fmaf(part[4 * i + v], s[v >> 1][i >> 2], acc[4 * i + v]);
 }
 
-// The four slice bytes of a stage as one word (little-endian: slice j in bits 8j..8j+7); slices
-// past `valid` bytes of the row are 0 (their products are zero-filled).
-template <bool kAligned>
-__device__ __forceinline__ uint32_t scale_word(const uint8_t* row, int valid) {
-  if (kAligned) return __ldg(reinterpret_cast<const uint32_t*>(row));
+// The four slice bytes of a stage as one word (little-endian: slice j in bits 8j..8j+7), read
+// byte by byte; slices past `valid` bytes of the row are 0 (their products are zero-filled).
+__device__ __forceinline__ uint32_t scale_word_bytes(const uint8_t* row, int valid) {
   uint32_t w = 0;
 #pragma unroll
   for (int j = 0; j < 4; ++j)
-    if (j < valid) w |= static_cast<uint32_t>(__ldg(row + j)) << (8 * j);
+    if (j < valid) w |= static_cast<uint32_t>(row[j]) << (8 * j);
   return w;
 }
 
-template <int kConsumers, bool kAlignedScales>
-__global__ void __launch_bounds__(Plan<kConsumers>::kThreads, 1)
-    mxfp8_gemm_kernel(const GemmParams p, const __grid_constant__ CUtensorMap map_a,
-                      const __grid_constant__ CUtensorMap map_b) {
-  using P = Plan<kConsumers>;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const uint32_t ring = smem_u32(smem);
-  const uint32_t full0 = ring + P::kStages * P::kStageBytes, empty0 = full0 + 8 * P::kStages;
-
-  // output tile (grouped along M for L2 reuse) and this split's stages
-  const int tiles_m = (p.m + P::kBlockM - 1) / P::kBlockM, tiles_n = (p.n + kBlockN - 1) / kBlockN;
-  const int pid = blockIdx.x, width = kGroupM * tiles_n;
-  const int first_m = (pid / width) * kGroupM, size_m = min(tiles_m - first_m, kGroupM);
-  const int m0 = (first_m + (pid % width) % size_m) * P::kBlockM, n0 = ((pid % width) / size_m) * kBlockN;
-  const int k_stages = (p.k_group + kBlockK - 1) / kBlockK;
-  const int it0 = blockIdx.y * p.k_iters_per_split, it1 = min(k_stages, it0 + p.k_iters_per_split);
-  const int ka0 = (n0 / p.n_group) * p.k_group;  // this tile's group's first K column of A
-
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < P::kStages; ++s) {
-      mbar_init_count(full0 + 8 * s, 1);
-      mbar_init_count(empty0 + 8 * s, 4 * kConsumers);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
+// Work unit u: output tile (grouped along M for L2 reuse of B) and split of K.
+struct WorkUnit {
+  int m0, n0, split;
+  template <int kBlockM>
+  __device__ static WorkUnit make(int u, int tiles_m, int tiles_n) {
+    const int tiles = tiles_m * tiles_n, tile = u % tiles, width = kGroupM * tiles_n;
+    const int first_m = (tile / width) * kGroupM, size_m = min(tiles_m - first_m, kGroupM);
+    return {(first_m + (tile % width) % size_m) * kBlockM, ((tile % width) / size_m) * kBlockN, u / tiles};
   }
-  __syncthreads();
+};
 
-  if (warp >= 4 * kConsumers) {  // producer warpgroup: one thread issues the loads
-    // 128-row tiles (three warpgroups) need more registers than an even split gives (168):
-    // the producer gives most of its own to the consumers.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if (warp == 4 * kConsumers && lane == 0) {
-      for (int it = it0; it < it1; ++it) {
-        const int s = (it - it0) % P::kStages, round = (it - it0) / P::kStages;
-        if (round > 0) mbar_wait(empty0 + 8 * s, (round - 1) & 1);
-        const uint32_t a_dst = ring + s * P::kStageBytes, bar = full0 + 8 * s;
-        mbar_arm(bar, P::kStageBytes);
-        tma_load_2d(a_dst, &map_a, ka0 + it * kBlockK, m0, bar);
-        tma_load_2d(a_dst + P::kABytes, &map_b, it * kBlockK, n0, bar);
-      }
-    }
-    return;
-  }
-
-  // consumer warpgroup wg: rows m0 + 64 wg .. +63
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-  const int wg = warp / 4, t = threadIdx.x % 128;
-  const int r0 = m0 + wg * kRowsPerConsumer + 16 * (t / 32) + (t % 32) / 4;  // and r0 + 8
-  const int nb_total = (p.n + 31) / 32;
-  float acc[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-  float part0[64], part1[64];
-
-  auto load_scales = [&](int it, uint32_t (&sa)[2], uint32_t (&sb)[4]) {
-    const int kb = it * (kBlockK / 32), valid = p.k_group / 32 - kb;  // this stage's first slice
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = r0 + 8 * r;
-      sa[r] = row < p.m ? scale_word<kAlignedScales>(p.sa + row * p.ldsa + ka0 / 32 + kb, valid) : 0u;
-    }
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int nb = n0 / 32 + c;
-      sb[c] = nb < nb_total ? scale_word<kAlignedScales>(p.sb + nb * p.ldsb + kb, valid) : 0u;
-    }
-  };
-  uint32_t sa[2] = {0u, 0u}, sb[4] = {0u, 0u, 0u, 0u};
-  if (it0 < it1) load_scales(it0, sa, sb);
-
-  for (int it = it0; it < it1; ++it) {
-    const int s = (it - it0) % P::kStages, round = (it - it0) / P::kStages;
-    uint32_t sa_next[2] = {0u, 0u}, sb_next[4] = {0u, 0u, 0u, 0u};
-    if (it + 1 < it1) load_scales(it + 1, sa_next, sb_next);
-    mbar_wait(full0 + 8 * s, round & 1);
-    const uint32_t a_lo = desc_lo(ring + s * P::kStageBytes + wg * kRowsPerConsumer * kBlockK, 16);
-    const uint32_t b_lo = desc_lo(ring + s * P::kStageBytes + P::kABytes, 16);
-    // slice j of the stage: 32 bytes further along the swizzled 128-byte rows
-    auto desc_a = [&](int j) { return make_desc(a_lo + 2 * j, 1024, kSwizzle128); };
-    auto desc_b = [&](int j) { return make_desc(b_lo + 2 * j, 1024, kSwizzle128); };
-    wgmma_fence();
-    wgmma_m64n128k32_set(part0, desc_a(0), desc_b(0));
-    wgmma_commit();
-    wgmma_m64n128k32_set(part1, desc_a(1), desc_b(1));
-    wgmma_commit();
-    wgmma_wait<1>();
-    fence_regs(part0);
-    promote(acc, part0, sa, sb, 0);
-    wgmma_fence();
-    wgmma_m64n128k32_set(part0, desc_a(2), desc_b(2));
-    wgmma_commit();
-    wgmma_wait<1>();
-    fence_regs(part1);
-    promote(acc, part1, sa, sb, 1);
-    wgmma_fence();
-    wgmma_m64n128k32_set(part1, desc_a(3), desc_b(3));
-    wgmma_commit();
-    wgmma_wait<1>();
-    fence_regs(part0);
-    promote(acc, part0, sa, sb, 2);
-    wgmma_wait<0>();
-    fence_regs(part1);
-    if (lane == 0) mbar_arrive(empty0 + 8 * s);  // this warp is done reading the stage
-    promote(acc, part1, sa, sb, 3);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) sa[r] = sa_next[r];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) sb[c] = sb_next[c];
-  }
-
-  // epilogue: accumulator 4i + 2r + e is (row r0 + 8r, column n0 + 8i + 2(lane % 4) + e)
+// Writes a consumer thread's tile accumulators: 4i + 2r + e is (row r0 + 8r, column
+// n0 + 8i + 2(t % 4) + e), t the thread's index in its warpgroup.
+__device__ __forceinline__ void epilogue(const GemmParams& p, float (&acc)[64], int r0, int n0, int split, int t) {
   const int col0 = n0 + 2 * (t % 4);
   if (p.mode == MODE_QUANT) {  // n and n0 are multiples of 32 here
     uint8_t* q = static_cast<uint8_t*>(p.out);
@@ -311,7 +227,7 @@ __global__ void __launch_bounds__(Plan<kConsumers>::kThreads, 1)
     }
     return;
   }
-  const long long base = p.mode == MODE_SPLIT ? blockIdx.y * p.split_stride : 0;
+  const long long base = p.mode == MODE_SPLIT ? split * p.split_stride : 0;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = r0 + 8 * r;
@@ -327,6 +243,137 @@ __global__ void __launch_bounds__(Plan<kConsumers>::kThreads, 1)
       else
         *reinterpret_cast<float2*>(static_cast<float*>(p.out) + off) = make_float2(v0, v1);
     }
+  }
+}
+
+template <int kConsumers, bool kAlignedScales>
+__global__ void __launch_bounds__(Plan<kConsumers>::kThreads, 1)
+    mxfp8_gemm_kernel(const GemmParams p, const __grid_constant__ CUtensorMap map_a,
+                      const __grid_constant__ CUtensorMap map_b) {
+  using P = Plan<kConsumers>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t ring = smem_u32(smem);
+  uint32_t* scale_s = reinterpret_cast<uint32_t*>(smem + P::kStages * P::kStageBytes);  // [stage][kScaleWords]
+  const uint32_t full0 = smem_u32(scale_s + P::kStages * P::kScaleWords), empty0 = full0 + 8 * P::kStages;
+
+  const int tiles_m = (p.m + P::kBlockM - 1) / P::kBlockM, tiles_n = (p.n + kBlockN - 1) / kBlockN;
+  const int units = tiles_m * tiles_n * p.splits;
+  const int k_stages = (p.k_group + kBlockK - 1) / kBlockK;
+  const int nb_total = (p.n + 31) / 32;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < P::kStages; ++s) {
+      mbar_init_count(full0 + 8 * s, 1 + 32);  // the TMA's arming thread + the scale-copying lanes
+      mbar_init_count(empty0 + 8 * s, 4 * kConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
+  }
+  __syncthreads();
+
+  if (warp >= 4 * kConsumers) {  // producer warpgroup: its first warp loads, the others idle
+    // 128-row tiles (three warpgroups) need more registers than an even split gives (168):
+    // the producer gives most of its own to the consumers.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (warp != 4 * kConsumers) return;
+    int g = 0;  // stages loaded so far (ring position and phase)
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+      const WorkUnit w = WorkUnit::template make<P::kBlockM>(u, tiles_m, tiles_n);
+      const int ka0 = (w.n0 / p.n_group) * p.k_group;  // this tile's group's first K column of A
+      const int it0 = w.split * p.k_iters_per_split, it1 = min(k_stages, it0 + p.k_iters_per_split);
+      for (int it = it0; it < it1; ++it, ++g) {
+        const int s = g % P::kStages, round = g / P::kStages;
+        if (round > 0) mbar_wait(empty0 + 8 * s, (round - 1) & 1);
+        const uint32_t bar = full0 + 8 * s;
+        uint32_t* words = scale_s + s * P::kScaleWords;
+        const int kb = it * (kBlockK / 32);  // the stage's first slice
+        if (kAlignedScales) {
+#pragma unroll
+          for (int i = 0; i < P::kBlockM / 32; ++i) {
+            const int row = w.m0 + lane + 32 * i;
+            const uint8_t* src = p.sa + (row < p.m ? row * p.ldsa + ka0 / 32 + kb : 0);
+            cp_async_4(smem_u32(words + lane + 32 * i), src, row < p.m ? 4 : 0);
+          }
+          if (lane < kBlockN / 32) {
+            const int nb = w.n0 / 32 + lane;
+            const uint8_t* src = p.sb + (nb < nb_total ? nb * p.ldsb + kb : 0);
+            cp_async_4(smem_u32(words + P::kBlockM + lane), src, nb < nb_total ? 4 : 0);
+          }
+        } else {
+          const int valid = p.k_group / 32 - kb;
+          for (int i = 0; i < P::kBlockM / 32; ++i) {
+            const int row = w.m0 + lane + 32 * i;
+            words[lane + 32 * i] = row < p.m ? scale_word_bytes(p.sa + row * p.ldsa + ka0 / 32 + kb, valid) : 0u;
+          }
+          if (lane < kBlockN / 32) {
+            const int nb = w.n0 / 32 + lane;
+            words[P::kBlockM + lane] = nb < nb_total ? scale_word_bytes(p.sb + nb * p.ldsb + kb, valid) : 0u;
+          }
+        }
+        if (lane == 0) {
+          mbar_arm(bar, P::kStageBytes);
+          const uint32_t a_dst = ring + s * P::kStageBytes;
+          tma_load_2d(a_dst, &map_a, ka0 + it * kBlockK, w.m0, bar);
+          tma_load_2d(a_dst + P::kABytes, &map_b, it * kBlockK, w.n0, bar);
+        }
+        if (kAlignedScales) cp_async_arrive(bar);  // when this lane's copies land
+        else mbar_arrive(bar);                     // its plain stores are ordered by the release
+      }
+    }
+    return;
+  }
+
+  // consumer warpgroup wg: rows m0 + 64 wg .. +63 of each tile
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  const int wg = warp / 4, t = threadIdx.x % 128;
+  const int row_local = wg * kRowsPerConsumer + 16 * (t / 32) + (t % 32) / 4;  // and + 8
+  float part0[64], part1[64];
+  int g = 0;
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const WorkUnit w = WorkUnit::template make<P::kBlockM>(u, tiles_m, tiles_n);
+    const int it0 = w.split * p.k_iters_per_split, it1 = min(k_stages, it0 + p.k_iters_per_split);
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int it = it0; it < it1; ++it, ++g) {
+      const int s = g % P::kStages, round = g / P::kStages;
+      mbar_wait(full0 + 8 * s, round & 1);
+      const uint32_t* words = scale_s + s * P::kScaleWords;
+      const uint32_t sa[2] = {words[row_local], words[row_local + 8]};
+      const uint4 sb4 = *reinterpret_cast<const uint4*>(words + P::kBlockM);
+      const uint32_t sb[4] = {sb4.x, sb4.y, sb4.z, sb4.w};
+      const uint32_t a_lo = desc_lo(ring + s * P::kStageBytes + wg * kRowsPerConsumer * kBlockK, 16);
+      const uint32_t b_lo = desc_lo(ring + s * P::kStageBytes + P::kABytes, 16);
+      // slice j of the stage: 32 bytes further along the swizzled 128-byte rows
+      auto desc_a = [&](int j) { return make_desc(a_lo + 2 * j, 1024, kSwizzle128); };
+      auto desc_b = [&](int j) { return make_desc(b_lo + 2 * j, 1024, kSwizzle128); };
+      wgmma_fence();
+      wgmma_m64n128k32_set(part0, desc_a(0), desc_b(0));
+      wgmma_commit();
+      wgmma_m64n128k32_set(part1, desc_a(1), desc_b(1));
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_regs(part0);
+      promote(acc, part0, sa, sb, 0);
+      wgmma_fence();
+      wgmma_m64n128k32_set(part0, desc_a(2), desc_b(2));
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_regs(part1);
+      promote(acc, part1, sa, sb, 1);
+      wgmma_fence();
+      wgmma_m64n128k32_set(part1, desc_a(3), desc_b(3));
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_regs(part0);
+      promote(acc, part0, sa, sb, 2);
+      wgmma_wait<0>();
+      fence_regs(part1);
+      if ((t % 32) == 0) mbar_arrive(empty0 + 8 * s);  // this warp is done with the stage
+      promote(acc, part1, sa, sb, 3);
+    }
+    epilogue(p, acc, w.m0 + row_local, w.n0, w.split, t);
   }
 }
 
@@ -362,20 +409,25 @@ bool encode_operand_map(CUtensorMap* map, const void* base, long long rows, long
 
 template <int kConsumers, bool kAlignedScales>
 int launch(const GemmParams* p, const void* a, long long lda, long long a_cols, const void* b, long long ldb,
-           long long b_rows, int splits, cudaStream_t stream) {
+           cudaStream_t stream) {
   using P = Plan<kConsumers>;
   static bool configured = false;
   if (!configured) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(mxfp8_gemm_kernel<kConsumers, kAlignedScales>, cudaFuncAttributeMaxDynamicSharedMemorySize, P::kSmemBytes);
+    const cudaError_t err = cudaFuncSetAttribute(mxfp8_gemm_kernel<kConsumers, kAlignedScales>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, P::kSmemBytes);
     if (err != cudaSuccess) return static_cast<int>(err);
     configured = true;
   }
   alignas(64) CUtensorMap map_a, map_b;
   if (!encode_operand_map(&map_a, a, p->m, a_cols, lda, P::kBlockM)) return -2;
-  if (!encode_operand_map(&map_b, b, b_rows, p->k_group, ldb, kBlockN)) return -2;
-  const int tiles = ((p->m + P::kBlockM - 1) / P::kBlockM) * ((p->n + kBlockN - 1) / kBlockN);
-  const dim3 grid(tiles, splits);
+  if (!encode_operand_map(&map_b, b, p->n, p->k_group, ldb, kBlockN)) return -2;
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const long long units = static_cast<long long>((p->m + P::kBlockM - 1) / P::kBlockM) *
+                          ((p->n + kBlockN - 1) / kBlockN) * p->splits;
+  const int grid = static_cast<int>(units < sms ? units : sms);  // persistent: one CTA per SM at most
   mxfp8_gemm_kernel<kConsumers, kAlignedScales><<<grid, P::kThreads, P::kSmemBytes, stream>>>(*p, map_a, map_b);
   return static_cast<int>(cudaGetLastError());
 }
@@ -388,14 +440,14 @@ extern "C" {
 // tiles) or 2 (128-row tiles). Returns a cudaError_t (0 = success), -1 for a bad argument, or -2
 // when the driver refuses a tensor map.
 int mxfp8_gemm_sm90(const GemmParams* p, const void* a, long long lda, long long a_cols, const void* b,
-                    long long ldb, int consumers, int splits, void* stream) {
-  if (p->m <= 0 || p->n <= 0 || p->k_group <= 0 || splits < 1 || p->n % 2) return -1;
+                    long long ldb, int consumers, void* stream) {
+  if (p->m <= 0 || p->n <= 0 || p->k_group <= 0 || p->splits < 1 || p->n % 2) return -1;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const bool aligned = p->scales_u32 != 0;
-  if (consumers == 1 && aligned) return launch<1, true>(p, a, lda, a_cols, b, ldb, p->n, splits, s);
-  if (consumers == 1) return launch<1, false>(p, a, lda, a_cols, b, ldb, p->n, splits, s);
-  if (consumers == 2 && aligned) return launch<2, true>(p, a, lda, a_cols, b, ldb, p->n, splits, s);
-  if (consumers == 2) return launch<2, false>(p, a, lda, a_cols, b, ldb, p->n, splits, s);
+  if (consumers == 1 && aligned) return launch<1, true>(p, a, lda, a_cols, b, ldb, s);
+  if (consumers == 1) return launch<1, false>(p, a, lda, a_cols, b, ldb, s);
+  if (consumers == 2 && aligned) return launch<2, true>(p, a, lda, a_cols, b, ldb, s);
+  if (consumers == 2) return launch<2, false>(p, a, lda, a_cols, b, ldb, s);
   return -1;
 }
 
