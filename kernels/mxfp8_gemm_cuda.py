@@ -73,12 +73,14 @@ def cuda_gemm_available(device_index: int = 0) -> bool:
 
 def unsupported_reason(x8, xs, w8, ws, m: int, n: int, kg: int, groups: int) -> str | None:
     """Why the CUDA kernel cannot take these operands (None when it can): TMA needs 16-byte
-    aligned bases and row strides, the epilogue writes column pairs, and a grouped N tile must
-    not straddle two groups."""
+    aligned bases and row strides, the epilogue writes column pairs, and a grouped tile must
+    not straddle two groups (in N or in a K stage)."""
     if n % 2:
         return f"N ({n}) is odd"
     if groups > 1 and (n // groups) % BLOCK_N:
         return f"the group's {n // groups} rows are not a multiple of {BLOCK_N}"
+    if groups > 1 and kg % BLOCK_K:
+        return f"the group's K ({kg}) is not a multiple of {BLOCK_K}"  # a last stage would read the next group
     for name, t in (("x8", x8), ("w8", w8)):
         if t.data_ptr() % 16 or t.stride(0) % 16:
             return f"{name} is not 16-byte aligned with a row stride that is a multiple of 16"

@@ -20,8 +20,8 @@
 //   barrier) and the 4 column blocks' words into shared memory. Activation scale rows ([M, K/32]
 //   bytes) are too short for a TMA box. Shapes whose scale rows are not 4-byte aligned (K not a
 //   multiple of 128) take a synchronous byte-copy path.
-// - Registers per consumer thread: 64 accumulators + 2 x 64 partials (setmaxnreg moves the
-//   producer's registers to the consumers).
+// - Registers per consumer thread: 64 accumulators + 2 x 64 partials (with 128-row tiles,
+//   setmaxnreg moves the producer warpgroup's registers to the consumers).
 // - Nothing is in flight across the loop's back edge (ptxas serializes every wgmma otherwise):
 //   a stage's four slices run issue 0, issue 1, wait 1, promote 0, issue 2, wait 1, promote 1,
 //   issue 3, wait 1, promote 2, wait 0, promote 3; the un-overlapped last promotion of one
@@ -31,8 +31,9 @@
 //   across the four lanes that hold them, UE8M0 byte, e4m3 round-to-nearest-even on the integer
 //   bits): the same integer rules as kernels/mxfp8_quant_triton.py, so the bytes are those of
 //   quantizing the bf16 output separately.
-// - K past the end of a group (a last stage shorter than 128) is zero-filled by the TMA and its
-//   scales are 0. Launch shape from tensor shapes only; the tensor maps are kernel parameters:
+// - K past the end (a last stage shorter than 128; single-group GEMMs only) is zero-filled by
+//   the TMA and its scales are 0. Launch shape from tensor shapes only; the tensor maps are
+//   kernel parameters (encoded on the host per call):
 //   capturable in a CUDA graph.
 
 #include <cuda.h>  // CUtensorMap and its enums only: the driver is reached through the runtime
@@ -275,7 +276,7 @@ __global__ void __launch_bounds__(Plan<kConsumers>::kThreads, 1)
   if (warp >= 4 * kConsumers) {  // producer warpgroup: its first warp loads, the others idle
     // 128-row tiles (three warpgroups) need more registers than an even split gives (168):
     // the producer gives most of its own to the consumers.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (kConsumers == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (warp != 4 * kConsumers) return;
     int g = 0;  // stages loaded so far (ring position and phase)
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
@@ -325,7 +326,7 @@ __global__ void __launch_bounds__(Plan<kConsumers>::kThreads, 1)
   }
 
   // consumer warpgroup wg: rows m0 + 64 wg .. +63 of each tile
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  if (kConsumers == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
   const int wg = warp / 4, t = threadIdx.x % 128;
   const int row_local = wg * kRowsPerConsumer + 16 * (t / 32) + (t % 32) / 4;  // and + 8
   float part0[64], part1[64];

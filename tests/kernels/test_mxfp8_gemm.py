@@ -105,6 +105,10 @@ def test_cuda_config_and_operand_checks():
     assert unsupported_reason(x8, xs, w8, ws, 4, 256, 128, 2) is None
     assert "multiple of 128" in unsupported_reason(x8, xs, w8[:192], ws[:6], 4, 192, 128, 2)
     assert "odd" in unsupported_reason(x8, xs, w8, ws, 4, 255, 128, 2)
+    x8b, xsb = quantize_mxfp8(activations(4, 192))
+    w8b, wsb = weight(256, 96)
+    assert "K (96)" in unsupported_reason(x8b, xsb, w8b, wsb, 4, 256, 96, 2)
+    assert unsupported_reason(x8b[:, :96], xsb[:, :3], w8b, wsb, 4, 256, 96, 1) is None
     assert "16-byte" in unsupported_reason(x8[:, 1:], xs, w8, ws, 4, 256, 128, 2)
 
 
