@@ -135,7 +135,7 @@ def build_library(nvcc: str | None = None, out_dir: Path | None = None, sources=
     defaults build this module's library; kernels/mxfp8_gemm_cuda.py builds its own)."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
-        raise CudaKernelUnavailable("the cuda kernels need nvcc (set CUDA_HOME or put nvcc on PATH)")
+        raise CudaKernelUnavailable("the cuda backend needs nvcc (set CUDA_HOME or put nvcc on PATH)")
     digest = hashlib.sha256(" ".join(flags).encode())
     for path in (*sources, *headers):
         digest.update(path.read_bytes())

@@ -452,6 +452,11 @@ int mxfp8_gemm_sm90(const GemmParams* p, const void* a, long long lda, long long
   return -1;
 }
 
+// Dynamic shared memory of a CTA with `consumers` consumer warpgroups (-1: not built).
+int mxfp8_gemm_sm90_smem_bytes(int consumers) {
+  return consumers == 1 ? Plan<1>::kSmemBytes : consumers == 2 ? Plan<2>::kSmemBytes : -1;
+}
+
 // The size of GemmParams as this library was built, checked against the ctypes mirror at load.
 int mxfp8_gemm_sm90_params_bytes() { return static_cast<int>(sizeof(GemmParams)); }
 

@@ -296,6 +296,22 @@ def test_default_configs_compile_for_sm90_with_wgmma_and_no_spills():
 _NVCC = Path("/usr/local/cuda-13.0/bin/nvcc")
 
 
+@pytest.mark.skipif(not _NVCC.exists() and not os.environ.get("CUDA_HOME"), reason="needs nvcc")
+def test_cuda_library_builds_and_matches_the_ctypes_mirror(tmp_path):
+    import ctypes
+
+    from kernels import mxfp8_gemm_cuda as mgc
+    from kernels.mla_decode_cuda import build_library
+
+    lib_path = build_library(out_dir=tmp_path, sources=mgc.SOURCES, headers=mgc.HEADERS, name="mxfp8_gemm_sm90a",
+                             flags=mgc.NVCC_FLAGS, nvcc=None if os.environ.get("CUDA_HOME") else str(_NVCC))
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.mxfp8_gemm_sm90_params_bytes() == ctypes.sizeof(mgc._GemmParams)
+    for consumers in (1, 2):  # a 1 KB reserve per CTA on top, within Hopper's 228 KB per SM
+        assert 190 * 1024 < lib.mxfp8_gemm_sm90_smem_bytes(consumers) <= 227 * 1024
+    assert lib.mxfp8_gemm_sm90_smem_bytes(3) == -1
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _NVCC.exists() and not os.environ.get("CUDA_HOME"), reason="needs nvcc")
 def test_cuda_gemm_compiles_for_sm90a_without_spills_or_serialized_wgmma():
