@@ -1,4 +1,7 @@
-"""MXFP8 GEMMs for DeepSeek-V4.1's linears on Hopper (Triton), with torch references.
+"""MXFP8 GEMMs for DeepSeek-V4.1's linears on Hopper (Triton), with torch references; the
+entry point :func:`mxfp8_gemm` also dispatches to the CUDA C++ kernel of
+kernels/mxfp8_gemm_cuda.py (the default where it runs: the Triton kernel cannot overlap the
+per-32 promotion with the next MMA).
 
 Operands: activations e4m3 [M, K] with one UE8M0 byte per 32 along K ([M, K/32]); weights
 e4m3 [N, K] with one UE8M0 byte per 32×32 block ([ceil(N/32), K/32]), V4.1's checkpoint
@@ -17,7 +20,8 @@ and in the fp32 accumulator, as in the reference's matmul.
 GEMM, R a multiple of the N tile). ``quantize_out`` gives the GEMM an MXFP8 epilogue: it
 rounds the fp32 tile to bf16, takes the amax of each 32 output columns and writes e4m3 +
 UE8M0 bytes ([M, N/32]) with the same helpers as ``quantize_mxfp8_triton``, so the next
-MXFP8 GEMM reads bytes identical to quantizing the bf16 output separately.
+MXFP8 GEMM reads bytes identical to quantizing the bf16 output separately. With split-K the
+reducing launch quantizes instead (:func:`split_sum`), by the same rules.
 """
 
 from __future__ import annotations
