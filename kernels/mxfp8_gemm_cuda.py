@@ -8,9 +8,10 @@ promotes slice j, from two partial register sets (design notes in the .cu file a
 benchmarks/KERNEL_NOTES.md, "MXFP8 GEMM in CUDA C++").
 
 Persistent CTAs (one per SM) walk the output tiles, 64 × 128 (one consumer warpgroup, M ≤ 64)
-or 128 × 128 (two), K in 128-byte TMA stages. Where the tiles leave SMs idle, K is split: fp32 partials in a workspace, summed in a
-fixed order by a Triton launch (with ``quantize_out`` that launch also rounds to bf16 and
-quantizes, the same integer rules as the epilogue: the bytes do not depend on the split).
+or 128 × 128 (two), K in 128-byte TMA stages. Where the tiles leave SMs idle, K is split:
+fp32 partials in a workspace, summed in a fixed order by a Triton launch (with
+``quantize_out`` that launch also rounds to bf16 and quantizes by the epilogue's integer rules,
+so z's bytes are those of quantizing the split's bf16 sum).
 
 Build: compiled with ``nvcc`` on first use into the kernel cache of kernels/mla_decode_cuda.py
 (same builder, file lock and C ABI through ``ctypes``); nothing is downloaded.
