@@ -144,7 +144,7 @@ __device__ __forceinline__ uint32_t e4m3_rne_bits(float y) {
   const uint32_t sign = (bits >> 24) & 0x80u;
   const int mag = static_cast<int>(bits & 0x7FFFFFFFu);
   const int normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3);
-  const int shift = min(141 - (mag >> 23), 31);
+  const int shift = max(min(141 - (mag >> 23), 31), 1);  // >= 21 where `sub` is taken (clamped: no UB)
   const int full = (mag & 0x7FFFFF) | 0x800000;
   const int sub = (full + (1 << (shift - 1)) - 1 + ((full >> shift) & 1)) >> shift;
   return static_cast<uint32_t>(mag >= (121 << 23) ? normal : sub) | sign;
