@@ -28,7 +28,7 @@ from kernels.fp8 import FP8_DTYPE
 from kernels.mla_decode_cuda import CSRC, CudaKernelUnavailable, build_library, find_nvcc
 
 SOURCES = (CSRC / "mxfp8_gemm_sm90a.cu",)
-HEADERS = (CSRC / "sm90_async.cuh",)
+HEADERS = (CSRC / "sm90_async.cuh", CSRC / "mxfp8_rounding.cuh")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC")
 BLOCK_N = 128
 BLOCK_K = 128

@@ -41,6 +41,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "mxfp8_rounding.cuh"
 #include "sm90_async.cuh"
 
 // Mirrored by ``_GemmParams`` in kernels/mxfp8_gemm_cuda.py (same order and types).
@@ -123,34 +124,6 @@ __device__ __forceinline__ void wgmma_m64n128k32_set(float (&d)[64], uint64_t de
         "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
         "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b));
-}
-
-// fp32 2^(byte - 127) from the bits (byte 0 gives 0.0, as the Triton kernels' pow2_from_byte).
-__device__ __forceinline__ float pow2_from_byte(uint32_t byte) { return __uint_as_float(byte << 23); }
-
-// The rounding rules of kernels/mxfp8_quant_triton.py, on the integer bits.
-__device__ __forceinline__ float round_to_bf16(float x) {
-  uint32_t b = __float_as_uint(x);
-  b = (b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u;
-  return __uint_as_float(b);
-}
-__device__ __forceinline__ uint32_t ue8m0_byte(float amax) {
-  const float t = __fmul_rn(fmaxf(amax, 1e-4f), 0.002232142857142857f);
-  const uint32_t bits = __float_as_uint(t);
-  return ((bits >> 23) & 0xFFu) + ((bits & 0x7FFFFFu) != 0u);
-}
-__device__ __forceinline__ uint32_t e4m3_rne_bits(float y) {
-  const uint32_t bits = __float_as_uint(y);
-  const uint32_t sign = (bits >> 24) & 0x80u;
-  const int mag = static_cast<int>(bits & 0x7FFFFFFFu);
-  const int normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3);
-  const int shift = max(min(141 - (mag >> 23), 31), 1);  // >= 21 where `sub` is taken (clamped: no UB)
-  const int full = (mag & 0x7FFFFF) | 0x800000;
-  const int sub = (full + (1 << (shift - 1)) - 1 + ((full >> shift) & 1)) >> shift;
-  return static_cast<uint32_t>(mag >= (121 << 23) ? normal : sub) | sign;
-}
-__device__ __forceinline__ uint32_t quantize_e4m3(float z, float inv_scale) {
-  return e4m3_rne_bits(fminf(fmaxf(__fmul_rn(z, inv_scale), -448.f), 448.f));
 }
 
 // acc += P . 2^(ea + eb): slice `j` of this thread's scale words; the thread's rows r0, r0 + 8

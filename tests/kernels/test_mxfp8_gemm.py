@@ -296,6 +296,60 @@ def test_default_configs_compile_for_sm90_with_wgmma_and_no_spills():
 _NVCC = Path("/usr/local/cuda-13.0/bin/nvcc")
 
 
+_ROUNDING_HARNESS = r"""
+#include <cstdio>
+#include <vector>
+#include "mxfp8_rounding.cuh"
+// stdin: fp32 accumulators, 32 per block; stdout: per block 32 e4m3 bytes then the scale byte,
+// as the CUDA GEMM's quantizing epilogue computes them (bf16 rounding first).
+int main() {
+  std::vector<float> x(32);
+  while (fread(x.data(), 4, 32, stdin) == 32) {
+    float amax = 0.f;
+    for (float& v : x) { v = round_to_bf16(v); amax = amax > (v < 0 ? -v : v) ? amax : (v < 0 ? -v : v); }
+    const uint32_t byte = ue8m0_byte(amax);
+    unsigned char out[33];
+    for (int i = 0; i < 32; ++i) out[i] = static_cast<unsigned char>(quantize_e4m3(x[i], pow2_from_byte(254u - byte)));
+    out[32] = static_cast<unsigned char>(byte);
+    fwrite(out, 1, 33, stdout);
+  }
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(not _NVCC.exists() and not os.environ.get("CUDA_HOME"), reason="needs nvcc")
+def test_cuda_epilogue_rounding_matches_reference_quantization(tmp_path):
+    """The CUDA epilogue's rules (kernels/csrc/mxfp8_rounding.cuh, compiled for the host) on fp32
+    accumulators: e4m3 bytes and UE8M0 scales equal quantize_mxfp8 of their bf16 rounding, over
+    every e4m3 value and tie, bf16 rounding ties, and random fp32 bits across many binades."""
+    from kernels.mla_decode_cuda import CSRC, find_nvcc
+
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (grid[1:] + grid[:-1]) / 2  # e4m3 ties (exact in bf16)
+    edge = torch.cat([grid, mids, -grid, -mids])
+    edge = torch.cat([edge, torch.zeros(-len(edge) % 31)]).reshape(-1, 31)
+    edge = torch.cat([torch.full((len(edge), 1), 448.0), edge], 1).reshape(-1)
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 2**31 - 1, (4096 * 32,), generator=g, dtype=torch.int64)
+    expo = torch.randint(100, 160, (4096, 1), generator=g).repeat_interleave(32, 1).reshape(-1)  # a binade per block
+    rand = ((bits & 0x807FFFFF) | (expo << 23)).to(torch.int32).view(torch.float32)
+    ties = (rand.view(torch.int32) & ~0xFFFF) | torch.tensor([0x8000, 0x7FFF, 0x8001, 0x18000])[
+        torch.randint(0, 4, rand.shape, generator=g)].to(torch.int32)
+    x = torch.cat([edge, rand, ties.view(torch.float32), torch.zeros(32)]).contiguous()
+    src = tmp_path / "harness.cu"
+    src.write_text(_ROUNDING_HARNESS)
+    exe = tmp_path / "harness"
+    nvcc = find_nvcc() or str(_NVCC)
+    subprocess.run([nvcc, "-O2", "-I", str(CSRC), "-o", str(exe), str(src)], check=True, capture_output=True,
+                   timeout=300)
+    out = subprocess.run([str(exe)], input=x.numpy().tobytes(), capture_output=True, check=True, timeout=60).stdout
+    got = torch.frombuffer(bytearray(out), dtype=torch.uint8).reshape(-1, 33)
+    rq, rs = quantize_mxfp8(x.reshape(-1, 32).bfloat16())
+    assert torch.equal(got[:, 32], rs.reshape(-1))
+    assert torch.equal(got[:, :32], rq.view(torch.uint8))
+
+
 @pytest.mark.skipif(not _NVCC.exists() and not os.environ.get("CUDA_HOME"), reason="needs nvcc")
 def test_cuda_library_builds_and_matches_the_ctypes_mirror(tmp_path):
     import ctypes
