@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import warnings
 
 import torch
 
@@ -66,10 +67,18 @@ def _library() -> ctypes.CDLL:
 
 @functools.cache
 def cuda_gemm_available(device_index: int = 0) -> bool:
-    """A Hopper-class GPU (sm_90) and nvcc to build the kernel with."""
-    if not torch.cuda.is_available():
+    """A Hopper-class GPU (sm_90), nvcc, and the library built (once per process; a failed
+    build warns once and leaves the Triton kernel in charge of ``backend=None``)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device_index) != (9, 0):
         return False
-    return torch.cuda.get_device_capability(device_index) == (9, 0) and find_nvcc() is not None
+    if find_nvcc() is None:
+        return False
+    try:
+        _library()
+    except CudaKernelUnavailable as exc:
+        warnings.warn(f"the CUDA MXFP8 GEMM is unavailable, using the Triton kernel: {exc}", stacklevel=2)
+        return False
+    return True
 
 
 def unsupported_reason(x8, xs, w8, ws, m: int, n: int, kg: int, groups: int) -> str | None:
