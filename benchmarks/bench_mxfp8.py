@@ -35,6 +35,7 @@ from kernels.mxfp8_gemm import (
     mxfp8_gemm_reference,
     mxfp8_linear,
 )
+from kernels.mxfp8_gemm_cuda import cuda_gemm_available, default_cuda_config
 from kernels.mxfp8_o_proj import inverse_rope_reference, mxfp8_o_proj, o_proj_reference
 from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
 from kernels.weight_formats import dequantize_fp8_blocks, quantize_fp8_blocks
@@ -112,6 +113,15 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool) -> dict:
             best = (t, cfg)
     row["triton_us"], row["triton_config"] = best[0] * 1e6, best[1]
     row["ours_us"] = timed(lambda: mxfp8_gemm(x8, xs, w8, ws)) * 1e6
+    if sweep and cuda_gemm_available():  # the CUDA kernel's tile heights and K splits
+        base = default_cuda_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        stages = -(-k // 128)
+        for consumers in (1, 2):
+            for split in sorted({1, 2, base["SPLIT_K"], 2 * base["SPLIT_K"]}):
+                if stages % split == 0:
+                    cfg = {"consumers": consumers, "SPLIT_K": split}
+                    t = timed(lambda cfg=cfg: mxfp8_gemm(x8, xs, w8, ws, config=cfg, backend="cuda")) * 1e6
+                    print(f"  {layer} M={m} cuda {cfg} {t:.1f} us", flush=True)
     row["ours_quant_us"] = timed(lambda: mxfp8_linear(x, w8, ws)) * 1e6
     row["mm_us"] = timed(lambda: torch._scaled_mm(xr8, w8r.t(), scale_a=xrs, scale_b=wsr.t(),
                                                   out_dtype=torch.bfloat16)) * 1e6
@@ -198,7 +208,8 @@ def main() -> None:
     ap.add_argument("--o-proj-tokens", type=int, nargs="*", default=O_PROJ_TOKENS)
     ap.add_argument("--tp", nargs="*", default=sorted(O_PROJ_TP), choices=sorted(O_PROJ_TP))
     ap.add_argument("--sweep", action="store_true",
-                    help="also time ~20 candidate tile configs per shape (minutes: pair with a short --m)")
+                    help="also time ~20 Triton tile configs and the CUDA kernel's tile heights and K splits per "
+                         "shape (minutes: pair with a short --m)")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows, o_rows = [], []
