@@ -151,7 +151,7 @@ def mxfp8_gemm_cuda(
     else:
         out = torch.empty(m, n, dtype=out_dtype, device=dev)
         scales = None
-    if m == 0:
+    if m == 0 or n == 0:
         return (out.view(FP8_DTYPE), scales) if quantize_out else out
     if split > 1:
         dst, mode = torch.empty(split, m, n, dtype=torch.float32, device=dev), MODES["split"]
