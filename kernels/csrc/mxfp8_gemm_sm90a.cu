@@ -84,12 +84,6 @@ struct Plan {
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
-__device__ __forceinline__ void mbar_init_count(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
 // 4-byte global -> shared copy; src_bytes = 0 zero-fills.
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
@@ -97,12 +91,6 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int sr
 // One arrival on `bar` once this thread's earlier cp.asyncs have landed (counted in the init).
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// One box of a 2-D tensor map (coordinates in elements, innermost first) to shared memory.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar) : "memory");
 }
 
 // D[64 x 128] = A[64 x 32] . B[128 x 32]^T, e4m3 operands from shared memory, fp32 (64 per
@@ -249,7 +237,7 @@ __global__ void __launch_bounds__(Plan<kConsumers>::kThreads, 1)
   if (warp >= 4 * kConsumers) {  // producer warpgroup: its first warp loads, the others idle
     // 128-row tiles (three warpgroups) need more registers than an even split gives (168):
     // the producer gives most of its own to the consumers.
-    if (kConsumers == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (kConsumers == 2) setmaxnreg_dec<40>();
     if (warp != 4 * kConsumers) return;
     int g = 0;  // stages loaded so far (ring position and phase)
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
@@ -299,7 +287,7 @@ __global__ void __launch_bounds__(Plan<kConsumers>::kThreads, 1)
   }
 
   // consumer warpgroup wg: rows m0 + 64 wg .. +63 of each tile
-  if (kConsumers == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  if (kConsumers == 2) setmaxnreg_inc<232>();
   const int wg = warp / 4, t = threadIdx.x % 128;
   const int row_local = wg * kRowsPerConsumer + 16 * (t / 32) + (t % 32) / 4;  // and + 8
   float part0[64], part1[64];
@@ -349,22 +337,6 @@ __global__ void __launch_bounds__(Plan<kConsumers>::kThreads, 1)
     }
     epilogue(p, acc, w.m0 + row_local, w.n0, w.split, t);
   }
-}
-
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiledFn encode_tiled() {
-  static EncodeTiledFn fn = nullptr;
-  if (fn == nullptr) {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) ==
-            cudaSuccess && found == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<EncodeTiledFn>(ptr);
-  }
-  return fn;
 }
 
 // A [rows, cols] byte matrix (row stride `ld`) read as 128-byte x `box_rows` boxes, written to
