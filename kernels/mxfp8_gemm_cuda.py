@@ -27,6 +27,8 @@ import torch
 
 from kernels.fp8 import FP8_DTYPE
 from kernels.mla_decode_cuda import CSRC, CudaKernelUnavailable, build_library, find_nvcc
+from kernels.mxfp8_gemm_triton import split_sum
+from kernels.mxfp8_operands import MX_BLOCK, check_operands, scale_bytes, sm_count, split_k_for
 
 SOURCES = (CSRC / "mxfp8_gemm_sm90a.cu",)
 HEADERS = (CSRC / "sm90_async.cuh", CSRC / "mxfp8_rounding.cuh")
@@ -35,7 +37,6 @@ BLOCK_N = 128
 BLOCK_K = 128
 ROWS_PER_CONSUMER = 64
 MODES = {"bf16": 0, "fp32": 1, "split": 2, "quant": 3}
-MX_BLOCK = 32
 
 
 class _GemmParams(ctypes.Structure):
@@ -103,8 +104,6 @@ def split_for(tiles: int, k_stages: int, m: int, n: int, kg: int, sms: int) -> i
     """K splits where the output tiles alone leave SMs idle: the smallest divisor of the K
     stages reaching one wave (each split ≥ 2 stages), the fp32 partials no larger than the
     weight's bytes; 1 when the tiles fill the GPU."""
-    from kernels.mxfp8_gemm import split_k_for
-
     return split_k_for(tiles, k_stages, sms, max(1, min(32, kg // (4 * max(m, 1)))))
 
 
@@ -116,18 +115,12 @@ def default_cuda_config(m: int, n: int, kg: int, sms: int = 132) -> dict:
     return {"consumers": consumers, "SPLIT_K": split_for(tiles, -(-kg // BLOCK_K), m, n, kg, sms)}
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
-
-
 def mxfp8_gemm_cuda(
     x8: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, groups: int = 1,
     out_dtype: torch.dtype = torch.bfloat16, quantize_out: bool = False, config: dict | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`kernels.mxfp8_gemm.mxfp8_gemm` on the CUDA C++ kernel (``config``: ``consumers``
     1 or 2, ``SPLIT_K``); raises :class:`CudaKernelUnavailable` naming what does not fit."""
-    from kernels.mxfp8_gemm import _sm_count, check_operands, split_sum
-
     m, n, kg = check_operands(x8, xs, w8, ws, groups)
     if quantize_out and n % MX_BLOCK:
         raise ValueError(f"quantize_out needs N ({n}) to be a multiple of {MX_BLOCK}")
@@ -138,8 +131,8 @@ def mxfp8_gemm_cuda(
         raise CudaKernelUnavailable(f"the CUDA MXFP8 GEMM cannot take these operands: {reason}")
     if not quantize_out and out_dtype not in (torch.bfloat16, torch.float32):
         raise CudaKernelUnavailable(f"the CUDA MXFP8 GEMM writes bf16 or fp32, not {out_dtype}")
-    xs, ws = _bytes(xs), _bytes(ws)
-    cfg = config or default_cuda_config(m, n, kg, _sm_count(x8.device.index or 0))
+    xs, ws = scale_bytes(xs), scale_bytes(ws)
+    cfg = config or default_cuda_config(m, n, kg, sm_count(x8.device.index or 0))
     consumers, split = cfg["consumers"], cfg.get("SPLIT_K", 1)
     k_stages = -(-kg // BLOCK_K)
     if consumers not in (1, 2) or split < 1 or k_stages % split:

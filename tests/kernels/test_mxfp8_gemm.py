@@ -261,7 +261,7 @@ _PTXAS = Path(importlib.util.find_spec("triton").origin).parent / "backends/nvid
 def test_default_configs_compile_for_sm90_with_wgmma_and_no_spills():
     """The kernels the H200 will run, compiled here: the default tiles of V4.1-Flash's linears
     and of wo_a's quantizing epilogue, the split-K sum and the quantization (with inverse RoPE)."""
-    from kernels.mxfp8_gemm import _mxfp8_gemm_kernel, _split_sum_kernel, _split_sum_quant_kernel, default_config
+    from kernels.mxfp8_gemm_triton import _mxfp8_gemm_kernel, _split_sum_kernel, _split_sum_quant_kernel, default_config
     from kernels.mxfp8_quant_triton import _mxfp8_quant_kernel
 
     ints = ("M", "N", "K_GROUP", "N_GROUP", "K_STEPS", "stride_am", "stride_sam", "stride_bn", "stride_sbn",
@@ -461,7 +461,8 @@ def test_gpu_wo_a_epilogue_bytes_match_separate_quant(tokens, tp, backend):
     """V4.1-Flash wo_a (TP1: 8 groups of 8 heads × 512 → 1024; TP8: one group): z's e4m3 bytes
     and scales (wo_b's input) from the fused epilogue, or from the quantizing split-K reduce,
     equal quantizing its bf16 output separately, eager and in graph replays."""
-    from kernels.mxfp8_gemm import _sm_count, default_config, mxfp8_gemm
+    from kernels.mxfp8_gemm import default_config, mxfp8_gemm
+    from kernels.mxfp8_operands import sm_count
     from kernels.mxfp8_gemm_cuda import default_cuda_config
     from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
 
@@ -472,9 +473,9 @@ def test_gpu_wo_a_epilogue_bytes_match_separate_quant(tokens, tp, backend):
     # the same tiling and split as the fused launch (another split sums in another order and
     # moves some bf16 roundings of z: a different z, not a different quantization)
     if backend == "cuda":
-        same_tiles = default_cuda_config(tokens, groups * r, kg, _sm_count(0))
+        same_tiles = default_cuda_config(tokens, groups * r, kg, sm_count(0))
     else:
-        same_tiles = default_config(tokens, groups * r, kg, groups, _sm_count(0), quantize_out=True)
+        same_tiles = default_config(tokens, groups * r, kg, groups, sm_count(0), quantize_out=True)
     z8, zs = mxfp8_gemm(x8, xs, w8, ws, groups=groups, quantize_out=True, backend=backend)
     z = mxfp8_gemm(x8, xs, w8, ws, groups=groups, config=same_tiles, backend=backend)
     u8, us = quantize_mxfp8_triton(z)
