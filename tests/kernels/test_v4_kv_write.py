@@ -180,3 +180,199 @@ def test_reference_is_the_previous_decode_chain(family, cache):
                 assert any(not torch.equal(after[n].view(torch.uint8), before[n].view(torch.uint8)) for n in after)
                 checked += 1
     assert checked >= 6
+
+
+# ---- the fused kernels against the reference ---------------------------------------------------
+FORMATS = ["plain", "fake_v41_window", "fake_v41_entry", "fake_v41_key", "v41_window", "v41_entry", "v41_key",
+           "v4_row", "v4_key"]
+PAGE_ROWS = 4
+
+
+def format_codec(fmt: str, dim: int, rope_dims: int, dtype: torch.dtype):
+    """The pools' codec of encoding ``fmt`` (model/v4/cache_codecs.py, model/v41/model.py)."""
+    from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
+    from model.v4.cache_codecs import v4_fp8_index_key_codec, v4_fp8_row_codec
+    from model.v4.cache_pool import RowCodec, plain_codec
+    from kernels import v4_cache_formats as f
+
+    make = {
+        "plain": lambda: plain_codec(dim, dtype),
+        "fake_v41_window": lambda: plain_codec(dim, dtype, lambda x: fake_quant_fp8_ue8m0(x, 32), fmt),
+        "fake_v41_entry": lambda: plain_codec(dim, dtype, lambda x: fake_quant_fp4(x, 16, "e4m3"), fmt),
+        "fake_v41_key": lambda: plain_codec(dim, dtype, lambda x: fake_quant_fp4(x, 32, "ue8m0"), fmt),
+        "v41_window": lambda: RowCodec(dim, f.v41_window_row_bytes(dim), torch.uint8, f.pack_v41_window_rows,
+                                       lambda r: f.unpack_v41_window_rows(r), fmt),
+        "v41_entry": lambda: RowCodec(dim, f.v41_entry_bytes(dim), torch.uint8, f.pack_v41_entries,
+                                      lambda r: f.unpack_v41_entries(r), fmt),
+        "v41_key": lambda: RowCodec(dim, f.v41_index_key_bytes(dim), torch.uint8, f.pack_v41_index_keys,
+                                    lambda r: f.unpack_v41_index_keys(r), fmt),
+        "v4_row": lambda: v4_fp8_row_codec(dim, rope_dims, torch.float32),
+        "v4_key": lambda: v4_fp8_index_key_codec(dim, torch.float32),
+    }
+    return make[fmt]()
+
+
+def _poisoned(rows: int, codec, device) -> torch.Tensor:
+    t = torch.empty(rows, codec.width, dtype=codec.dtype, device=device)
+    return t.fill_(float("nan")) if codec.dtype.is_floating_point else t.fill_(0xFF)
+
+
+def _signs_times_pow2(shape, g, device) -> torch.Tensor:
+    """±2^k with one k per row: RMS statistics that are exact in any summation order."""
+    sign = torch.randint(0, 2, shape, generator=g).float() * 2 - 1
+    k = torch.randint(-2, 3, (*shape[:-1], 1), generator=g).float()
+    return (sign * torch.exp2(k)).to(device)
+
+
+def _compare(fmt, codec, got: torch.Tensor, want: torch.Tensor, exact: bool, what: str) -> None:
+    """Written rows [n, width]: bytes equal when ``exact``; else nearly all rows equal and the
+    decoded values within a quantization step of the row's largest value."""
+    same_rows = (got.view(torch.uint8) == want.view(torch.uint8)).all(-1)
+    if exact:
+        assert bool(same_rows.all()), (what, fmt, (~same_rows).nonzero().flatten().tolist()[:8])
+        return
+    assert same_rows.float().mean().item() >= 0.9, (what, fmt, same_rows.float().mean().item())
+    a, b = codec.decode(got).float(), codec.decode(want).float()
+    step = {"plain": 0.02}.get(fmt, 0.35 if "entry" in fmt or "key" in fmt and "v4" not in fmt else 0.13)
+    tol = step * b.abs().amax(-1, keepdim=True) + 1e-6
+    assert bool(((a - b).abs() <= tol).all()), (what, fmt, ((a - b).abs() - tol).max().item())
+
+
+def _rope_tables(b: int, rope_dims: int, dtype, g, device):
+    ang = torch.rand(b, rope_dims // 2, generator=g) * 6.2832
+    return ang.cos().to(dtype).to(device), ang.sin().to(dtype).to(device)
+
+
+def check_write_rows(fmt: str, dim: int, rope_dims: int, dtype: torch.dtype, after_cast: bool, ring: bool,
+                     exact: bool, batch: int, device: str = "cpu", seed: int = 0, impl=None) -> None:
+    """The fused row write (``impl``: default the Triton wrapper) vs the reference, into
+    NaN-poisoned pools: ring rows, or paged rows of windows of 2 (open tokens write nothing)."""
+    from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, write_rows_reference
+    from kernels.v4_kv_write_triton import write_rows_triton
+
+    impl = impl or write_rows_triton
+    g = torch.Generator().manual_seed(seed)
+    codec = format_codec(fmt, dim, rope_dims, dtype)
+    x = (_signs_times_pow2((batch, dim), g, device) if exact else torch.randn(batch, dim, generator=g).to(device))
+    x = x.to(dtype)
+    w = (torch.rand(dim, generator=g) * 1.5 + 0.25).to(dtype if after_cast else torch.float32).to(device)
+    norm = RowNorm(w, 1e-20 if exact else 1e-6, after_cast)
+    cos, sin = _rope_tables(batch, rope_dims, dtype, g, device)
+    positions = torch.randint(0, 300, (batch,), generator=g)
+    units = batch + 1
+    if ring:
+        rows, ratio = 8, 1
+        target = RowTarget(positions.to(device), rows, ring_base=(torch.randperm(batch, generator=g) + 1).to(device) * rows)
+    else:
+        rows, ratio = PAGE_ROWS, 2
+        pages = 300 // (ratio * rows) + 1
+        table = torch.stack([torch.randperm(batch * pages, generator=g)[:pages] + 1 for _ in range(batch)])
+        units = batch * pages + 1
+        target = RowTarget(positions.to(device), rows, page_table=table.to(device), ratio=ratio)
+    want, got = _poisoned(units * rows, codec, device), _poisoned(units * rows, codec, device)
+    ref_latent = write_rows_reference(x, norm, cos, sin, RowStore(want, codec.encode, fmt), target)
+    latent = impl(x, norm, cos, sin, RowStore(got, codec.encode, fmt), target, True)
+    written = target.flat_rows()[(positions.to(device) + 1) % ratio == 0]
+    assert written.numel() > 0
+    _compare(fmt, codec, got[written], want[written], exact, "rows")
+    untouched = torch.ones(units * rows, dtype=torch.bool, device=device)
+    untouched[written] = False
+    untouched[:rows] = False  # the scratch unit: the reference's sink for open tokens
+    assert torch.equal(got[untouched].view(torch.uint8), want[untouched].view(torch.uint8)), "wrote outside its rows"
+    tol = 0 if exact else (2e-2 if dtype == torch.bfloat16 else 1e-5)
+    torch.testing.assert_close(latent, ref_latent, rtol=tol, atol=tol)
+
+
+# (ratio, overlap, position bias, raw dtype, model dtype, V4.1 norm): V4 CSA / HCA / fp32, V4.1 ratio 2
+COMPRESSORS = {"v4_csa": (4, True, True, torch.bfloat16, torch.bfloat16, False),
+               "v4_hca": (8, False, True, torch.bfloat16, torch.bfloat16, False),
+               "v4_csa_fp32": (4, True, True, torch.float32, torch.float32, False),
+               "v41": (2, False, False, torch.float32, torch.bfloat16, True)}
+
+
+def check_compress(kind: str, fmt: str, dim: int, rope_dims: int, exact: bool, batch: int, device: str = "cpu",
+                   seed: int = 0, ratio: int | None = None, impl=None) -> None:
+    """The fused compressor step vs the reference: rings holding other requests' rows and a
+    NaN-poisoned scratch unit, tokens at every phase of the window (closing or not, window 0
+    without a previous window), entries into NaN-poisoned pages."""
+    from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, compress_step_reference
+    from kernels.v4_kv_write_triton import compress_step_triton
+
+    impl = impl or compress_step_triton
+    m, overlap, has_bias, raw_dtype, dtype, after_cast = COMPRESSORS[kind]
+    m = ratio or m
+    g = torch.Generator().manual_seed(seed)
+    codec = format_codec(fmt, dim, rope_dims, dtype)
+    width, r = (2 * dim, 2 * m) if overlap else (dim, m)
+    units = batch + 1
+    if exact:  # equal gates (softmax weights 1/slots), kv rows ±2^k alike in every slot and half (CSA: Ca, Cb)
+        rows = _signs_times_pow2((batch, 1, dim), g, "cpu").repeat(1, r, 2 if overlap else 1)
+        kv_ring = torch.cat([torch.full((r, width), float("nan")), rows.reshape(-1, width)])
+        gate_ring = torch.zeros(units * r, width)
+        kv, gate = rows[:, 0].clone(), torch.zeros(batch, width)
+        bias = (torch.rand(1, dim, generator=g) * 2).repeat(m, width // dim) if has_bias else None
+    else:
+        kv_ring, gate_ring = torch.randn(units * r, width, generator=g), torch.randn(units * r, width, generator=g)
+        kv_ring[:r] = float("nan")
+        kv, gate = torch.randn(batch, width, generator=g), torch.randn(batch, width, generator=g)
+        bias = torch.randn(m, width, generator=g) if has_bias else None
+    positions = torch.randint(0, 8 * m, (batch,), generator=g)
+    positions[: min(batch, 3)] = torch.tensor([m - 1, 2 * m - 1, 0])[: min(batch, 3)]  # window 0, window 1, open
+    base = (torch.randperm(batch, generator=g) + 1) * r
+    pages = 8 // PAGE_ROWS + 1
+    table = torch.stack([torch.randperm(batch * pages, generator=g)[:pages] + 1 for _ in range(batch)])
+    w = (torch.rand(dim, generator=g) * 1.5 + 0.25).to(dtype if after_cast else torch.float32)
+    cos, sin = _rope_tables(batch, rope_dims, dtype, g, device)
+    to = dict(device=device)
+    kv, gate, kv_ring, gate_ring = (t.to(raw_dtype).to(**to) for t in (kv, gate, kv_ring, gate_ring))
+    bias = None if bias is None else bias.to(**to)
+    norm = RowNorm(w.to(**to), 1e-20 if exact else 1e-6, after_cast)
+    ring = RowTarget(positions.to(**to), r, ring_base=base.to(**to))
+    target = RowTarget(positions.to(**to), PAGE_ROWS, page_table=table.to(**to), ratio=m)
+    n_rows = (batch * pages + 1) * PAGE_ROWS
+    want, got = _poisoned(n_rows, codec, device), _poisoned(n_rows, codec, device)
+    rings_want, rings_got = (kv_ring.clone(), gate_ring.clone()), (kv_ring.clone(), gate_ring.clone())
+    ref_latent = compress_step_reference(kv, gate, *rings_want, ring, base.to(**to), m, overlap, bias, norm, cos,
+                                         sin, RowStore(want, codec.encode, fmt), target)
+    latent = impl(kv, gate, *rings_got, ring, base.to(**to), m, overlap, bias, norm, cos, sin,
+                  RowStore(got, codec.encode, fmt), target, True)
+    for a, b in zip(rings_got, rings_want):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "rings"
+    closes = (positions.to(**to) + 1) % m == 0
+    written = target.flat_rows()[closes]
+    _compare(fmt, codec, got[written], want[written], exact, f"{kind} entries")
+    untouched = torch.ones(n_rows, dtype=torch.bool, device=device)
+    untouched[written] = False
+    untouched[:PAGE_ROWS] = False
+    assert torch.equal(got[untouched].view(torch.uint8), want[untouched].view(torch.uint8)), "wrote outside"
+    tol = 0 if exact else (2e-2 if dtype == torch.bfloat16 else 1e-5)
+    torch.testing.assert_close(latent[closes], ref_latent[closes], rtol=tol, atol=tol)
+
+
+_INTERPRET_SCRIPT = """
+import torch
+from tests.kernels.test_v4_kv_write import FORMATS, check_compress, check_write_rows
+for i, fmt in enumerate(FORMATS):
+    dim = 32 if fmt.endswith("key") else 64
+    for exact in (True, False):
+        check_write_rows(fmt, dim, 16, (torch.bfloat16, torch.float32)[i % 2], i % 3 == 0, i % 2 == 0, exact, 6,
+                         seed=i)
+for kind, fmts in [("v4_csa", ["plain", "v4_row"]), ("v4_hca", ["v4_row"]), ("v4_csa_fp32", ["v4_key"]),
+                   ("v41", ["fake_v41_entry", "v41_entry"])]:
+    for fmt in fmts:
+        for exact in (True, False):
+            check_compress(kind, fmt, 32 if fmt == "v4_key" else 64, 16, exact, 6)
+print("interpreter ok")
+"""
+
+
+@pytest.mark.slow
+def test_triton_kernels_under_interpreter():
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-4000:]
