@@ -262,7 +262,8 @@ def check_write_rows(fmt: str, dim: int, rope_dims: int, dtype: torch.dtype, aft
     units = batch + 1
     if ring:
         rows, ratio = 8, 1
-        target = RowTarget(positions.to(device), rows, ring_base=(torch.randperm(batch, generator=g) + 1).to(device) * rows)
+        base = (torch.randperm(batch, generator=g) + 1) * rows
+        target = RowTarget(positions.to(device), rows, ring_base=base.to(device))
     else:
         rows, ratio = PAGE_ROWS, 2
         pages = 300 // (ratio * rows) + 1
