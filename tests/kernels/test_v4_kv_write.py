@@ -377,3 +377,119 @@ def test_triton_kernels_under_interpreter():
     res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-4000:]
+
+
+# ---- GPU: real shapes (V4 / V4.1-Flash: head_dim 512, RoPE 64, index keys 128) ------------------
+def _dim(fmt: str) -> int:
+    return 128 if fmt.endswith("key") else 512
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_row_write_on_gpu(fmt, exact):
+    for i, (dtype, after_cast, ring, batch) in enumerate([(torch.bfloat16, True, True, 128),
+                                                          (torch.bfloat16, False, False, 32),
+                                                          (torch.float32, False, True, 1)]):
+        check_write_rows(fmt, _dim(fmt), 64, dtype, after_cast, ring, exact, batch, "cuda", seed=i)
+
+
+GPU_COMPRESS = [("v4_csa", "plain"), ("v4_csa", "v4_row"), ("v4_csa", "v4_key"), ("v4_hca", "plain"),
+                ("v4_hca", "v4_row"), ("v4_csa_fp32", "plain"), ("v41", "fake_v41_entry"), ("v41", "v41_entry")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("kind,fmt", GPU_COMPRESS)
+def test_fused_compress_on_gpu(kind, fmt, exact):
+    ratio = 128 if kind == "v4_hca" else None
+    for batch in (1, 32, 128):
+        check_compress(kind, fmt, _dim(fmt), 64, exact, batch, "cuda", seed=batch, ratio=ratio)
+
+
+def _graphed(fn):
+    """``fn`` captured in a CUDA graph: returns the replay (the first calls warm up on a side stream)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["v41_window", "v4_row"])
+def test_fused_writes_replay_in_a_cuda_graph(fmt):
+    """Row write and compressor step captured once, replayed on new positions and inputs copied
+    into the captured buffers: each replay writes what the reference writes for those inputs."""
+    from kernels.v4_kv_write import (RowNorm, RowStore, RowTarget, compress_step_reference, write_rows_reference)
+    from kernels.v4_kv_write_triton import compress_step_triton, write_rows_triton
+
+    g = torch.Generator().manual_seed(0)
+    b, d, m, r = 32, 512, 4, 8
+    codec = format_codec(fmt, d, 64, torch.bfloat16)
+    x, kv, gate = (torch.empty(n, dtype=torch.bfloat16, device="cuda") for n in ((b, d), (b, 2 * d), (b, 2 * d)))
+    cos, sin = (torch.empty(b, 32, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    positions = torch.zeros(b, dtype=torch.long, device="cuda")
+    base = (torch.arange(b, device="cuda") + 1) * r
+    table = (torch.arange(b * 4, device="cuda").view(b, 4) + 1)
+    norm = RowNorm(torch.rand(d, generator=g).cuda() + 0.5, 1e-6)
+    bias = torch.randn(m, 2 * d, generator=g).cuda()
+    window, entries = _poisoned((b + 1) * r, codec, "cuda"), _poisoned((4 * b + 1) * PAGE_ROWS, codec, "cuda")
+    kv_ring = torch.randn((b + 1) * r, 2 * d, generator=g).to(torch.bfloat16).cuda()
+    gate_ring = torch.randn((b + 1) * r, 2 * d, generator=g).to(torch.bfloat16).cuda()
+    ring = RowTarget(positions, r, ring_base=base)
+    paged = RowTarget(positions, PAGE_ROWS, page_table=table, ratio=m)
+
+    def step(rows, entry_rows, kvr, gater, row_fn=write_rows_triton, comp_fn=compress_step_triton):
+        row_fn(x, norm, cos, sin, RowStore(rows, codec.encode, fmt), ring)
+        comp_fn(kv, gate, kvr, gater, ring, base, m, True, bias, norm, cos, sin,
+                RowStore(entry_rows, codec.encode, fmt), paged)
+
+    replay = _graphed(lambda: step(window, entries, kv_ring, gate_ring))
+    for _ in range(3):
+        positions.copy_(torch.randint(0, 60, (b,), generator=g))
+        for t in (x, kv, gate):
+            t.copy_(torch.randn(t.shape, generator=g))
+        ang = torch.rand(b, 32, generator=g) * 6
+        cos.copy_(ang.cos())
+        sin.copy_(ang.sin())
+        want = [t.clone() for t in (window, entries, kv_ring, gate_ring)]
+        step(*want, row_fn=lambda *a: write_rows_reference(*a),
+             comp_fn=lambda *a: compress_step_reference(*a))
+        replay()
+        torch.cuda.synchronize()
+        closes = (positions + 1) % m == 0
+        _compare(fmt, codec, window[ring.flat_rows()], want[0][ring.flat_rows()], False, "graph window")
+        if closes.any():
+            rows = paged.flat_rows()[closes]
+            _compare(fmt, codec, entries[rows], want[1][rows], False, "graph entries")
+        assert torch.equal(kv_ring, want[2]) and torch.equal(gate_ring, want[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,cache", [("v4", "auto"), ("v4", "fp8"), ("v41", "auto"), ("v41", "fp8")])
+def test_model_decode_with_fused_writes_on_gpu(family, cache):
+    """The bundled models' batched decode (bf16 on CUDA) with the fused writes gives the logits
+    the torch writes give, step after step, from the same states."""
+    model = load_v4_family(FIXTURES[family], torch.bfloat16, "cuda")
+    model.configure_cache(cache, page_rows=4)
+    g = torch.Generator().manual_seed(0)
+    fused = [model.new_state() for _ in LENGTHS]
+    with torch.no_grad():
+        for n, s in zip(LENGTHS, fused):
+            if n:
+                model(torch.randint(2, model.config.vocab_size, (n,), generator=g).cuda(), s)
+        plain = [s.clone() for s in fused]
+        logits = getattr(model, "compute_logits", lambda h: h)
+        for step in range(6):
+            ids = torch.randint(2, model.config.vocab_size, (len(fused),), generator=g).cuda()
+            model.kv_write = "triton"
+            got = logits(model.decode(ids, fused)).float()
+            model.kv_write = "torch"
+            want = logits(model.decode(ids, plain)).float()
+            scale = want.abs().amax().item()
+            assert (got - want).abs().amax().item() <= 0.05 * scale, (step, (got - want).abs().amax().item(), scale)
