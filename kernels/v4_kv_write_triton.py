@@ -224,15 +224,17 @@ if triton is not None:
 
     @triton.jit
     def _slot(s, p, closes, has_prev, M: tl.constexpr, D: tl.constexpr, OVERLAP: tl.constexpr):
-        """Slot s of the window ending at p: (position, channel offset, bias row, usable)."""
+        """Slots s [SC, 1, 1] of the window ending at p: (position, channel offset, bias row, usable)."""
+        NS: tl.constexpr = 2 * M if OVERLAP else M
         if OVERLAP:  # slots 0..m-1: window w-1's first half (Ca); m..2m-1: window w's second half (Cb)
             prev = s < M
-            return p + 1 - 2 * M + s, tl.where(prev, 0, D), s % M, closes & (has_prev | ~prev)
-        return p + 1 - M + s, 0, s, closes
+            return p + 1 - 2 * M + s, tl.where(prev, 0, D), s % M, closes & (s < NS) & (has_prev | ~prev)
+        return p + 1 - M + s, s * 0, s, closes & (s < NS)
 
     @triton.jit
     def _load_slot(NEW, RING, b, stride_new, base, pos, p, off, col, mask, R, WR: tl.constexpr):
-        """The slot's raw row values (even, odd) as fp32: the new token's from the input, others from the ring."""
+        """The slots' raw values (even, odd) [SC, NB, BH] as fp32: the new token's from the input,
+        the others from the ring."""
         row = base + ((pos % R) + R) % R
         new = pos == p
         src_new = NEW + b * stride_new + off + col
@@ -247,23 +249,23 @@ if triton is not None:
     def _slot_gate(GATE, GATE_RING, BIAS, b, stride_new, gbase, s, p, closes, has_prev, col, ok, R,
                    M: tl.constexpr, D: tl.constexpr, WR: tl.constexpr, OVERLAP: tl.constexpr,
                    HAS_BIAS: tl.constexpr):
+        """Gate + position bias of slots s [SC, 1, 1] ([SC, NB, BH], −inf where unusable)."""
         pos, off, brow, usable = _slot(s, p, closes, has_prev, M, D, OVERLAP)
-        ge, go = _load_slot(GATE, GATE_RING, b, stride_new, gbase, pos, p, off, col, ok & usable, R, WR)
+        mask = ok & usable
+        ge, go = _load_slot(GATE, GATE_RING, b, stride_new, gbase, pos, p, off, col, mask, R, WR)
         if HAS_BIAS:
-            ge += tl.load(BIAS + brow * WR + off + col, mask=ok & usable, other=0.0)
-            go += tl.load(BIAS + brow * WR + off + col + 1, mask=ok & usable, other=0.0)
-        ge = tl.where(usable, ge, float("-inf"))
-        go = tl.where(usable, go, float("-inf"))
-        return ge, go, pos, off, usable
+            ge += tl.load(BIAS + brow * WR + off + col, mask=mask, other=0.0)
+            go += tl.load(BIAS + brow * WR + off + col + 1, mask=mask, other=0.0)
+        return tl.where(usable, ge, float("-inf")), tl.where(usable, go, float("-inf")), pos, off, mask
 
     @triton.jit
     def _compress_kernel(
         KV, GATE, stride_new, KV_RING, GATE_RING, KV_BASE, GATE_BASE, R, BIAS, W, eps, COS, SIN, stride_cs, POS,
         TABLE, stride_t, rows, DST, LAT,
-        M: tl.constexpr, WR: tl.constexpr, BLOCK_W: tl.constexpr, OVERLAP: tl.constexpr, HAS_BIAS: tl.constexpr,
-        RAW_BF16: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, FMT: tl.constexpr, BLOCK: tl.constexpr,
-        NB: tl.constexpr, BH: tl.constexpr, WIDTH: tl.constexpr, AFTER_CAST: tl.constexpr, BF16: tl.constexpr,
-        LATENT: tl.constexpr,
+        M: tl.constexpr, WR: tl.constexpr, BLOCK_W: tl.constexpr, SC: tl.constexpr, OVERLAP: tl.constexpr,
+        HAS_BIAS: tl.constexpr, RAW_BF16: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, FMT: tl.constexpr,
+        BLOCK: tl.constexpr, NB: tl.constexpr, BH: tl.constexpr, WIDTH: tl.constexpr, AFTER_CAST: tl.constexpr,
+        BF16: tl.constexpr, LATENT: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         p = tl.load(POS + b).to(tl.int64)
@@ -278,32 +280,37 @@ if triton is not None:
                      mask=cm)
         closes = (p + 1) % M == 0
         has_prev = (p + 1) // M - 1 > 0
-        row, _ = _target_row(b, p, KV_BASE, TABLE, stride_t, rows, M, False)
+        row = _target_row(b, p, KV_BASE, TABLE, stride_t, rows, M, False)[0]
         col, ok = _tile(D, BLOCK, NB, BH)
+        col3, ok3 = col[None, :, :], ok[None, :, :]
+        slots = tl.arange(0, SC)[:, None, None]
         NS: tl.constexpr = 2 * M if OVERLAP else M
+        # three passes over the slots, SC at a time: max, softmax denominator, weighted sum;
+        # tokens that close nothing skip them (a uniform branch per program)
         mx_e = tl.full([NB, BH], float("-inf"), tl.float32)
         mx_o = tl.full([NB, BH], float("-inf"), tl.float32)
-        for s in range(NS):
-            ge, go, _, _, _ = _slot_gate(GATE, GATE_RING, BIAS, b, stride_new, gate_base, s, p, closes, has_prev,
-                                         col, ok, R, M, D, WR, OVERLAP, HAS_BIAS)
-            mx_e, mx_o = tl.maximum(mx_e, ge), tl.maximum(mx_o, go)
         den_e = tl.zeros([NB, BH], tl.float32)
         den_o = tl.zeros([NB, BH], tl.float32)
-        for s in range(NS):
-            ge, go, _, _, _ = _slot_gate(GATE, GATE_RING, BIAS, b, stride_new, gate_base, s, p, closes, has_prev,
-                                         col, ok, R, M, D, WR, OVERLAP, HAS_BIAS)
-            den_e += tl.exp(ge - mx_e)
-            den_o += tl.exp(go - mx_o)
         acc_e = tl.zeros([NB, BH], tl.float32)
         acc_o = tl.zeros([NB, BH], tl.float32)
-        for s in range(NS):
-            ge, go, pos, off, usable = _slot_gate(GATE, GATE_RING, BIAS, b, stride_new, gate_base, s, p, closes,
-                                                  has_prev, col, ok, R, M, D, WR, OVERLAP, HAS_BIAS)
-            ke, ko = _load_slot(KV, KV_RING, b, stride_new, kv_base, pos, p, off, col, ok & usable, R, WR)
-            we = _round(tl.math.div_rn(tl.exp(ge - mx_e), den_e), RAW_BF16)
-            wo = _round(tl.math.div_rn(tl.exp(go - mx_o), den_o), RAW_BF16)
-            acc_e += _round(ke * we, RAW_BF16)
-            acc_o += _round(ko * wo, RAW_BF16)
+        if closes:
+            for c in range(0, NS, SC):
+                gates = _slot_gate(GATE, GATE_RING, BIAS, b, stride_new, gate_base, c + slots, p, closes,
+                                   has_prev, col3, ok3, R, M, D, WR, OVERLAP, HAS_BIAS)
+                mx_e, mx_o = tl.maximum(mx_e, tl.max(gates[0], 0)), tl.maximum(mx_o, tl.max(gates[1], 0))
+            for c in range(0, NS, SC):
+                gates = _slot_gate(GATE, GATE_RING, BIAS, b, stride_new, gate_base, c + slots, p, closes,
+                                   has_prev, col3, ok3, R, M, D, WR, OVERLAP, HAS_BIAS)
+                den_e += tl.sum(tl.exp(gates[0] - mx_e[None, :, :]), 0)
+                den_o += tl.sum(tl.exp(gates[1] - mx_o[None, :, :]), 0)
+            for c in range(0, NS, SC):
+                ge, go, pos, off, mask = _slot_gate(GATE, GATE_RING, BIAS, b, stride_new, gate_base, c + slots, p,
+                                                    closes, has_prev, col3, ok3, R, M, D, WR, OVERLAP, HAS_BIAS)
+                ke, ko = _load_slot(KV, KV_RING, b, stride_new, kv_base, pos, p, off, col3, mask, R, WR)
+                we = tl.math.div_rn(tl.exp(ge - mx_e[None, :, :]), tl.broadcast_to(den_e[None, :, :], ge.shape))
+                wo = tl.math.div_rn(tl.exp(go - mx_o[None, :, :]), tl.broadcast_to(den_o[None, :, :], go.shape))
+                acc_e += tl.sum(_round(ke * _round(we, RAW_BF16), RAW_BF16), 0)
+                acc_o += tl.sum(_round(ko * _round(wo, RAW_BF16), RAW_BF16), 0)
         pe = _round(_round(acc_e, RAW_BF16), BF16)
         po = _round(_round(acc_o, RAW_BF16), BF16)
         _finish(pe, po, col, ok & closes, W, eps, COS + b * stride_cs, SIN + b * stride_cs, DST + row * WIDTH,
@@ -348,6 +355,7 @@ def compress_step_triton(kv: torch.Tensor, gate: torch.Tensor, kv_ring: torch.Te
     token closes a window; the others are not written) only when asked."""
     b, width = kv.shape
     dim = width // 2 if overlap else width
+    slots = 2 * ratio if overlap else ratio
     if kv_ring.dtype != kv.dtype or gate_ring.dtype != gate.dtype or gate.dtype != kv.dtype:
         raise ValueError("compress_step: the rings must hold the raw rows' dtype")
     kv, gate = kv.contiguous(), gate.contiguous()
@@ -359,7 +367,9 @@ def compress_step_triton(kv: torch.Tensor, gate: torch.Tensor, kv_ring: torch.Te
             kv, gate, kv.stride(0), kv_ring, gate_ring, ring.ring_base, gate_base, ring.rows, bias, norm.weight,
             float(norm.eps), cos, sin, cos.stride(0), ring.positions, target.page_table, target.page_table.stride(0),
             target.rows, store.flat, latent, M=ratio, WR=width, BLOCK_W=min(triton.next_power_of_2(width), 1024),
-            OVERLAP=overlap, HAS_BIAS=position_bias is not None, RAW_BF16=kv.dtype == torch.bfloat16,
+            SC=min(triton.next_power_of_2(slots), 8), OVERLAP=overlap, HAS_BIAS=position_bias is not None,
+            RAW_BF16=kv.dtype == torch.bfloat16,
             **_params(store, dim, 2 * cos.shape[-1]), AFTER_CAST=norm.weight_after_cast,
-            BF16=cos.dtype == torch.bfloat16, LATENT=want_latent, num_warps=4, enable_fp_fusion=False)
+            BF16=cos.dtype == torch.bfloat16, LATENT=want_latent, num_warps=8 if slots >= 8 else 4,
+            enable_fp_fusion=False)
     return latent if want_latent else None
