@@ -122,10 +122,10 @@ def compress_step_reference(kv: torch.Tensor, gate: torch.Tensor, kv_ring: torch
                             store: RowStore, target: RowTarget) -> torch.Tensor:
     """One decode token per request: put the new raw rows kv, gate [B, width] in their rings
     (flat [rows, width]; ``ring`` for kv, the same with unit bases ``gate_base`` for gate),
-    pool the window ending at each token (every request
-    computes one; ``target`` writes only those that close), norm it (in the model dtype,
-    ``cos``'s), rotate it at the window's first position (cos/sin there) and store it.
-    Returns the normed, unrotated latents [B, c] (V4.1's indexer keys are made from them)."""
+    pool the window ending at each token (every request computes one; ``target`` writes only
+    those that close), norm it in the model dtype (``cos``'s), rotate it at the window's first
+    position (cos/sin there) and store it. Returns the normed, unrotated latents [B, c]
+    (V4.1's indexer keys are made from them)."""
     p, m, r = ring.positions, ratio, ring.rows
     kv_base, gate_base = ring.ring_base.unsqueeze(-1), gate_base.unsqueeze(-1)
     kv_ring[ring.flat_rows()] = kv

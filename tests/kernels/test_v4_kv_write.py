@@ -426,7 +426,7 @@ def _graphed(fn):
 def test_fused_writes_replay_in_a_cuda_graph(fmt):
     """Row write and compressor step captured once, replayed on new positions and inputs copied
     into the captured buffers: each replay writes what the reference writes for those inputs."""
-    from kernels.v4_kv_write import (RowNorm, RowStore, RowTarget, compress_step_reference, write_rows_reference)
+    from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, compress_step_reference, write_rows_reference
     from kernels.v4_kv_write_triton import compress_step_triton, write_rows_triton
 
     g = torch.Generator().manual_seed(0)
@@ -459,8 +459,7 @@ def test_fused_writes_replay_in_a_cuda_graph(fmt):
         cos.copy_(ang.cos())
         sin.copy_(ang.sin())
         want = [t.clone() for t in (window, entries, kv_ring, gate_ring)]
-        step(*want, row_fn=lambda *a: write_rows_reference(*a),
-             comp_fn=lambda *a: compress_step_reference(*a))
+        step(*want, row_fn=write_rows_reference, comp_fn=compress_step_reference)
         replay()
         torch.cuda.synchronize()
         closes = (positions + 1) % m == 0
@@ -494,3 +493,47 @@ def test_model_decode_with_fused_writes_on_gpu(family, cache):
             want = logits(model.decode(ids, plain)).float()
             scale = want.abs().amax().item()
             assert (got - want).abs().amax().item() <= 0.05 * scale, (step, (got - want).abs().amax().item(), scale)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_without_spills():
+    """Every encoding's row kernel and the V4 CSA / HCA / index and V4.1 compressors at real
+    shapes, compiled here for sm_90 (Triton's bundled ptxas): no stack, no local memory."""
+    pytest.importorskip("triton")
+    import triton
+
+    from kernels.v4_kv_write_triton import _compress_kernel, _layout, _write_rows_kernel
+    from tests.kernels.test_mxfp8_gemm import _PTXAS, _compile_sm90
+
+    if not _PTXAS.exists():
+        pytest.skip("needs triton's bundled ptxas")
+
+    def consts(fmt, dim):
+        code, block = _layout(fmt, dim, 64)
+        width = format_codec(fmt, dim, 64, torch.bfloat16).width
+        return dict(D=dim, ROPE=64, FMT=code, BLOCK=block, NB=triton.next_power_of_2(-(-dim // block)),
+                    BH=triton.next_power_of_2(block // 2), WIDTH=width)
+
+    def dst(fmt):
+        return "*bf16" if fmt == "plain" or fmt.startswith("fake") else "*u8"
+
+    ints = ("stride_x", "stride_cs", "stride_t", "rows", "ratio", "stride_new", "R")
+    common = dict(W="*bf16", eps="fp32", COS="*bf16", SIN="*bf16", POS="*i64", TABLE="*i64", LAT="*bf16",
+                  **dict.fromkeys(ints, "i32"))
+    for fmt in FORMATS:
+        for ring in (True, False):
+            types = dict(common, X="*bf16", BASE="*i64", DST=dst(fmt))
+            c = dict(consts(fmt, _dim(fmt)), RING=ring, AFTER_CAST=True, BF16=True, LATENT=not ring)
+            _, usage = _compile_sm90(_write_rows_kernel, types, c, num_warps=4, enable_fp_fusion=False)
+            assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (fmt, usage)
+    for m, overlap, raw, fmt in [(4, True, "*bf16", "v4_row"), (128, False, "*bf16", "v4_row"),
+                                 (4, True, "*bf16", "v4_key"), (2, False, "*fp32", "v41_entry")]:
+        dim = _dim(fmt)
+        slots = 2 * m if overlap else m
+        types = dict(common, KV=raw, GATE=raw, KV_RING=raw, GATE_RING=raw, KV_BASE="*i64", GATE_BASE="*i64",
+                     BIAS="*fp32", W="*fp32", DST=dst(fmt))
+        c = dict(consts(fmt, dim), M=m, WR=2 * dim if overlap else dim, BLOCK_W=1024 if overlap else dim,
+                 SC=min(slots, 8), OVERLAP=overlap, HAS_BIAS=raw == "*bf16", RAW_BF16=raw == "*bf16",
+                 AFTER_CAST=raw == "*fp32", BF16=True, LATENT=raw == "*fp32")
+        _, usage = _compile_sm90(_compress_kernel, types, c, num_warps=8 if slots >= 8 else 4, enable_fp_fusion=False)
+        assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (m, fmt, usage)
