@@ -10,7 +10,7 @@ Per layer kind of ``deepseek-v41-flash`` (head_dim 512, RoPE 64, index keys 128,
 - ``source_r1``: the ratio-1 source (layer 20): window row, entry row, indexer key.
 
 The raw projections (``wkv``, ``wgate``) are inputs, the same for both; ``wk`` is timed in
-both. Decode batches B = 1, 32, 128 at random positions (about half close a ratio-2 window),
+both. Decode batches B = 1, 32, 128 at random positions (three in four close a ratio-2 window),
 both cache dtypes (``auto``: bf16 fake-quantized values; ``fp8``: the 528 / 288 / 68-byte
 records). Each case is first checked (the written rows of both paths: ≥ 90 % byte-identical,
 the rest within a quantization step), then timed as CUDA-graph replays with the L2 emptied
@@ -58,7 +58,9 @@ def build_case(config, kind: str, batch: int, cache: str, seed: int = 0, dev: st
     def randn(*shape, dtype=bf16):
         return torch.randn(*shape, generator=g).to(dtype).to(dev)
 
-    positions = torch.randint(0, MAX_POSITION, (batch,), generator=g).to(dev)
+    positions = torch.randint(0, MAX_POSITION, (batch,), generator=g)
+    positions[::2] |= 1  # every other request closes a ratio-2 window (B = 1 too)
+    positions = positions.to(dev)
     units = torch.randperm(batch, generator=g).to(dev) + 1
     pages = MAX_POSITION // PAGE_ROWS + 1
     table = (torch.arange(batch * pages, device=dev).view(batch, pages) + 1)
@@ -129,6 +131,8 @@ def check(case: dict) -> tuple[bool, str]:
         written["entries"] = written["keys"] = case["paged"].flat_rows()[closes]
     notes, ok = [], True
     for n, rows in written.items():
+        if rows.numel() == 0:
+            continue
         a, b = results["triton"][n][rows], results["torch"][n][rows]
         same = (a.view(torch.uint8) == b.view(torch.uint8)).all(-1).float().mean().item()
         codec = case[{"window": "window_codec", "entries": "entry_codec", "keys": "key_codec"}[n]]
