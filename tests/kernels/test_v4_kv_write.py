@@ -123,15 +123,21 @@ def _assert_same_bytes(pools, snap) -> None:
         assert torch.equal(p.data.view(torch.uint8), snap[name].view(torch.uint8)), name
 
 
-def _decode_batch(family: str, cache: str, dtype: torch.dtype):
-    model = load_v4_family(FIXTURES[family], dtype, "cpu")
+def _prefilled(family: str, cache: str, dtype: torch.dtype, g: torch.Generator, device: str = "cpu"):
+    """A bundled model and one state per prompt of LENGTHS random tokens."""
+    model = load_v4_family(FIXTURES[family], dtype, device)
     model.configure_cache(cache, page_rows=4)
-    g = torch.Generator().manual_seed(0)
     states = [model.new_state() for _ in LENGTHS]
     with torch.no_grad():
         for n, s in zip(LENGTHS, states):
             if n:
-                model(torch.randint(2, model.config.vocab_size, (n,), generator=g), s)
+                model(torch.randint(2, model.config.vocab_size, (n,), generator=g).to(device), s)
+    return model, states
+
+
+def _decode_batch(family: str, cache: str, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    model, states = _prefilled(family, cache, dtype, g)
     ids = torch.randint(2, model.config.vocab_size, (len(states),), generator=g)
     batch = model.prepare_decode(ids, states).index
     x = torch.randn(len(states), model.config.hidden_size, generator=g).to(dtype)
@@ -408,19 +414,6 @@ def test_fused_compress_on_gpu(kind, fmt, exact):
         check_compress(kind, fmt, _dim(fmt), 64, exact, batch, "cuda", seed=batch, ratio=ratio)
 
 
-def _graphed(fn):
-    """``fn`` captured in a CUDA graph: returns the replay (the first calls warm up on a side stream)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["v41_window", "v4_row"])
 def test_fused_writes_replay_in_a_cuda_graph(fmt):
@@ -450,7 +443,9 @@ def test_fused_writes_replay_in_a_cuda_graph(fmt):
         comp_fn(kv, gate, kvr, gater, ring, base, m, True, bias, norm, cos, sin,
                 RowStore(entry_rows, codec.encode, fmt), paged)
 
-    replay = _graphed(lambda: step(window, entries, kv_ring, gate_ring))
+    from tests.kernels.test_mxfp8_gemm import capture
+
+    graph, _ = capture(lambda: step(window, entries, kv_ring, gate_ring))
     for _ in range(3):
         positions.copy_(torch.randint(0, 60, (b,), generator=g))
         for t in (x, kv, gate):
@@ -460,7 +455,7 @@ def test_fused_writes_replay_in_a_cuda_graph(fmt):
         sin.copy_(ang.sin())
         want = [t.clone() for t in (window, entries, kv_ring, gate_ring)]
         step(*want, row_fn=write_rows_reference, comp_fn=compress_step_reference)
-        replay()
+        graph.replay()
         torch.cuda.synchronize()
         closes = (positions + 1) % m == 0
         _compare(fmt, codec, window[ring.flat_rows()], want[0][ring.flat_rows()], False, "graph window")
@@ -475,14 +470,9 @@ def test_fused_writes_replay_in_a_cuda_graph(fmt):
 def test_model_decode_with_fused_writes_on_gpu(family, cache):
     """The bundled models' batched decode (bf16 on CUDA) with the fused writes gives the logits
     the torch writes give, step after step, from the same states."""
-    model = load_v4_family(FIXTURES[family], torch.bfloat16, "cuda")
-    model.configure_cache(cache, page_rows=4)
     g = torch.Generator().manual_seed(0)
-    fused = [model.new_state() for _ in LENGTHS]
+    model, fused = _prefilled(family, cache, torch.bfloat16, g, "cuda")
     with torch.no_grad():
-        for n, s in zip(LENGTHS, fused):
-            if n:
-                model(torch.randint(2, model.config.vocab_size, (n,), generator=g).cuda(), s)
         plain = [s.clone() for s in fused]
         logits = getattr(model, "compute_logits", lambda h: h)
         for step in range(6):
