@@ -124,9 +124,10 @@ def _assert_same_bytes(pools, snap) -> None:
 
 
 def _prefilled(family: str, cache: str, dtype: torch.dtype, g: torch.Generator, device: str = "cpu"):
-    """A bundled model and one state per prompt of LENGTHS random tokens."""
+    """A bundled model (torch attention: the writes are under test) and one state per prompt of
+    LENGTHS random tokens."""
     model = load_v4_family(FIXTURES[family], dtype, device)
-    model.configure_cache(cache, page_rows=4)
+    model.configure_cache(cache, page_rows=4, attention_backend="torch")
     states = [model.new_state() for _ in LENGTHS]
     with torch.no_grad():
         for n, s in zip(LENGTHS, states):
