@@ -1,4 +1,7 @@
-"""MXFP8 GEMMs for DeepSeek-V4.1's linears on Hopper (Triton), with torch references.
+"""MXFP8 GEMMs for DeepSeek-V4.1's linears on Hopper (Triton), with torch references; the
+entry point :func:`mxfp8_gemm` also dispatches to the CUDA C++ kernel of
+kernels/mxfp8_gemm_cuda.py (the default where it runs: the Triton kernel cannot overlap the
+per-32 promotion with the next MMA).
 
 Operands: activations e4m3 [M, K] with one UE8M0 byte per 32 along K ([M, K/32]); weights
 e4m3 [N, K] with one UE8M0 byte per 32×32 block ([ceil(N/32), K/32]), V4.1's checkpoint
@@ -17,7 +20,8 @@ and in the fp32 accumulator, as in the reference's matmul.
 GEMM, R a multiple of the N tile). ``quantize_out`` gives the GEMM an MXFP8 epilogue: it
 rounds the fp32 tile to bf16, takes the amax of each 32 output columns and writes e4m3 +
 UE8M0 bytes ([M, N/32]) with the same helpers as ``quantize_mxfp8_triton``, so the next
-MXFP8 GEMM reads bytes identical to quantizing the bf16 output separately.
+MXFP8 GEMM reads bytes identical to quantizing the bf16 output separately. With split-K the
+reducing launch quantizes instead (:func:`split_sum`), by the same rules.
 """
 
 from __future__ import annotations
@@ -155,6 +159,42 @@ if triton is not None:
         else:
             tl.store(C + offs, acc.to(C.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _split_sum_quant_kernel(W, Q, S, M, N, SPLITS, BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr):
+        """Q, S = MXFP8 of bf16(Σ_s W[s]), W fp32 [SPLITS, M, N] contiguous: the split sum in
+        the order of ``_split_sum_kernel``, then the GEMM epilogue's quantization rules."""
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+        cols = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]  # [BLOCKS, 32]
+        ok = (rm < M)[:, None, None] & (cols < N)[None, :, :]
+        offs = rm.to(tl.int64)[:, None, None] * N + cols[None, :, :]
+        acc = tl.zeros([BLOCK_M, BLOCKS, 32], dtype=tl.float32)
+        for s in range(SPLITS):
+            acc += tl.load(W + s * M * N + offs, mask=ok, other=0.0)
+        z = round_to_bf16(acc)
+        byte = ue8m0_byte(tl.max(tl.abs(z), 2))  # [BLOCK_M, BLOCKS]
+        q = quantize_blocks(z, pow2_from_byte(254 - byte)[:, :, None])
+        tl.store(Q + offs, q.to(tl.uint8), mask=ok)
+        s_ok = (rm < M)[:, None] & (blocks < N // 32)[None, :]
+        tl.store(S + rm.to(tl.int64)[:, None] * (N // 32) + blocks[None, :], byte.to(tl.uint8), mask=s_ok)
+
+
+def split_sum(partials: torch.Tensor, out: torch.Tensor, scales: torch.Tensor | None = None) -> None:
+    """out = Σ_s partials[s] (fp32 [splits, M, N], in split order), written as ``out``'s dtype,
+    or with ``scales`` as MXFP8 (``out`` uint8 [M, N], ``scales`` uint8 [M, N/32]) of its bf16
+    rounding: the same bytes as quantizing the bf16 sum separately."""
+    splits, m, n = partials.shape
+    if scales is None:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](partials, out, m * n, splits, BLOCK=block,
+                                                        OUT_BF16=out.dtype == torch.bfloat16, num_warps=4)
+    else:
+        blocks = min(triton.next_power_of_2(n // MX_BLOCK), 8)
+        block_m = max(1, min(16, 2048 // (blocks * MX_BLOCK)))
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n // MX_BLOCK, blocks))
+        _split_sum_quant_kernel[grid](partials, out, scales, m, n, splits, BLOCK_M=block_m, BLOCKS=blocks,
+                                      num_warps=4)
+
 
 @functools.cache
 def _sm_count(device_index: int) -> int:
@@ -179,14 +219,14 @@ def default_config(m: int, n: int, k_group: int, groups: int = 1, sms: int = 132
     beyond, 8 warps; the N tile must divide a group's rows when groups > 1 (V4.1's wo_a has
     1024). Compiled offline for sm_90 these use wgmma and do not spill (128 × 128 × 128 does:
     four 32-slice partials live at once). Split-K where the tiles alone do not fill ``sms``
-    SMs (not with ``quantize_out``: its epilogue needs the whole sum)."""
+    SMs (with ``quantize_out`` the split sum is quantized by the reducing launch)."""
     block_m = 64 if m <= 64 else 128
     rows = n // groups
     block_n = 128 if groups == 1 or rows % 128 == 0 else (64 if rows % 64 == 0 else 32)
     block_k = 128 if block_m == 64 and k_group % 128 == 0 else 32
     tiles = -(-m // block_m) * -(-n // block_n)
     # the fp32 partials (split · M · N · 4 bytes) must stay below the weight's N · K bytes
-    split = 1 if quantize_out else split_k_for(tiles, k_group // block_k, sms, min(32, k_group // (4 * max(m, 1))))
+    split = split_k_for(tiles, k_group // block_k, sms, min(32, k_group // (4 * max(m, 1))))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
             "num_warps": 8, "num_stages": 3, "SPLIT_K": split}
 
@@ -194,12 +234,29 @@ def default_config(m: int, n: int, k_group: int, groups: int = 1, sms: int = 132
 def mxfp8_gemm(
     x8: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, groups: int = 1,
     out_dtype: torch.dtype = torch.bfloat16, quantize_out: bool = False, config: dict | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x8 e4m3 [M, groups·K] + xs uint8 [M, groups·K/32] times w8 e4m3 [N, K] + ws [ceil(N/32), K/32].
 
     Returns [M, N] in ``out_dtype``, or with ``quantize_out`` (N a multiple of 32) the output
     as MXFP8: (e4m3 [M, N], uint8 [M, N/32]) of its bf16 rounding.
+
+    ``backend``: ``"cuda"`` (kernels/mxfp8_gemm_cuda.py, Hopper), ``"triton"`` (this module),
+    or None: CUDA where it runs and takes the operands, else Triton. ``config`` is the chosen
+    backend's (see :func:`default_config` and ``default_cuda_config``).
     """
+    if backend not in (None, "cuda", "triton"):
+        raise ValueError(f"unknown MXFP8 GEMM backend {backend!r}; 'cuda', 'triton' or None")
+    if backend != "triton":
+        from kernels.mxfp8_gemm_cuda import cuda_gemm_available, mxfp8_gemm_cuda, unsupported_reason
+
+        use_cuda = backend == "cuda"
+        if backend is None and x8.is_cuda and cuda_gemm_available(x8.device.index or 0):
+            m, n, kg = check_operands(x8, xs, w8, ws, groups)
+            use_cuda = (unsupported_reason(x8, xs, w8, ws, m, n, kg, groups) is None
+                        and (quantize_out or out_dtype in (torch.bfloat16, torch.float32)))
+        if use_cuda:
+            return mxfp8_gemm_cuda(x8, xs, w8, ws, groups, out_dtype, quantize_out, config)
     if triton is None:
         raise RuntimeError("the MXFP8 GEMM needs the triton package")
     m, n, kg = check_operands(x8, xs, w8, ws, groups)
@@ -211,8 +268,8 @@ def mxfp8_gemm(
     sms = _sm_count(x8.device.index or 0) if x8.is_cuda else 132
     cfg = dict(config or default_config(m, n, kg, groups, sms, quantize_out))
     split = cfg.pop("SPLIT_K", 1)
-    if split > 1 and (quantize_out or (kg // cfg["BLOCK_K"]) % split):
-        raise ValueError(f"SPLIT_K {split} must divide the K steps ({kg // cfg['BLOCK_K']}), without quantize_out")
+    if split > 1 and (kg // cfg["BLOCK_K"]) % split:
+        raise ValueError(f"SPLIT_K {split} must divide the K steps ({kg // cfg['BLOCK_K']})")
     if groups > 1 and (n // groups) % cfg["BLOCK_N"]:
         raise ValueError(f"BLOCK_N {cfg['BLOCK_N']} must divide the group's {n // groups} rows")
     if kg % cfg["BLOCK_K"]:
@@ -233,9 +290,7 @@ def mxfp8_gemm(
             dst.stride(0) if split > 1 else 0,
             QUANT_OUT=quantize_out, OUT_BF16=c.dtype == torch.bfloat16, SPLIT=split > 1, **cfg)
         if split > 1:
-            block = 1024
-            _split_sum_kernel[(triton.cdiv(m * n, block),)](dst, c, m * n, split, BLOCK=block,
-                                                            OUT_BF16=c.dtype == torch.bfloat16, num_warps=4)
+            split_sum(dst, c, sc if quantize_out else None)
     if quantize_out:
         return c.view(FP8_DTYPE), sc
     return c
@@ -258,4 +313,5 @@ __all__ = [
     "mxfp8_gemm_reference",
     "mxfp8_linear",
     "split_k_for",
+    "split_sum",
 ]
