@@ -150,6 +150,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, -(-config.vocab_size // par.tp_size), bias=False, dtype=dtype)
         self.hasher: EngramHasher | None = None
         self.sparse_decode: V4SparseDecodeBackend | None = None  # see configure_cache
+        self.kv_write = "auto"  # the decode's KV writes: auto (fused on CUDA), torch or triton (kernels/v4_kv_write.py)
 
     def bind_tokenizer(self, tokenizer_json_path: str) -> DeepseekV41ForCausalLM:
         """Build the engram hasher from the checkpoint's ``tokenizer.json``."""
@@ -343,7 +344,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         for layer in self.model.layers:
             rope = self.model.compress_rope if layer.attn.ratio else self.model.main_rope
             streams, pre = layer(streams, pre, inputs.hash_ids, n,
-                                 lambda h, a=layer.attn, r=rope: a.decode(h, batch, r, step, pools, self.sparse_decode),
+                                 lambda h, a=layer.attn, r=rope: a.decode(h, batch, r, step, pools, self.sparse_decode,
+                                                                       self.kv_write),
                                  rows)
         hidden = final_rows(par, self.model.norm(collapse_streams(streams, pre)), n)
         return par.gather_vocab(self.lm_head(hidden).float())[..., : c.vocab_size]
@@ -369,9 +371,9 @@ def v41_row_codecs(config: V41Config, kv_cache_dtype: str, dtype: torch.dtype):
     """(window row, compressed entry, index key) codecs for ``kv_cache_dtype``."""
     d, k = config.head_dim, config.index_head_dim
     if kv_cache_dtype == "auto":
-        return (plain_codec(d, dtype, lambda x: fake_quant_fp8_ue8m0(x, 32)),
-                plain_codec(d, dtype, lambda x: fake_quant_fp4(x, 16, "e4m3")),
-                plain_codec(k, dtype, lambda x: fake_quant_fp4(x, 32, "ue8m0")))
+        return (plain_codec(d, dtype, lambda x: fake_quant_fp8_ue8m0(x, 32), "fake_v41_window"),
+                plain_codec(d, dtype, lambda x: fake_quant_fp4(x, 16, "e4m3"), "fake_v41_entry"),
+                plain_codec(k, dtype, lambda x: fake_quant_fp4(x, 32, "ue8m0"), "fake_v41_key"))
     if kv_cache_dtype.startswith("fp8"):
         from model.v4.cache_codecs import v41_fp8_codecs
         return v41_fp8_codecs(config, dtype)
