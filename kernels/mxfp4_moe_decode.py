@@ -12,15 +12,16 @@ K span of 128 is promoted once by ``sa[token] · 2^(s_max[feature] − 127)``.
 
 One call, every shape fixed by (T, k, E_local, the config), no host sync (graph-safe):
 
-1. x quantized per token per 128 in paired column order (``quantize_paired_triton``).
-2. ``_route_kernel``, one program: the T·k slots sorted by local expert into ``block_t``-row
-   blocks (a histogram, a bitonic sort of (expert, slot) keys, one scatter): the output of
-   ``kernels.moe_triton.align_slots_to_blocks`` in one launch instead of ~25 torch ops.
-3. gate/up: program (feature block, slot block, K split) streams the gate rows and the up rows
+1. ``_route_quant_kernel``, one launch: program 0 sorts the T·k slots by local expert into
+   ``block_t``-row blocks (a histogram, a bitonic sort of (expert, slot) keys, one scatter; the
+   output of ``kernels.moe_triton.align_slots_to_blocks``, which takes ~25 torch ops), the
+   other programs quantize x per token per 128 in paired column order
+   (``quantize_paired_triton``'s work).
+2. gate/up: program (feature block, slot block, K split) streams the gate rows and the up rows
    of its features once for all the block's tokens. ``block_f`` = 128 and no split: the epilogue
    is fused (clamped SwiGLU, routing weight, h quantized per 128 features = the program's
    span); otherwise fp32 partials of the real rows and ``_finish_gate_up_kernel``.
-4. down: the same loop over I with h as the N side; bf16 y per slot (split: fp32 partials),
+3. down: the same loop over I with h as the N side; bf16 y per slot (split: fp32 partials),
    then the fixed-order per-token sum. Each touched expert's bytes and scales are read once
    (a second block of one expert, more than ``block_t`` slots, reads them again).
 """
@@ -45,9 +46,10 @@ try:
         _finish_gate_up_kernel,
         _lut,
         _lut_byte,
+        _quant_pairs,
         _sum_split_slots_kernel,
         _swiglu_store,
-        quantize_paired_triton,
+        quant_spans_per_program,
     )
     from kernels.mxfp8_quant_triton import round_to_bf16
 except ImportError:  # pragma: no cover - CPU-only installs
@@ -109,8 +111,8 @@ def decode_config(num_slots: int, n_local: int) -> SwapABConfig:
 if triton is not None:
 
     @triton.jit
-    def _route_kernel(IDS, SLOTS, BLOCK_EXPERT, SCRATCH, n_slots, n_local, expert_offset, n_rows, n_blocks,
-                      NS: tl.constexpr, NB: tl.constexpr, BLOCK_T: tl.constexpr, FILL: tl.constexpr):
+    def _route(IDS, SLOTS, BLOCK_EXPERT, SCRATCH, n_slots, n_local, expert_offset, n_rows, n_blocks,
+               NS: tl.constexpr, NB: tl.constexpr, BLOCK_T: tl.constexpr, FILL: tl.constexpr):
         """``align_slots_to_blocks`` in one program: SLOTS [n_rows] the slots grouped by local
         expert in ascending slot order, each group padded to BLOCK_T rows (padding = n_slots),
         BLOCK_EXPERT [n_blocks] the expert of each block (−1 unused)."""
@@ -118,11 +120,11 @@ if triton is not None:
         live = i < n_slots
         e = tl.load(IDS + i, mask=live, other=0).to(tl.int32) - expert_offset
         group = tl.where(live & (e >= 0) & (e < n_local), e, n_local)  # foreign/padding: last group
-        for r in range(0, n_rows, FILL):
-            rr = r + tl.arange(0, FILL)
+        for r in range(0, tl.cdiv(n_rows, FILL)):
+            rr = r * FILL + tl.arange(0, FILL)
             tl.store(SLOTS + rr, tl.zeros([FILL], dtype=tl.int32) + n_slots, mask=rr < n_rows)
-        for b in range(0, n_blocks, FILL):
-            bb = b + tl.arange(0, FILL)
+        for b in range(0, tl.cdiv(n_blocks, FILL)):
+            bb = b * FILL + tl.arange(0, FILL)
             tl.store(BLOCK_EXPERT + bb, tl.full([FILL], -1, dtype=tl.int32), mask=bb < n_blocks)
         counts = tl.histogram(group, NB)
         bins = tl.arange(0, NB)
@@ -137,6 +139,23 @@ if triton is not None:
         own = sg < n_local
         tl.store(SLOTS + dest, sslot, mask=own)
         tl.store(BLOCK_EXPERT + dest // BLOCK_T, sg, mask=own & (dest % BLOCK_T == 0))
+
+    @triton.jit
+    def _route_quant_kernel(IDS, SLOTS, BLOCK_EXPERT, SCRATCH, X, Y, SY,
+                            n_slots, n_local, expert_offset, n_rows, n_blocks, K, parts,
+                            stride_xm, stride_ym, stride_sm,
+                            NS: tl.constexpr, NB: tl.constexpr, BLOCK_T: tl.constexpr, FILL: tl.constexpr,
+                            UE8M0: tl.constexpr, QSPANS: tl.constexpr):
+        """Program 0: ``_route``; programs 1 …: ``_quant_pairs_kernel``'s work (x → paired e4m3),
+        ``parts`` programs per token, so the two small steps cost one launch."""
+        pid = tl.program_id(0)
+        if pid == 0:
+            _route(IDS, SLOTS, BLOCK_EXPERT, SCRATCH, n_slots, n_local, expert_offset, n_rows, n_blocks,
+                   NS, NB, BLOCK_T, FILL)
+        else:
+            q = pid - 1
+            _quant_pairs(X, Y, SY, (q // parts).to(tl.int64), q % parts, K, stride_xm, stride_ym, stride_sm,
+                         UE8M0, QSPANS)
 
     @triton.jit
     def _fold_rows(W, S, LUT, rf, kb, stride_wn, stride_sn, BLOCK_F: tl.constexpr, CONVERT: tl.constexpr):
@@ -262,10 +281,11 @@ if triton is not None:
             tl.store(y_ptr, round_to_bf16(acc).to(tl.bfloat16), mask=row_ok[None, :])
 
 
-def route_slots_triton(topk_ids: torch.Tensor, n_local: int, expert_offset: int,
-                       block_t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.moe_triton.align_slots_to_blocks`` (same outputs, bit for bit) in one launch,
-    for T·k ≤ ``MAX_ROUTE_SLOTS``."""
+def route_and_quantize(topk_ids: torch.Tensor, n_local: int, expert_offset: int, block_t: int,
+                       x: torch.Tensor | None = None, ue8m0: bool = False):
+    """``kernels.moe_triton.align_slots_to_blocks`` (same outputs, bit for bit) for T·k ≤
+    ``MAX_ROUTE_SLOTS`` and, given x, ``quantize_paired_triton(x, ue8m0)``, in one launch.
+    Returns (sorted slots, block experts, e4m3 x or None, x scales or None)."""
     t, k = topk_ids.shape
     n_slots = t * k
     if n_slots > MAX_ROUTE_SLOTS:
@@ -277,10 +297,26 @@ def route_slots_triton(topk_ids: torch.Tensor, n_local: int, expert_offset: int,
     block_expert = torch.empty(n_blocks, dtype=torch.int32, device=dev)
     nb = triton.next_power_of_2(n_local + 1)
     scratch = torch.empty(nb, dtype=torch.int32, device=dev)
-    _route_kernel[(1,)](topk_ids.contiguous(), slots, block_expert, scratch, n_slots, n_local, expert_offset, rows,
-                        n_blocks, NS=max(16, triton.next_power_of_2(n_slots)), NB=nb, BLOCK_T=block_t, FILL=1024,
-                        num_warps=4)
-    return slots, block_expert
+    if x is None:
+        xc = y = sy = scratch  # no quantization programs
+        d, parts, qspans, n_quant = SPAN, 1, 1, 0
+    else:
+        d = x.shape[1]
+        xc = x if x.stride(-1) == 1 else x.contiguous()
+        y = torch.empty(t, d, dtype=torch.uint8, device=dev)
+        sy = torch.empty(t, d // SPAN, dtype=torch.float32, device=dev)
+        qspans = quant_spans_per_program(d)
+        parts = triton.cdiv(d // SPAN, qspans)
+        n_quant = t * parts
+    _route_quant_kernel[(1 + n_quant,)](
+        topk_ids.contiguous(), slots, block_expert, scratch, xc, y, sy,
+        n_slots, n_local, expert_offset, rows, n_blocks, d, parts,
+        xc.stride(0), y.stride(0), sy.stride(0),
+        NS=max(16, triton.next_power_of_2(n_slots)), NB=nb, BLOCK_T=block_t, FILL=1024, UE8M0=ue8m0, QSPANS=qspans,
+        num_warps=4)
+    if x is None:
+        return slots, block_expert, None, None
+    return slots, block_expert, y.view(FP8_DTYPE), sy
 
 
 def moe_mxfp4_w4a8_swap_ab(
@@ -307,12 +343,11 @@ def moe_mxfp4_w4a8_swap_ab(
         return out
     cfg = config or decode_config(n_slots, n_local)
     cfg.check(d, inter)
-    slots, block_expert = route_slots_triton(topk_ids, n_local, expert_offset, cfg.block_t)
+    slots, block_expert, a, sa = route_and_quantize(topk_ids, n_local, expert_offset, cfg.block_t, x, ue8m0)
     rows, n_blocks = slots.shape[0], block_expert.shape[0]
     s13, s2 = w13_scale.view(torch.uint8), w2_scale.view(torch.uint8)
     convert = 1 if dev.type == "cuda" else 2  # PRMT inline asm on the GPU, integer ops when interpreted
     lut = _lut(dev)
-    a, sa = quantize_paired_triton(x, ue8m0)
     hid = torch.empty(rows, inter, dtype=torch.uint8, device=dev)
     sh = torch.empty(rows, inter // SPAN, dtype=torch.float32, device=dev)
     wts = topk_weights.reshape(-1).float().contiguous()
@@ -353,4 +388,4 @@ def moe_mxfp4_w4a8_swap_ab(
 
 
 __all__ = ["DECODE_TABLE", "MAX_DECODE_ROWS_PER_EXPERT", "MAX_ROUTE_SLOTS", "SwapABConfig", "decode_config",
-           "moe_mxfp4_w4a8_swap_ab", "route_slots_triton", "use_swap_ab"]
+           "moe_mxfp4_w4a8_swap_ab", "route_and_quantize", "use_swap_ab"]

@@ -236,8 +236,14 @@ if triton is not None:
     def _quant_pairs_kernel(X, Y, S, K, stride_xm, stride_ym, stride_sm, UE8M0: tl.constexpr,
                             SPANS: tl.constexpr):
         """Y = e4m3(X / scale) per row per 128 columns, in paired order; S the fp32 scales."""
-        row = tl.program_id(0).to(tl.int64)
-        spans = tl.program_id(1) * SPANS + tl.arange(0, SPANS)
+        _quant_pairs(X, Y, S, tl.program_id(0).to(tl.int64), tl.program_id(1), K, stride_xm, stride_ym, stride_sm,
+                     UE8M0, SPANS)
+
+    @triton.jit
+    def _quant_pairs(X, Y, S, row, part, K, stride_xm, stride_ym, stride_sm, UE8M0: tl.constexpr,
+                     SPANS: tl.constexpr):
+        """Spans part·SPANS … of one row of ``_quant_pairs_kernel``."""
+        spans = part * SPANS + tl.arange(0, SPANS)
         c = spans[:, None] * 128 + tl.arange(0, 128)[None, :]
         ok = c < K
         x = tl.load(X + row * stride_xm + c, mask=ok, other=0.0).to(tl.float32)
@@ -410,11 +416,16 @@ def quantize_paired_triton(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.
     y = torch.empty(t, k, dtype=torch.uint8, device=x.device)
     s = torch.empty(t, k // SPAN, dtype=torch.float32, device=x.device)
     if t:
-        spans = min(8, triton.next_power_of_2(k // SPAN))
+        spans = quant_spans_per_program(k)
         xc = x if x.stride(-1) == 1 else x.contiguous()
         _quant_pairs_kernel[(t, triton.cdiv(k // SPAN, spans))](
             xc, y, s, k, xc.stride(0), y.stride(0), s.stride(0), UE8M0=ue8m0, SPANS=spans, num_warps=4)
     return y.view(FP8_DTYPE), s
+
+
+def quant_spans_per_program(k: int) -> int:
+    """128-column spans one program of the paired quantization handles."""
+    return min(8, triton.next_power_of_2(k // SPAN))
 
 
 def moe_mxfp4_triton(

@@ -1,10 +1,11 @@
 """Swap-AB W4A8 decode kernels for MXFP4 routed experts (kernels/mxfp4_moe_decode.py).
 
-CPU: config checks and the decode dispatch; under TRITON_INTERPRET=1 the one-program router
-against ``align_slots_to_blocks`` and the kernels against the W4A8 reference (tiny shapes,
-folds ≤ 8 binades apart: the interpreter's fp16 → e4m3 truncation, see test_mxfp4_moe.py);
-slow: the table tiles compiled offline for sm_90 (wgmma, no spills). GPU (``-m gpu``): against
-the reference at decode sizes T = 1, 3, 16, 64, 256 and CUDA-graph capture and replay.
+CPU: config checks and the decode dispatch; under TRITON_INTERPRET=1 the router + quantization
+launch against ``align_slots_to_blocks`` and ``kernels.fp8``, and the kernels against the W4A8
+reference (tiny shapes, folds ≤ 8 binades apart: the interpreter's fp16 → e4m3 truncation, see
+test_mxfp4_moe.py); slow: the table tiles compiled offline for sm_90 (wgmma, no spills). GPU
+(``-m gpu``): against the reference at decode sizes T = 1, 3, 16, 64, 256, and CUDA-graph
+capture replaying fresh inputs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kernels.mxfp4_moe_decode import (
     MAX_ROUTE_SLOTS,
     SwapABConfig,
     decode_config,
-    route_slots_triton,
+    route_and_quantize,
     use_swap_ab,
 )
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
@@ -42,7 +43,7 @@ def test_decode_dispatch_and_config_checks():
         with pytest.raises(ValueError, match="bad swap-AB config"):
             bad.check(5120, 2304)  # spans=4 does not divide I/128 = 18
     with pytest.raises(ValueError, match="at most 2048 token-slots"):
-        route_slots_triton(torch.zeros(400, 6, dtype=torch.long), 8, 0, 16)
+        route_and_quantize(torch.zeros(400, 6, dtype=torch.long), 8, 0, 16)
 
 
 _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
@@ -50,13 +51,21 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
     import torch
     from kernels.moe_triton import align_slots_to_blocks
     from kernels.mxfp4_moe import moe_mxfp4_reference
-    from kernels.mxfp4_moe_decode import SwapABConfig, route_slots_triton
+    from kernels.fp8 import quantize_per_token_group
+    from kernels.mxfp4_moe import pair_columns
+    from kernels.mxfp4_moe_decode import SwapABConfig, route_and_quantize
     from kernels.mxfp4_moe_triton import moe_mxfp4_triton
     from tests.kernels.test_mxfp4_moe import experts, rel_err, routing
-    for t, k, e, off, bt in [(1, 6, 20, 0, 16), (37, 3, 9, 2, 16), (5, 2, 4, 0, 32), (300, 6, 384, 0, 16)]:
+    for t, k, e, off, bt, d in [(1, 6, 20, 0, 16, 256), (37, 3, 9, 2, 16, 1280), (5, 2, 4, 0, 32, 128),
+                                (300, 6, 384, 0, 16, None)]:
         wts, ids = routing(t, k, e + off + 2, seed=t)  # some choices belong to other ranks
-        got, want = route_slots_triton(ids, e, off, bt), align_slots_to_blocks(ids, e, off, bt)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (t, k, e, off, bt)
+        x = None if d is None else (torch.randn(t, d) * torch.exp2(torch.randint(-6, 6, (t, 1)).float())).bfloat16()
+        slots, blocks, q, s = route_and_quantize(ids, e, off, bt, x, ue8m0=t == 37)
+        want = align_slots_to_blocks(ids, e, off, bt)
+        assert torch.equal(slots, want[0]) and torch.equal(blocks, want[1]), (t, k, e, off, bt)
+        if x is not None:
+            rq, rs = quantize_per_token_group(x, 128, ue8m0=t == 37)
+            assert torch.equal(q.view(torch.uint8), pair_columns(rq).view(torch.uint8)) and torch.equal(s, rs)
     e, d, inter = 5, 256, 256
     w = experts(e, d, inter, seed=4, spread=8)
     C = SwapABConfig
@@ -92,7 +101,7 @@ def test_router_and_swap_ab_kernels_under_interpreter():
 def test_swap_ab_kernels_compile_for_sm90_to_wgmma():
     """Every table tile (and the sweep's 32-slot / 2-span forms): FP8 wgmma (weights as the
     M side), PRMT conversion, cp.async weight streaming, no spills; the router too."""
-    from kernels.mxfp4_moe_decode import _down_swap_kernel, _gate_up_swap_kernel, _route_kernel
+    from kernels.mxfp4_moe_decode import _down_swap_kernel, _gate_up_swap_kernel, _route_quant_kernel
 
     up_ints = ("n_slots", "K", "inter", "top_k", "split_k", "stride_am", "stride_sam", "stride_we", "stride_wn",
                "stride_swe", "stride_swn", "stride_hm", "stride_shm", "stride_ps", "stride_pm")
@@ -117,9 +126,11 @@ def test_swap_ab_kernels_compile_for_sm90_to_wgmma():
                                    num_warps=cfg.block_f_down // 16, num_stages=cfg.num_stages)
         assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (cfg, usage)
         assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx, cfg
-    ints = ("n_slots", "n_local", "expert_offset", "n_rows", "n_blocks")
-    _, usage = _compile_sm90(_route_kernel, dict(IDS="*i64", SLOTS="*i32", BLOCK_EXPERT="*i32", SCRATCH="*i32",
-                             **dict.fromkeys(ints, "i32")), dict(NS=MAX_ROUTE_SLOTS, NB=512, BLOCK_T=16, FILL=1024),
+    ints = ("n_slots", "n_local", "expert_offset", "n_rows", "n_blocks", "K", "parts", "stride_xm", "stride_ym",
+            "stride_sm")
+    _, usage = _compile_sm90(_route_quant_kernel, dict(IDS="*i64", SLOTS="*i32", BLOCK_EXPERT="*i32",
+                             SCRATCH="*i32", X="*bf16", Y="*u8", SY="*fp32", **dict.fromkeys(ints, "i32")),
+                             dict(NS=MAX_ROUTE_SLOTS, NB=512, BLOCK_T=16, FILL=1024, UE8M0=False, QSPANS=8),
                              num_warps=4)
     assert usage.endswith("LOCAL:0"), usage
 
@@ -136,7 +147,7 @@ def _sm90():
 @pytest.mark.parametrize("t", [1, 3, 16, 64, 256])
 def test_gpu_swap_ab_matches_reference(t):
     from kernels.moe_triton import align_slots_to_blocks
-    from kernels.mxfp4_moe_triton import default_config, moe_mxfp4_triton
+    from kernels.mxfp4_moe_triton import default_config, moe_mxfp4_triton, quantize_paired_triton
 
     if not _sm90():
         pytest.skip("W4A8 swap-AB needs SM90 (FP8 wgmma)")
@@ -154,8 +165,11 @@ def test_gpu_swap_ab_matches_reference(t):
         assert rel_err(out, ref) < 5e-3, (t, cfg, rel_err(out, ref))
     rows = moe_mxfp4_triton(x, *local, wts, ids, 10.0, 2, mode="w4a8", config=default_config(t * k, e - 2))
     assert rel_err(rows, ref) < 5e-3  # the token-row kernels agree
-    got, want = route_slots_triton(ids, e - 2, 2, 16), align_slots_to_blocks(ids, e - 2, 2, 16)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    slots, blocks, q, s = route_and_quantize(ids, e - 2, 2, 16, x)
+    want = align_slots_to_blocks(ids, e - 2, 2, 16)
+    assert torch.equal(slots, want[0]) and torch.equal(blocks, want[1])
+    rq, rs = quantize_paired_triton(x)
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
 
 
 @pytest.mark.gpu
