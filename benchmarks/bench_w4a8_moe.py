@@ -99,7 +99,7 @@ def token_row_configs(t: int, k: int, e: int) -> list[MXFP4MoEConfig]:
 
 # swap-AB sweep: the values tried per field, one field at a time from the best so far
 SWAP_AXES = dict(block_f=(64, 128), block_f_down=(64, 128), block_t=(16, 32), spans=(1, 2),
-                 num_stages=(3, 4, 5, 6), split_k=(1, 2, 4), split_k_down=(1, 2, 4))
+                 num_warps=(4, 8), num_stages=(3, 4, 5, 6), split_k=(1, 2, 3, 4, 8), split_k_down=(1, 2, 3, 4))
 
 
 def swap_ab_sweep(timed, base: SwapABConfig, passes: int = 2) -> None:

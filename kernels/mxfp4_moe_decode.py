@@ -2,13 +2,14 @@
 
 At decode an expert sees a handful of tokens, so a token-rows × features tile puts 16 mostly
 padded rows on the MMA's M side, which Triton runs on mma.sync (fp8 widened to fp16 first).
-Here the roles are swapped: the program's *weight* rows (output features, ``block_f`` = 64 per
-warpgroup) are the MMA's M side, converted from FP4 to e4m3 in registers (the fold tables of
-``kernels.mxfp4_moe_triton``, PRMT), and the expert's routed token-slots (``block_t`` = 16 or
-32) are N, read as the K-major e4m3 activation rows; ``tl.dot`` then issues wgmma
-(``test_swap_ab_kernels_compile_for_sm90_to_wgmma``). Same contract and the same numbers as the
-token-row kernels (``kernels.mxfp4_moe.moe_mxfp4_reference``, ``w4a8``): every product of a
-K span of 128 is promoted once by ``sa[token] · 2^(s_max[feature] − 127)``.
+Here the roles are swapped: the program's *weight* rows (output features, ``block_f`` = 64 or
+128; wgmma's M is 64 rows per warpgroup) are the MMA's M side, converted from FP4 to e4m3 in
+registers (the fold tables of ``kernels.mxfp4_moe_triton``, PRMT), and the expert's routed
+token-slots (``block_t`` = 16 or 32) are N, read as K-major e4m3 activation rows; ``tl.dot``
+then issues wgmma (``test_swap_ab_kernels_compile_for_sm90_to_wgmma``). Same contract and
+the same numbers as the token-row kernels (``kernels.mxfp4_moe.moe_mxfp4_reference``,
+``w4a8``): every product of a K span of 128 is promoted once by
+``sa[token] · 2^(s_max[feature] − 127)``.
 
 One call, every shape fixed by (T, k, E_local, the config), no host sync (graph-safe):
 
@@ -61,24 +62,27 @@ MAX_ROUTE_SLOTS = 2048  # T·k the one-program router sorts (T = 341 at top-6)
 @dataclass(frozen=True)
 class SwapABConfig:
     """Swap-AB tiles. ``block_f`` / ``block_f_down``: features (MMA rows) per program of gate/up
-    (gate and up rows each) and of down, 64 per warpgroup (num_warps = block_f / 16);
+    (gate and up rows each) and of down, at least 16 per warp (a warpgroup's wgmma is 64 rows);
     ``block_t``: token-slots per expert block (MMA N); ``spans``: K spans of 128 per loop step;
     ``split_k`` / ``split_k_down``: K splits over programs (fp32 partials, fixed-order sums)."""
 
     block_f: int = 128
-    block_f_down: int = 64
+    block_f_down: int = 128
     block_t: int = 16
     spans: int = 1
     split_k: int = 1
     split_k_down: int = 1
+    num_warps: int = 4
     num_stages: int = 4
 
     def check(self, d: int, inter: int) -> None:
         ok = (self.block_f in (64, 128) and self.block_f_down in (64, 128) and self.block_t in (16, 32)
-              and self.spans in (1, 2, 4) and self.split_k >= 1 and self.split_k_down >= 1 and self.num_stages >= 1)
+              and self.spans in (1, 2, 4) and self.split_k >= 1 and self.split_k_down >= 1 and self.num_stages >= 1
+              and self.num_warps in (4, 8) and 16 * self.num_warps <= min(self.block_f, self.block_f_down))
         if not ok or (d // SPAN) % self.spans or (inter // SPAN) % self.spans:
             raise ValueError(f"bad swap-AB config {self}: block_f/block_f_down 64 or 128, block_t 16 or 32, "
-                             f"spans 1/2/4 dividing D/128={d // SPAN} and I/128={inter // SPAN}, splits >= 1")
+                             f"spans 1/2/4 dividing D/128={d // SPAN} and I/128={inter // SPAN}, splits >= 1, "
+                             f"4 or 8 warps of at least 16 features each")
 
     @property
     def fused(self) -> bool:
@@ -86,14 +90,18 @@ class SwapABConfig:
         return self.split_k == 1 and self.block_f == SPAN
 
 
-# (max experts in use, config): few experts (batch 1..2) need K splits for enough programs per
-# SM (6 experts × 36 gate/up blocks of 64 features = 216 programs on 132 SMs); from a few dozen
-# experts on there are thousands of programs and the fused 128-feature gate/up skips the partials.
-# First choices from the program counts (no device yet); `bench_w4a8_moe.py --sweep` fixes them.
+# (max experts in use = min(T·k, E_local), config). 128 features on 4 warps: the conversion's
+# fixed per-step work (scale maxima, table rows, barriers, wgmma fences) is spread over twice
+# the bytes of 64 rows (offline sm_90 SASS: ~0.15 issued instructions per weight byte for
+# gate/up and 0.16 for down, against 0.20 / 0.22 at 64 rows). Batch 1-2 (6-12 experts: 108-216
+# gate/up programs of 128 features for 132 SMs) splits K so that every SM streams 2-3
+# programs; from a few dozen experts on the grid is thousands of programs and the fused gate/up
+# writes h directly. First choices from program counts and SASS (no device yet);
+# `bench_w4a8_moe.py --sweep` measures them and prints rows in this form.
 DECODE_TABLE = (
-    (8, SwapABConfig(64, 64, 16, 1, split_k=2, split_k_down=2, num_stages=4)),
-    (32, SwapABConfig(64, 64, 16, 1, split_k=1, split_k_down=1, num_stages=4)),
-    (None, SwapABConfig(128, 64, 16, 1, num_stages=4)),
+    (8, SwapABConfig(128, 128, 16, 1, split_k=4, split_k_down=2)),
+    (16, SwapABConfig(128, 128, 16, 1, split_k=2, split_k_down=1)),
+    (None, SwapABConfig(128, 128, 16, 1)),
 )
 MAX_DECODE_ROWS_PER_EXPERT = 8  # average T·k / E_local up to which decode takes swap-AB
 
@@ -359,7 +367,7 @@ def moe_mxfp4_w4a8_swap_ab(
         a.stride(0), sa.stride(0), w13.stride(0), w13.stride(1), s13.stride(0), s13.stride(1),
         hid.stride(0), sh.stride(0), 0 if fused else part.stride(0), 0 if fused else part.stride(1),
         CLAMP=limit > 0, UE8M0=ue8m0, FUSED=fused, BLOCK_T=cfg.block_t, BLOCK_F=cfg.block_f, SPANS=cfg.spans,
-        CONVERT=convert, num_warps=cfg.block_f // 16, num_stages=cfg.num_stages)
+        CONVERT=convert, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fused:
         fin_m = 16
         _finish_gate_up_kernel[(rows // fin_m, inter // SPAN)](
@@ -374,7 +382,7 @@ def moe_mxfp4_w4a8_swap_ab(
         n_slots, inter, cfg.split_k_down,
         h.stride(0), sh.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), y.stride(1),
         SPLIT=split, BLOCK_T=cfg.block_t, BLOCK_F=cfg.block_f_down, SPANS=cfg.spans, CONVERT=convert,
-        num_warps=cfg.block_f_down // 16, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     sum_block = min(1024, triton.next_power_of_2(d))
     ids = topk_ids.contiguous()
     if split:

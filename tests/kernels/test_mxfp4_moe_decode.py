@@ -39,7 +39,8 @@ def test_decode_dispatch_and_config_checks():
     assert decode_config(1536, 384).fused and not decode_config(6, 384).fused
     for _, cfg in DECODE_TABLE:
         cfg.check(5120, 2304)  # V4.1-Flash
-    for bad in (SwapABConfig(block_f=32), SwapABConfig(block_t=8), SwapABConfig(spans=4), SwapABConfig(split_k=0)):
+    for bad in (SwapABConfig(block_f=32), SwapABConfig(block_t=8), SwapABConfig(spans=4), SwapABConfig(split_k=0),
+                SwapABConfig(block_f_down=64, num_warps=8)):
         with pytest.raises(ValueError, match="bad swap-AB config"):
             bad.check(5120, 2304)  # spans=4 does not divide I/128 = 18
     with pytest.raises(ValueError, match="at most 2048 token-slots"):
@@ -70,7 +71,8 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
     w = experts(e, d, inter, seed=4, spread=8)
     C = SwapABConfig
     cases = [  # (T, k, allowed experts, expert_offset, limit, config)
-        (3, 2, [0, 1, 3], 0, 1.0, C(128, 64, 16)),                          # fused gate/up
+        (3, 2, [0, 1, 3], 0, 1.0, C(128, 64, 16)),                          # fused gate/up, 4 warps
+        (4, 2, None, 0, 1.0, C(128, 128, 16, num_warps=8)),                 # 8 warps
         (5, 2, None, 1, 0.0, C(64, 128, 16, 2, split_k=2, split_k_down=3)),  # foreign experts, splits, 2 spans
         (20, 1, [2], 0, 1.0, C(64, 64, 16)),                                # one expert, two blocks
         (20, 3, None, 0, 1.0, C(128, 64, 32, 1, split_k_down=2)),           # 32-slot blocks
@@ -108,14 +110,15 @@ def test_swap_ab_kernels_compile_for_sm90_to_wgmma():
     down_ints = ("n_slots", "K", "split_k", "stride_am", "stride_sam", "stride_we", "stride_wn", "stride_swe",
                  "stride_swn", "stride_ys", "stride_ym")
     common = dict(SA="*fp32", W="*i8", SW="*u8", SLOTS="*i32", BLOCK_EXPERT="*i32", LUT="*i32", A="*fp8e4nv")
-    cfgs = {cfg for _, cfg in DECODE_TABLE} | {SwapABConfig(64, 64, 32, 2, split_k=2, split_k_down=2)}
+    cfgs = {cfg for _, cfg in DECODE_TABLE} | {SwapABConfig(64, 64, 32, 2, split_k=2, split_k_down=2),
+                                                SwapABConfig(128, 128, 16, 2, num_warps=8, num_stages=3)}
     for cfg in sorted(cfgs, key=str):
         types = dict(common, H="*u8", SH="*fp32", P="*fp32", TOPK_W="*fp32", limit="fp32",
                      **dict.fromkeys(up_ints, "i32"))
         consts = dict(CLAMP=True, UE8M0=False, FUSED=cfg.fused, BLOCK_T=cfg.block_t, BLOCK_F=cfg.block_f,
                       SPANS=cfg.spans, CONVERT=1)
         ptx, usage = _compile_sm90(_gate_up_swap_kernel, types, consts, divisible=("K", "inter"),
-                                   num_warps=cfg.block_f // 16, num_stages=cfg.num_stages)
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (cfg, usage)
         assert f"wgmma.mma_async.sync.aligned.m64n{cfg.block_t}k32.f32.e4m3.e4m3" in ptx, cfg
         assert "prmt.b32" in ptx and "cp.async" in ptx and "mma.sync" not in ptx, cfg
@@ -123,7 +126,7 @@ def test_swap_ab_kernels_compile_for_sm90_to_wgmma():
         types = dict(common, Y="*fp32" if split else "*bf16", **dict.fromkeys(down_ints, "i32"))
         consts = dict(SPLIT=split, BLOCK_T=cfg.block_t, BLOCK_F=cfg.block_f_down, SPANS=cfg.spans, CONVERT=1)
         ptx, usage = _compile_sm90(_down_swap_kernel, types, consts, divisible=("K",),
-                                   num_warps=cfg.block_f_down // 16, num_stages=cfg.num_stages)
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (cfg, usage)
         assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx, cfg
     ints = ("n_slots", "n_local", "expert_offset", "n_rows", "n_blocks", "K", "parts", "stride_xm", "stride_ym",
