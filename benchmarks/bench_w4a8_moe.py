@@ -116,7 +116,7 @@ def swap_ab_sweep(timed, base: SwapABConfig, passes: int = 2) -> None:
                     best, best_us = cand, us
 
 
-def bench_tokens(t: int, shape: dict, w, sweep: bool, sweep_rows: bool, hbm: float) -> list[dict]:
+def bench_tokens(t: int, shape: dict, w, sweep: int, sweep_rows: bool, hbm: float) -> list[dict]:
     e, k, d, inter, limit = shape["e"], shape["k"], shape["d"], shape["inter"], shape["limit"]
     wts, ids = routing(t, e, k, seed=t)
     x = torch.randn(t, d, device="cuda").bfloat16()
@@ -162,7 +162,7 @@ def bench_tokens(t: int, shape: dict, w, sweep: bool, sweep_rows: bool, hbm: flo
         if path == "w4a8 swap-AB":
             default = decode_config(t * k, e)
             if sweep:
-                swap_ab_sweep(timed, default)
+                swap_ab_sweep(timed, default, passes=sweep)
             else:
                 timed(default)
         elif path == "w4a8 token rows":
@@ -208,6 +208,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 8192])
     ap.add_argument("--sweep", action="store_true", help="also time other swap-AB configs; report the best correct one")
+    ap.add_argument("--passes", type=int, default=2, help="coordinate-descent passes of --sweep")
     ap.add_argument("--sweep-token-rows", action="store_true", help="also sweep the token-row tiles (prefill)")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -216,7 +217,7 @@ def main() -> None:
     w = random_experts(shape["e"], shape["d"], shape["inter"])
     rows = []
     for t in args.tokens:
-        rows += bench_tokens(t, shape, w, args.sweep, args.sweep_token_rows, hbm)
+        rows += bench_tokens(t, shape, w, args.passes if args.sweep else 0, args.sweep_token_rows, hbm)
     path = args.json or (os.path.join(os.environ["OUT"], "bench_w4a8_moe.json") if os.environ.get("OUT") else None)
     if path:
         with open(path, "w") as f:

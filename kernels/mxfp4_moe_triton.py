@@ -122,10 +122,9 @@ if triton is not None:
     _LUT_ASM = tl.constexpr("""
     {
     .reg .b32 s, a, b, t;
-    and.b32 s, $2, 0x7777;
+    and.b32 s, $2, 0x77777777;
     prmt.b32 a, $3, $7, s;
-    shr.u32 s, $2, 16;
-    and.b32 s, s, 0x7777;
+    shr.u32 s, s, 16;
     prmt.b32 b, $3, $7, s;
     prmt.b32 $0, a, b, 0x6420;
     prmt.b32 $1, a, b, 0x7531;
