@@ -64,8 +64,8 @@ from kernels.attention.prefill import SdpaPrefill, TorchPrefill
 from kernels.attention.torch_decode import TorchDecode
 from kernels.attention.triton_decode import TritonDecode
 from kernels.attention.trtllm_decode import TrtllmDecode
-from kernels.attention.v4_sparse_decode import (V4_DECODE_BACKENDS, TorchV4SparseDecode, TritonV4SparseDecode,
-                                               V4SparseDecodeBackend, select_v4_decode_backend)
+from kernels.attention.v4_sparse_decode import (V4_DECODE_BACKENDS, CudaV4SparseDecode, TorchV4SparseDecode,
+                                               TritonV4SparseDecode, V4SparseDecodeBackend, select_v4_decode_backend)
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,7 @@ REFERENCE_DECODE = TorchDecode()  # what a forward context without a chosen back
 __all__ = ["DECODE_BACKENDS", "PREFILL_BACKENDS", "REFERENCE_DECODE", "AttentionSpec", "BackendSupport",
            "BackendUnavailable", "CudaDecode", "DecodeBackend", "DecodeMetadata", "FlashInferDecode",
            "FlashInferPrefill", "PrefillBackend", "PrefillMetadata", "SdpaPrefill", "TorchDecode", "TorchPrefill",
-           "TritonDecode", "TrtllmDecode", "V4_DECODE_BACKENDS", "TorchV4SparseDecode", "TritonV4SparseDecode",
+           "TritonDecode", "TrtllmDecode", "V4_DECODE_BACKENDS", "CudaV4SparseDecode", "TorchV4SparseDecode",
+           "TritonV4SparseDecode",
            "V4SparseDecodeBackend", "select_v4_decode_backend", "auto_decode_backend", "auto_prefill_backend",
            "default_prefill_backend", "select_decode_backend", "select_prefill_backend"]
