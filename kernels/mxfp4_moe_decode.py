@@ -92,15 +92,15 @@ class SwapABConfig:
 
 # (max experts in use = min(T·k, E_local), config). 128 features on 4 warps: the conversion's
 # fixed per-step work (scale maxima, table rows, barriers, wgmma fences) is spread over twice
-# the bytes of 64 rows (offline sm_90 SASS: ~0.15 issued instructions per weight byte for
-# gate/up and 0.16 for down, against 0.20 / 0.22 at 64 rows). Batch 1-2 (6-12 experts: 108-216
-# gate/up programs of 128 features for 132 SMs) splits K so that every SM streams 2-3
-# programs; from a few dozen experts on the grid is thousands of programs and the fused gate/up
+# the bytes of 64 rows (offline sm_90 SASS: ~0.14 issued instructions per weight byte for
+# gate/up and 0.16 for down, against 0.20 / 0.22 at 64 rows). ~168 registers: 3 programs per
+# SM, 396 on an H200, so a grid should fit one wave. Batch 1 (6 experts: 108 gate/up programs
+# of 128 features) splits K in 3 (324 programs; 4 would spill into a second wave) and down
+# (240) in 2; from a dozen experts on the unsplit grid fills the SMs and the fused gate/up
 # writes h directly. First choices from program counts and SASS (no device yet);
 # `bench_w4a8_moe.py --sweep` measures them and prints rows in this form.
 DECODE_TABLE = (
-    (8, SwapABConfig(128, 128, 16, 1, split_k=4, split_k_down=2)),
-    (16, SwapABConfig(128, 128, 16, 1, split_k=2, split_k_down=1)),
+    (8, SwapABConfig(128, 128, 16, 1, split_k=3, split_k_down=2)),
     (None, SwapABConfig(128, 128, 16, 1)),
 )
 MAX_DECODE_ROWS_PER_EXPERT = 8  # average T·k / E_local up to which decode takes swap-AB
