@@ -92,15 +92,16 @@ class SwapABConfig:
 
 # (max experts in use = min(T·k, E_local), config). 128 features on 4 warps: the conversion's
 # fixed per-step work (scale maxima, table rows, barriers, wgmma fences) is spread over twice
-# the bytes of 64 rows (offline sm_90 SASS: ~0.14 issued instructions per weight byte for
-# gate/up and 0.16 for down, against 0.20 / 0.22 at 64 rows). ~168 registers: 3 programs per
-# SM, 396 on an H200, so a grid should fit one wave. Batch 1 (6 experts: 108 gate/up programs
-# of 128 features) splits K in 3 (324 programs; 4 would spill into a second wave) and down
-# (240) in 2; from a dozen experts on the unsplit grid fills the SMs and the fused gate/up
-# writes h directly. First choices from program counts and SASS (no device yet);
-# `bench_w4a8_moe.py --sweep` measures them and prints rows in this form.
+# the bytes of 64 rows (offline sm_90 SASS: ~0.145 issued instructions per weight byte for
+# gate/up and 0.16 for down, against 0.20 / 0.22 at 64 rows). 4 stages: 3 weight buffers;
+# gate/up 165 registers and 82 KB of shared memory (2 programs per SM), down 127 registers and
+# 45 KB (4 per SM). Batch 1 (6 experts: 108 gate/up programs of 128 features, 240 down) splits
+# K in 2 / 2, which still fits one wave (216 of 264, 480 of 528 resident); from a dozen experts
+# on the unsplit grid fills the SMs and the fused gate/up writes h directly. First choices from
+# program counts and SASS (no device yet); `bench_w4a8_moe.py --sweep` measures them and prints
+# rows in this form.
 DECODE_TABLE = (
-    (8, SwapABConfig(128, 128, 16, 1, split_k=3, split_k_down=2)),
+    (8, SwapABConfig(128, 128, 16, 1, split_k=2, split_k_down=2)),
     (None, SwapABConfig(128, 128, 16, 1)),
 )
 MAX_DECODE_ROWS_PER_EXPERT = 8  # average T·k / E_local up to which decode takes swap-AB
@@ -173,7 +174,11 @@ if triton is not None:
         j = tl.arange(0, 16)
         rows = rf.to(tl.int64)
         b = tl.load(W + rows[:, None, None] * stride_wn + kb * 64 + g[None, :, None] * 16 + j[None, None, :])
-        s = tl.load(S + rows[:, None] * stride_sn + kb * 4 + g[None, :]).to(tl.int32) & 0xFF
+        # Scale bytes one by one (``one`` hides their contiguity): as 4-byte vectors they would be
+        # cp.async'ed, the first level of a load chain whose second level (the table rows) then
+        # leaves the weight bytes a single pipeline buffer instead of num_stages - 1.
+        one = stride_sn // stride_sn
+        s = tl.load(S + rows[:, None] * stride_sn + kb * 4 + g[None, :] * one).to(tl.int32) & 0xFF
         smax = tl.max(s, 1)
         row = tl.minimum(smax[:, None] - s, 13) * 2
         tlo = tl.load(LUT + row)[:, :, None]

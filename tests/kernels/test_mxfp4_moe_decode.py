@@ -129,6 +129,13 @@ def test_swap_ab_kernels_compile_for_sm90_to_wgmma():
                                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (cfg, usage)
         assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx, cfg
+    # the weight bytes get num_stages - 1 shared-memory buffers (not 1: see _fold_rows' scale load)
+    cfg = DECODE_TABLE[-1][1]
+    ttgir = _ttgir(_gate_up_swap_kernel, dict(common, H="*u8", SH="*fp32", P="*fp32", TOPK_W="*fp32", limit="fp32",
+                   **dict.fromkeys(up_ints, "i32")),
+                   dict(CLAMP=True, UE8M0=False, FUSED=True, BLOCK_T=16, BLOCK_F=cfg.block_f, SPANS=1, CONVERT=1),
+                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert f"memdesc<{cfg.num_stages - 1}x{cfg.block_f}x4x16xi8" in ttgir
     ints = ("n_slots", "n_local", "expert_offset", "n_rows", "n_blocks", "K", "parts", "stride_xm", "stride_ym",
             "stride_sm")
     _, usage = _compile_sm90(_route_quant_kernel, dict(IDS="*i64", SLOTS="*i32", BLOCK_EXPERT="*i32",
@@ -136,6 +143,22 @@ def test_swap_ab_kernels_compile_for_sm90_to_wgmma():
                              dict(NS=MAX_ROUTE_SLOTS, NB=512, BLOCK_T=16, FILL=1024, UE8M0=False, QSPANS=8),
                              num_warps=4)
     assert usage.endswith("LOCAL:0"), usage
+
+
+def _ttgir(fn, types, consts, **options):
+    """TTGIR of an sm_90 compile (pointers and strides 16-divisible, as at run time)."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: "constexpr" if n in consts else types[n] for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n not in consts and (types[n].startswith("*") or n.startswith("stride") or n in ("K", "inter"))}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options).asm["ttgir"]
 
 
 # ----------------------------------------------------------------------------- GPU
