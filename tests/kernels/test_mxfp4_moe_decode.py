@@ -200,6 +200,20 @@ def test_gpu_swap_ab_matches_reference(t):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_gpu_router_at_v41_expert_counts():
+    """384 local experts (a 512-bin histogram), up to the 2048-slot sort, expert parallelism."""
+    from kernels.moe_triton import align_slots_to_blocks
+
+    for t, k, n_local, offset, bt in [(1, 6, 384, 0, 16), (256, 6, 384, 0, 16), (341, 6, 384, 0, 32),
+                                      (64, 6, 48, 96, 16), (2048, 1, 384, 0, 16)]:
+        _, ids = routing(t, k, 384, seed=t, device="cuda")
+        slots, blocks, _, _ = route_and_quantize(ids, n_local, offset, bt)
+        want = align_slots_to_blocks(ids, n_local, offset, bt)
+        assert torch.equal(slots, want[0]) and torch.equal(blocks, want[1]), (t, k, n_local, offset, bt)
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("t", [1, 16])
 def test_gpu_swap_ab_graph_capture_replays_fresh_inputs(t):
     from kernels.mxfp4_moe_triton import moe_mxfp4_triton
