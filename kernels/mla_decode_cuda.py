@@ -140,13 +140,14 @@ def cache_dir() -> Path:
 
 
 def build_library(nvcc: str | None = None, out_dir: Path | None = None, sources: tuple[Path, ...] = SOURCES,
-                  headers: tuple[Path, ...] = HEADERS, name: str = "mla_decode_sm90a") -> Path:
-    """Compile ``sources`` (default: the MLA decode kernels) into the library ``name`` unless a
-    build of these exact sources, headers and flags exists."""
+                  headers: tuple[Path, ...] = HEADERS, name: str = "mla_decode_sm90a",
+                  flags: tuple[str, ...] = NVCC_FLAGS) -> Path:
+    """Compile ``sources`` (default: the MLA decode kernels) with ``flags`` into the library
+    ``name`` unless a build of these exact sources, headers and flags exists."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
-        raise CudaKernelUnavailable("the cuda attention backend needs nvcc (set CUDA_HOME or put nvcc on PATH)")
-    digest = hashlib.sha256(" ".join(NVCC_FLAGS).encode())
+        raise CudaKernelUnavailable("the cuda backend needs nvcc (set CUDA_HOME or put nvcc on PATH)")
+    digest = hashlib.sha256(" ".join(flags).encode())
     for path in (*sources, *headers):
         digest.update(path.read_bytes())
     key = digest.hexdigest()[:16]
@@ -160,7 +161,7 @@ def build_library(nvcc: str | None = None, out_dir: Path | None = None, sources:
         if lib.exists():
             return lib
         tmp = lib.with_suffix(f".tmp{os.getpid()}")
-        cmd = [nvcc, *NVCC_FLAGS, "-o", str(tmp), *map(str, sources)]
+        cmd = [nvcc, *flags, "-o", str(tmp), *map(str, sources)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             names = ", ".join(path.name for path in sources)

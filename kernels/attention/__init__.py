@@ -29,7 +29,9 @@ The cuda backend's kernels run P.V in FP8 (P as e4m3): 1.5e-2 relative error aga
 on the same FP8 inputs, vs 2e-3 for Triton, which keeps P in fp16 (``--attention-backend triton``).
 
 V4 / V4.1 sparse decode (window rows ‖ selected compressed entries, quantized records) has its
-own registry (``kernels/attention/v4_sparse_decode.py``: triton on SM90, else torch).
+own registry (``kernels/attention/v4_sparse_decode.py``: triton on SM90, else torch), and so
+does V4.1's lightning indexer on packed key records (``kernels/attention/v4_indexer.py``:
+triton on CUDA, else the model's own torch path).
 
 Prefill (the non-absorbed causal attention of a step's prompt chunks, each over its cached
 prefix and itself; ``--prefill-attention-backend``) is chosen separately

@@ -1,10 +1,11 @@
 // Hopper (sm_90a) asynchronous primitives the wgmma kernels use: wgmma (FP8, operands from shared
 // memory or A from registers) and its shared-memory matrix descriptors, the generic -> async
-// proxy fence, mbarriers and TMA box loads. Thin inline-PTX wrappers; the layouts they assume are
-// spelled out at each one.
+// proxy fence, mbarriers and TMA box loads, and (host side) the lookup of the driver's tensor-map
+// encoder. Thin inline-PTX wrappers; the layouts they assume are spelled out at each one.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap only: the driver is reached through the runtime
+#include <cuda_runtime.h>
 #include <stdint.h>
 
 namespace {
@@ -70,6 +71,14 @@ __device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* ma
   asm volatile(
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
       ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(z), "r"(bar) : "memory");
+}
+
+// One box of a 2-D tensor map (coordinates in elements, innermost first) to shared memory,
+// completing `bar`'s transaction count.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar) : "memory");
 }
 
 // The accumulators must stay put while a wgmma reads or writes them; this keeps the compiler
@@ -187,5 +196,22 @@ template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
+// cuTensorMapEncodeTiled, looked up through the runtime (no link against the driver library).
+using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiledFn encode_tiled() {
+  static EncodeTiledFn fn = nullptr;
+  if (fn == nullptr) {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) ==
+            cudaSuccess && found == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<EncodeTiledFn>(ptr);
+  }
+  return fn;
+}
 
 }  // namespace
