@@ -6,17 +6,20 @@ alone: the other DP rank runs dummy forwards); and with prefix caching (state sn
 TP workers restore and take the same snapshots as the engine; V4.1: DEP, each DP engine
 keeping its own). A TP size that does not split the heads / output groups is one error line.
 
-The bundled tiny fixtures tests/fixtures/dev-v4-s0 and dev-v41-s0 (4 heads, 2 output groups,
-4 experts); model-level TP / DP is tests/distributed/test_v4_model_parallel.py.
+V4: the bundled tiny fixture tests/fixtures/dev-v4-s0 (4 heads, 2 output groups, 4 experts).
+V4.1: tiny-v41 (the same split, 8 layers, engram) written in the released format, FP8 linears
+and MXFP4 routed experts: under ``-tp 2`` the experts' 16-wide slices are dequantized to
+per-expert modules, under DEP each rank keeps its two whole experts stacked MXFP4. The HF-named
+fixture dev-v41-s0 under TP / DP is tests/distributed/test_v4_model_parallel.py (model level).
 
 Tolerance on logprobs: V4 5e-5 on every one (fp32, only the order of the partial sums differs,
 see that module). V4.1 keeps its FP8 / FP4 activation roundings on, and a 1e-7 difference in
-a value on a rounding boundary moves it by a whole quantization step: measured here, one
-flipped sliding-window row moves the 8 logprobs that attend to it by up to 2e-4 (the model
-test saw 9e-3 once). So V4.1 needs the *median* within 5e-5 and every one within 2e-2. A
-wrong shard misses both by far (measured with deliberately broken shards: rank 1's two heads
-swapped in wq_b, its attention sinks swapped, or DEP rank 1's two experts swapped give a
-median of 0.027-0.048 and a maximum of 0.27-0.57, while the greedy texts stayed the same).
+a value on a rounding boundary moves it by a whole quantization step (one flipped
+sliding-window row moves the 8 logprobs that attend to it; measured here up to 5e-4, the
+model test saw 9e-3), so V4.1 needs the *median* within 5e-5 and every one within 2e-2. A
+wrong shard misses both by far: deliberately broken shards (rank 1's two heads swapped in
+wq_b, or its two attention sinks, or DEP rank 1's two experts) gave medians of 0.09-0.37 and
+maxima of 0.9-2.5, and changed the greedy texts.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ import pytest
 
 from tests.server import test_v4_serving as serving
 from tests.server.live_server import live_server
+from tests.server.test_v41_mxfp4_serving import mxfp4_checkpoint
 
 pytestmark = pytest.mark.slow
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures")
-V4, V41 = os.path.join(FIXTURES, "dev-v4-s0"), os.path.join(FIXTURES, "dev-v41-s0")
+V4 = os.path.join(FIXTURES, "dev-v4-s0")
 FLAGS = ("--device", "cpu", "--served-model-name", "m", "--block-size", "16", "--max-num-batched-tokens", "11",
          "--max-num-seqs", "8", "--num-gpu-blocks-override", "3", "--disable-log-stats")
 TOL = 5e-5
@@ -90,8 +94,13 @@ def reference(tokenizer_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference_v41(tokenizer_dir) -> dict:
-    return _serve_and_query(V41, tokenizer_dir, "--no-enable-prefix-caching")
+def v41_checkpoint(tmp_path_factory) -> str:
+    return mxfp4_checkpoint(str(tmp_path_factory.mktemp("v41-released")))
+
+
+@pytest.fixture(scope="module")
+def reference_v41(v41_checkpoint, tokenizer_dir) -> dict:
+    return _serve_and_query(v41_checkpoint, tokenizer_dir, "--no-enable-prefix-caching")
 
 
 def _assert_same(got: dict, ref: dict, max_tol: float = TOL) -> None:
@@ -126,17 +135,17 @@ def test_tp2_with_prefix_caching_matches_tp1(reference, tokenizer_dir):
     assert got["prefix_cache_hits"] == cached["prefix_cache_hits"]
 
 
-def test_v41_tp2_matches_tp1(reference_v41, tokenizer_dir):
+def test_v41_tp2_matches_tp1(reference_v41, v41_checkpoint, tokenizer_dir):
     assert reference_v41["preemptions"] > 0
-    got = _serve_and_query(V41, tokenizer_dir, "-tp", "2", "--no-enable-prefix-caching")
+    got = _serve_and_query(v41_checkpoint, tokenizer_dir, "-tp", "2", "--no-enable-prefix-caching")
     _assert_same(got, reference_v41, V41_MAX_TOL)
     assert got["preemptions"] == reference_v41["preemptions"]
 
 
-def test_v41_dep2_with_prefix_caching_matches_tp1(reference_v41, tokenizer_dir):
+def test_v41_dep2_with_prefix_caching_matches_tp1(reference_v41, v41_checkpoint, tokenizer_dir):
     """Each DP engine snapshots and restores its own requests' states (the n = 2 siblings from
     the first one's) while the MoE layers dispatch over both ranks."""
-    got = _serve_and_query(V41, tokenizer_dir, "-dp", "2", "--enable-expert-parallel")
+    got = _serve_and_query(v41_checkpoint, tokenizer_dir, "-dp", "2", "--enable-expert-parallel")
     assert got["prefix_cache_hits"] > 0
     _assert_same(got, reference_v41, V41_MAX_TOL)
 
