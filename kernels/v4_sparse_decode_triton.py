@@ -403,6 +403,12 @@ def v4_sparse_decode_triton(
     """(out [B, s_q, H, 512] bf16, lse [B, s_q, H] float32); no host sync (CUDA-graph safe
     with ``out``/``lse`` passed in)."""
     check_inputs(q, scopes, sinks)
+    for i, sc in enumerate(scopes):
+        # the record gathers assume 8-byte pages (what the pools allocate); a cache shifted to
+        # 4 mod 16 read wrong values on an H200 instead of failing, so refuse it here
+        if sc.cache.data_ptr() % 8 or sc.cache.stride(0) % 8:
+            raise ValueError(f"scopes[{i}].cache: pages must start on 8 bytes (at {sc.cache.data_ptr() % 16} "
+                             f"mod 16, page stride {sc.cache.stride(0)})")
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"q must be bf16 or fp16, got {q.dtype}")
     if q.stride(-1) != 1:

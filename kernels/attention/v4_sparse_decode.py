@@ -88,8 +88,8 @@ class TritonV4SparseDecode(V4SparseDecodeBackend):
 
 
 class CudaV4SparseDecode(TritonV4SparseDecode):
-    """The CUDA C++ kernels for V4 records; a call whose caches they do not read (pages not on
-    8 bytes) runs the Triton kernel instead. The library is built in
+    """The CUDA C++ kernels for V4 records; a call whose records they do not read (V4.1's) runs
+    the Triton kernel instead (which, like them, refuses pages not on 8 bytes). The library is built in
     ``unsupported_reason``, so a failed build is a start-up fallback, not a first-step error."""
 
     name = "cuda"

@@ -351,7 +351,7 @@ def test_decode_picks_replay_in_a_cuda_graph():
     new queries and counts written in place: each replay equals an eager reference run."""
     cfg = _config(index_head_dim=128, index_n_heads=32, candidate_topk_blocks=16, index_topk=64)
     idx = _indexer(cfg, cfg.candidate_source_layer_id, 11).cuda()
-    idx.backend = choose_indexer("auto", "fp8", "cuda", 128)
+    idx.backend = choose_indexer("triton", "fp8", "cuda", 128)
     counts = [0, 37, 300, 999]
     pool, tables, _, n = _paged_keys(counts, 128, 64, seed=12, device="cuda")
     b = len(counts)

@@ -164,7 +164,7 @@ def test_registry_auto_picks_cuda_for_v4_records():
     assert select_v4_decode_backend("auto", spec, ("v4", "v41_entry")).name == "triton"
     small = AttentionSpec(dev, torch.uint8, 16, 512, 64, 64, SCALE, torch.bfloat16, 2)
     assert select_v4_decode_backend("auto", small, ("v4",)).name == "cuda"
-    # one-record row caches (the serving pools), both kernels; a cache on 4 bytes goes to Triton
+    # one-record row caches (the serving pools), both kernels; a cache on 4 bytes is refused
     gen = torch.Generator().manual_seed(3)
     for heads in (64, 16):
         q, rows, _ = row_record_case(3, heads, 96, "v4", gen, device="cuda")
@@ -175,5 +175,5 @@ def test_registry_auto_picks_cuda_for_v4_records():
         assert (lse.double() - want_lse).abs().max().item() < LSE_TOL, heads
         buf = torch.empty(rows.cache.numel() + 8, dtype=torch.uint8, device="cuda")
         shifted = buf[4:4 + rows.cache.numel()].view(rows.cache.shape).copy_(rows.cache)
-        out, _ = backend.decode(q, [SparseKV(shifted, rows.indices, "v4")], sinks, SCALE)
-        assert rel_err(out, want) <= REL_TOL, heads
+        with pytest.raises(ValueError, match=r"scopes\[0\]\.cache: pages must start on 8 bytes"):
+            backend.decode(q, [SparseKV(shifted, rows.indices, "v4")], sinks, SCALE)
