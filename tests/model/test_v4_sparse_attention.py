@@ -92,6 +92,58 @@ def test_backend_choice_and_errors():
         model.configure_cache("fp8", attention_backend="flashinfer")
 
 
+CHUNKS = [0, 5, 6, 17, 30, 31, 45]  # prompt chunk bounds: starts > 0, chunks straddling every ratio's windows
+
+
+def _attended_reads(monkeypatch, read: list) -> None:
+    real_get = RowPool.get
+    monkeypatch.setattr(RowPool, "get", lambda self, layer, rows: read.append(self.name) or real_get(self, layer, rows))
+
+
+@pytest.mark.parametrize("kv", ["fp8", "auto"])
+@pytest.mark.parametrize("name", sorted(FIXTURES))
+def test_prefill_backend_equals_torch_attention_on_fixtures(name, kv, monkeypatch):
+    """Chunked prompts through the sparse-prefill reference backend (pool rows read in place)
+    give the logits of the model's torch attention (gathered rows and masks), chunk by chunk,
+    and leave the same cache rows behind."""
+    from kernels.attention import TorchV4SparsePrefill
+
+    model = load_v4_family(FIXTURES[name], torch.float64, "cpu")
+    model.configure_cache(kv, page_rows=4)
+    assert model.sparse_prefill is None  # auto on a CPU: the torch attention
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(2, model.config.vocab_size, (CHUNKS[-1],), generator=g)
+    want_state, got_state = model.new_state(), model.new_state()
+    read: list = []
+    with torch.no_grad():
+        for a, b in zip(CHUNKS, CHUNKS[1:]):
+            want = _logits(model, model(ids[a:b], want_state))
+            model.sparse_prefill = TorchV4SparsePrefill()
+            _attended_reads(monkeypatch, read)
+            try:
+                got = _logits(model, model(ids[a:b], got_state))
+            finally:
+                monkeypatch.undo()
+                model.sparse_prefill = None
+            assert not got.isnan().any()
+            assert (got - want).abs().max().item() < 5e-5, (a, b)
+        after_want = _logits(model, model.decode(ids[:1], [want_state]))
+        after_got = _logits(model, model.decode(ids[:1], [got_state]))
+    assert (after_got - after_want).abs().max().item() < 5e-5
+    attended = [n for n in read if n == "window" or (n.endswith("entries") and "index" not in n)]
+    assert read and not attended, sorted(set(attended))
+
+
+def test_prefill_backend_choice():
+    model = load_v4_family(FIXTURES["dev-v41-s0"], torch.float32, "cpu")
+    model.configure_cache("fp8", page_rows=4, prefill_backend="torch")
+    assert model.sparse_prefill is None
+    with pytest.raises(BackendUnavailable, match="--prefill-attention-backend triton"):
+        model.configure_cache("fp8", prefill_backend="triton")  # needs a GPU
+    with pytest.raises(BackendUnavailable, match="--prefill-attention-backend sdpa"):
+        model.configure_cache("auto", prefill_backend="sdpa")
+
+
 # ---- GPU: the Triton kernel inside model.decode -------------------------------------------------
 def _wide_config(tmp_path, name: str) -> str:
     """The fixture's config at the kernels' width: 512-dim latent, 64 RoPE dims, 16 heads."""
