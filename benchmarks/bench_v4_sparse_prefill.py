@@ -9,8 +9,11 @@ chunk) over pools shaped as the server's (ring rows of a 128-row unit, entries o
 64-row pages, every other row poisoned with 0xFF / NaN). Picks: each token's top-k of random
 scores among its visible entries. First the kernels' output is checked against the float32
 reference (relative error of out; tests/kernels/test_v4_sparse_prefill.py checks against
-float64), then both are timed as CUDA-graph replays with the L2 emptied before each (the
-project's timer, ``benchmarks.bench_mla_decode.time_call``), median over ``--reps`` ms.
+float64), then the kernels and the model's torch attention (what a chunk ran before: the
+rows gathered and decoded to bf16, query blocks of 256 over [window slice ‖ all entries]
+with additive masks, model/v4/attention.py) are timed as CUDA-graph replays with the L2
+emptied before each (the project's timer, ``benchmarks.bench_mla_decode.time_call``), median
+over ``--reps`` ms.
 TFLOP/s counts the products actually needed: 2·2·512 FLOPs per head per visible key
 (window rows in range + valid picks, or visible entries), not the masked tiles.
 
@@ -31,6 +34,7 @@ from benchmarks.bench_mla_decode import time_call
 from kernels.v4_cache_formats import pack_v41_entries, pack_v41_window_rows, pack_v4_rows
 from kernels.v4_sparse_prefill import PrefillEntries, PrefillWindow, StoredRows, v4_sparse_prefill_reference
 from kernels.v4_sparse_prefill_triton import SparsePrefillConfig, resolve_prefill_config, v4_sparse_prefill_triton
+from model.v4.attention_core import causal_entry_bias, selected_entry_bias, sink_attention, window_bias
 
 DIM, WINDOW, TOPK, PAGE = 512, 128, 512, 64
 SCALE = DIM**-0.5
@@ -114,6 +118,31 @@ def build_case(tokens: int, start: int, heads: int, record_w: str, record_e: str
     return q, window, entries, sinks, keys
 
 
+def model_torch_attention(q, start, window, entries, sinks, block: int = 256):
+    """The model's attention of a chunk before the sparse prefill (model/v4/attention.py's query
+    blocks on gathered, decoded rows), in q's dtype."""
+    t, dim = q.shape[0], q.shape[-1]
+    cached = window.cached.read(window.rows, dim, q.dtype)
+    keys = torch.cat([cached, window.chunk.to(q.dtype)])
+    first = start - cached.shape[0]
+    key_pos = torch.arange(first, start + t, device=q.device)
+    positions = torch.arange(start, start + t, device=q.device)
+    ent = entries.stored.read(entries.rows, dim, q.dtype) if entries is not None else None
+    out = torch.empty_like(q)
+    for a in range(0, t, block):
+        b = min(a + block, t)
+        lo, hi = max(0, start + a - window.size + 1 - first), start + b - first
+        block_keys, bias = keys[lo:hi], window_bias(positions[a:b], key_pos[lo:hi], window.size)
+        if ent is not None:
+            if entries.picks is not None:
+                entry_bias = selected_entry_bias(entries.picks[a:b], ent.shape[0])
+            else:
+                entry_bias = causal_entry_bias(positions[a:b], ent.shape[0], entries.ratio)
+            block_keys, bias = torch.cat([block_keys, ent]), torch.cat([bias, entry_bias], dim=1)
+        out[a:b] = sink_attention(q[a:b], block_keys, bias, sinks, SCALE)
+    return out
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -130,10 +159,12 @@ def bench_case(kind, heads: int, tokens: int, start: int, reps: int, sweep: bool
     row = {"kind": name, "H": heads, "T": tokens, "start": start, "keys_per_token": keys.float().mean().item(),
            "gflop": flops * 1e-9, "ours": []}
 
-    def reference():
-        return v4_sparse_prefill_reference(q, start, window, entries, sinks, SCALE)
+    want = v4_sparse_prefill_reference(q, start, window, entries, sinks, SCALE)
 
-    want = reference()
+    def torch_path():
+        return model_torch_attention(q, start, window, entries, sinks)
+
+    row["torch_rel_err"] = rel_err(torch_path(), want)
     configs = {"default": None}
     if sweep:
         configs.update(SWEEP[8 if heads <= 8 else 64])
@@ -158,7 +189,7 @@ def bench_case(kind, heads: int, tokens: int, start: int, reps: int, sweep: bool
         best = min(timed, key=lambda r: r["us"])
         row.update(us=default["us"], tflops=flops / default["us"] * 1e-6, rel_err=default["rel_err"],
                    best=best["name"], best_us=best["us"])
-    row["torch_us"] = timed_us(reference, max(reps, 1))
+    row["torch_us"] = timed_us(torch_path, max(reps, 1))
     row["torch_tflops"] = flops / row["torch_us"] * 1e-6
     if "us" in row:
         row["speedup"] = row["torch_us"] / row["us"]
@@ -200,7 +231,8 @@ def main() -> None:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_v4_sparse_prefill.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"\nT = {args.tokens} tokens at start {args.start}; keys/token = visible keys (window + valid picks / entries)")
+    print(f"\nT = {args.tokens} tokens at start {args.start}; keys = visible keys per token (window + valid picks "
+          "or entries); torch = the model's torch attention")
     print(f"{'kind':31s}   H   keys  GFLOP |   ours µs TFLOP/s rel.err   best µs    best cfg |   torch µs TFLOP/s |"
           " speedup")
     for r in rows:

@@ -34,6 +34,8 @@ from kernels.v4_sparse_decode_triton import (DATA_BYTES, FORMATS, RECORD_BYTES, 
                                              _zeros_acc, v4_sparse_decode_triton)
 from kernels.v4_sparse_prefill import PrefillEntries, PrefillWindow, StoredRows, check_prefill_inputs
 
+_LOG2E = tl.constexpr(LOG2E)  # a global a kernel may read
+
 
 @dataclass(frozen=True)
 class SparsePrefillConfig:
@@ -176,7 +178,7 @@ def _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rs, WR, P, EC, EC16, ec
     # merge the picks' partial (normalized, lse in natural log) and the sink; log2 units
     part_rows = (tok.to(tl.int64) * H + head) * 512
     if HAS_PART:
-        lse2 = tl.load(PL + tok.to(tl.int64) * H + head, mask=row_ok, other=float("-inf")) * LOG2E
+        lse2 = tl.load(PL + tok.to(tl.int64) * H + head, mask=row_ok, other=float("-inf")) * _LOG2E
     else:
         lse2 = tl.full([M], float("-inf"), dtype=tl.float32)
     m = tl.maximum(m_i, lse2)
@@ -185,7 +187,7 @@ def _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rs, WR, P, EC, EC16, ec
     beta = tl.exp2(lse2 - m)
     denom = l_i * alpha + beta
     if HAS_SINK:
-        denom += tl.exp2(tl.load(SINK + head, mask=row_ok, other=float("-inf")) * LOG2E - m)
+        denom += tl.exp2(tl.load(SINK + head, mask=row_ok, other=float("-inf")) * _LOG2E - m)
     inv = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), 0.0)
     out_rows = tok.to(tl.int64) * o_st + head * o_sh
     if PART != 2:
