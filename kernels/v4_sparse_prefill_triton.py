@@ -65,11 +65,15 @@ def resolve_prefill_config(heads: int, config: SparsePrefillConfig | None) -> Sp
 
 
 @triton.jit
-def _keys(cache, cache16, row_stride, idx, from_cache, CH16, ch_st, crow, from_chunk, D0: tl.constexpr,
-          W: tl.constexpr, FMT: tl.constexpr, DATA: tl.constexpr, HAS_CHUNK: tl.constexpr, BN: tl.constexpr):
+def _keys(cache, cache16, row_words, idx, from_cache, CH16, ch_st, crow, from_chunk, D0: tl.constexpr,
+          W: tl.constexpr, FMT: tl.constexpr, DATA: tl.constexpr, ALIGN: tl.constexpr, HAS_CHUNK: tl.constexpr,
+          BN: tl.constexpr):
     """fp16 [BN, W]: dims D0..D0+W of BN keys, each from the stored records (``from_cache``,
-    flat row ``idx``) or the chunk's bf16 rows (``from_chunk``, row ``crow``); zeros elsewhere."""
-    drow = idx.to(tl.int64) * row_stride
+    flat row ``idx``, ``row_words`` words of ALIGN bytes apart) or the chunk's bf16 rows
+    (``from_chunk``, row ``crow``); zeros elsewhere. The stride in words tells the compiler how
+    every record is aligned (V4's 584-byte rows are no 16-byte multiple, so a byte stride gets
+    no divisibility hint at all: byte loads and twice the spills)."""
+    drow = idx.to(tl.int64) * row_words * ALIGN
     k = _piece(cache, cache16, drow, drow + DATA, from_cache, D0, W, FMT, BN)
     if HAS_CHUNK:
         ptr = CH16 + (crow.to(tl.int64) * ch_st)[:, None] + (D0 + tl.arange(0, W))[None, :]
@@ -80,21 +84,22 @@ def _keys(cache, cache16, row_stride, idx, from_cache, CH16, ch_st, crow, from_c
 
 @triton.jit
 def _tile(acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd, visible,
-          cache, cache16, row_stride, idx, from_cache, CH16, ch_st, crow, from_chunk, sm_log2,
-          FMT: tl.constexpr, DATA: tl.constexpr, HAS_CHUNK: tl.constexpr, PART: tl.constexpr, BN: tl.constexpr):
+          cache, cache16, row_words, idx, from_cache, CH16, ch_st, crow, from_chunk, sm_log2,
+          FMT: tl.constexpr, DATA: tl.constexpr, ALIGN: tl.constexpr, HAS_CHUNK: tl.constexpr, PART: tl.constexpr,
+          BN: tl.constexpr):
     """One tile of BN keys for the M rows: scores, the masked online softmax, P·V into PART's
     accumulators (0: all dims, 1: 0..255, 2: 256..511)."""
-    ka = _keys(cache, cache16, row_stride, idx, from_cache, CH16, ch_st, crow, from_chunk, 0, 256, FMT, DATA,
-               HAS_CHUNK, BN)
+    ka = _keys(cache, cache16, row_words, idx, from_cache, CH16, ch_st, crow, from_chunk, 0, 256, FMT, DATA,
+               ALIGN, HAS_CHUNK, BN)
     s = _qk(ka, qa, None, False)
-    kb = _keys(cache, cache16, row_stride, idx, from_cache, CH16, ch_st, crow, from_chunk, 256, 128, FMT, DATA,
-               HAS_CHUNK, BN)
+    kb = _keys(cache, cache16, row_words, idx, from_cache, CH16, ch_st, crow, from_chunk, 256, 128, FMT, DATA,
+               ALIGN, HAS_CHUNK, BN)
     s = _qk(kb, qb, s, False)
-    kc = _keys(cache, cache16, row_stride, idx, from_cache, CH16, ch_st, crow, from_chunk, 384, 64, FMT, DATA,
-               HAS_CHUNK, BN)
+    kc = _keys(cache, cache16, row_words, idx, from_cache, CH16, ch_st, crow, from_chunk, 384, 64, FMT, DATA,
+               ALIGN, HAS_CHUNK, BN)
     s = _qk(kc, qc, s, False)
-    kd = _keys(cache, cache16, row_stride, idx, from_cache, CH16, ch_st, crow, from_chunk, 448, 64, FMT, DATA,
-               HAS_CHUNK, BN)
+    kd = _keys(cache, cache16, row_words, idx, from_cache, CH16, ch_st, crow, from_chunk, 448, 64, FMT, DATA,
+               ALIGN, HAS_CHUNK, BN)
     s = _qk(kd, qd, s, False)
     s = tl.where(visible, s * sm_log2, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -125,10 +130,11 @@ def _merge_store(acc, alpha, beta, inv, PO, OUT, part_rows, out_rows, row_ok, D0
 
 
 @triton.jit
-def _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rs, WR, P, EC, EC16, ec_rs, ER, N_ENT, ratio, PO, PL,
+def _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rw, WR, P, EC, EC16, ec_rw, ER, N_ENT, ratio, PO, PL,
                 SINK, OUT, o_st, o_sh, T, H, start, window, sm_log2, tile, hb,
-                WFMT: tl.constexpr, WDATA: tl.constexpr, EFMT: tl.constexpr, EDATA: tl.constexpr,
-                HAS_ENT: tl.constexpr, HAS_PART: tl.constexpr, HAS_SINK: tl.constexpr, PART: tl.constexpr,
+                WFMT: tl.constexpr, WDATA: tl.constexpr, WALIGN: tl.constexpr, EFMT: tl.constexpr,
+                EDATA: tl.constexpr, EALIGN: tl.constexpr, HAS_ENT: tl.constexpr, HAS_PART: tl.constexpr,
+                HAS_SINK: tl.constexpr, PART: tl.constexpr,
                 BT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
     M: tl.constexpr = BT * BH
     r = tl.arange(0, M)
@@ -161,8 +167,8 @@ def _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rs, WR, P, EC, EC16, ec
         diff = pos[:, None] - kpos[None, :]
         visible = (diff >= 0) & (diff < window) & row_ok[:, None]
         acc_a, acc_b, acc_c, acc_d, m_i, l_i = _tile(
-            acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd, visible, WC, WC16, wc_rs, idx, from_cache,
-            CH16, ch_st, kpos - start, from_chunk, sm_log2, WFMT, WDATA, True, PART, BN)
+            acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd, visible, WC, WC16, wc_rw, idx, from_cache,
+            CH16, ch_st, kpos - start, from_chunk, sm_log2, WFMT, WDATA, WALIGN, True, PART, BN)
     if HAS_ENT:  # every entry w < (p + 1) // ratio (V4's HCA)
         n_hi = tl.minimum((p_last + 1) // ratio, N_ENT)
         seen = (pos + 1) // ratio
@@ -172,8 +178,8 @@ def _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rs, WR, P, EC, EC16, ec
             idx = tl.load(ER + w, mask=ent_ok, other=0)
             visible = (w[None, :] < seen[:, None]) & row_ok[:, None] & ent_ok[None, :]
             acc_a, acc_b, acc_c, acc_d, m_i, l_i = _tile(
-                acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd, visible, EC, EC16, ec_rs, idx, ent_ok,
-                CH16, ch_st, w, ent_ok, sm_log2, EFMT, EDATA, False, PART, BN)
+                acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd, visible, EC, EC16, ec_rw, idx, ent_ok,
+                CH16, ch_st, w, ent_ok, sm_log2, EFMT, EDATA, EALIGN, False, PART, BN)
 
     # merge the picks' partial (normalized, lse in natural log) and the sink; log2 units
     part_rows = (tok.to(tl.int64) * H + head) * 512
@@ -199,28 +205,29 @@ def _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rs, WR, P, EC, EC16, ec
 
 
 @triton.jit
-def _window_kernel(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rs, WR, P, EC, EC16, ec_rs, ER, N_ENT, ratio, PO, PL,
+def _window_kernel(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rw, WR, P, EC, EC16, ec_rw, ER, N_ENT, ratio, PO, PL,
                    SINK, OUT, o_st, o_sh, T, H, start, window, sm_log2,
-                   WFMT: tl.constexpr, WDATA: tl.constexpr, EFMT: tl.constexpr, EDATA: tl.constexpr,
-                   HAS_ENT: tl.constexpr, HAS_PART: tl.constexpr, HAS_SINK: tl.constexpr, DV_SPLIT: tl.constexpr,
+                   WFMT: tl.constexpr, WDATA: tl.constexpr, WALIGN: tl.constexpr, EFMT: tl.constexpr,
+                   EDATA: tl.constexpr, EALIGN: tl.constexpr, HAS_ENT: tl.constexpr, HAS_PART: tl.constexpr,
+                   HAS_SINK: tl.constexpr, DV_SPLIT: tl.constexpr,
                    BT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
     """Grid (head blocks · DV_SPLIT, token tiles): a tile's head blocks run side by side (the
     second read of its window rows is an L2 hit)."""
     hp = tl.program_id(0)
     tile = tl.program_id(1)
     if DV_SPLIT == 1:
-        _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rs, WR, P, EC, EC16, ec_rs, ER, N_ENT, ratio, PO, PL,
+        _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rw, WR, P, EC, EC16, ec_rw, ER, N_ENT, ratio, PO, PL,
                     SINK, OUT, o_st, o_sh, T, H, start, window, sm_log2, tile, hp,
-                    WFMT, WDATA, EFMT, EDATA, HAS_ENT, HAS_PART, HAS_SINK, 0, BT, BH, BN)
+                    WFMT, WDATA, WALIGN, EFMT, EDATA, EALIGN, HAS_ENT, HAS_PART, HAS_SINK, 0, BT, BH, BN)
     else:
         if hp % 2 == 0:
-            _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rs, WR, P, EC, EC16, ec_rs, ER, N_ENT, ratio, PO,
+            _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rw, WR, P, EC, EC16, ec_rw, ER, N_ENT, ratio, PO,
                         PL, SINK, OUT, o_st, o_sh, T, H, start, window, sm_log2, tile, hp // 2,
-                        WFMT, WDATA, EFMT, EDATA, HAS_ENT, HAS_PART, HAS_SINK, 1, BT, BH, BN)
+                        WFMT, WDATA, WALIGN, EFMT, EDATA, EALIGN, HAS_ENT, HAS_PART, HAS_SINK, 1, BT, BH, BN)
         else:
-            _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rs, WR, P, EC, EC16, ec_rs, ER, N_ENT, ratio, PO,
+            _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rw, WR, P, EC, EC16, ec_rw, ER, N_ENT, ratio, PO,
                         PL, SINK, OUT, o_st, o_sh, T, H, start, window, sm_log2, tile, hp // 2,
-                        WFMT, WDATA, EFMT, EDATA, HAS_ENT, HAS_PART, HAS_SINK, 2, BT, BH, BN)
+                        WFMT, WDATA, WALIGN, EFMT, EDATA, EALIGN, HAS_ENT, HAS_PART, HAS_SINK, 2, BT, BH, BN)
 
 
 def record_view(stored: StoredRows) -> tuple[torch.Tensor, str]:
@@ -237,8 +244,8 @@ def record_view(stored: StoredRows) -> tuple[torch.Tensor, str]:
 
 
 def _check_rows(cache: torch.Tensor, record: str, what: str) -> None:
-    if cache.shape[-1] != RECORD_BYTES[record] or cache.stride(-1) != 1:
-        raise ValueError(f"{what}: rows of {RECORD_BYTES[record]} contiguous bytes, got "
+    if cache.shape[-1] != RECORD_BYTES[record] or cache.stride(-1) != 1 or cache.stride(0) % 8:
+        raise ValueError(f"{what}: rows of {RECORD_BYTES[record]} contiguous bytes at an 8-byte multiple stride, got "
                          f"{tuple(cache.shape)} stride {cache.stride()}")
 
 
@@ -291,17 +298,19 @@ def v4_sparse_prefill_triton(q: torch.Tensor, start: int, window: PrefillWindow,
             ecache, erec, erows, n_ent, ratio, has_ent = cache, rec, rows.contiguous(), rows.shape[0], \
                 entries.ratio, True
 
+    walign, ealign = (16 if c.stride(0) % 16 == 0 else 8 for c in (wcache, ecache))
     head_blocks = -(-heads // cfg.block_h)
     grid = (head_blocks * cfg.dv_split, -(-t // cfg.block_t))
     dummy = out
     _window_kernel[grid](
         q16, q16.stride(0), q16.stride(1), chunk.view(torch.bfloat16), chunk.stride(0),
-        wcache, wcache.view(torch.bfloat16), wcache.stride(0), wrows, window.rows.shape[0],
-        ecache, ecache.view(torch.bfloat16), ecache.stride(0), erows, n_ent, ratio,
+        wcache, wcache.view(torch.bfloat16), wcache.stride(0) // walign, wrows, window.rows.shape[0],
+        ecache, ecache.view(torch.bfloat16), ecache.stride(0) // ealign, erows, n_ent, ratio,
         part_o if part_o is not None else dummy, part_l if part_l is not None else dummy,
         sinks if sinks is not None else dummy, out, out.stride(0), out.stride(1),
         t, heads, start, window.size, float(softmax_scale) * LOG2E,
-        WFMT=FORMATS[wrec], WDATA=DATA_BYTES[wrec], EFMT=FORMATS[erec], EDATA=DATA_BYTES[erec],
+        WFMT=FORMATS[wrec], WDATA=DATA_BYTES[wrec], WALIGN=walign, EFMT=FORMATS[erec], EDATA=DATA_BYTES[erec],
+        EALIGN=ealign,
         HAS_ENT=has_ent, HAS_PART=part_o is not None, HAS_SINK=sinks is not None, DV_SPLIT=cfg.dv_split,
         BT=cfg.block_t, BH=cfg.block_h, BN=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

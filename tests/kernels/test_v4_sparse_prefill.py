@@ -79,7 +79,7 @@ def make_prefill_case(t: int, start: int, heads: int, size: int, *, record_w: st
         n = end // ratio
         page = 4
         pages = torch.randperm(-(-n // page) + 6, generator=gen)[: -(-n // page)] + 1  # scattered pages, none is 0
-        erows = (pages.repeat_interleave(page)[:n] * page + torch.arange(n) % page) if n else torch.zeros(0, dtype=torch.long)
+        erows = pages.repeat_interleave(page)[:n] * page + torch.arange(n) % page
         epool = _pool((pages.max().item() + 2 if n else 2) * page, erows, rand_rows(n), record_e, rope_dims, dtype)
         picks = None
         if mode == "picks":
@@ -201,6 +201,42 @@ def test_triton_kernels_under_interpreter():
     res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=REPO, capture_output=True,
                          text=True, timeout=900)
     assert res.returncode == 0 and "interpreter ok" in res.stdout, (res.stdout[-2000:], res.stderr[-4000:])
+
+
+_COMPILE_CASES = [  # (heads, window record, HCA entries, picks partial, spill stack or less): defaults of 8/64 heads
+    (64, "v41_window", False, True, 512), (8, "v4", True, False, 320),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads,record,has_ent,has_part,limit", _COMPILE_CASES)
+def test_window_kernel_compiles_for_sm90(heads, record, has_ent, has_part, limit):
+    """The window kernel the H200 runs, compiled here (the interpreter does not check what only
+    the compiler does): wgmma, cp.async-pipelined gathers, no local memory beyond a known spill."""
+    pytest.importorskip("triton")
+    from tests.kernels.test_mxfp8_gemm import _PTXAS, _compile_sm90
+
+    if not _PTXAS.exists():
+        pytest.skip("needs triton's bundled ptxas")
+    from kernels.v4_sparse_decode_triton import DATA_BYTES, FORMATS, RECORD_BYTES
+    from kernels.v4_sparse_prefill_triton import _window_kernel, resolve_prefill_config
+
+    cfg = resolve_prefill_config(heads, None)
+    types = dict(Q="*fp16", CH16="*bf16", WC="*u8", WC16="*bf16", WR="*i32", EC="*u8", EC16="*bf16", ER="*i32",
+                 PO="*fp32", PL="*fp32", SINK="*fp32", OUT="*bf16", sm_log2="fp32")
+    types.update(dict.fromkeys("q_st q_sh ch_st wc_rw P ec_rw N_ENT ratio o_st o_sh T H start window".split(), "i32"))
+    entry = "v41_entry" if record == "v41_window" else record
+    align = {r: 16 if RECORD_BYTES[r] % 16 == 0 else 8 for r in (record, entry)}
+    consts = dict(WFMT=FORMATS[record], WDATA=DATA_BYTES[record], WALIGN=align[record], EFMT=FORMATS[entry],
+                  EDATA=DATA_BYTES[entry], EALIGN=align[entry],
+                  HAS_ENT=has_ent, HAS_PART=has_part, HAS_SINK=True, DV_SPLIT=cfg.dv_split, BT=cfg.block_t,
+                  BH=cfg.block_h, BN=cfg.block_n)
+    divisible = ["q_st", "q_sh", "ch_st", "o_st", "o_sh"]  # the row strides in words: 33, 18, 73 (no hint)
+    ptx, usage = _compile_sm90(_window_kernel, types, consts, divisible=tuple(divisible), num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages)
+    assert "wgmma.mma_async" in ptx and "cp.async" in ptx, usage
+    stack = int(usage.split("STACK:")[1].split()[0])
+    assert usage.endswith("LOCAL:0") and stack <= limit, (cfg, usage)
 
 
 # ---- GPU: the kernels against the float64 reference on fresh random inputs -------------------------
