@@ -8,8 +8,8 @@ requests (relative error of out, max |Δ lse|), then timed as CUDA-graph replays
 emptied before each (a 256 MB read), median over ``--reps`` ms of replays. FLOPs = 2·B·s_q·H·(128 + k)·1024
 (FlashMLA's count); bytes = the records each query token gathers (584 B each) + q + out.
 FlashMLA takes 64 or 128 heads: at 8 and 16 heads it runs padded to 64 (its time is what a
-server would pay). FlashMLA is used when its build is at ``.flashmla/`` (or importable), else
-skipped.
+server would pay). FlashMLA is used when its build is at ``.flashmla/`` (``--flashmla DIR``; or importable),
+else skipped.
 
     python3 benchmarks/bench_v4_sparse_decode.py [--quick] [--sweep] [--reps 30] [--heads 8 16]
 
@@ -25,11 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
-from benchmarks.bench_mla_decode import time_call
+from benchmarks.bench_mla_decode import import_flashmla, time_call
 from kernels.v4_cache_formats import V4_RECORD_BYTES
 from kernels.v4_sparse_decode import SparseKV, pack_v4_cache, v4_sparse_decode_reference
 from kernels.v4_sparse_decode_triton import (SparseDecodeConfig, default_config, resolve_config,
@@ -65,19 +64,6 @@ def sweep_configs(heads: int, sweep: bool) -> dict[str, SparseDecodeConfig]:
         cfgs["legacy"] = LEGACY[key]
         cfgs.update(SWEEP[key])
     return cfgs
-
-
-def import_flashmla():
-    for path in (".flashmla/src", ".flashmla/src/tests"):
-        if os.path.isdir(path) and path not in sys.path:
-            sys.path.insert(0, path)
-    try:
-        import flash_mla
-
-        return flash_mla
-    except Exception as exc:  # noqa: BLE001 — any import failure means "skip FlashMLA"
-        print(f"FlashMLA not importable ({type(exc).__name__}: {exc}); timing ours only")
-        return None
 
 
 def build_case(bsz: int, s_q: int, heads: int, topk: int, seed: int = 0):
@@ -202,9 +188,10 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the alternative launch configs")
     ap.add_argument("--reps", type=int, default=30, help="milliseconds of timed replays per case")
     ap.add_argument("--no-flashmla", action="store_true")
+    ap.add_argument("--flashmla", default=".flashmla", help="FlashMLA kit folder (its src/ goes on sys.path)")
     ap.add_argument("--heads", type=int, nargs="*", help="only these head counts (default 64 128 8 16)")
     args = ap.parse_args()
-    flash_mla = None if args.no_flashmla else import_flashmla()
+    flash_mla = None if args.no_flashmla else import_flashmla(args.flashmla)
     rows = []
     for bsz, s_q, heads, topk in cases(args.quick):
         if args.heads and heads not in args.heads:

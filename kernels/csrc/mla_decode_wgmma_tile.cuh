@@ -64,6 +64,13 @@ __device__ __forceinline__ void copy_q_chunk(const Params& p, int b, int row0, i
   cp_async_16(smem_addr(q_s + chunk_dst(i)), src, valid ? 16 : 0);
 }
 
+// Fetches the cache's tensor map (a kernel parameter) into the TMA unit's descriptor cache
+// while the CTA loads Q and sets up its barriers, so the first tile's copies do not wait for it
+// (a short split's time is mostly such first latencies). One thread.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // One cache tile (token row `row` of page `page`, 64 tokens) into the stage at `dst` as five
 // boxes, completing mbarrier `bar` with the whole tile's bytes (the out-of-bounds half of the
 // fifth box counts too). One thread.

@@ -30,6 +30,7 @@ from torch import nn
 from model.layers.norm import RMSNorm
 from model.v4.rope import RotaryTable, apply_trailing_rope
 from model.v4.cache_pool import BatchIndex, CachePools, RowLease
+from model.v4.topk import ordered_topk
 
 
 def pool_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -211,8 +212,8 @@ class LightningIndexer(WindowCompressor):
 
     def top_picks(self, scores: torch.Tensor, entry: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Top ``topk`` of scores [T, n] among the ``visible`` [T, 1] first entries; −1 past them."""
-        top = scores.masked_fill(entry >= visible, float("-inf")).topk(min(self.topk, scores.shape[-1]), dim=-1)
-        return torch.where(top.indices >= visible, torch.full_like(top.indices, -1), top.indices)
+        _, indices = ordered_topk(scores.masked_fill(entry >= visible, float("-inf")), min(self.topk, scores.shape[-1]))
+        return torch.where(indices >= visible, torch.full_like(indices, -1), indices)
 
 
 class CSACompressor(WindowCompressor):

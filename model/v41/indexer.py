@@ -26,6 +26,7 @@ from torch import nn
 from kernels.microscaling import fake_quant_fp4
 from model.layers.norm import RMSNorm
 from model.v4.rope import apply_trailing_rope
+from model.v4.topk import ordered_topk
 from model.v41.config import V41Config
 
 # Queries scored per block: bounds the transient [block, heads, entries] score tensor.
@@ -46,8 +47,8 @@ def select_candidate_blocks(
     newest = (visible - 1).div(block_size, rounding_mode="floor")
     block_ids = torch.arange(num_blocks, device=scores.device)
     block_max = block_max.masked_fill(block_ids == newest, float("inf"))
-    top = block_max.topk(min(topk_blocks, num_blocks), dim=-1)
-    return torch.zeros_like(block_max, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    values, indices = ordered_topk(block_max, min(topk_blocks, num_blocks))
+    return torch.zeros_like(block_max, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
 
 
 def blocks_to_entries(blocks: torch.Tensor, block_size: int, num_entries: int) -> torch.Tensor:
@@ -149,6 +150,6 @@ class Indexer(nn.Module):
         elif self.uses_candidates and candidates is not None:
             allowed = blocks_to_entries(candidates, self.block_size, n)
             index_scores = index_scores.masked_fill(~allowed, float("-inf"))
-        top = index_scores.topk(min(self.index_topk, n), dim=-1, sorted=False)
-        picks = torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
+        values, indices = ordered_topk(index_scores, min(self.index_topk, n))
+        picks = torch.where(values > float("-inf"), indices, torch.full_like(indices, -1))
         return picks, own
