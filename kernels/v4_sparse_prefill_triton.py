@@ -253,13 +253,15 @@ def v4_sparse_prefill_triton(q: torch.Tensor, start: int, window: PrefillWindow,
                              sinks: torch.Tensor | None, softmax_scale: float,
                              config: SparsePrefillConfig | None = None, out: torch.Tensor | None = None
                              ) -> torch.Tensor:
-    """out [T, H, 512] bf16 for q [T, H, 512] (bf16 or fp16) at positions start … start + T − 1."""
+    """out [T, H, 512] bf16 for q [T, H, 512] (bf16 or fp16) at positions start … start + T − 1.
+    The chunk's rows are read as bf16 (exact for rows after a cache rounding, or kept in bf16)."""
     check_prefill_inputs(q, start, window, entries, sinks)
     t, heads, dim = q.shape
     if dim != HEAD_DIM:
         raise ValueError(f"the Triton sparse prefill takes {HEAD_DIM}-dim heads, got {dim}")
-    if q.dtype not in (torch.bfloat16, torch.float16) or window.chunk.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"q and window.chunk must be bf16 or fp16, got {q.dtype} and {window.chunk.dtype}")
+    if q.dtype not in (torch.bfloat16, torch.float16) or not window.chunk.dtype.is_floating_point:
+        raise TypeError(f"q must be bf16 or fp16 and window.chunk floating point, got {q.dtype} and "
+                        f"{window.chunk.dtype}")
     cfg = resolve_prefill_config(heads, config)
     if cfg.block_h & (cfg.block_h - 1) or cfg.block_t & (cfg.block_t - 1) or cfg.block_h * cfg.block_t < 16 \
             or cfg.dv_split not in (1, 2) or cfg.block_n not in (16, 32, 64, 128):
