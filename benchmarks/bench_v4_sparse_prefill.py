@@ -49,8 +49,8 @@ KINDS = [
     ("v41 ratio-2, kv auto (bf16)", "rows", "rows", "picks", 2),
 ]
 SWEEP = {  # window-kernel alternatives by heads (None fields: the default's)
-    8: {"bt16_w8": C(block_t=16, num_warps=8), "bt16_dv1_w8": C(block_t=16, dv_split=1, num_warps=8),
-        "bn64": C(block_n=64), "st1": C(num_stages=1)},
+    8: {"bt8_w4": C(block_t=8, num_warps=4), "bt16_dv1": C(dv_split=1), "bn64": C(block_n=64),
+        "st1": C(num_stages=1)},
     64: {"bt2_w8": C(block_t=2, num_warps=8), "bh16_bt4": C(block_h=16, block_t=4), "bn64": C(block_n=64),
          "st1": C(num_stages=1)},
 }

@@ -50,11 +50,14 @@ class SparsePrefillConfig:
 
 
 def default_prefill_config(heads: int) -> SparsePrefillConfig:
-    """64 rows per program on 4 warps, half the output dims each (the decode kernel's 64-head
-    shape): 8 heads → 8 tokens per tile, 64 heads → one token (the heads share the rows)."""
+    """Half the output dims per program (the decode kernel's 64-head shape). Up to 16 heads:
+    128 rows on 8 warps (8 heads: 16 tokens per tile; the tile's 143 keys take the 5 tiles of
+    32 that an unaligned 128-key window takes anyway; the least spill offline: 176 B); more
+    heads: 64 rows on 4 warps (64 heads: one token, its 128 keys exactly 4 tiles)."""
     block_h = min(triton.next_power_of_2(heads), 64)
-    return SparsePrefillConfig(block_h=block_h, block_t=max(1, 64 // block_h), dv_split=2, block_n=32,
-                               num_warps=4, num_stages=2)
+    rows, warps = (128, 8) if block_h <= 16 else (64, 4)
+    return SparsePrefillConfig(block_h=block_h, block_t=max(1, rows // block_h), dv_split=2, block_n=32,
+                               num_warps=warps, num_stages=2)
 
 
 def resolve_prefill_config(heads: int, config: SparsePrefillConfig | None) -> SparsePrefillConfig:
