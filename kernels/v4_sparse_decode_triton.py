@@ -192,18 +192,27 @@ def _attend_tile(acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd,
             acc_d = tl.dot(tl.trans(kd), p16, acc_d * alpha[None, :])
     else:
         s = tl.where(valid[None, :], s * sm_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p16 = p.to(tl.float16)
-        if PART != 2:
-            acc_a = tl.dot(p16, ka, acc_a * alpha[:, None])
-        if PART != 1:
-            acc_b = tl.dot(p16, kb, acc_b * alpha[:, None])
-            acc_c = tl.dot(p16, kc, acc_c * alpha[:, None])
-            acc_d = tl.dot(p16, kd, acc_d * alpha[:, None])
+        acc_a, acc_b, acc_c, acc_d, m_new, l_i = _softmax_pv(acc_a, acc_b, acc_c, acc_d, m_i, l_i, s, ka, kb, kc, kd,
+                                                             PART)
+    return acc_a, acc_b, acc_c, acc_d, m_new, l_i
+
+
+@triton.jit
+def _softmax_pv(acc_a, acc_b, acc_c, acc_d, m_i, l_i, s, ka, kb, kc, kd, PART: tl.constexpr):
+    """The online softmax of one tile's scores s [M, BN] (log2 units, −inf where hidden) and
+    P·V into PART's accumulators (0: all dims, 1: 0..255, 2: 256..511) of the four pieces."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p16 = p.to(tl.float16)
+    if PART != 2:
+        acc_a = tl.dot(p16, ka, acc_a * alpha[:, None])
+    if PART != 1:
+        acc_b = tl.dot(p16, kb, acc_b * alpha[:, None])
+        acc_c = tl.dot(p16, kc, acc_c * alpha[:, None])
+        acc_d = tl.dot(p16, kd, acc_d * alpha[:, None])
     return acc_a, acc_b, acc_c, acc_d, m_new, l_i
 
 

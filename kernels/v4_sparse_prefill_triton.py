@@ -31,7 +31,7 @@ import triton.language as tl
 
 from kernels.v4_sparse_decode import HEAD_DIM, SparseKV, row_record_cache
 from kernels.v4_sparse_decode_triton import (DATA_BYTES, FORMATS, RECORD_BYTES, LOG2E, _load_q, _piece, _qk,
-                                             _zeros_acc, v4_sparse_decode_triton)
+                                             _softmax_pv, _zeros_acc, v4_sparse_decode_triton)
 from kernels.v4_sparse_prefill import PrefillEntries, PrefillWindow, StoredRows, check_prefill_inputs
 
 _LOG2E = tl.constexpr(LOG2E)  # a global a kernel may read
@@ -105,19 +105,7 @@ def _tile(acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd, visible,
                ALIGN, HAS_CHUNK, BN)
     s = _qk(kd, qd, s, False)
     s = tl.where(visible, s * sm_log2, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    p16 = p.to(tl.float16)
-    if PART != 2:
-        acc_a = tl.dot(p16, ka, acc_a * alpha[:, None])
-    if PART != 1:
-        acc_b = tl.dot(p16, kb, acc_b * alpha[:, None])
-        acc_c = tl.dot(p16, kc, acc_c * alpha[:, None])
-        acc_d = tl.dot(p16, kd, acc_d * alpha[:, None])
-    return acc_a, acc_b, acc_c, acc_d, m_new, l_i
+    return _softmax_pv(acc_a, acc_b, acc_c, acc_d, m_i, l_i, s, ka, kb, kc, kd, PART)
 
 
 @triton.jit
@@ -308,7 +296,7 @@ def v4_sparse_prefill_triton(q: torch.Tensor, start: int, window: PrefillWindow,
     grid = (head_blocks * cfg.dv_split, -(-t // cfg.block_t))
     dummy = out
     _window_kernel[grid](
-        q16, q16.stride(0), q16.stride(1), chunk.view(torch.bfloat16), chunk.stride(0),
+        q16, q16.stride(0), q16.stride(1), chunk, chunk.stride(0),
         wcache, wcache.view(torch.bfloat16), wcache.stride(0) // walign, wrows, window.rows.shape[0],
         ecache, ecache.view(torch.bfloat16), ecache.stride(0) // ealign, erows, n_ent, ratio,
         part_o if part_o is not None else dummy, part_l if part_l is not None else dummy,

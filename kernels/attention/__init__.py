@@ -163,5 +163,5 @@ __all__ = ["DECODE_BACKENDS", "PREFILL_BACKENDS", "REFERENCE_DECODE", "Attention
            "FlashInferPrefill", "PrefillBackend", "PrefillMetadata", "SdpaPrefill", "TorchDecode", "TorchPrefill",
            "TritonDecode", "TrtllmDecode", "V4_DECODE_BACKENDS", "TorchV4SparseDecode", "TritonV4SparseDecode",
            "V4SparseDecodeBackend", "select_v4_decode_backend", "V4_PREFILL_BACKENDS", "TorchV4SparsePrefill",
-           "TritonV4SparsePrefill", "V4SparsePrefillBackend", "select_v4_prefill_backend", "auto_decode_backend", "auto_prefill_backend",
-           "default_prefill_backend", "select_decode_backend", "select_prefill_backend"]
+           "TritonV4SparsePrefill", "V4SparsePrefillBackend", "select_v4_prefill_backend", "auto_decode_backend",
+           "auto_prefill_backend", "default_prefill_backend", "select_decode_backend", "select_prefill_backend"]
