@@ -35,6 +35,8 @@ from kernels.v4_sparse_decode_triton import (DATA_BYTES, FORMATS, RECORD_BYTES, 
 from kernels.v4_sparse_prefill import PrefillEntries, PrefillWindow, StoredRows, check_prefill_inputs
 
 _LOG2E = tl.constexpr(LOG2E)  # a global a kernel may read
+DECODE_TOKENS = 32768  # tokens per launch of the decode kernel for the picks (s_q on a 65535-wide grid axis)
+MAX_GRID_Y = 65535
 
 
 @dataclass(frozen=True)
@@ -197,15 +199,15 @@ def _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rw, WR, P, EC, EC16, ec
 
 @triton.jit
 def _window_kernel(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rw, WR, P, EC, EC16, ec_rw, ER, N_ENT, ratio, PO, PL,
-                   SINK, OUT, o_st, o_sh, T, H, start, window, sm_log2,
+                   SINK, OUT, o_st, o_sh, T, H, start, window, sm_log2, tile0,
                    WFMT: tl.constexpr, WDATA: tl.constexpr, WALIGN: tl.constexpr, EFMT: tl.constexpr,
                    EDATA: tl.constexpr, EALIGN: tl.constexpr, HAS_ENT: tl.constexpr, HAS_PART: tl.constexpr,
                    HAS_SINK: tl.constexpr, DV_SPLIT: tl.constexpr,
                    BT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr):
-    """Grid (head blocks · DV_SPLIT, token tiles): a tile's head blocks run side by side (the
-    second read of its window rows is an L2 hit)."""
+    """Grid (head blocks · DV_SPLIT, token tiles from ``tile0``): a tile's head blocks run side
+    by side (the second read of its window rows is an L2 hit)."""
     hp = tl.program_id(0)
-    tile = tl.program_id(1)
+    tile = tile0 + tl.program_id(1)
     if DV_SPLIT == 1:
         _window_run(Q, q_st, q_sh, CH16, ch_st, WC, WC16, wc_rw, WR, P, EC, EC16, ec_rw, ER, N_ENT, ratio, PO, PL,
                     SINK, OUT, o_st, o_sh, T, H, start, window, sm_log2, tile, hp,
@@ -285,26 +287,30 @@ def v4_sparse_prefill_triton(q: torch.Tensor, start: int, window: PrefillWindow,
                 flat = torch.where(picks >= 0, rows[picks.clamp(0, rows.shape[0] - 1)], torch.full_like(rows[:1], -1))
                 part_o = torch.empty(t, heads, HEAD_DIM, dtype=torch.float32, device=q.device)
                 part_l = torch.empty(t, heads, dtype=torch.float32, device=q.device)
-                scope = SparseKV(row_record_cache(cache), flat.to(torch.int32).unsqueeze(0).contiguous(), rec)
-                v4_sparse_decode_triton(q16.unsqueeze(0), [scope], None, softmax_scale, partials=(part_o, part_l))
+                flat = flat.to(torch.int32)
+                for a in range(0, t, DECODE_TOKENS):
+                    b = min(a + DECODE_TOKENS, t)
+                    scope = SparseKV(row_record_cache(cache), flat[a:b].unsqueeze(0).contiguous(), rec)
+                    v4_sparse_decode_triton(q16[a:b].unsqueeze(0), [scope], None, softmax_scale,
+                                            partials=(part_o[a:b], part_l[a:b]))
         else:
             ecache, erec, erows, n_ent, ratio, has_ent = cache, rec, rows.contiguous(), rows.shape[0], \
                 entries.ratio, True
 
     walign, ealign = (16 if c.stride(0) % 16 == 0 else 8 for c in (wcache, ecache))
     head_blocks = -(-heads // cfg.block_h)
-    grid = (head_blocks * cfg.dv_split, -(-t // cfg.block_t))
-    dummy = out
-    _window_kernel[grid](
-        q16, q16.stride(0), q16.stride(1), chunk, chunk.stride(0),
-        wcache, wcache.view(torch.bfloat16), wcache.stride(0) // walign, wrows, window.rows.shape[0],
-        ecache, ecache.view(torch.bfloat16), ecache.stride(0) // ealign, erows, n_ent, ratio,
-        part_o if part_o is not None else dummy, part_l if part_l is not None else dummy,
-        sinks if sinks is not None else dummy, out, out.stride(0), out.stride(1),
-        t, heads, start, window.size, float(softmax_scale) * LOG2E,
-        WFMT=FORMATS[wrec], WDATA=DATA_BYTES[wrec], WALIGN=walign, EFMT=FORMATS[erec], EDATA=DATA_BYTES[erec],
-        EALIGN=ealign,
-        HAS_ENT=has_ent, HAS_PART=part_o is not None, HAS_SINK=sinks is not None, DV_SPLIT=cfg.dv_split,
-        BT=cfg.block_t, BH=cfg.block_h, BN=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    tiles, dummy = -(-t // cfg.block_t), out
+    for tile0 in range(0, tiles, MAX_GRID_Y):  # grid axis 1 is 65535 wide
+        _window_kernel[(head_blocks * cfg.dv_split, min(MAX_GRID_Y, tiles - tile0))](
+            q16, q16.stride(0), q16.stride(1), chunk, chunk.stride(0),
+            wcache, wcache.view(torch.bfloat16), wcache.stride(0) // walign, wrows, window.rows.shape[0],
+            ecache, ecache.view(torch.bfloat16), ecache.stride(0) // ealign, erows, n_ent, ratio,
+            part_o if part_o is not None else dummy, part_l if part_l is not None else dummy,
+            sinks if sinks is not None else dummy, out, out.stride(0), out.stride(1),
+            t, heads, start, window.size, float(softmax_scale) * LOG2E, tile0,
+            WFMT=FORMATS[wrec], WDATA=DATA_BYTES[wrec], WALIGN=walign, EFMT=FORMATS[erec], EDATA=DATA_BYTES[erec],
+            EALIGN=ealign, HAS_ENT=has_ent, HAS_PART=part_o is not None, HAS_SINK=sinks is not None,
+            DV_SPLIT=cfg.dv_split, BT=cfg.block_t, BH=cfg.block_h, BN=cfg.block_n, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     return out

@@ -181,7 +181,11 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         (3, 0, 16, 8, dict(record_w="rows", mode="picks", ratio=2, topk=3), C()),  # bf16 rows, start 0
         (7, 12, 3, 8, dict(record_w="rows", mode="none"), C(block_h=4, block_t=4, block_n=16)),
     ]
+    import kernels.v4_sparse_prefill_triton as kernel_module
+    cases.append((9, 5, 2, 8, dict(record_w="v4", mode="picks", ratio=2, topk=4), C(block_h=2, block_t=8, block_n=16)))
     for i, (t, start, h, size, fields, cfg) in enumerate(cases):
+        if i == len(cases) - 1:  # launches split over token ranges (as past the grid's 65535 tiles)
+            kernel_module.MAX_GRID_Y, kernel_module.DECODE_TOKENS = 1, 4
         q, start, window, entries, sinks = make_prefill_case(t, start, h, size, seed=20 + i, **fields)
         out = torch.full((t, h, 512), float("nan"), dtype=torch.bfloat16)
         v4_sparse_prefill_triton(q, start, window, entries, sinks, 512**-0.5, config=cfg, out=out)
@@ -204,7 +208,7 @@ def test_triton_kernels_under_interpreter():
 
 
 _COMPILE_CASES = [  # (heads, window record, HCA entries, picks partial, spill stack or less): defaults of 8/64 heads
-    (64, "v41_window", False, True, 512), (8, "v4", True, False, 64),
+    (64, "v41_window", False, True, 512), (8, "v4", True, False, 128),
 ]
 
 
@@ -224,7 +228,8 @@ def test_window_kernel_compiles_for_sm90(heads, record, has_ent, has_part, limit
     cfg = resolve_prefill_config(heads, None)
     types = dict(Q="*fp16", CH16="*bf16", WC="*u8", WC16="*bf16", WR="*i32", EC="*u8", EC16="*bf16", ER="*i32",
                  PO="*fp32", PL="*fp32", SINK="*fp32", OUT="*bf16", sm_log2="fp32")
-    types.update(dict.fromkeys("q_st q_sh ch_st wc_rw P ec_rw N_ENT ratio o_st o_sh T H start window".split(), "i32"))
+    ints = "q_st q_sh ch_st wc_rw P ec_rw N_ENT ratio o_st o_sh T H start window tile0"
+    types.update(dict.fromkeys(ints.split(), "i32"))
     entry = "v41_entry" if record == "v41_window" else record
     align = {r: 16 if RECORD_BYTES[r] % 16 == 0 else 8 for r in (record, entry)}
     consts = dict(WFMT=FORMATS[record], WDATA=DATA_BYTES[record], WALIGN=align[record], EFMT=FORMATS[entry],
