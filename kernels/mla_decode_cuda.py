@@ -139,29 +139,32 @@ def cache_dir() -> Path:
     return _cache_dir
 
 
-def build_library(nvcc: str | None = None, out_dir: Path | None = None) -> Path:
-    """Compile the .cu file unless a build of this exact source and these flags exists."""
+def build_library(nvcc: str | None = None, out_dir: Path | None = None, sources: tuple[Path, ...] = SOURCES,
+                  headers: tuple[Path, ...] = HEADERS, name: str = "mla_decode_sm90a",
+                  flags: tuple[str, ...] = NVCC_FLAGS) -> Path:
+    """Compile ``sources`` (default: the MLA decode kernels) with ``flags`` into the library
+    ``name`` unless a build of these exact sources, headers and flags exists."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
-        raise CudaKernelUnavailable("the cuda attention backend needs nvcc (set CUDA_HOME or put nvcc on PATH)")
-    digest = hashlib.sha256(" ".join(NVCC_FLAGS).encode())
-    for path in (*SOURCES, *HEADERS):
+        raise CudaKernelUnavailable("the cuda backend needs nvcc (set CUDA_HOME or put nvcc on PATH)")
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for path in (*sources, *headers):
         digest.update(path.read_bytes())
     key = digest.hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"mla_decode_sm90a-{key}.so"
+    lib = out_dir / f"{name}-{key}.so"
     if lib.exists():
         return lib
-    with open(out_dir / f".mla_decode_sm90a-{key}.lock", "w") as lock:
+    with open(out_dir / f".{name}-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait and reuse its result
         if lib.exists():
             return lib
         tmp = lib.with_suffix(f".tmp{os.getpid()}")
-        cmd = [nvcc, *NVCC_FLAGS, "-o", str(tmp), *map(str, SOURCES)]
+        cmd = [nvcc, *flags, "-o", str(tmp), *map(str, sources)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            names = ", ".join(path.name for path in SOURCES)
+            names = ", ".join(path.name for path in sources)
             raise CudaKernelUnavailable(f"nvcc failed building {names}:\n{res.stderr[-4000:]}")
         os.replace(tmp, lib)
     return lib

@@ -136,23 +136,6 @@ __device__ __forceinline__ void load_v_fragments(const uint8_t* tile, int d0, in
     }
 }
 
-// cuTensorMapEncodeTiled, looked up through the runtime (no link against the driver library).
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiledFn encode_tiled() {
-  static EncodeTiledFn fn = nullptr;
-  if (fn == nullptr) {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) ==
-            cudaSuccess && found == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<EncodeTiledFn>(ptr);
-  }
-  return fn;
-}
-
 // The cache [num_pages, page_size, 576] bytes as a 3-D tensor (byte, token, page) whose boxes
 // are 128 bytes x one tile of tokens, written to shared memory with the 128-byte swizzle.
 bool encode_cache_map(CUtensorMap* map, const Params& p, long long num_pages) {

@@ -118,6 +118,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.compress_rope = RotaryTable(config.qk_rope_head_dim, config.compress_rope)
         self.sparse_decode: V4SparseDecodeBackend | None = None  # see configure_cache
         self.sparse_prefill: V4SparsePrefillBackend | None = None
+        self.kv_write = "auto"  # the decode's KV writes: auto (fused on CUDA), torch or triton (kernels/v4_kv_write.py)
 
     def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64, plan: PoolPlan | None = None,
                         attention_backend: str = "auto", prefill_backend: str = "auto") -> None:
@@ -253,7 +254,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         for layer in self.model.layers:
             rope = self.compress_rope if layer.uses_compress_rope else self.main_rope
             streams = layer(streams, input_ids,
-                            lambda h, a=layer.self_attn, r=rope: a.decode(h, batch, pools, r, self.sparse_decode), rows)
+                            lambda h, a=layer.self_attn, r=rope: a.decode(h, batch, pools, r, self.sparse_decode,
+                                                                        self.kv_write), rows)
         return final_rows(par, self.model.norm(self.model.hc_head(streams)), n)
 
     def finish_decode(self, states: list[V4RequestState], inputs: DecodeInputs) -> None:

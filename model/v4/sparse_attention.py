@@ -33,6 +33,7 @@ import torch
 from kernels.attention import (AttentionSpec, BackendUnavailable, V4SparseDecodeBackend, V4SparsePrefillBackend,
                                select_v4_decode_backend, select_v4_prefill_backend)
 from kernels.attention.v4_sparse_decode import V4_CACHE_DTYPE
+from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, write_rows
 from kernels.v4_sparse_decode import SparseKV, row_record_cache
 from kernels.v4_sparse_prefill import StoredRows
 from model.v4.cache_pool import BatchIndex, CachePools, RowPool
@@ -84,10 +85,12 @@ def window_key_positions(batch: BatchIndex, window: int) -> torch.Tensor:
     return p.unsqueeze(-1) - (window - 1) + torch.arange(window, device=p.device)
 
 
-def store_window_row(pool: RowPool, layer: int, batch: BatchIndex, pools: CachePools, kv: torch.Tensor) -> None:
-    """Store B new window rows kv [B, d] at ``batch.positions`` in ring pool ``pool``."""
-    rows = batch.ring_rows(pools, pool.name, batch.positions.unsqueeze(-1))
-    pool.put(layer, rows, pool.codec.encode(kv).unsqueeze(1))
+def write_window_row(pool: RowPool, layer: int, batch: BatchIndex, pools: CachePools, raw: torch.Tensor,
+                     norm: RowNorm, cos: torch.Tensor, sin: torch.Tensor, kv_write: str = "auto") -> None:
+    """Store B new window rows ``RoPE(norm(raw))`` (raw [B, d] at ``batch.positions``, cos/sin
+    there) in ring pool ``pool``, encoded by its codec (kernels/v4_kv_write.py)."""
+    write_rows(raw, norm, cos, sin, RowStore(pool.flat(layer), pool.codec.encode, pool.codec.format),
+               RowTarget(batch.positions, pool.rows_per_unit, ring_base=batch.ring_base[pool.name]), kv_write)
 
 
 def window_scope(pool: RowPool, layer: int, batch: BatchIndex, pools: CachePools, window: int, record: str,
