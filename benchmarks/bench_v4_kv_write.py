@@ -33,7 +33,8 @@ import sys
 import torch
 
 from benchmarks.bench_mla_decode import time_call
-from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, compress_step, write_rows
+from kernels.attention.v4_kv_write import compress_step, write_rows
+from kernels.v4_kv_write import RowNorm, RowStore, RowTarget
 from model.checkpoint import load_config_dict
 from model.config import parse_model_config
 from model.v41.model import v41_row_codecs

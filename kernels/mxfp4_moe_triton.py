@@ -122,10 +122,9 @@ if triton is not None:
     _LUT_ASM = tl.constexpr("""
     {
     .reg .b32 s, a, b, t;
-    and.b32 s, $2, 0x7777;
+    and.b32 s, $2, 0x77777777;
     prmt.b32 a, $3, $7, s;
-    shr.u32 s, $2, 16;
-    and.b32 s, s, 0x7777;
+    shr.u32 s, s, 16;
     prmt.b32 b, $3, $7, s;
     prmt.b32 $0, a, b, 0x6420;
     prmt.b32 $1, a, b, 0x7531;
@@ -236,8 +235,14 @@ if triton is not None:
     def _quant_pairs_kernel(X, Y, S, K, stride_xm, stride_ym, stride_sm, UE8M0: tl.constexpr,
                             SPANS: tl.constexpr):
         """Y = e4m3(X / scale) per row per 128 columns, in paired order; S the fp32 scales."""
-        row = tl.program_id(0).to(tl.int64)
-        spans = tl.program_id(1) * SPANS + tl.arange(0, SPANS)
+        _quant_pairs(X, Y, S, tl.program_id(0).to(tl.int64), tl.program_id(1), K, stride_xm, stride_ym, stride_sm,
+                     UE8M0, SPANS)
+
+    @triton.jit
+    def _quant_pairs(X, Y, S, row, part, K, stride_xm, stride_ym, stride_sm, UE8M0: tl.constexpr,
+                     SPANS: tl.constexpr):
+        """Spans part·SPANS … of one row of ``_quant_pairs_kernel``."""
+        spans = part * SPANS + tl.arange(0, SPANS)
         c = spans[:, None] * 128 + tl.arange(0, 128)[None, :]
         ok = c < K
         x = tl.load(X + row * stride_xm + c, mask=ok, other=0.0).to(tl.float32)
@@ -410,11 +415,16 @@ def quantize_paired_triton(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.
     y = torch.empty(t, k, dtype=torch.uint8, device=x.device)
     s = torch.empty(t, k // SPAN, dtype=torch.float32, device=x.device)
     if t:
-        spans = min(8, triton.next_power_of_2(k // SPAN))
+        spans = quant_spans_per_program(k)
         xc = x if x.stride(-1) == 1 else x.contiguous()
         _quant_pairs_kernel[(t, triton.cdiv(k // SPAN, spans))](
             xc, y, s, k, xc.stride(0), y.stride(0), s.stride(0), UE8M0=ue8m0, SPANS=spans, num_warps=4)
     return y.view(FP8_DTYPE), s
+
+
+def quant_spans_per_program(k: int) -> int:
+    """128-column spans one program of the paired quantization handles."""
+    return min(8, triton.next_power_of_2(k // SPAN))
 
 
 def moe_mxfp4_triton(
@@ -428,11 +438,15 @@ def moe_mxfp4_triton(
     limit: float,
     expert_offset: int = 0,
     mode: str = "w4a8",
-    config: MXFP4MoEConfig | None = None,
+    config=None,
     ue8m0: bool = False,
 ) -> torch.Tensor:
     """Routed MXFP4 experts: x [T, D] (bf16/fp16/fp32), w13 [E, 2I, D/2] + [E, 2I, D/32],
-    w2 [E, D, I/2] + [E, D, I/32] (int8 + E8M0/uint8) → fp32 [T, D]. D and I multiples of 128."""
+    w2 [E, D, I/2] + [E, D, I/32] (int8 + E8M0/uint8) → fp32 [T, D]. D and I multiples of 128.
+
+    ``config``: an ``MXFP4MoEConfig`` (token-row tiles), a ``kernels.mxfp4_moe_decode.SwapABConfig``
+    (W4A8 swap-AB), or None: W4A8 at decode sizes (``use_swap_ab``) takes swap-AB, the rest the
+    token-row table."""
     if triton is None:
         raise RuntimeError("the MXFP4 MoE kernels need the triton package")
     if mode not in MODES:
@@ -453,6 +467,14 @@ def moe_mxfp4_triton(
     if t == 0:
         return out
     a8 = mode == "w4a8"
+    # imported here: kernels.mxfp4_moe_decode builds on this module's jit helpers
+    from kernels.mxfp4_moe_decode import SwapABConfig, moe_mxfp4_w4a8_swap_ab, use_swap_ab
+
+    if isinstance(config, SwapABConfig) or (config is None and a8 and use_swap_ab(n_slots, n_local)):
+        if not a8:
+            raise ValueError("the swap-AB decode kernels are W4A8 only")
+        return moe_mxfp4_w4a8_swap_ab(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit,
+                                      expert_offset, config, ue8m0)
     cfg = config or default_config(n_slots, n_local, a8)
     if cfg.convert not in CONVERTS or cfg.split_k < 1 or cfg.split_k_down < 1:
         raise ValueError(f"bad MXFP4 MoE config {cfg}: convert one of {', '.join(CONVERTS)}, split_k >= 1")

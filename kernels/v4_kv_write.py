@@ -14,8 +14,8 @@ Per decode token a layer stores rows in its row pools (model/v4/cache_pool.py):
 packed FP8/FP4 records of kernels/v4_cache_formats.py); its ``fmt`` name tells the fused
 kernels (kernels/v4_kv_write_triton.py) which encoding to reproduce. The functions here are
 the one definition of this math: the model's chunk path and decode path both call them.
-:func:`write_rows` / :func:`compress_step` run the fused Triton kernels on CUDA (``impl``
-``auto``) and these references otherwise.
+:func:`kernels.attention.v4_kv_write.write_rows` / ``compress_step`` run the fused Triton
+kernels on CUDA (``impl`` ``auto``) and these references otherwise.
 """
 
 from __future__ import annotations
@@ -27,9 +27,6 @@ import torch
 
 from kernels.rmsnorm import rms_norm_after_cast_reference, rms_norm_reference
 from kernels.rope import apply_trailing_rope
-
-IMPLS = ("auto", "torch", "triton")
-
 
 @dataclass(frozen=True)
 class RowNorm:
@@ -141,42 +138,3 @@ def compress_step_reference(kv: torch.Tensor, gate: torch.Tensor, kv_ring: torch
     latent = norm(pooled.to(cos.dtype))
     store.flat[target.flat_rows()] = store.encode(apply_trailing_rope(latent, cos, sin))
     return latent
-
-
-def _use_triton(impl: str, x: torch.Tensor, store: RowStore) -> bool:
-    if impl not in IMPLS:
-        raise ValueError(f"V4 KV write: unknown implementation {impl!r} (expected one of {IMPLS})")
-    if impl == "torch" or (impl == "auto" and not x.is_cuda):
-        return False
-    from kernels import v4_kv_write_triton as fused
-
-    ok = fused.supports(x, store)
-    if impl == "triton" and not ok:
-        raise ValueError(f"V4 KV write: the Triton kernel does not take {x.dtype} rows on {x.device} into "
-                         f"{store.fmt!r} records")
-    return ok
-
-
-def write_rows(x: torch.Tensor, norm: RowNorm, cos: torch.Tensor, sin: torch.Tensor, store: RowStore,
-               target: RowTarget, impl: str = "auto", want_latent: bool = False) -> torch.Tensor | None:
-    """:func:`write_rows_reference`, fused on CUDA (``impl`` ``auto``; ``torch`` / ``triton``
-    force one). Returns the latents ``norm(x)`` when ``want_latent`` (the reference always has them)."""
-    if _use_triton(impl, x, store):
-        from kernels.v4_kv_write_triton import write_rows_triton
-
-        return write_rows_triton(x, norm, cos, sin, store, target, want_latent)
-    return write_rows_reference(x, norm, cos, sin, store, target)
-
-
-def compress_step(kv: torch.Tensor, gate: torch.Tensor, kv_ring: torch.Tensor, gate_ring: torch.Tensor,
-                  ring: RowTarget, gate_base: torch.Tensor, ratio: int, overlap: bool,
-                  position_bias: torch.Tensor | None, norm: RowNorm, cos: torch.Tensor, sin: torch.Tensor,
-                  store: RowStore, target: RowTarget, impl: str = "auto",
-                  want_latent: bool = False) -> torch.Tensor | None:
-    """:func:`compress_step_reference`, fused on CUDA (see :func:`write_rows`)."""
-    args = (kv, gate, kv_ring, gate_ring, ring, gate_base, ratio, overlap, position_bias, norm, cos, sin, store, target)
-    if _use_triton(impl, kv, store):
-        from kernels.v4_kv_write_triton import compress_step_triton
-
-        return compress_step_triton(*args, want_latent)
-    return compress_step_reference(*args)

@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, compress_step, norm_rope_rows, pool_window_rows
+from kernels.attention.v4_kv_write import compress_step
+from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, norm_rope_rows, pool_window_rows
 from model.layers.norm import RMSNorm
 from model.v4.rope import RotaryTable, apply_trailing_rope
 from model.v4.cache_pool import BatchIndex, CachePools, RowLease

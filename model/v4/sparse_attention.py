@@ -33,7 +33,8 @@ import torch
 from kernels.attention import (AttentionSpec, BackendUnavailable, V4SparseDecodeBackend, V4SparsePrefillBackend,
                                select_v4_decode_backend, select_v4_prefill_backend)
 from kernels.attention.v4_sparse_decode import V4_CACHE_DTYPE
-from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, write_rows
+from kernels.attention.v4_kv_write import write_rows
+from kernels.v4_kv_write import RowNorm, RowStore, RowTarget
 from kernels.v4_sparse_decode import SparseKV, row_record_cache
 from kernels.v4_sparse_prefill import StoredRows
 from model.v4.cache_pool import BatchIndex, CachePools, RowPool

@@ -27,7 +27,8 @@ from torch import nn
 
 from kernels.attention import V4SparseDecodeBackend, V4SparsePrefillBackend
 from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
-from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, compress_step, norm_rope_rows, write_rows
+from kernels.attention.v4_kv_write import compress_step, write_rows
+from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, norm_rope_rows
 from kernels.v4_sparse_prefill import PrefillEntries, PrefillWindow
 from model.layers.norm import RMSNorm
 from model.v4.attention import gather_window
