@@ -31,7 +31,8 @@ import torch
 from benchmarks.bench_mla_decode import measure_ceilings, time_call
 from kernels.mxfp4_moe import moe_mxfp4_reference
 from kernels.mxfp4_moe_decode import SwapABConfig, decode_config, use_swap_ab
-from kernels.mxfp4_moe_triton import MXFP4MoEConfig, default_config, moe_mxfp4_triton
+from kernels.mxfp4_experts import moe_mxfp4_kernels
+from kernels.mxfp4_moe_triton import MXFP4MoEConfig, default_config
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "deepseek-v41-flash.json")
@@ -140,7 +141,7 @@ def bench_tokens(t: int, shape: dict, w, sweep: int, sweep_rows: bool, hbm: floa
                 return seen[str(cfg)]
 
             def fn():
-                return moe_mxfp4_triton(x, *w, wts, ids, limit, mode=m, config=cfg)
+                return moe_mxfp4_kernels(x, *w, wts, ids, limit, mode=m, config=cfg)
 
             try:
                 out = fn()

@@ -444,9 +444,9 @@ def moe_mxfp4_triton(
     """Routed MXFP4 experts: x [T, D] (bf16/fp16/fp32), w13 [E, 2I, D/2] + [E, 2I, D/32],
     w2 [E, D, I/2] + [E, D, I/32] (int8 + E8M0/uint8) → fp32 [T, D]. D and I multiples of 128.
 
-    ``config``: an ``MXFP4MoEConfig`` (token-row tiles), a ``kernels.mxfp4_moe_decode.SwapABConfig``
-    (W4A8 swap-AB), or None: W4A8 at decode sizes (``use_swap_ab``) takes swap-AB, the rest the
-    token-row table."""
+    The token-row kernels: ``config`` an ``MXFP4MoEConfig`` or None (:func:`default_config`).
+    ``kernels.mxfp4_experts.moe_mxfp4_kernels`` picks between these and the W4A8 swap-AB decode
+    kernels (kernels/mxfp4_moe_decode.py)."""
     if triton is None:
         raise RuntimeError("the MXFP4 MoE kernels need the triton package")
     if mode not in MODES:
@@ -467,14 +467,6 @@ def moe_mxfp4_triton(
     if t == 0:
         return out
     a8 = mode == "w4a8"
-    # imported here: kernels.mxfp4_moe_decode builds on this module's jit helpers
-    from kernels.mxfp4_moe_decode import SwapABConfig, moe_mxfp4_w4a8_swap_ab, use_swap_ab
-
-    if isinstance(config, SwapABConfig) or (config is None and a8 and use_swap_ab(n_slots, n_local)):
-        if not a8:
-            raise ValueError("the swap-AB decode kernels are W4A8 only")
-        return moe_mxfp4_w4a8_swap_ab(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit,
-                                      expert_offset, config, ue8m0)
     cfg = config or default_config(n_slots, n_local, a8)
     if cfg.convert not in CONVERTS or cfg.split_k < 1 or cfg.split_k_down < 1:
         raise ValueError(f"bad MXFP4 MoE config {cfg}: convert one of {', '.join(CONVERTS)}, split_k >= 1")

@@ -441,7 +441,7 @@ def _compile_layouts(fn, types, consts, **options):
 @needs_cuda
 @pytest.mark.parametrize("mode", ["w4a8", "w4a16"])
 def test_gpu_kernels_match_references(mode):
-    from kernels.mxfp4_moe_triton import moe_mxfp4_triton
+    from kernels.mxfp4_experts import moe_mxfp4_kernels
 
     if mode == "w4a8" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("e4m3 MMA needs SM89+")
@@ -452,7 +452,7 @@ def test_gpu_kernels_match_references(mode):
                        (513, 6, list(range(6, 16)))]:
         wts, ids = routing(t, k, e, seed=t, device="cuda", only=only)
         x = torch.randn(t, d, device="cuda").bfloat16()
-        out = moe_mxfp4_triton(x, *w, wts, ids, 10.0, mode=mode)
+        out = moe_mxfp4_kernels(x, *w, wts, ids, 10.0, mode=mode)
         ref = moe_mxfp4_reference(x, *w, wts, ids, 10.0, mode)
         assert not out.isnan().any()
         assert rel_err(out, ref) < tol, (t, k, only, rel_err(out, ref))

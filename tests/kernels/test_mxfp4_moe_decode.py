@@ -55,7 +55,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
     from kernels.fp8 import quantize_per_token_group
     from kernels.mxfp4_moe import pair_columns
     from kernels.mxfp4_moe_decode import SwapABConfig, route_and_quantize
-    from kernels.mxfp4_moe_triton import moe_mxfp4_triton
+    from kernels.mxfp4_experts import moe_mxfp4_kernels
     from tests.kernels.test_mxfp4_moe import experts, rel_err, routing
     for t, k, e, off, bt, d in [(1, 6, 20, 0, 16, 256), (37, 3, 9, 2, 16, 1280), (5, 2, 4, 0, 32, 128),
                                 (300, 6, 384, 0, 16, None)]:
@@ -82,7 +82,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
         wts, ids = routing(t, k, e + off, seed=t, only=only)
         xb = torch.randn(t, d).bfloat16()
         local = [wi[off:] if off else wi for wi in w]
-        out = moe_mxfp4_triton(xb, *local, wts, ids, limit, off, mode="w4a8", config=cfg)
+        out = moe_mxfp4_kernels(xb, *local, wts, ids, limit, off, mode="w4a8", config=cfg)
         ref = moe_mxfp4_reference(xb, *local, wts, ids, limit, "w4a8", off)
         unquantized = moe_mxfp4_reference(xb.float(), *local, wts, ids, limit, "w4a16", off)
         err = rel_err(out, ref)
@@ -173,7 +173,8 @@ def _sm90():
 @pytest.mark.parametrize("t", [1, 3, 16, 64, 256])
 def test_gpu_swap_ab_matches_reference(t):
     from kernels.moe_triton import align_slots_to_blocks
-    from kernels.mxfp4_moe_triton import default_config, moe_mxfp4_triton, quantize_paired_triton
+    from kernels.mxfp4_experts import moe_mxfp4_kernels
+    from kernels.mxfp4_moe_triton import default_config, quantize_paired_triton
 
     if not _sm90():
         pytest.skip("W4A8 swap-AB needs SM90 (FP8 wgmma)")
@@ -186,10 +187,10 @@ def test_gpu_swap_ab_matches_reference(t):
     ref = moe_mxfp4_reference(x, *local, wts, ids, 10.0, "w4a8", 2)
     configs = [None] + [cfg for _, cfg in DECODE_TABLE] + [SwapABConfig(64, 128, 32, 2, split_k=3, split_k_down=2)]
     for cfg in configs:
-        out = moe_mxfp4_triton(x, *local, wts, ids, 10.0, 2, mode="w4a8", config=cfg)
+        out = moe_mxfp4_kernels(x, *local, wts, ids, 10.0, 2, mode="w4a8", config=cfg)
         assert not out.isnan().any()
         assert rel_err(out, ref) < 5e-3, (t, cfg, rel_err(out, ref))
-    rows = moe_mxfp4_triton(x, *local, wts, ids, 10.0, 2, mode="w4a8", config=default_config(t * k, e - 2))
+    rows = moe_mxfp4_kernels(x, *local, wts, ids, 10.0, 2, mode="w4a8", config=default_config(t * k, e - 2))
     assert rel_err(rows, ref) < 5e-3  # the token-row kernels agree
     slots, blocks, q, s = route_and_quantize(ids, e - 2, 2, 16, x)
     want = align_slots_to_blocks(ids, e - 2, 2, 16)
@@ -216,7 +217,7 @@ def test_gpu_router_at_v41_expert_counts():
 @needs_cuda
 @pytest.mark.parametrize("t", [1, 16])
 def test_gpu_swap_ab_graph_capture_replays_fresh_inputs(t):
-    from kernels.mxfp4_moe_triton import moe_mxfp4_triton
+    from kernels.mxfp4_experts import moe_mxfp4_kernels
 
     if not _sm90():
         pytest.skip("W4A8 swap-AB needs SM90 (FP8 wgmma)")
@@ -224,15 +225,15 @@ def test_gpu_swap_ab_graph_capture_replays_fresh_inputs(t):
     w = experts(e, d, inter, seed=3, device="cuda", spread=4)
     wts, ids = routing(t, k, e, seed=1, device="cuda")
     x = torch.randn(t, d, device="cuda").bfloat16()
-    moe_mxfp4_triton(x, *w, wts, ids, 1.0)  # compile outside the capture
+    moe_mxfp4_kernels(x, *w, wts, ids, 1.0)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe_mxfp4_triton(x, *w, wts, ids, 1.0)
+        out = moe_mxfp4_kernels(x, *w, wts, ids, 1.0)
     for seed in (5, 6):  # new tokens and a new routing in the captured buffers
         new_wts, new_ids = routing(t, k, e, seed=seed, device="cuda")
         wts.copy_(new_wts)
         ids.copy_(new_ids)
         x.copy_(torch.randn(t, d, device="cuda"))
         graph.replay()
-        assert torch.equal(out, moe_mxfp4_triton(x, *w, wts, ids, 1.0))
+        assert torch.equal(out, moe_mxfp4_kernels(x, *w, wts, ids, 1.0))
         assert rel_err(out, moe_mxfp4_reference(x, *w, wts, ids, 1.0, "w4a8")) < 5e-3
