@@ -17,7 +17,8 @@ compressed entries and indexer.
 :meth:`V4Attention.forward` runs one request's chunk; :meth:`V4Attention.decode` advances B
 requests by one token each: window rows and (selected) entries gathered from the row pools
 into padded [B, W + N, d] keys with a [B, W + N] bias (model/v4/cache_pool.py), or, with
-packed records and a sparse-decode backend, attended in place (model/v4/sparse_attention.py).
+packed records and a sparse-decode backend, attended in place (model/v4/sparse_attention.py);
+a chunk, with a sparse-prefill backend, likewise reads the pool rows in place.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.attention import V4SparseDecodeBackend
+from kernels.attention import V4SparseDecodeBackend, V4SparsePrefillBackend
 from kernels.v4_kv_write import RowNorm, norm_rope_rows
+from kernels.v4_sparse_prefill import PrefillEntries, PrefillWindow
 from model.layers.norm import RMSNorm
 from model.v4.attention_core import (
     bias_from_visible,
@@ -42,8 +44,8 @@ from model.v4.norm import unweighted_rms_norm
 from model.v4.output_proj import GroupedLinear, grouped_output_projection
 from model.v4.rope import RotaryTable, apply_trailing_rope
 from model.v4.cache_pool import BatchIndex, CachePools, RowLease
-from model.v4.sparse_attention import (entry_scope, sparse_attend, window_key_positions, window_scope,
-                                      write_window_row)
+from model.v4.sparse_attention import (entry_scope, sparse_attend, stored_rows, window_key_positions, window_scope,
+                                       write_window_row)
 from model.v4_parallel import local_heads_and_groups
 
 QUERY_BLOCK = 256  # queries per attention block in a long chunk (bounds the transient logits)
@@ -81,9 +83,10 @@ class V4Attention(nn.Module):
         self.requires_grad_(False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, lease: RowLease, pools: CachePools,
-                rope: RotaryTable) -> torch.Tensor:
+                rope: RotaryTable, sparse: V4SparsePrefillBackend | None = None) -> torch.Tensor:
         """One request: x [T, D] (input_layernorm'ed) at absolute ``positions`` [T] → [T, D]; stores
-        the chunk's rows in the request's pool units."""
+        the chunk's rows in the request's pool units. ``sparse``: the backend that attends the
+        pool rows in place (None: gathered, decoded rows and masks in torch)."""
         t, start, layer = x.shape[0], int(positions[0]), self.layer_idx
         cos, sin = rope.cos_sin(positions, x.dtype)
         q_residual, q, kv = self.project(x, cos, sin)
@@ -92,6 +95,10 @@ class V4Attention(nn.Module):
         first_key = max(0, start - (self.sliding_window - 1))
         stored = window.codec.encode(kv)
         keep = min(t, self.sliding_window)
+        if sparse is not None:  # the new rows go to the ring after the attention read the old ones
+            o = self._prefill_sparse(sparse, x, q_residual, q, stored, positions, lease, pools, rope)
+            window.put(layer, lease.rows("window", start + t - keep, start + t), stored[t - keep:])
+            return self.output(o, cos, sin)
         old = window.get(layer, lease.rows("window", first_key, start))
         window.put(layer, lease.rows("window", start + t - keep, start + t), stored[t - keep:])
         keys = torch.cat([old, window.codec.decode(stored)]).to(q.dtype)
@@ -120,6 +127,27 @@ class V4Attention(nn.Module):
                 bias = torch.cat([bias, entry_bias], dim=1)
             o[a:b] = sink_attention(q[a:b], block_keys, bias, self.sinks, self.scale)
         return self.output(o, cos, sin)
+
+    def _prefill_sparse(self, backend: V4SparsePrefillBackend, x: torch.Tensor, q_residual: torch.Tensor,
+                        q: torch.Tensor, stored: torch.Tensor, positions: torch.Tensor, lease: RowLease,
+                        pools: CachePools, rope: RotaryTable) -> torch.Tensor:
+        """:meth:`forward`'s attention [T, H, d] by ``backend``: the window's ring rows before the
+        chunk and the chunk's rows ``stored`` (encoded), then the picked (CSA) or all visible
+        (HCA) entries, as stored."""
+        window, layer, start = pools["window"], self.layer_idx, int(positions[0])
+        first_key = max(0, start - (self.sliding_window - 1))
+        win = PrefillWindow(window.codec.decode(stored).to(q.dtype), stored_rows(window, layer, "v4", self.rope_dims),
+                            lease.rows("window", first_key, start), self.sliding_window)
+        entries, comp = None, self.compressor
+        if comp is not None:
+            n = comp.compress_store(x, start, lease, pools, rope)
+            picks = None
+            if isinstance(comp, CSACompressor):
+                picks = comp.indexer.select(x, q_residual, positions, lease, pools, rope, self.query_block)
+            name = comp.pool_prefix + "entries"
+            entries = PrefillEntries(stored_rows(pools[name], comp.pool_layer, "v4", self.rope_dims),
+                                     lease.rows(name, 0, n), picks, self.ratio)
+        return backend.prefill(q, start, win, entries, self.sinks, self.scale)
 
     def decode(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools, rope: RotaryTable,
                sparse: V4SparseDecodeBackend | None = None, kv_write: str = "auto") -> torch.Tensor:

@@ -77,6 +77,13 @@ class WindowCompressor(nn.Module):
                  rope: RotaryTable) -> torch.Tensor:
         """Feed one request's chunk x [T, D] at positions ``start …``; returns all its entries so
         far [n, head_dim] as stored (decoded)."""
+        n = self.compress_store(x, start, lease, pools, rope)
+        name = self.pool_prefix + "entries"
+        return pools[name].get(self.pool_layer, lease.rows(name, 0, n))
+
+    def compress_store(self, x: torch.Tensor, start: int, lease: RowLease, pools: CachePools,
+                       rope: RotaryTable) -> int:
+        """:meth:`compress` without reading the entries back: returns their count n."""
         m, t, layer = self.ratio, x.shape[0], self.pool_layer
         kv_pool, gate_pool = pools[self.pool_prefix + "kv"], pools[self.pool_prefix + "gate"]
         name = self.pool_prefix + "entries"
@@ -102,7 +109,7 @@ class WindowCompressor(nn.Module):
         keep = min(t, self.ring_rows)
         kv_pool.put(layer, lease.rows(kv_pool.name, end - keep, end), kv[t - keep:])
         gate_pool.put(layer, lease.rows(gate_pool.name, end - keep, end), gate[t - keep:])
-        return entries.get(layer, lease.rows(name, 0, n_new))
+        return n_new
 
     def decode_step(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools, rope: RotaryTable,
                     kv_write: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:

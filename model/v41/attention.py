@@ -25,17 +25,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.attention import V4SparseDecodeBackend
+from kernels.attention import V4SparseDecodeBackend, V4SparsePrefillBackend
 from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
 from kernels.attention.v4_kv_write import compress_step, write_rows
 from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, norm_rope_rows
+from kernels.v4_sparse_prefill import PrefillEntries, PrefillWindow
 from model.layers.norm import RMSNorm
 from model.v4.attention import gather_window
 from model.v4.attention_core import selected_entry_bias, sink_attention, window_bias
 from model.v4.cache_pool import BatchIndex, CachePools, RowLease
 from model.v4.output_proj import GroupedLinear
 from model.v4.rope import RotaryTable, apply_trailing_rope
-from model.v4.sparse_attention import entry_scope, sparse_attend, window_scope, write_window_row
+from model.v4.sparse_attention import entry_scope, sparse_attend, stored_rows, window_scope, write_window_row
 from model.v41.compressor import Compressor
 from model.v41.config import V41Config
 from model.v41.indexer import QUERY_BLOCK, Indexer
@@ -132,13 +133,14 @@ class Attention(nn.Module):
         self._store_groups(latent, cos, sin, pools, lease.rows(pre + "entries", g0, g0 + latent.shape[0]))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, state: RequestState,
-                step: dict) -> torch.Tensor:
+                step: dict, sparse: V4SparsePrefillBackend | None = None) -> torch.Tensor:
         """One request: x [T, hidden] normed at ``positions``; ``rope`` is this layer's flavour
         (compress iff ratio > 0).
 
         ``step`` is shared by the layers of one forward: index sources leave their top-k
         picks there (``step["topk_picks"][layer]``) for the reuse layers after them, and the
-        candidate source its block mask. Queries attend ``QUERY_BLOCK`` at a time.
+        candidate source its block mask. Queries attend ``QUERY_BLOCK`` at a time, or, with
+        ``sparse``, the backend attends the pool rows in place (model/v4/sparse_attention.py).
         """
         t, start, lease = x.shape[0], int(positions[0]), state.lease
         pools = lease.pools
@@ -149,32 +151,30 @@ class Attention(nn.Module):
         first_row = max(0, start - (self.window - 1))
         n_cached, keep = start - first_row, min(t, self.window)
         stored = window.codec.encode(raw)
+        new_rows = lease.rows("window", start + t - keep, start + t)
+        if sparse is not None:  # the new rows go to the ring after the attention read the old ones
+            win = PrefillWindow(window.codec.decode(stored).to(q.dtype), stored_rows(window, self.layer_idx,
+                                                                                     "v41_window"),
+                                lease.rows("window", first_row, start), self.window)
+            n, picks = self._entries_and_picks(x, q_res, positions, cos, sin, lease, pools, rope, step, q.dtype)
+            entries = None
+            if n and picks is not None:  # without an index source the entries stay masked
+                name = self.source_pools + "entries"
+                entries = PrefillEntries(stored_rows(pools[name], 0, "v41_entry"), lease.rows(name, 0, n), picks)
+            out = sparse.prefill(q, start, win, entries, self.attn_sink, self.scale)
+            window.put(self.layer_idx, new_rows, stored[t - keep:])
+            return self.output(out, cos, sin)
         old = window.get(self.layer_idx, lease.rows("window", first_row, start))
-        window.put(self.layer_idx, lease.rows("window", start + t - keep, start + t), stored[t - keep:])
+        window.put(self.layer_idx, new_rows, stored[t - keep:])
         window_rows = torch.cat([old, window.codec.decode(stored)]).to(q.dtype)
         row_pos = torch.arange(first_row, start + t, device=x.device)
 
         entries, picks = None, None
         if self.ratio:
-            if self.compressor is not None:
-                self._compress(x, start, lease, pools, rope)
-            n = (start + t) // self.source_ratio
-            all_picks = step.setdefault("topk_picks", {})
+            n, picks = self._entries_and_picks(x, q_res, positions, cos, sin, lease, pools, rope, step, q.dtype)
             if n:
                 name = self.source_pools + "entries"
                 entries = pools[name].get(0, lease.rows(name, 0, n)).to(q.dtype)
-                if self.indexer is not None and self.source_pools + "keys" in pools:
-                    name = self.source_pools + "keys"
-                    if self.indexer.backend is not None:  # packed records scored in place
-                        pool = pools[name]
-                        all_picks[self.layer_idx] = self.indexer.prefill_packed_picks(
-                            x, q_res, pool.flat(0), lease.units[name], pool.rows_per_unit, n, positions, cos, sin,
-                            step)
-                    else:
-                        keys = pools[name].get(0, lease.rows(name, 0, n)).to(q.dtype)
-                        all_picks[self.layer_idx] = self.indexer.topk_picks(x, q_res, keys, positions, cos, sin,
-                                                                            step)
-            picks = all_picks.get(self.index_source)
 
         out = torch.empty_like(q)
         for s in range(0, t, QUERY_BLOCK):
@@ -188,6 +188,30 @@ class Attention(nn.Module):
                                                    bias)], dim=-1)
             out[s:e] = sink_attention(q[s:e], keys, bias, self.attn_sink, self.scale)
         return self.output(out, cos, sin)
+
+    def _entries_and_picks(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, lease: RowLease, pools: CachePools, rope: RotaryTable, step: dict,
+                           dtype: torch.dtype) -> tuple[int, torch.Tensor | None]:
+        """One request's chunk: run the KV source's compressor and the index source's top-k;
+        returns the entries visible by the chunk's end and the picks [T, k] this layer uses
+        (None: no index source, or not a compressed layer)."""
+        if not self.ratio:
+            return 0, None
+        start, t = int(positions[0]), x.shape[0]
+        if self.compressor is not None:
+            self._compress(x, start, lease, pools, rope)
+        n = (start + t) // self.source_ratio
+        all_picks = step.setdefault("topk_picks", {})
+        if n and self.indexer is not None and self.source_pools + "keys" in pools:
+            name = self.source_pools + "keys"
+            if self.indexer.backend is not None:  # packed records scored in place
+                pool = pools[name]
+                all_picks[self.layer_idx] = self.indexer.prefill_packed_picks(
+                    x, q_res, pool.flat(0), lease.units[name], pool.rows_per_unit, n, positions, cos, sin, step)
+            else:
+                keys = pools[name].get(0, lease.rows(name, 0, n)).to(dtype)
+                all_picks[self.layer_idx] = self.indexer.topk_picks(x, q_res, keys, positions, cos, sin, step)
+        return n, all_picks.get(self.index_source)
 
     def decode(self, x: torch.Tensor, batch: BatchIndex, rope: RotaryTable, step: dict,
                pools: CachePools, sparse: V4SparseDecodeBackend | None = None, kv_write: str = "auto") -> torch.Tensor:

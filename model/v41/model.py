@@ -53,7 +53,8 @@ from model.v41.mhc import (
 from model.v41.moe import MoE, stacked_mxfp4_unsupported
 from model.v4.cache_pool import BatchIndex, CachePools, PoolPlan, plain_codec
 from model.v4.decode_buffers import DecodeBuffers, DecodeInputs
-from model.v4.sparse_attention import V4SparseDecodeBackend, choose_sparse_decode
+from model.v4.sparse_attention import (V4SparseDecodeBackend, V4SparsePrefillBackend, choose_sparse_decode,
+                                       choose_sparse_prefill)
 from model.v41.state import RequestState
 from model.parallel import ParallelContext, StepRows
 from model.v4_parallel import final_rows, first_rows, row_parallel_site, shard_spec, vocab_embedding
@@ -150,6 +151,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, -(-config.vocab_size // par.tp_size), bias=False, dtype=dtype)
         self.hasher: EngramHasher | None = None
         self.sparse_decode: V4SparseDecodeBackend | None = None  # see configure_cache
+        self.sparse_prefill: V4SparsePrefillBackend | None = None
         self.kv_write = "auto"  # the decode's KV writes: auto (fused on CUDA), torch or triton (kernels/v4_kv_write.py)
 
     def bind_tokenizer(self, tokenizer_json_path: str) -> DeepseekV41ForCausalLM:
@@ -216,7 +218,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.load_tensor(name, tensors[name], state)
 
     def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64, plan: PoolPlan | None = None,
-                        attention_backend: str = "auto", indexer_backend: str = "auto") -> None:
+                        attention_backend: str = "auto", indexer_backend: str = "auto",
+                        prefill_backend: str = "auto") -> None:
         """How new states store their rows: ``auto`` (the model dtype, values already rounded to
         the trained FP8/FP4 grids) or ``fp8`` (the packed records: window rows e4m3 + ue8m0 per
         32, entries e2m1 + e4m3 per 16, index keys e2m1 + ue8m0 per 32; the same values), in
@@ -224,12 +227,17 @@ class DeepseekV41ForCausalLM(nn.Module):
         plan's fixed sizes, allocated now — and the sparse-decode backend the batched decode
         attends packed records with (``attention_backend``: model/v4/sparse_attention.py), and
         the indexer's scorer of packed key records (``indexer_backend``: auto, triton or torch;
-        kernels/attention/v4_indexer.py). Replaces the pools: states made before keep the old ones."""
+        kernels/attention/v4_indexer.py), and the sparse-prefill backend of the chunks
+        (``prefill_backend``; None on a CPU: the torch attention). Replaces the pools: states
+        made before keep the old ones."""
         c, weight = self.config, self.lm_head.weight
         v41_row_codecs(c, kv_cache_dtype, weight.dtype)  # validates
+        heads, formats = self.model.layers[0].attn.num_heads, ("v41_window", "v41_entry")
         self.sparse_decode = choose_sparse_decode(
-            attention_backend, kv_cache_dtype, weight.device, self.model.layers[0].attn.num_heads, c.head_dim,
-            c.qk_rope_head_dim, page_rows, weight.dtype, ("v41_window", "v41_entry"))
+            attention_backend, kv_cache_dtype, weight.device, heads, c.head_dim, c.qk_rope_head_dim, page_rows,
+            weight.dtype, formats)
+        self.sparse_prefill = choose_sparse_prefill(prefill_backend, kv_cache_dtype, weight.device, heads, c.head_dim,
+                                                    c.qk_rope_head_dim, weight.dtype, formats)
         scorer = choose_indexer(indexer_backend, kv_cache_dtype, weight.device, c.index_head_dim)
         for layer in self.model.layers:
             if layer.attn.indexer is not None:
@@ -300,7 +308,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         for layer in self.model.layers:
             rope = self.model.compress_rope if layer.attn.ratio else self.model.main_rope
             streams, pre = layer(streams, pre, hash_ids, t,
-                                 lambda h, a=layer.attn, r=rope: a(h, positions, r, state, step), rows)
+                                 lambda h, a=layer.attn, r=rope: a(h, positions, r, state, step, self.sparse_prefill),
+                                 rows)
         hidden = final_rows(par, self.model.norm(collapse_streams(streams, pre)), t)
         state.num_tokens += t
         return par.gather_vocab(self.lm_head(hidden).float())[..., : c.vocab_size]
