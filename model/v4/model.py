@@ -118,7 +118,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.compress_rope = RotaryTable(config.qk_rope_head_dim, config.compress_rope)
         self.sparse_decode: V4SparseDecodeBackend | None = None  # see configure_cache
         self.sparse_prefill: V4SparsePrefillBackend | None = None
-        self.kv_write = "auto"  # the decode's KV writes: auto (fused on CUDA), torch or triton (kernels/v4_kv_write.py)
+        self.kv_write = "auto"  # the decode's KV writes: auto, torch or triton (kernels/attention/v4_kv_write.py)
 
     def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64, plan: PoolPlan | None = None,
                         attention_backend: str = "auto", prefill_backend: str = "auto") -> None:
@@ -135,8 +135,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.sparse_decode = choose_sparse_decode(
             attention_backend, kv_cache_dtype, device, heads, c.head_dim, c.qk_rope_head_dim, page_rows, self.dtype,
             ("v4",))
+        # auto keeps V4's prefill on torch attention: the kernel's CSA (top-k) path gave NaN on
+        # V4 records in its first H200 run (benchmarks/RESULTS.md); --prefill-attention-backend triton
+        # still asks for it
         self.sparse_prefill = choose_sparse_prefill(prefill_backend, kv_cache_dtype, device, heads, c.head_dim,
-                                                    c.qk_rope_head_dim, self.dtype, ("v4",))
+                                                    c.qk_rope_head_dim, self.dtype, ("v4",),
+                                                    auto_off="not auto for V4 yet (NaN in its CSA path on a GPU)")
         self._cache_settings = (kv_cache_dtype, page_rows, plan)
         self._pools = None
         if plan is not None:

@@ -152,7 +152,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.hasher: EngramHasher | None = None
         self.sparse_decode: V4SparseDecodeBackend | None = None  # see configure_cache
         self.sparse_prefill: V4SparsePrefillBackend | None = None
-        self.kv_write = "auto"  # the decode's KV writes: auto (fused on CUDA), torch or triton (kernels/v4_kv_write.py)
+        self.kv_write = "auto"  # the decode's KV writes: auto, torch or triton (kernels/attention/v4_kv_write.py)
 
     def bind_tokenizer(self, tokenizer_json_path: str) -> DeepseekV41ForCausalLM:
         """Build the engram hasher from the checkpoint's ``tokenizer.json``."""
