@@ -60,7 +60,8 @@ def build_edited(kernel: str, name: str, edits: list[tuple[str, str]], out: Path
     for header in mdc.HEADERS:
         (d / header.name).write_text(header.read_text())
     lib = d / "variant.so"
-    subprocess.run([mdc.find_nvcc() or "nvcc", *mdc.NVCC_FLAGS, "-o", str(lib), str(d / source.name)],
+    subprocess.run([mdc.find_nvcc() or "nvcc", *mdc.NVCC_FLAGS, "-o", str(lib), str(d / source.name),
+                    str(mdc.COMBINE_SOURCE)],  # the split-KV merge, for split launches
                    check=True, capture_output=True, text=True)
     return lib
 

@@ -1,8 +1,18 @@
-"""Paged MLA decode on one GPU: our Triton kernel (FP8, bf16), FlashInfer fa3 (bf16, FP8
-cache) and the torch reference, over batch x heads x query tokens at one context length.
+"""Paged MLA decode on one GPU: our CUDA C++ FP8 kernels (``cuda-fp8``), our Triton kernel
+(FP8, bf16), FlashInfer fa3 (bf16, FP8 cache), FlashMLA's dense bf16 decode (``flashmla-bf16``,
+when its build is at ``--flashmla DIR``, default ``.flashmla/``) and the torch reference, over
+batch x heads x query tokens x context lengths.
 
     python3 -m benchmarks.bench_mla_decode                      # B 64/128 x H 16/128 x s_q 1/2
     python3 -m benchmarks.bench_mla_decode --sweep --sq 1       # also time candidate configs
+    python3 -m benchmarks.bench_mla_decode --grid small         # B 1-16 x S 2k-32k, 128 heads, vs 1.3x
+    python3 -m benchmarks.bench_mla_decode --grid small --split-sweep   # + cuda-fp8 at every split count
+
+``--grid small`` prints, per point, ours (cuda-fp8) against the faster of FlashInfer fa3 bf16 and
+FlashMLA bf16 and whether ours is 1.3x faster; ``--split-sweep`` adds cuda-fp8 at forced split
+counts, each with and without the combine (``merge_splits=False``: the decode kernel alone), the
+data the split planner's cost model (kernels/mla_decode_cuda.py) is fitted to. With $OUT set,
+every row goes to $OUT/bench_mla_decode.json.
 
 Prints µs, achieved TB/s and TFLOP/s, their share of ceilings measured in the same run, and
 the relative error against a float64 reference on the same (quantized) inputs, computed on
@@ -22,6 +32,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import sys
 import time
 
 import torch
@@ -34,6 +46,24 @@ D, DV, PAGE = 576, 512, 64
 SM_SCALE = 192 ** -0.5
 Q_SCALE, K_SCALE = 0.02, 0.03
 REF_REQUESTS = 4
+SMALL_GRID = dict(batch=[1, 2, 4, 8, 16], seq=[2048, 8192, 32768], heads=[128], sq=[1])
+TARGET_SPEEDUP = 1.3  # ours FP8 against the faster of FlashInfer fa3 bf16 and FlashMLA bf16
+SPLIT_SWEEP = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def import_flashmla(root: str = ".flashmla"):
+    """FlashMLA's Python package from the kit at ``root`` (its ``src/`` and ``src/tests/`` go on
+    sys.path), or None with one line saying why (benches then time the other arms only)."""
+    for path in (os.path.join(root, "src"), os.path.join(root, "src", "tests")):
+        if os.path.isdir(path) and path not in sys.path:
+            sys.path.insert(0, path)
+    try:
+        import flash_mla
+
+        return flash_mla
+    except Exception as exc:  # noqa: BLE001 — any import failure means "skip FlashMLA"
+        print(f"FlashMLA not importable ({type(exc).__name__}: {exc}); timing ours only")
+        return None
 
 # Candidate launch shapes (each compiled once per specialization), per regime.
 SWEEP = {
@@ -217,7 +247,8 @@ def time_call(fn, reps: tuple[int, int], use_graph: bool, flush: str = "read") -
 
 
 def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_triton: bool = True,
-               sweep_cuda: bool = True, use_graph: bool = True, flush: str = "read") -> list[dict]:
+               sweep_cuda: bool = True, use_graph: bool = True, flush: str = "read", flash_mla=None,
+               split_sweep: bool = False) -> list[dict]:
     from kernels.mla_decode_triton import MLADecodeConfig, _mla_decode_kernel, default_config, mla_decode_triton
 
     x = build_inputs(case)
@@ -271,10 +302,16 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
         record("ours-bf16", lambda: mla_decode_triton(*args16), ref16, 2,
                dict(config={k: v for k, v in cfg.items() if v is not None and k != "pv"}))
     if "cuda-fp8" in variants:
-        from kernels.mla_decode_cuda import choose_kernel, mla_decode_cuda
+        from kernels.mla_decode_cuda import TILE, choose_kernel, choose_num_splits, mla_decode_cuda
+        from kernels.mla_decode_triton import _num_sms
 
+        kernel = choose_kernel(rows_per_req)
+        planned = choose_num_splits(case.bsz, rows_per_req, x["tables"].shape[1] * PAGE // TILE,
+                                    _num_sms(x["q8"].device), kernel)
         record("cuda-fp8", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE), ref8, 1,
-               dict(config=choose_kernel(rows_per_req)))
+               dict(config=kernel, splits=planned))
+        if split_sweep:
+            sweep_split_counts(case, args8, ref8, record)
         if sweep and sweep_cuda:
             for name in ("narrow", "wgmma"):
                 for splits in (None, 1, 2, 3, 4, 8):
@@ -304,10 +341,85 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
         else:
             q, qs, ks = x["q16"], 1.0, 1.0
         record(name, lambda: backend.decode(q, kv, metadata, SM_SCALE, DV, k_scale=ks, q_scale=qs), ref, elt)
+    if "flashmla-bf16" in variants and flash_mla is not None:
+        sched, _ = flash_mla.get_mla_metadata()  # filled by the first call, reused by the replays
+        kcache = x["kv16"].unsqueeze(2)  # [blocks, page, one latent head, 576]
+
+        def flashmla():
+            out, lse = flash_mla.flash_mla_with_kvcache(x["q16"], kcache, x["tables"], x["lens"], DV, sched, None,
+                                                        softmax_scale=SM_SCALE, causal=case.s_q > 1)
+            return out, lse.transpose(1, 2)  # FlashMLA's lse is [B, H, s_q]
+
+        record("flashmla-bf16", flashmla, ref16, 2)
     if "torch" in variants:
         record("torch-ref", lambda: mla_decode_reference(*args8, q_scale=Q_SCALE, k_scale=K_SCALE),
                ref8, 1, reps=None)
     return rows
+
+
+def sweep_split_counts(case: Case, args8: tuple, ref8, record) -> None:
+    """cuda-fp8 at each split count of SPLIT_SWEEP (and the planner's), with the combine and
+    without it (the decode kernel alone): rows ``sweep-splits``; the planner's split count with
+    the combine launched without PDL: row ``sweep-no-pdl``; past 32 rows, the narrow kernel
+    (32-row CTAs) at its planned split count: row ``sweep-narrow``."""
+    from kernels.mla_decode_cuda import TILE, choose_kernel, choose_num_splits, mla_decode_cuda
+    from kernels.mla_decode_triton import _num_sms
+
+    rows = case.heads * case.s_q
+    kernel = choose_kernel(rows)
+    max_tiles = args8[2].shape[1] * PAGE // TILE
+    planned = choose_num_splits(case.bsz, rows, max_tiles, _num_sms(args8[0].device), kernel)
+    for splits in sorted({n for n in SPLIT_SWEEP if n <= max_tiles} | {planned}):
+        for merged in (True, False) if splits > 1 else (True,):
+            def call(splits=splits, merged=merged):
+                return mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE, num_splits=splits,
+                                       merge_splits=merged)
+
+            record("sweep-splits", call, ref8, 1,
+                   dict(config=kernel, splits=splits, merged=merged, planned=splits == planned))
+    if planned > 1:  # the combine as a plain launch after the decode, not a programmatic dependent one
+        record("sweep-no-pdl", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE, num_splits=planned,
+                                                       pdl=False), ref8, 1, dict(config=kernel, splits=planned))
+    if kernel == "wgmma":  # the narrow kernel's 32-row CTAs instead: twice the CTAs for the same tiles
+        narrow = choose_num_splits(case.bsz, rows, max_tiles, _num_sms(args8[0].device), "narrow")
+        record("sweep-narrow", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE, kernel="narrow",
+                                                       num_splits=narrow), ref8, 1,
+               dict(config="narrow", splits=narrow))
+
+
+def speedup_table(rows: list[dict]) -> str:
+    """Per point: ours (cuda-fp8) against the faster of FlashInfer fa3 bf16 and FlashMLA bf16,
+    and, where the split sweep ran, the planner's split count against the best one."""
+    points: dict[tuple, dict] = {}
+    for r in rows:
+        points.setdefault((r["B"], r["S"], r["H"], r["s_q"]), []).append(r)
+    lines = [f"ours = cuda-fp8; others = min(FlashInfer fa3 bf16, FlashMLA bf16); target ours >= "
+             f"{TARGET_SPEEDUP}x others",
+             "",
+             "| B | S | H | s_q | ours µs | splits | FlashInfer µs | FlashMLA µs | others / ours | meets | "
+             "best split (µs) | planned split: kernel / + combine / + combine without PDL µs | narrow kernel µs |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (bsz, seq, heads, s_q), rs in sorted(points.items()):
+        us = {r["variant"]: r["us"] for r in rs if not r["variant"].startswith("sweep")}
+        ours, fi, fm = us.get("cuda-fp8"), us.get("fi-fa3-bf16"), us.get("flashmla-bf16")
+        others = min([t for t in (fi, fm) if t is not None], default=None)
+        ratio = others / ours if ours and others else None
+        sweep = [r for r in rs if r["variant"] == "sweep-splits"]
+        best = min((r for r in sweep if r["merged"]), key=lambda r: r["us"], default=None)
+        plan = {r["merged"]: r["us"] for r in sweep if r["planned"]}
+        no_pdl = next((r["us"] for r in rs if r["variant"] == "sweep-no-pdl"), None)
+        narrow = next((r["us"] for r in rs if r["variant"] == "sweep-narrow"), None)
+        planned = next((r.get("splits", "") for r in rs if r["variant"] == "cuda-fp8"), "")
+
+        def f(t):
+            return f"{t:.1f}" if t is not None else "-"
+
+        verdict = "-" if ratio is None else ("yes" if ratio >= TARGET_SPEEDUP else "no")
+        best_s = f"{best['splits']} ({best['us']:.1f})" if best else "-"
+        ratio_s = f"{ratio:.2f}" if ratio else "-"
+        lines.append(f"| {bsz} | {seq} | {heads} | {s_q} | {f(ours)} | {planned} | {f(fi)} | {f(fm)} | {ratio_s} | "
+                     f"{verdict} | {best_s} | {f(plan.get(False))} / {f(plan.get(True))} / {f(no_pdl)} | {f(narrow)} |")
+    return "\n".join(lines) + "\n"
 
 
 def fmt_row(r: dict) -> str:
@@ -317,7 +429,7 @@ def fmt_row(r: dict) -> str:
         cfg += f" splits={r['splits']}"
     cfg += f" [{r.get('timing', '?')}]"
     sass = f" regs={r['regs']} spills={r['spills']} QGMMA={r['QGMMA']} HGMMA={r['HGMMA']}" if "regs" in r else ""
-    return (f"B={r['B']:4d} H={r['H']:4d} s_q={r['s_q']} {r['variant']:12s} {r['us']:9.1f} us "
+    return (f"B={r['B']:4d} S={r['S']:6d} H={r['H']:4d} s_q={r['s_q']} {r['variant']:12s} {r['us']:9.1f} us "
             f"{r['tbs']:5.2f} TB/s ({r['pct_hbm']:5.1f}%) {r['tflops']:6.1f} TFLOP/s ({r['pct_bf16']:5.1f}% bf16) "
             f"relerr {r['relerr']:.2e} lse {r['lse_err']:.1e} {cfg}{sass}")
 
@@ -328,8 +440,8 @@ def markdown(rows: list[dict], ceil: dict) -> str:
         f"{ceil['bf16_tflops']:.0f} TFLOP/s, fp8 GEMM {ceil['fp8_tflops']:.0f} TFLOP/s. Times are "
         "CUDA-graph replays unless the config says eager.",
         "",
-        "| B | H | s_q | variant | µs | TB/s | % HBM | TFLOP/s | % bf16 | rel. err | config |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| B | S | H | s_q | variant | µs | TB/s | % HBM | TFLOP/s | % bf16 | rel. err | config |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["variant"].startswith("sweep"):
@@ -337,8 +449,9 @@ def markdown(rows: list[dict], ceil: dict) -> str:
         cfg = r.get("config", "")
         cfg = " ".join(f"{k}={v}" for k, v in cfg.items()) if isinstance(cfg, dict) else str(cfg)
         cfg += " (eager)" if r.get("timing") == "eager" else ""
-        lines.append(f"| {r['B']} | {r['H']} | {r['s_q']} | {r['variant']} | {r['us']:.1f} | {r['tbs']:.2f} | "
-                     f"{r['pct_hbm']:.0f} | {r['tflops']:.0f} | {r['pct_bf16']:.0f} | {r['relerr']:.1e} | {cfg} |")
+        lines.append(f"| {r['B']} | {r['S']} | {r['H']} | {r['s_q']} | {r['variant']} | {r['us']:.1f} | "
+                     f"{r['tbs']:.2f} | {r['pct_hbm']:.0f} | {r['tflops']:.0f} | {r['pct_bf16']:.0f} | "
+                     f"{r['relerr']:.1e} | {cfg} |")
     return "\n".join(lines) + "\n"
 
 
@@ -348,38 +461,58 @@ def main() -> None:
 
     set_cache_dir(envs.MLASERVE_KERNEL_CACHE)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grid", choices=("small",), help="a preset: small = B 1-16 x S 2k/8k/32k, 128 heads, s_q 1")
     ap.add_argument("--batch", type=int, nargs="+", default=[64, 128])
-    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--seq", type=int, nargs="+", default=[4096])
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--sq", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--variants", default="cuda-fp8,ours-fp8,ours-bf16,fi-fa3-bf16,fi-fa3-fp8,torch")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated arms (default cuda-fp8,ours-fp8,ours-bf16,fi-fa3-bf16,fi-fa3-fp8,"
+                         "flashmla-bf16,torch; with --grid small cuda-fp8,fi-fa3-bf16,flashmla-bf16)")
+    ap.add_argument("--flashmla", default=".flashmla", help="FlashMLA kit folder (its src/ goes on sys.path)")
     ap.add_argument("--sweep", action="store_true", help="also time the candidate configs")
     ap.add_argument("--sweep-what", choices=("all", "cuda", "triton"), default="all",
                     help="which kernel's candidate launch shapes to sweep")
     ap.add_argument("--sweep-batch", type=int, nargs="+", default=[128], help="sweep only at these batch sizes")
-    ap.add_argument("--json", help="write every row here")
+    ap.add_argument("--split-sweep", action="store_true",
+                    help="cuda-fp8 at every split count of SPLIT_SWEEP, with and without the combine")
+    ap.add_argument("--json", help="write every row here (and to $OUT/bench_mla_decode.json when $OUT is set)")
     ap.add_argument("--markdown", help="write the summary table here")
     ap.add_argument("--timing", choices=("graph", "eager"), default="graph",
                     help="time CUDA-graph replays of each call (default) or the eager calls")
     ap.add_argument("--l2-flush", choices=("read", "write"), default="read",
                     help="empty the L2 before each call by reading (default) or by zeroing a 256 MB buffer")
     args = ap.parse_args()
-    variants = args.variants.split(",")
+    if args.grid == "small":
+        for k, v in SMALL_GRID.items():
+            setattr(args, k, v)
+    default_variants = ("cuda-fp8,fi-fa3-bf16,flashmla-bf16" if args.grid else
+                        "cuda-fp8,ours-fp8,ours-bf16,fi-fa3-bf16,fi-fa3-fp8,flashmla-bf16,torch")
+    variants = (args.variants or default_variants).split(",")
+    flash_mla = import_flashmla(args.flashmla) if "flashmla-bf16" in variants else None
     ceil = measure_ceilings()
     print(f"ceilings: {ceil}", flush=True)
     rows = []
     for s_q in args.sq:
         for heads in args.heads:
-            for bsz in args.batch:
-                sweep = args.sweep and bsz in args.sweep_batch and s_q == args.sq[0]
-                rows += bench_case(Case(bsz, args.seq, heads, s_q), variants, sweep, ceil,
-                                   sweep_triton=args.sweep_what != "cuda", sweep_cuda=args.sweep_what != "triton",
-                                   use_graph=args.timing == "graph", flush=args.l2_flush)
-                torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(ceilings=ceil, device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
-    table = markdown(rows, ceil)
+            for seq in args.seq:
+                for bsz in args.batch:
+                    sweep = args.sweep and bsz in args.sweep_batch and s_q == args.sq[0]
+                    try:
+                        rows += bench_case(Case(bsz, seq, heads, s_q), variants, sweep, ceil,
+                                           sweep_triton=args.sweep_what != "cuda",
+                                           sweep_cuda=args.sweep_what != "triton", use_graph=args.timing == "graph",
+                                           flush=args.l2_flush, flash_mla=flash_mla, split_sweep=args.split_sweep)
+                    except Exception as exc:  # noqa: BLE001 — e.g. out of memory at one point: keep the others
+                        print(f"B={bsz} S={seq} H={heads} s_q={s_q} FAILED: {exc!r}", flush=True)
+                    torch.cuda.empty_cache()
+    result = dict(ceilings=ceil, device=torch.cuda.get_device_name(), argv=sys.argv[1:], rows=rows)
+    out_dir = os.environ.get("OUT")
+    for path in (args.json, os.path.join(out_dir, "bench_mla_decode.json") if out_dir else None):
+        if path:
+            with open(path, "w") as f:
+                json.dump(result, f, indent=1)
+    table = markdown(rows, ceil) + "\n" + speedup_table(rows)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)

@@ -1,14 +1,17 @@
-"""MXFP8 GEMMs on one GPU: our Triton kernel (per-32 scale promotion) against cuBLAS'
-blockwise ``torch._scaled_mm`` (1×128 activations, 128×128 weights: the R1 path), at
+"""MXFP8 GEMMs on one GPU: our CUDA C++ kernel (kernels/mxfp8_gemm_cuda.py) and our Triton
+kernel (both promote per 32 of K) against cuBLAS' blockwise ``torch._scaled_mm`` (1×128
+activations, 128×128 weights: the R1 path), at
 DeepSeek-V4.1-Flash shapes, and the output projection (inverse RoPE → wo_a → wo_b) fused,
 unfused and as HF's bf16 path, at TP1 and TP8 shard shapes.
 
-    python3 -m benchmarks.bench_mxfp8                  # from the repo root (~2 min on an H200)
+    python3 -m benchmarks.bench_mxfp8                  # from the repo root (~4 min on an H200)
     python3 -m benchmarks.bench_mxfp8 --m 1 128 --o-proj-tokens --sweep --json out.json
 
 Correctness is checked first (first 256 rows against the float32 references on the same
 quantized operands). Each call is a CUDA-graph replay with the L2 emptied before it (a 256 MB
-read), median over ~40 ms of replays (benchmarks/bench_mla_decode.py's ``time_call``).
+read), median over ~40 ms of replays (benchmarks/bench_mla_decode.py's ``time_call``), and
+the median of three such rounds. "ours" is the default backend (CUDA on Hopper), "triton" the
+Triton kernel at its default tiles (or the best of ``--sweep``).
 "GEMM" columns time the GEMM alone on pre-quantized inputs; "+quant" adds each path's
 activation quantization (ours: MXFP8 per 32; scaled_mm: 1×128 per token, M padded to 16).
 TFLOP/s = 2·M·N·K / time. The markdown tables come last.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import torch
 
@@ -31,6 +35,7 @@ from kernels.mxfp8_gemm import (
     mxfp8_gemm_reference,
     mxfp8_linear,
 )
+from kernels.mxfp8_gemm_cuda import cuda_gemm_available, default_cuda_config
 from kernels.mxfp8_o_proj import inverse_rope_reference, mxfp8_o_proj, o_proj_reference
 from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
 from kernels.weight_formats import dequantize_fp8_blocks, quantize_fp8_blocks
@@ -41,7 +46,9 @@ O_PROJ_TP = {"tp1": (64, 8), "tp8": (8, 1)}  # one rank's (heads, wo_a groups)
 O_PROJ_DIMS = (1024, 512, 32, 5120)  # wo_a rank per group, head dim, rope pairs, hidden
 MX_WEIGHT_BLOCK = (32, 32)  # V4.1's FP8 weight blocks, UE8M0 scales
 CHECK_ROWS = 256
-REPS = (5, 40)  # ms of warm-up, ms of timed replays (keeps the default run near 2 min)
+REPS = (5, 40)  # ms of warm-up, ms of timed replays
+ROUNDS = 3
+O_PROJ_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 
 
 def rel_err(a, b) -> float:
@@ -49,7 +56,8 @@ def rel_err(a, b) -> float:
 
 
 def timed(fn) -> float:
-    return time_call(fn, REPS, use_graph=True)[0]
+    """Median of ROUNDS rounds of graph-replay timing (seconds)."""
+    return sorted(time_call(fn, REPS, use_graph=True)[0] for _ in range(ROUNDS))[ROUNDS // 2]
 
 
 def sweep_configs(m: int, n: int, k: int) -> list[dict]:
@@ -84,6 +92,7 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool) -> dict:
 
     ref = mxfp8_gemm_reference(x8[:r], xs[:r], w8, ws, out_dtype=torch.float32)
     row["err_ours"] = rel_err(mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32)[:r], ref)
+    row["err_triton"] = rel_err(mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, backend="triton")[:r], ref)
     row["err_ours_vs_x"] = rel_err(mxfp8_linear(x[:r], w8, ws), x[:r].float() @ w.t())
     y_mm = fp8_block_linear(x, w8r, wsr, backend="scaled_mm")
     row["err_scaled_mm_vs_x"] = rel_err(y_mm[:r], x[:r].float() @ w.t())
@@ -92,7 +101,7 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool) -> dict:
     best = None
     for cfg in configs:
         try:
-            t = timed(lambda cfg=cfg: mxfp8_gemm(x8, xs, w8, ws, config=cfg))
+            t = timed(lambda cfg=cfg: mxfp8_gemm(x8, xs, w8, ws, config=cfg, backend="triton"))
         except Exception as exc:  # a candidate that does not compile or fit
             if not sweep:
                 raise
@@ -102,7 +111,17 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool) -> dict:
             print(f"  {layer} M={m} {cfg} {t * 1e6:.1f} us", flush=True)
         if best is None or t < best[0]:
             best = (t, cfg)
-    row["ours_us"], row["ours_config"] = best[0] * 1e6, best[1]
+    row["triton_us"], row["triton_config"] = best[0] * 1e6, best[1]
+    row["ours_us"] = timed(lambda: mxfp8_gemm(x8, xs, w8, ws)) * 1e6
+    if sweep and cuda_gemm_available():  # the CUDA kernel's tile heights and K splits
+        base = default_cuda_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+        stages = -(-k // 128)
+        for consumers in (1, 2):
+            for split in sorted({1, 2, base["SPLIT_K"], 2 * base["SPLIT_K"]}):
+                if stages % split == 0:
+                    cfg = {"consumers": consumers, "SPLIT_K": split}
+                    t = timed(lambda cfg=cfg: mxfp8_gemm(x8, xs, w8, ws, config=cfg, backend="cuda")) * 1e6
+                    print(f"  {layer} M={m} cuda {cfg} {t:.1f} us", flush=True)
     row["ours_quant_us"] = timed(lambda: mxfp8_linear(x, w8, ws)) * 1e6
     row["mm_us"] = timed(lambda: torch._scaled_mm(xr8, w8r.t(), scale_a=xrs, scale_b=wsr.t(),
                                                   out_dtype=torch.bfloat16)) * 1e6
@@ -110,6 +129,7 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool) -> dict:
     flops = 2.0 * m * n * k
     row["ours_tflops"] = flops / row["ours_us"] / 1e6
     row["mm_tflops"] = flops / row["mm_us"] / 1e6
+    row["triton_tflops"] = flops / row["triton_us"] / 1e6
     row["ratio"] = row["ours_tflops"] / row["mm_tflops"]
     print(json.dumps(row), flush=True)
     return row
@@ -157,13 +177,13 @@ def bench_o_proj(tp: str, t: int) -> dict:
 
 def markdown(rows: list[dict], o_rows: list[dict]) -> str:
     lines = [f"MXFP8 GEMM vs blockwise _scaled_mm on {torch.cuda.get_device_name()} (CUDA-graph replays, cold L2)",
-             "", ("| layer | M | N | K | ours µs | scaled_mm µs | ours TFLOP/s | scaled_mm TFLOP/s | ratio |"
-             " ours+quant µs | scaled_mm+quant µs | rel. err |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", ("| layer | M | N | K | ours µs | triton µs | scaled_mm µs | ours TFLOP/s | triton TFLOP/s |"
+             " scaled_mm TFLOP/s | ours/scaled_mm | ours+quant µs | scaled_mm+quant µs | rel. err |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['layer']} | {r['M']} | {r['N']} | {r['K']} | {r['ours_us']:.1f} | {r['mm_us']:.1f} | "
-                     f"{r['ours_tflops']:.0f} | {r['mm_tflops']:.0f} | {r['ratio']:.2f} | {r['ours_quant_us']:.1f} | "
-                     f"{r['mm_quant_us']:.1f} | {r['err_ours']:.1e} |")
+        lines.append(f"| {r['layer']} | {r['M']} | {r['N']} | {r['K']} | {r['ours_us']:.1f} | {r['triton_us']:.1f} | "
+                     f"{r['mm_us']:.1f} | {r['ours_tflops']:.0f} | {r['triton_tflops']:.0f} | {r['mm_tflops']:.0f} | "
+                     f"{r['ratio']:.2f} | {r['ours_quant_us']:.1f} | {r['mm_quant_us']:.1f} | {r['err_ours']:.1e} |")
     if o_rows:
         lines += ["", ("o_proj (inverse RoPE → wo_a → wo_b, V4.1-Flash, one rank): fused MXFP8 vs unfused MXFP8 "
                   "vs HF's bf16 path"), "", "| TP | T | fused µs | unfused µs | speedup | bf16 µs | fused err |",
@@ -171,16 +191,25 @@ def markdown(rows: list[dict], o_rows: list[dict]) -> str:
         for r in o_rows:
             lines.append(f"| {r['tp']} | {r['T']} | {r['fused_us']:.1f} | {r['unfused_us']:.1f} | {r['speedup']:.2f} | "
                          f"{r['bf16_us']:.1f} | {r['err_fused']:.1e} |")
+        for tp in sorted({r["tp"] for r in o_rows}):
+            worst = min((r for r in o_rows if r["tp"] == tp), key=lambda r: r["speedup"])
+            lines.append(f"\n{tp}: slowest fused/unfused speedup {worst['speedup']:.2f} at T={worst['T']}")
+    prefill = [r for r in rows if r["M"] >= 1024]
+    if prefill:
+        worst = min(prefill, key=lambda r: r["ratio"])
+        lines.append(f"\nprefill (M ≥ 1024): lowest ours/scaled_mm {worst['ratio']:.2f} "
+                     f"({worst['layer']} M={worst['M']})")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, nargs="+", default=[1, 16, 128, 1024, 8192])
-    ap.add_argument("--o-proj-tokens", type=int, nargs="*", default=[1, 16, 64, 256, 1024, 4096, 16384])
+    ap.add_argument("--o-proj-tokens", type=int, nargs="*", default=O_PROJ_TOKENS)
     ap.add_argument("--tp", nargs="*", default=sorted(O_PROJ_TP), choices=sorted(O_PROJ_TP))
     ap.add_argument("--sweep", action="store_true",
-                    help="also time ~20 candidate tile configs per shape (minutes: pair with a short --m)")
+                    help="also time ~20 Triton tile configs and the CUDA kernel's tile heights and K splits per "
+                         "shape (minutes: pair with a short --m)")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows, o_rows = [], []
@@ -196,8 +225,9 @@ def main() -> None:
                 o_rows.append(bench_o_proj(tp, t))
             except Exception as exc:  # noqa: BLE001
                 print(f"o_proj {tp} T={t} FAILED: {exc!r}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
+    path = args.json or (os.path.join(os.environ["OUT"], "mxfp8.json") if os.environ.get("OUT") else None)
+    if path:
+        with open(path, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "gemm": rows, "o_proj": o_rows}, f, indent=1)
     print(markdown(rows, o_rows))
 

@@ -1,5 +1,5 @@
-"""V4 sparse FP8 decode: our Triton kernel vs FlashMLA's SM90 sparse decode on the same MODEL1
-tensors, in one process.
+"""V4 sparse FP8 decode: our Triton and CUDA C++ kernels vs FlashMLA's SM90 sparse decode on the
+same MODEL1 tensors, in one process.
 
 Each case: B requests x s_q query tokens x H heads; per query token 128 window rows (a cache
 of 64-record pages) plus top-k compressed entries picked at random from 4096 per request (a
@@ -8,10 +8,14 @@ requests (relative error of out, max |Δ lse|), then timed as CUDA-graph replays
 emptied before each (a 256 MB read), median over ``--reps`` ms of replays. FLOPs = 2·B·s_q·H·(128 + k)·1024
 (FlashMLA's count); bytes = the records each query token gathers (584 B each) + q + out.
 FlashMLA takes 64 or 128 heads: at 8 and 16 heads it runs padded to 64 (its time is what a
-server would pay). FlashMLA is used when its build is at ``.flashmla/`` (or importable), else
-skipped.
+server would pay). FlashMLA is used when its build is at ``.flashmla/`` (``--flashmla DIR``; or importable),
+else skipped.
 
     python3 benchmarks/bench_v4_sparse_decode.py [--quick] [--sweep] [--reps 30] [--heads 8 16]
+        [--variants triton cuda]
+
+``--variants`` picks our kernels (default both): ``triton`` (its default config, and the sweep),
+``cuda`` (kernels/v4_sparse_decode_cuda.py; checked, then timed, like the others).
 
 The main columns are the default config (what ``auto`` runs); with ``--sweep`` every variant of
 ``SWEEP`` and the kernel's first shapes (``legacy``) are timed too, the table shows legacy and the
@@ -25,13 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import torch
 
-from benchmarks.bench_mla_decode import time_call
+from benchmarks.bench_mla_decode import import_flashmla, time_call
 from kernels.v4_cache_formats import V4_RECORD_BYTES
 from kernels.v4_sparse_decode import SparseKV, pack_v4_cache, v4_sparse_decode_reference
+from kernels.v4_sparse_decode_cuda import v4_sparse_decode_cuda
 from kernels.v4_sparse_decode_triton import (SparseDecodeConfig, default_config, resolve_config,
                                              v4_sparse_decode_triton)
 
@@ -65,19 +69,6 @@ def sweep_configs(heads: int, sweep: bool) -> dict[str, SparseDecodeConfig]:
         cfgs["legacy"] = LEGACY[key]
         cfgs.update(SWEEP[key])
     return cfgs
-
-
-def import_flashmla():
-    for path in (".flashmla/src", ".flashmla/src/tests"):
-        if os.path.isdir(path) and path not in sys.path:
-            sys.path.insert(0, path)
-    try:
-        import flash_mla
-
-        return flash_mla
-    except Exception as exc:  # noqa: BLE001 — any import failure means "skip FlashMLA"
-        print(f"FlashMLA not importable ({type(exc).__name__}: {exc}); timing ours only")
-        return None
 
 
 def build_case(bsz: int, s_q: int, heads: int, topk: int, seed: int = 0):
@@ -131,7 +122,7 @@ def check(out, lse, want, want_lse) -> dict:
     return {"rel_err": rel_err(out[:n], want), "lse_err": (lse.double() - want_lse).abs().max().item()}
 
 
-def bench_case(bsz, s_q, heads, topk, flash_mla, sweep: bool, reps: int) -> dict:
+def bench_case(bsz, s_q, heads, topk, flash_mla, sweep: bool, reps: int, variants=("triton", "cuda")) -> dict:
     q, scopes, sinks = build_case(bsz, s_q, heads, topk, seed=bsz + s_q + heads + topk)
     n = REF_REQUESTS
     sub = [SparseKV(s.cache, s.indices[:n], s.record) for s in scopes]
@@ -142,7 +133,7 @@ def bench_case(bsz, s_q, heads, topk, flash_mla, sweep: bool, reps: int) -> dict
     row = {"B": bsz, "s_q": s_q, "H": heads, "topk": topk, "ours": []}
     out = torch.empty(bsz, s_q, heads, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(bsz, s_q, heads, device="cuda")
-    for name, cfg in sweep_configs(heads, sweep).items():
+    for name, cfg in (sweep_configs(heads, sweep) if "triton" in variants else {}).items():
         def ours(cfg=cfg):
             return v4_sparse_decode_triton(q, scopes, sinks, SCALE, config=cfg, out=out, lse=lse)
         try:
@@ -156,20 +147,41 @@ def bench_case(bsz, s_q, heads, topk, flash_mla, sweep: bool, reps: int) -> dict
             continue
         row["ours"].append({"name": name, "config": resolve_config(heads, cfg).__dict__, "us": us, **acc})
     timed = [r for r in row["ours"] if "us" in r]
-    best = min(timed, key=lambda r: r["us"])
-    default = next(r for r in timed if r["name"] == "default")
-    legacy = next((r for r in timed if r["name"] == "legacy"), None)
-    row.update(us=default["us"], tflops=flops / default["us"] * 1e-6,
-               hbm_pct=100 * nbytes / (default["us"] * 1e-6) / HBM_PEAK, rel_err=default["rel_err"],
-               lse_err=default["lse_err"], best=best["name"], best_us=best["us"],
-               legacy_us=legacy["us"] if legacy else None)
+    default = next((r for r in timed if r["name"] == "default"), None)
+    if default is not None:
+        best = min(timed, key=lambda r: r["us"])
+        legacy = next((r for r in timed if r["name"] == "legacy"), None)
+        row.update(us=default["us"], tflops=flops / default["us"] * 1e-6,
+                   hbm_pct=100 * nbytes / (default["us"] * 1e-6) / HBM_PEAK, rel_err=default["rel_err"],
+                   lse_err=default["lse_err"], best=best["name"], best_us=best["us"],
+                   legacy_us=legacy["us"] if legacy else None)
+    if "cuda" in variants:
+        row["cuda"] = cuda_arm(q, scopes, sinks, out, lse, want, want_lse, flops, nbytes, reps)
     if flash_mla is not None:
         fm = flashmla_call(flash_mla, q, scopes, sinks)
         fo, fl = fm()
         row["flashmla"] = {"us": timed_us(fm, reps), **check(fo, fl, want, want_lse)}
         row["flashmla"]["tflops"] = flops / row["flashmla"]["us"] * 1e-6
-        row["speedup"] = row["flashmla"]["us"] / row["us"]
+        if "us" in row:
+            row["speedup"] = row["flashmla"]["us"] / row["us"]
+        if "us" in row.get("cuda", {}):
+            row["cuda"]["speedup"] = row["flashmla"]["us"] / row["cuda"]["us"]
     return row
+
+
+def cuda_arm(q, scopes, sinks, out, lse, want, want_lse, flops, nbytes, reps) -> dict:
+    """The CUDA C++ kernel: checked against float64 first, then timed (an error is recorded,
+    not raised: the other arms still run)."""
+    def run():
+        return v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse)
+    try:
+        out.fill_(float("nan"))
+        run()
+        acc = check(out, lse, want, want_lse)
+        us = timed_us(run, reps)
+    except Exception as exc:  # noqa: BLE001 — a failing arm must not lose the others
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {"us": us, "tflops": flops / us * 1e-6, "hbm_pct": 100 * nbytes / (us * 1e-6) / HBM_PEAK, **acc}
 
 
 def cases(quick: bool):
@@ -189,11 +201,20 @@ def fmt(r: dict) -> str:
     fm = r.get("flashmla")
     fm_s = "-"
     if fm:
-        fm_s = f"{fm['us']:8.1f} {fm['tflops']:6.1f} {fm['rel_err']:.1e} {r['speedup']:5.2f}x"
-    legacy = f"{r['legacy_us']:8.1f}" if r.get("legacy_us") else "       -"
-    return (f"{r['H']:4d} {r['topk']:5d} {r['B']:4d} {r['s_q']:3d} | {r['us']:8.1f} {r['tflops']:6.1f} "
-            f"{r['hbm_pct']:5.1f}% {r['rel_err']:.1e} {r['lse_err']:.1e} | {legacy} {r['best_us']:8.1f} "
-            f"{r['best']:>12} | {fm_s}")
+        speed = f"{r['speedup']:5.2f}x" if "speedup" in r else "    -"
+        fm_s = f"{fm['us']:8.1f} {fm['tflops']:6.1f} {fm['rel_err']:.1e} {speed}"
+    tri = f"{'-':>8} {'-':>6} {'-':>6} {'-':>7} {'-':>7} | {'-':>8} {'-':>8} {'-':>12}"
+    if "us" in r:
+        legacy = f"{r['legacy_us']:8.1f}" if r.get("legacy_us") else "       -"
+        tri = (f"{r['us']:8.1f} {r['tflops']:6.1f} {r['hbm_pct']:5.1f}% {r['rel_err']:.1e} {r['lse_err']:.1e} | "
+               f"{legacy} {r['best_us']:8.1f} {r['best']:>12}")
+    cu = r.get("cuda", {})
+    if "us" in cu:
+        speed = f"{cu['speedup']:5.2f}x" if "speedup" in cu else "    -"
+        cu_s = f"{cu['us']:8.1f} {cu['tflops']:6.1f} {cu['hbm_pct']:5.1f}% {cu['rel_err']:.1e} {speed}"
+    else:
+        cu_s = cu.get("error", "-")[:60]
+    return f"{r['H']:4d} {r['topk']:5d} {r['B']:4d} {r['s_q']:3d} | {tri} | {cu_s} | {fm_s}"
 
 
 def main() -> None:
@@ -202,15 +223,18 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time the alternative launch configs")
     ap.add_argument("--reps", type=int, default=30, help="milliseconds of timed replays per case")
     ap.add_argument("--no-flashmla", action="store_true")
+    ap.add_argument("--flashmla", default=".flashmla", help="FlashMLA kit folder (its src/ goes on sys.path)")
     ap.add_argument("--heads", type=int, nargs="*", help="only these head counts (default 64 128 8 16)")
+    ap.add_argument("--variants", nargs="+", choices=("triton", "cuda"), default=("triton", "cuda"),
+                    help="which of our kernels to check and time")
     args = ap.parse_args()
-    flash_mla = None if args.no_flashmla else import_flashmla()
+    flash_mla = None if args.no_flashmla else import_flashmla(args.flashmla)
     rows = []
     for bsz, s_q, heads, topk in cases(args.quick):
         if args.heads and heads not in args.heads:
             continue
         try:
-            rows.append(bench_case(bsz, s_q, heads, topk, flash_mla, args.sweep, args.reps))
+            rows.append(bench_case(bsz, s_q, heads, topk, flash_mla, args.sweep, args.reps, tuple(args.variants)))
         except Exception as exc:  # noqa: BLE001 — one failing case must not lose the others
             rows.append({"B": bsz, "s_q": s_q, "H": heads, "topk": topk, "error": f"{type(exc).__name__}: {exc}"})
             print("case failed:", rows[-1], flush=True)
@@ -219,8 +243,8 @@ def main() -> None:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_v4_sparse_decode.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    print("\n   H  topk    B s_q |  ours µs TFLOP/s  HBM%  rel.err  lse.err |   legacy  best µs    best cfg |"
-          " FlashMLA µs TFLOP/s rel.err  speedup")
+    print("\n   H  topk    B s_q | triton µs TFLOP/s  HBM%  rel.err  lse.err |   legacy  best µs    best cfg |"
+          "  cuda µs TFLOP/s  HBM%  rel.err  speedup | FlashMLA µs TFLOP/s rel.err  speedup (triton)")
     for r in rows:
         print(fmt(r) if "error" not in r else f"{r['H']:4d} {r['topk']:5d} {r['B']:4d} {r['s_q']:3d} | {r['error']}")
 

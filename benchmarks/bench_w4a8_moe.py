@@ -1,37 +1,45 @@
 """MXFP4 routed experts of DeepSeek-V4.1-Flash on one GPU: W4A8 (e4m3 MMA, scales folded per
-128) against W4A16 (FP4 → bf16 in registers), both ``kernels.mxfp4_moe_triton``.
+128) at decode through the swap-AB kernels (``kernels.mxfp4_moe_decode``) and through the
+token-row kernels (the previous decode path), against W4A16 (FP4 → bf16 in registers).
 
     python3 -m benchmarks.bench_w4a8_moe                   # from the repo root (~3 min on an H200)
-    python3 -m benchmarks.bench_w4a8_moe --tokens 1 16 256 8192 --sweep   # tiles, convert, split-K
+    python3 -m benchmarks.bench_w4a8_moe --tokens 1 16 256 --sweep   # swap-AB tiles, splits, stages
 
 Shapes from configs/deepseek-v41-flash.json (384 experts, top-6, hidden 5120, intermediate
 2304); random FP4 codes with E8M0 scales a few binades apart (so spans really fold), uniform
-random top-6 routing. Correctness first: each mode against its torch reference
+random top-6 routing. Correctness first: each path against its torch reference
 (``kernels.mxfp4_moe.moe_mxfp4_reference``) on the first ≤ 256 tokens, and W4A8 against the
 bf16 model math. Timing: the whole call (activation quantization, expert sort, both GEMMs, the
 sum), a CUDA-graph replay with the L2 emptied before each (256 MB read), median over ~40 ms.
-TFLOP/s = 6·T·k·D·I / time. HBM roofline (decode): FP4 bytes + E8M0 bytes of the experts the
-batch actually touches, at 4.8 TB/s. JSON to ``--json`` or ``$OUT/bench_w4a8_moe.json``.
+TFLOP/s = 6·T·k·D·I / time. % HBM: the FP4 + E8M0 bytes of the experts the batch touches (each
+read once) per second, over the copy bandwidth measured in this process (read + write bytes of
+a 2 GB device copy). ``--sweep`` times the swap-AB variants one parameter at a time (two
+passes from the default) and prints the best per T as a ``DECODE_TABLE`` row;
+``--sweep-token-rows`` the token-row tiles (the prefill table). JSON to
+``--json`` or ``$OUT/bench_w4a8_moe.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
 import torch
 
-from benchmarks.bench_mla_decode import time_call
+from benchmarks.bench_mla_decode import measure_ceilings, time_call
 from kernels.mxfp4_moe import moe_mxfp4_reference
-from kernels.mxfp4_moe_triton import MXFP4MoEConfig, default_config, moe_mxfp4_triton
+from kernels.mxfp4_moe_decode import SwapABConfig, decode_config, use_swap_ab
+from kernels.mxfp4_experts import moe_mxfp4_kernels
+from kernels.mxfp4_moe_triton import MXFP4MoEConfig, default_config
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "deepseek-v41-flash.json")
-HBM_BYTES_PER_S = 4.8e12
 REPS = (5, 40)
 CHECK_TOKENS = 256
-MODES = ("w4a8", "w4a16")
+# (path name, mode): swap-AB exists at decode sizes only
+PATHS = (("w4a8 swap-AB", "w4a8"), ("w4a8 token rows", "w4a8"), ("w4a16", "w4a16"))
 
 
 def flash_shape() -> dict:
@@ -70,9 +78,9 @@ def expert_bytes(d: int, inter: int) -> int:
     return 3 * d * inter // 2 + 3 * d * inter // 32
 
 
-def sweep_configs(t: int, k: int, e: int) -> list[MXFP4MoEConfig]:
-    """The default first, then per regime: the previous tiles (fp16 convert), the PRMT convert,
-    split-K for decode, 64/128-row tiles with the unfused 64-column gate/up for prefill."""
+def token_row_configs(t: int, k: int, e: int) -> list[MXFP4MoEConfig]:
+    """The token-row default first, then per regime: the fp16 convert, split-K for decode,
+    64/128-row tiles with the unfused 64-column gate/up for prefill."""
     C = MXFP4MoEConfig
     base = default_config(t * k, e, a8=True)
     rows = t * k / e
@@ -90,81 +98,134 @@ def sweep_configs(t: int, k: int, e: int) -> list[MXFP4MoEConfig]:
     return [base] + [c for c in cands if c != base]
 
 
-def bench_tokens(t: int, shape: dict, w, sweep: bool) -> list[dict]:
+# swap-AB sweep: the values tried per field, one field at a time from the best so far
+SWAP_AXES = dict(block_f=(64, 128), block_f_down=(64, 128), block_t=(16, 32), spans=(1, 2),
+                 num_warps=(4, 8), num_stages=(3, 4, 5, 6), split_k=(1, 2, 3, 4, 8), split_k_down=(1, 2, 3, 4))
+
+
+def swap_ab_sweep(timed, base: SwapABConfig, passes: int = 2) -> None:
+    """Coordinate descent over SWAP_AXES: ``timed(cfg)`` → µs (None when wrong or failing)."""
+    best, best_us = base, timed(base)
+    for _ in range(passes):
+        for field, values in SWAP_AXES.items():
+            for v in values:
+                cand = dataclasses.replace(best, **{field: v})
+                if cand == best:
+                    continue
+                us = timed(cand)
+                if us is not None and (best_us is None or us < best_us):
+                    best, best_us = cand, us
+
+
+def bench_tokens(t: int, shape: dict, w, sweep: int, sweep_rows: bool, hbm: float) -> list[dict]:
     e, k, d, inter, limit = shape["e"], shape["k"], shape["d"], shape["inter"], shape["limit"]
     wts, ids = routing(t, e, k, seed=t)
     x = torch.randn(t, d, device="cuda").bfloat16()
     n = min(t, CHECK_TOKENS)
     bf16_ref = moe_mxfp4_reference(x[:n], *w, wts[:n], ids[:n], limit, "w4a16")
+    refs = {m: moe_mxfp4_reference(x[:n], *w, wts[:n], ids[:n], limit, m) for m in ("w4a8", "w4a16")}
     used = ids.unique().numel()
     bytes_read = used * expert_bytes(d, inter)
     flops = 6 * t * k * d * inter
+    decode = use_swap_ab(t * k, e)
     rows = []
-    for mode in MODES:
-        out = moe_mxfp4_triton(x, *w, wts, ids, limit, mode=mode)
-        ref = moe_mxfp4_reference(x[:n], *w, wts[:n], ids[:n], limit, mode)
-        err = rel_err(out[:n], ref)
-        ok = err < (5e-3 if mode == "w4a8" else 1e-2)
-        err_bf16 = rel_err(out[:n], bf16_ref)
-        configs = sweep_configs(t, k, e) if sweep and mode == "w4a8" else [None]  # W4A16: the baseline tile
-        best = None
-        for cfg in configs:
-            def fn(c=cfg, m=mode):
-                return moe_mxfp4_triton(x, *w, wts, ids, limit, mode=m, config=c)
+    for path, mode in PATHS:
+        if path == "w4a8 swap-AB" and not decode:
+            continue
+        tol = 5e-3 if mode == "w4a8" else 1e-2
+        seen: dict = {}
+        rows_of_path: list[dict] = []
+
+        def timed(cfg, m=mode, p=path):
+            if str(cfg) in seen:
+                return seen[str(cfg)]
+
+            def fn():
+                return moe_mxfp4_kernels(x, *w, wts, ids, limit, mode=m, config=cfg)
 
             try:
-                cfg_err = rel_err(fn()[:n], ref) if cfg is not None else err
+                out = fn()
+                err = rel_err(out[:n], refs[m])
                 sec, how = time_call(fn, REPS, use_graph=True)
             except Exception as exc:  # a sweep tile that does not compile or launch
-                print(f"T={t} {mode} {cfg}: {exc!r}"[:300], flush=True)
-                continue
-            used_cfg = cfg or default_config(t * k, e, mode == "w4a8")
-            row = dict(tokens=t, mode=mode, config=str(used_cfg), us=sec * 1e6, timing=how,
+                print(f"T={t} {p} {cfg}: {exc!r}"[:300], flush=True)
+                seen[str(cfg)] = None
+                return None
+            row = dict(tokens=t, path=path, mode=m, config=str(cfg), us=sec * 1e6, timing=how,
                        tflops=flops / sec / 1e12, experts_touched=used, weight_bytes=bytes_read,
-                       hbm_roofline_pct=100 * bytes_read / HBM_BYTES_PER_S / sec, rel_err_vs_ref=cfg_err,
-                       rel_err_vs_bf16=err_bf16, correct=ok and cfg_err < (5e-3 if mode == "w4a8" else 1e-2))
+                       hbm_pct=100 * bytes_read / sec / hbm, rel_err_vs_ref=err,
+                       rel_err_vs_bf16=rel_err(out[:n], bf16_ref), correct=err < tol)
             print(json.dumps(row), flush=True)
-            if row["correct"] and (best is None or row["us"] < best["us"]):
-                best = row
-        if best is not None:
-            best["default"] = best["config"] == str(default_config(t * k, e, mode == "w4a8"))
+            seen[str(cfg)] = row["us"] if row["correct"] else None
+            rows_of_path.append(row)
+            return seen[str(cfg)]
+
+        if path == "w4a8 swap-AB":
+            default = decode_config(t * k, e)
+            if sweep:
+                swap_ab_sweep(timed, default, passes=sweep)
+            else:
+                timed(default)
+        elif path == "w4a8 token rows":
+            default = default_config(t * k, e, a8=True)
+            for cfg in token_row_configs(t, k, e) if sweep_rows else [default]:
+                timed(cfg)
+        else:
+            default = default_config(t * k, e, a8=False)  # the W4A16 baseline tile
+            timed(default)
+        good = [r for r in rows_of_path if r["correct"]]
+        if good:
+            best = min(good, key=lambda r: r["us"])
+            best["default_us"] = next((r["us"] for r in rows_of_path if r["config"] == str(default)), float("nan"))
+            best["is_default"] = best["config"] == str(default)
             rows.append(best)
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    by = {(r["tokens"], r["mode"]): r for r in rows}
-    lines = ["| T | experts read | W4A8 µs | W4A16 µs | W4A8 / W4A16 speed-up | W4A8 TFLOP/s | W4A16 TFLOP/s "
-             "| W4A8 % HBM | W4A16 % HBM | rel.err W4A8 vs ref / vs bf16 | W4A16 vs ref | ok |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def table(rows: list[dict], hbm: float, k: int, e: int) -> str:
+    by = {(r["tokens"], r["path"]): r for r in rows}
+    lines = [f"copy ceiling {hbm / 1e12:.2f} TB/s (read + write of a 2 GB copy)",
+             "| T | experts read | path | µs (best) | µs (default) | TFLOP/s | % HBM | vs W4A16 | rel.err vs ref "
+             "/ vs bf16 | best config |", "|---|---|---|---|---|---|---|---|---|---|"]
     for t in sorted({r["tokens"] for r in rows}):
-        a, b = by.get((t, "w4a8")), by.get((t, "w4a16"))
-        if a is None or b is None:
-            continue
-        lines.append(f"| {t} | {a['experts_touched']} | {a['us']:.1f} | {b['us']:.1f} | {b['us'] / a['us']:.2f} "
-                     f"| {a['tflops']:.0f} | {b['tflops']:.0f} | {a['hbm_roofline_pct']:.0f} "
-                     f"| {b['hbm_roofline_pct']:.0f} | {a['rel_err_vs_ref']:.1e} / {a['rel_err_vs_bf16']:.1e} "
-                     f"| {b['rel_err_vs_ref']:.1e} | {a['correct'] and b['correct']} |")
+        base = by.get((t, "w4a16"))
+        for path, _ in PATHS:
+            r = by.get((t, path))
+            if r is None:
+                continue
+            speed = f"{base['us'] / r['us']:.2f}" if base else "-"
+            lines.append(f"| {t} | {r['experts_touched']} | {path} | {r['us']:.1f} | {r['default_us']:.1f} "
+                         f"| {r['tflops']:.0f} | {r['hbm_pct']:.0f} | {speed} | {r['rel_err_vs_ref']:.1e} / "
+                         f"{r['rel_err_vs_bf16']:.1e} | {r['config']} |")
+    swaps = [r for r in rows if r["path"] == "w4a8 swap-AB"]
+    if swaps:
+        lines.append("\nswap-AB best per T as kernels/mxfp4_moe_decode.py DECODE_TABLE rows (key: min(T·k, E)):")
+        lines += [f"    ({min(r['tokens'] * k, e)}, {r['config']}),  # T={r['tokens']}: {r['us']:.1f} µs, "
+                  f"{r['hbm_pct']:.0f} % HBM" for r in sorted(swaps, key=lambda r: r["tokens"])]
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 256, 8192])
-    ap.add_argument("--sweep", action="store_true", help="also time other W4A8 tiles; report the best correct one")
+    ap.add_argument("--sweep", action="store_true", help="also time other swap-AB configs; report the best correct one")
+    ap.add_argument("--passes", type=int, default=2, help="coordinate-descent passes of --sweep")
+    ap.add_argument("--sweep-token-rows", action="store_true", help="also sweep the token-row tiles (prefill)")
     ap.add_argument("--json")
     args = ap.parse_args()
     shape = flash_shape()
+    hbm = measure_ceilings()["hbm_tbs"] * 1e12
     w = random_experts(shape["e"], shape["d"], shape["inter"])
     rows = []
     for t in args.tokens:
-        rows += bench_tokens(t, shape, w, args.sweep)
+        rows += bench_tokens(t, shape, w, args.passes if args.sweep else 0, args.sweep_token_rows, hbm)
     path = args.json or (os.path.join(os.environ["OUT"], "bench_w4a8_moe.json") if os.environ.get("OUT") else None)
     if path:
         with open(path, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "shape": shape, "rows": rows}, f, indent=1)
-    print(f"\nV4.1-Flash routed experts {shape}, best tile per row{' (swept)' if args.sweep else ''}:")
-    print(table(rows))
+            json.dump({"device": torch.cuda.get_device_name(), "shape": shape, "hbm_copy_bytes_per_s": hbm,
+                       "rows": rows}, f, indent=1)
+    print(f"\nV4.1-Flash routed experts {shape}, best config per path{' (swept)' if args.sweep else ''}:")
+    print(table(rows, hbm, shape["k"], shape["e"]))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,12 @@ Two kernels; the launch picks by query rows per request (heads per GPU x query t
   dims over every tile), cache tiles loaded by TMA (the library encodes the cache's tensor map
   on each call: host work only, a CUDA graph keeps it).
 
+Split-KV (small batches): ``choose_num_splits`` picks the split count from a cost model of the
+launch (one CTA per SM for both kernels: waves x (fixed cost + tiles per split), plus the
+partials' round trip and the combine); the splits write normalized partials and their LSE, and
+``mla_decode_combine_sm90a.cu`` merges them, launched with programmatic dependent launch so that
+its launch hides under the decode kernel.
+
 Build: the sources are compiled with ``nvcc`` (sm_90a) on first use (about 10 s) into a
 per-user cache (:func:`set_cache_dir`, default ``~/.cache/mlaserve/kernels``; the server sets it
 from ``MLASERVE_KERNEL_CACHE``), keyed by a
@@ -25,6 +31,7 @@ stream, so it depends on no particular torch version. Nothing is downloaded.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import fcntl
 import functools
 import hashlib
@@ -37,7 +44,8 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 # Both kernels go into one library.
-SOURCES = (CSRC / "mla_decode_wgmma_sm90a.cu", CSRC / "mla_decode_wgmma_narrow_sm90a.cu")
+COMBINE_SOURCE = CSRC / "mla_decode_combine_sm90a.cu"  # the split-KV merge, launched after either kernel
+SOURCES = (CSRC / "mla_decode_wgmma_sm90a.cu", CSRC / "mla_decode_wgmma_narrow_sm90a.cu", COMBINE_SOURCE)
 HEADERS = (CSRC / "mla_decode_common.cuh", CSRC / "sm90_async.cuh", CSRC / "mla_decode_wgmma_tile.cuh")
 NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-gencode", "arch=compute_90a,code=sm_90a",
               "-shared", "-Xcompiler", "-fPIC")
@@ -68,6 +76,8 @@ WGMMA_SMEM_BYTES = (WGMMA_STAGES * WGMMA_TILE_BYTES + 64 * 576 + WGMMA_SLOTS * (
 NARROW_ROWS = (16, 32)
 NARROW_STAGES = 5
 NARROW_CTAS_PER_SM = 1
+# The combine (mla_decode_combine_sm90a.cu) merges up to 128 splits (four LSEs per lane).
+MAX_SPLITS = 128
 
 
 def narrow_rows_per_cta(rows: int) -> int:
@@ -129,29 +139,32 @@ def cache_dir() -> Path:
     return _cache_dir
 
 
-def build_library(nvcc: str | None = None, out_dir: Path | None = None) -> Path:
-    """Compile the .cu file unless a build of this exact source and these flags exists."""
+def build_library(nvcc: str | None = None, out_dir: Path | None = None, sources: tuple[Path, ...] = SOURCES,
+                  headers: tuple[Path, ...] = HEADERS, name: str = "mla_decode_sm90a",
+                  flags: tuple[str, ...] = NVCC_FLAGS) -> Path:
+    """Compile ``sources`` (default: the MLA decode kernels) with ``flags`` into the library
+    ``name`` unless a build of these exact sources, headers and flags exists."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
-        raise CudaKernelUnavailable("the cuda attention backend needs nvcc (set CUDA_HOME or put nvcc on PATH)")
-    digest = hashlib.sha256(" ".join(NVCC_FLAGS).encode())
-    for path in (*SOURCES, *HEADERS):
+        raise CudaKernelUnavailable("the cuda backend needs nvcc (set CUDA_HOME or put nvcc on PATH)")
+    digest = hashlib.sha256(" ".join(flags).encode())
+    for path in (*sources, *headers):
         digest.update(path.read_bytes())
     key = digest.hexdigest()[:16]
     out_dir = out_dir or cache_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    lib = out_dir / f"mla_decode_sm90a-{key}.so"
+    lib = out_dir / f"{name}-{key}.so"
     if lib.exists():
         return lib
-    with open(out_dir / f".mla_decode_sm90a-{key}.lock", "w") as lock:
+    with open(out_dir / f".{name}-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder; the others wait and reuse its result
         if lib.exists():
             return lib
         tmp = lib.with_suffix(f".tmp{os.getpid()}")
-        cmd = [nvcc, *NVCC_FLAGS, "-o", str(tmp), *map(str, SOURCES)]
+        cmd = [nvcc, *flags, "-o", str(tmp), *map(str, sources)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            names = ", ".join(path.name for path in SOURCES)
+            names = ", ".join(path.name for path in sources)
             raise CudaKernelUnavailable(f"nvcc failed building {names}:\n{res.stderr[-4000:]}")
         os.replace(tmp, lib)
     return lib
@@ -167,6 +180,7 @@ def default_library_path() -> Path:
 _ENTRY_POINTS = {
     "mla_decode_fp8_wgmma_sm90": [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_void_p],
     "mla_decode_fp8_wgmma_narrow_sm90": [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p],
+    "mla_decode_split_combine_sm90": [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_void_p],
     "mla_decode_fp8_sm90_params_bytes": [],
 }
 
@@ -196,16 +210,72 @@ def choose_kernel(rows: int) -> str:
     return "narrow" if rows <= NARROW_MAX_ROWS else "wgmma"
 
 
-def choose_num_splits(bsz: int, rows: int, max_tiles: int, num_sms: int, kernel: str) -> int:
-    """Split each request's tiles so that the CTAs make about one full wave (both kernels have
-    one CTA per SM); depends only on shapes (never on sequence lengths), so the launch can be
-    captured in a CUDA graph."""
-    if kernel == "narrow":
-        ctas, per_sm = bsz * -(-rows // narrow_rows_per_cta(rows)), NARROW_CTAS_PER_SM
-    else:
-        ctas, per_sm = bsz * -(-rows // WGMMA_ROWS), 1
-    want = num_sms * per_sm // ctas
-    return max(1, min(want, max_tiles, 64))
+@dataclasses.dataclass(frozen=True)
+class SplitCostModel:
+    """What a split-KV launch costs, in µs (benchmarks/KERNEL_NOTES.md, "Small batches"), for
+    :func:`choose_num_splits`. Both kernels keep one CTA per SM, so a CTA's time is its fixed
+    cost plus its tiles, a launch takes ``waves`` of them, and splitting adds the partials'
+    round trip through L2 and the combine."""
+
+    # One CTA's time per 64-token tile when its SM is the bound: the 64-row kernel takes 195 µs
+    # for 124 tiles per SM at B=128, 128 heads (compute-bound); the narrow kernel's compute per
+    # 16-32 row tile is well under the HBM share it gets at full occupancy (1.3 µs).
+    wgmma_tile_us: float = 1.57
+    narrow_tile_us: float = 0.5
+    cta_us: float = 2.0  # per CTA: Q load, the first tile's latency, the epilogue
+    combine_us: float = 1.0  # the combine's own time (its launch hides under the decode: PDL)
+    l2_bytes_per_us: float = 5e6  # partials written by the splits and read back by the combine
+    hbm_bytes_per_us: float = 3.6e6  # the cache stream when every SM pulls at once
+    sm_bytes_per_us: float = 5e4  # what one SM's TMA ring streams at most
+
+    def tile_time(self, kernel: str, active_ctas: int, readers_per_tile: int) -> float:
+        """A tile's time in one of ``active_ctas`` CTAs: its SM's compute, or its share of HBM
+        (``readers_per_tile`` CTAs of a request read each tile; L2 serves all but the first)."""
+        hbm = active_ctas * TILE * (D_LATENT + D_ROPE) / readers_per_tile / self.hbm_bytes_per_us
+        compute = self.narrow_tile_us if kernel == "narrow" else self.wgmma_tile_us
+        return max(compute, hbm, TILE * (D_LATENT + D_ROPE) / self.sm_bytes_per_us)
+
+
+SPLIT_COST = SplitCostModel()
+
+
+def rows_per_cta(rows: int, kernel: str) -> int:
+    return narrow_rows_per_cta(rows) if kernel == "narrow" else WGMMA_ROWS
+
+
+def launch_ctas(bsz: int, rows: int, kernel: str) -> tuple[int, int]:
+    """CTAs per split (requests x row blocks) and the row blocks of one request."""
+    per_request = -(-rows // rows_per_cta(rows, kernel))
+    return bsz * per_request, per_request
+
+
+def estimate_split_us(splits: int, bsz: int, rows: int, max_tiles: int, num_sms: int, kernel: str,
+                      model: SplitCostModel = SPLIT_COST) -> float:
+    """Modelled time of a launch with ``splits`` splits of requests of ``max_tiles`` tiles."""
+    ctas, per_request = launch_ctas(bsz, rows, kernel)
+    total = ctas * splits
+    waves = -(-total // num_sms)
+    tiles = -(-max_tiles // splits)
+    per_cta = model.cta_us + tiles * model.tile_time(kernel, min(total, num_sms), per_request)
+    t = waves * per_cta
+    if splits > 1:
+        part_bytes = 2 * total * rows_per_cta(rows, kernel) * (2 * D_LATENT + 4)  # bf16 O, fp32 LSE: written, read
+        t += model.combine_us + part_bytes / model.l2_bytes_per_us
+    return t
+
+
+@functools.lru_cache(maxsize=4096)  # called per layer on eager steps: one search per shape
+def choose_num_splits(bsz: int, rows: int, max_tiles: int, num_sms: int, kernel: str,
+                      model: SplitCostModel = SPLIT_COST) -> int:
+    """The split count the cost model says is fastest (the fewest among equals). Depends only on
+    shapes (the batch, the block table's width in tiles, never sequence lengths), so the launch
+    can be captured in a CUDA graph; requests shorter than ``max_tiles`` leave splits empty."""
+    best, best_t = 1, float("inf")
+    for splits in range(1, max(1, min(max_tiles, MAX_SPLITS)) + 1):
+        t = estimate_split_us(splits, bsz, rows, max_tiles, num_sms, kernel, model)
+        if t < best_t - 1e-9:
+            best, best_t = splits, t
+    return best
 
 
 def mla_decode_cuda(
@@ -222,17 +292,21 @@ def mla_decode_cuda(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     kernel: str | None = None,
+    merge_splits: bool = True,
+    pdl: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode; returns (out [B, s_q, H, 512] in ``out_dtype``, default bf16; lse
     [B, s_q, H] float32). The kernel writes bf16; another ``out_dtype`` costs one cast.
-    ``kernel`` (``narrow`` or ``wgmma``) defaults to ``choose_kernel(s_q * H)``.
+    ``kernel`` (``narrow`` or ``wgmma``) defaults to ``choose_kernel(s_q * H)``, ``num_splits``
+    (1 to MAX_SPLITS) to ``choose_num_splits``. ``merge_splits=False`` skips the split-KV
+    combine, leaving out and lse unwritten when there are splits (benchmarks time the decode
+    kernel alone with it); ``pdl=False`` launches the combine as a plain stream-ordered kernel
+    instead of with programmatic dependent launch (same result; benchmarks measure the gain).
 
     Every request needs ``seq_lens[b] >= s_q``. No host synchronization, launch shape from
     tensor shapes only: capturable in a CUDA graph (pass ``out``/``lse`` to reuse buffers).
     """
-    import triton
-
-    from kernels.mla_decode_triton import _check_inputs, _combine_kernel, _num_sms
+    from kernels.mla_decode_triton import _check_inputs, _num_sms
 
     _check_inputs(q, kv_cache, block_tables, seq_lens, kv_lora_rank)
     if q.dtype != torch.float8_e4m3fn or kv_cache.dtype != torch.float8_e4m3fn:
@@ -244,7 +318,7 @@ def mla_decode_cuda(
         if out is not None:
             raise ValueError(f"out must be bf16 for the cuda backend, not {out.dtype}")
         out16, lse = mla_decode_cuda(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, q_scale,
-                                     k_scale, torch.bfloat16, num_splits, None, lse, kernel)
+                                     k_scale, torch.bfloat16, num_splits, None, lse, kernel, merge_splits, pdl)
         return out16.to(out_dtype), lse
     page = kv_cache.shape[1]
     if page % TILE:
@@ -261,6 +335,8 @@ def mla_decode_cuda(
         raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
     max_tiles = max(1, block_tables.shape[1] * page // TILE)
     splits = num_splits or choose_num_splits(bsz, rows, max_tiles, _num_sms(q.device), kernel)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be 1 to {MAX_SPLITS}, got {splits}")
     if out is None:
         out = torch.empty(bsz, s_q, h, D_LATENT, dtype=out_dtype, device=q.device)
     if lse is None:
@@ -270,7 +346,7 @@ def mla_decode_cuda(
     if out.data_ptr() % 16 or any(st % 8 for st in out.stride()[:3]):
         # the kernels write 16-byte runs of a row: other layouts go through a copy
         tmp, lse = mla_decode_cuda(q, kv_cache, block_tables, seq_lens, softmax_scale, kv_lora_rank, q_scale,
-                                   k_scale, out_dtype, num_splits, None, lse, kernel)
+                                   k_scale, out_dtype, num_splits, None, lse, kernel, merge_splits, pdl)
         return out.copy_(tmp), lse
     if lse.shape != (bsz, s_q, h) or lse.dtype != torch.float32:
         raise ValueError("lse must be float32 [B, s_q, H]")
@@ -278,7 +354,7 @@ def mla_decode_cuda(
         return out, lse
     part_o = part_l = None
     if splits > 1:
-        part_o = torch.empty(bsz * rows, splits, D_LATENT, dtype=torch.float32, device=q.device)
+        part_o = torch.empty(bsz * rows, splits, D_LATENT, dtype=torch.bfloat16, device=q.device)
         part_l = torch.empty(bsz * rows, splits, dtype=torch.float32, device=q.device)
     p = _Params(
         q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
@@ -298,17 +374,20 @@ def mla_decode_cuda(
                                                                narrow_rows_per_cta(rows), ctypes.c_void_p(stream))
         else:
             err = _library().mla_decode_fp8_wgmma_sm90(ctypes.byref(p), kv_cache.shape[0], ctypes.c_void_p(stream))
-    if err != 0:
-        reasons = {-1: "rows per CTA not built", -2: "the driver refused the cache's TMA tensor map"}
-        reason = reasons.get(err, f"cudaError_t {err}")
-        raise RuntimeError(f"mla_decode_fp8_sm90 ({kernel}): {reason}")
-    if splits > 1:
-        _combine_kernel[(bsz * rows,)](
-            part_o, part_l, out, lse, h, s_q, splits, out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), lse.stride(2), float(k_scale),
-            SPLITS_P2=triton.next_power_of_2(splits), D=D_LATENT, num_warps=4)
+        _raise_on_error(err, kernel)
+        if splits > 1 and merge_splits:  # with PDL its launch overlaps the decode kernel
+            err = _library().mla_decode_split_combine_sm90(ctypes.byref(p), int(pdl), ctypes.c_void_p(stream))
+            _raise_on_error(err, "combine")
     return out, lse
 
 
-__all__ = ["CudaKernelUnavailable", "build_library", "default_library_path", "set_cache_dir", "choose_kernel",
-           "choose_num_splits", "mla_decode_cuda"]
+def _raise_on_error(err: int, what: str) -> None:
+    if err != 0:
+        reasons = {-1: "rows per CTA not built", -2: "the driver refused the cache's TMA tensor map",
+                   -3: f"split count outside 2..{MAX_SPLITS}"}
+        reason = reasons.get(err, f"cudaError_t {err}")
+        raise RuntimeError(f"mla_decode_fp8_sm90 ({what}): {reason}")
+
+
+__all__ = ["CudaKernelUnavailable", "SplitCostModel", "build_library", "default_library_path", "set_cache_dir",
+           "choose_kernel", "choose_num_splits", "estimate_split_us", "mla_decode_cuda"]

@@ -1,5 +1,6 @@
 """Which MXFP4 routed-expert path runs (kernels.mxfp4_moe: references; kernels.mxfp4_moe_triton:
-the W4A8 / W4A16 kernels), and the one entry point the model calls."""
+the W4A8 / W4A16 token-row kernels; kernels.mxfp4_moe_decode: W4A8 swap-AB at decode sizes),
+and the one entry point the model calls."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import importlib.util
 
 import torch
 
-from kernels.mxfp4_moe import SPAN, moe_mxfp4_reference, moe_mxfp4_reference_every_expert
+from kernels.mxfp4_moe import SPAN, check_mxfp4_experts, moe_mxfp4_reference, moe_mxfp4_reference_every_expert
+from kernels.mxfp4_moe_decode import SwapABConfig, moe_mxfp4_w4a8_swap_ab, use_swap_ab
 from kernels.mxfp4_moe_triton import moe_mxfp4_triton
 
 BACKENDS = ("auto", "w4a8", "w4a16", "reference")
@@ -53,8 +55,24 @@ def moe_experts_mxfp4(
     if path == "reference":
         return moe_mxfp4_reference(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit,
                                    "w4a16", expert_offset)
-    return moe_mxfp4_triton(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit,
-                            expert_offset, mode=path)
+    return moe_mxfp4_kernels(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit,
+                             expert_offset, mode=path)
 
 
-__all__ = ["BACKENDS", "moe_experts_mxfp4", "mxfp4_backend"]
+def moe_mxfp4_kernels(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit: float, expert_offset: int = 0,
+                      mode: str = "w4a8", config=None, ue8m0: bool = False) -> torch.Tensor:
+    """The Triton MXFP4 experts: W4A8 at decode sizes (``use_swap_ab``: few token-slots per
+    expert) or with a ``SwapABConfig`` on the swap-AB kernels, the rest on the token-row
+    kernels (``config`` an ``MXFP4MoEConfig`` or None)."""
+    if isinstance(config, SwapABConfig) or (config is None and mode == "w4a8" and topk_ids.dim() == 2
+                                            and use_swap_ab(topk_ids.numel(), check_mxfp4_experts(
+                                                x, w13, w13_scale, w2, w2_scale)[0])):
+        if mode != "w4a8":
+            raise ValueError("the swap-AB decode kernels are W4A8 only")
+        return moe_mxfp4_w4a8_swap_ab(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit,
+                                      expert_offset, config, ue8m0)
+    return moe_mxfp4_triton(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit, expert_offset,
+                            mode=mode, config=config, ue8m0=ue8m0)
+
+
+__all__ = ["BACKENDS", "moe_experts_mxfp4", "moe_mxfp4_kernels", "mxfp4_backend"]

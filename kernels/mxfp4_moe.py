@@ -113,7 +113,7 @@ def fold_lut(device: torch.device | str = "cpu") -> torch.Tensor:
 def prmt(a: torch.Tensor, b: torch.Tensor, sel: int | torch.Tensor) -> torch.Tensor:
     """PTX ``prmt.b32`` (default mode) on int64 tensors holding 32-bit words: output byte i is
     byte ``sel[4i+2:4i]`` of the 8 bytes {b, a} (a = bytes 0..3), or that byte's sign bit
-    replicated when ``sel`` bit 4i+3 is set."""
+    replicated when ``sel`` bit 4i+3 is set; selector bits above 15 are ignored."""
     src = (a & 0xFFFFFFFF) | ((b & 0xFFFFFFFF) << 32)
     sel = torch.as_tensor(sel, dtype=torch.int64, device=src.device)
     out = torch.zeros_like(src)
@@ -129,9 +129,11 @@ def fold_bytes_lut(word: torch.Tensor, tlo: torch.Tensor, thi: torch.Tensor) -> 
     """The W4A8 kernel's code → e4m3 step on a 32-bit word of 4 packed bytes (8 codes), in
     torch int64 ops mirroring its PTX instruction for instruction; ``tlo``/``thi`` a
     :func:`fold_lut` row. Returns (e4m3 of the 4 low nibbles, e4m3 of the 4 high nibbles),
-    byte i of each from byte i of ``word``: 10 ALU ops per 8 codes."""
-    a = prmt(tlo, thi, word & 0x7777)  # [e(L0), e(H0), e(L1), e(H1)] magnitudes
-    b = prmt(tlo, thi, (word >> 16) & 0x7777)  # [e(L2), e(H2), e(L3), e(H3)]
+    byte i of each from byte i of ``word``: 9 ALU ops per 8 codes (prmt reads only the low 16
+    bits of its selector, so one mask serves both halves)."""
+    sel = word & 0x77777777
+    a = prmt(tlo, thi, sel)  # [e(L0), e(H0), e(L1), e(H1)] magnitudes (selector bits 0-15)
+    b = prmt(tlo, thi, sel >> 16)  # [e(L2), e(H2), e(L3), e(H3)]
     lo = prmt(a, b, 0x6420) | ((word << 4) & 0x80808080)  # low-nibble sign bits 3 → 7
     hi = prmt(a, b, 0x7531) | (word & 0x80808080)
     return lo, hi

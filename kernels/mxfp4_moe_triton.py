@@ -122,10 +122,9 @@ if triton is not None:
     _LUT_ASM = tl.constexpr("""
     {
     .reg .b32 s, a, b, t;
-    and.b32 s, $2, 0x7777;
+    and.b32 s, $2, 0x77777777;
     prmt.b32 a, $3, $7, s;
-    shr.u32 s, $2, 16;
-    and.b32 s, s, 0x7777;
+    shr.u32 s, s, 16;
     prmt.b32 b, $3, $7, s;
     prmt.b32 $0, a, b, 0x6420;
     prmt.b32 $1, a, b, 0x7531;
@@ -236,8 +235,14 @@ if triton is not None:
     def _quant_pairs_kernel(X, Y, S, K, stride_xm, stride_ym, stride_sm, UE8M0: tl.constexpr,
                             SPANS: tl.constexpr):
         """Y = e4m3(X / scale) per row per 128 columns, in paired order; S the fp32 scales."""
-        row = tl.program_id(0).to(tl.int64)
-        spans = tl.program_id(1) * SPANS + tl.arange(0, SPANS)
+        _quant_pairs(X, Y, S, tl.program_id(0).to(tl.int64), tl.program_id(1), K, stride_xm, stride_ym, stride_sm,
+                     UE8M0, SPANS)
+
+    @triton.jit
+    def _quant_pairs(X, Y, S, row, part, K, stride_xm, stride_ym, stride_sm, UE8M0: tl.constexpr,
+                     SPANS: tl.constexpr):
+        """Spans part·SPANS … of one row of ``_quant_pairs_kernel``."""
+        spans = part * SPANS + tl.arange(0, SPANS)
         c = spans[:, None] * 128 + tl.arange(0, 128)[None, :]
         ok = c < K
         x = tl.load(X + row * stride_xm + c, mask=ok, other=0.0).to(tl.float32)
@@ -410,11 +415,16 @@ def quantize_paired_triton(x: torch.Tensor, ue8m0: bool = False) -> tuple[torch.
     y = torch.empty(t, k, dtype=torch.uint8, device=x.device)
     s = torch.empty(t, k // SPAN, dtype=torch.float32, device=x.device)
     if t:
-        spans = min(8, triton.next_power_of_2(k // SPAN))
+        spans = quant_spans_per_program(k)
         xc = x if x.stride(-1) == 1 else x.contiguous()
         _quant_pairs_kernel[(t, triton.cdiv(k // SPAN, spans))](
             xc, y, s, k, xc.stride(0), y.stride(0), s.stride(0), UE8M0=ue8m0, SPANS=spans, num_warps=4)
     return y.view(FP8_DTYPE), s
+
+
+def quant_spans_per_program(k: int) -> int:
+    """128-column spans one program of the paired quantization handles."""
+    return min(8, triton.next_power_of_2(k // SPAN))
 
 
 def moe_mxfp4_triton(
@@ -428,11 +438,15 @@ def moe_mxfp4_triton(
     limit: float,
     expert_offset: int = 0,
     mode: str = "w4a8",
-    config: MXFP4MoEConfig | None = None,
+    config=None,
     ue8m0: bool = False,
 ) -> torch.Tensor:
     """Routed MXFP4 experts: x [T, D] (bf16/fp16/fp32), w13 [E, 2I, D/2] + [E, 2I, D/32],
-    w2 [E, D, I/2] + [E, D, I/32] (int8 + E8M0/uint8) → fp32 [T, D]. D and I multiples of 128."""
+    w2 [E, D, I/2] + [E, D, I/32] (int8 + E8M0/uint8) → fp32 [T, D]. D and I multiples of 128.
+
+    The token-row kernels: ``config`` an ``MXFP4MoEConfig`` or None (:func:`default_config`).
+    ``kernels.mxfp4_experts.moe_mxfp4_kernels`` picks between these and the W4A8 swap-AB decode
+    kernels (kernels/mxfp4_moe_decode.py)."""
     if triton is None:
         raise RuntimeError("the MXFP4 MoE kernels need the triton package")
     if mode not in MODES:

@@ -4,8 +4,10 @@
       --wo_a (grouped, G × [R, Kg]), epilogue: bf16 z → MXFP8--> z [T, G·R]
       --wo_b [hidden, G·R]--> out [T, hidden]
 
-Three launches (kernels/mxfp8_quant_triton.py, kernels/mxfp8_gemm.py): z is written once, as
-e4m3 + UE8M0 bytes, in the layout wo_b's GEMM reads, and never as bf16.
+Three launches (kernels/mxfp8_quant_triton.py, then kernels/mxfp8_gemm.py's default backend,
+the CUDA C++ GEMM on Hopper), plus a reduce per GEMM where K is split (small token counts): z
+is written once, as e4m3 + UE8M0 bytes, in the layout wo_b's GEMM reads, and never as bf16
+(with split-K, wo_a's fp32 partials are summed and quantized by one launch).
 
 Numerics against HF's V4.1 (which quantizes no activations): the weights are the checkpoint's
 e4m3 × 32×32 UE8M0 blocks, used exactly (HF dequantizes them to bf16 at load, also exact);

@@ -11,6 +11,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (weight.float() * xf).to(x.dtype)
 
 
+def rms_norm_after_cast_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """DeepSeek-V4.1's rounding: ``x / rms(x)`` (float32 statistic) cast to x's dtype first, then
+    times ``weight`` in the weight's dtype."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """y = x / rms(x) * weight, computed in float32 like HF's DeepseekV3RMSNorm."""
     return rms_norm_reference(x, weight, eps)

@@ -17,7 +17,8 @@ same tensors:
 Two cache layouts feed the same scopes: FlashMLA's MODEL1 pages (:func:`v4_cache_view`, what
 its kernel and the benchmark read) and caches that keep one record per row, such as the V4
 family's row pools (:func:`row_record_cache`: one-record pages, record number = row number;
-for V4 a 584-byte ``pack_v4_rows`` record is exactly a one-token MODEL1 page).
+for V4 a 584-byte ``pack_v4_rows`` record is exactly a one-token MODEL1 page). Rows kept in
+bf16 (``--kv-cache-dtype auto``) are the ``bf16`` record: the row's bytes as they are.
 
 The kernels take 512-dim latents (``HEAD_DIM``; V4 records with 64 bf16 RoPE dims); this
 reference reads the records at any width (the tiny test models), with the output in bf16 for
@@ -37,7 +38,7 @@ from kernels.v4_cache_formats import (V4_RECORD_BYTES, V4_ROPE_DIMS, pack_v4_rec
 
 MAX_SCOPES = 2
 HEAD_DIM = 512
-RECORD_BYTES = {"v4": V4_RECORD_BYTES, "v41_window": 512 + 16, "v41_entry": 256 + 32}
+RECORD_BYTES = {"v4": V4_RECORD_BYTES, "v41_window": 512 + 16, "v41_entry": 256 + 32, "bf16": 2 * 512}
 
 
 def v4_cache_view(pages: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -63,6 +64,8 @@ def record_bytes(record: str, dim: int = HEAD_DIM, rope_dims: int = V4_ROPE_DIMS
     """Bytes of one ``record`` of ``dim`` values (``rope_dims``: V4's trailing bf16 dims)."""
     if record == "v4":
         return v4_row_bytes(dim, rope_dims)
+    if record == "bf16":
+        return 2 * dim
     return v41_window_row_bytes(dim) if record == "v41_window" else v41_entry_bytes(dim)
 
 
@@ -90,7 +93,14 @@ def unpack_records(cache: torch.Tensor, record: str, dim: int = HEAD_DIM, rope_d
         return _dequant_v4(*v4_cache_parts(cache, dim, rope_dims), dim, rope_dims)
     if record == "v41_window":
         return unpack_v41_window_rows(cache)
+    if record == "bf16":
+        return bf16_record_rows(cache)
     return unpack_v41_entries(cache)
+
+
+def bf16_record_rows(records: torch.Tensor) -> torch.Tensor:
+    """``bf16`` records uint8 [..., 2·d] → float32 rows [..., d]."""
+    return records.contiguous().view(torch.bfloat16).float()
 
 
 @dataclass(frozen=True)
@@ -99,7 +109,7 @@ class SparseKV:
 
     cache: torch.Tensor  # uint8 [num_pages, page_size, RECORD_BYTES[record]]
     indices: torch.Tensor  # int32 [B, s_q, k]: page * page_size + slot, -1 = none
-    record: str  # "v4", "v41_window" or "v41_entry"
+    record: str  # "v4", "v41_window", "v41_entry" or "bf16"
     lengths: torch.Tensor | None = None  # int32 [B]: only indices[b, :, :lengths[b]] count
     rope_dims: int = V4_ROPE_DIMS  # "v4" records: the trailing bf16 dims (64 for the kernels)
 
@@ -151,6 +161,8 @@ def gather_records(scope: SparseKV, flat: torch.Tensor, dim: int = HEAD_DIM) -> 
                            scope.rope_dims)
     pages, page_size, nbytes = cache.shape
     rows = cache.as_strided((pages, page_size, nbytes), cache.stride()).reshape(-1, nbytes)[flat]
+    if scope.record == "bf16":
+        return bf16_record_rows(rows)
     return unpack_v41_window_rows(rows) if scope.record == "v41_window" else unpack_v41_entries(rows)
 
 

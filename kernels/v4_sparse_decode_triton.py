@@ -40,8 +40,8 @@ from kernels.v4_cache_formats import V4_DATA_BYTES
 from kernels.v4_sparse_decode import HEAD_DIM, RECORD_BYTES, SparseKV, check_inputs
 
 LOG2E = 1.4426950408889634
-FORMATS = {"v4": 0, "v41_window": 1, "v41_entry": 2}
-DATA_BYTES = {"v4": V4_DATA_BYTES, "v41_window": 512, "v41_entry": 256}  # offset of a record's scales
+FORMATS = {"v4": 0, "v41_window": 1, "v41_entry": 2, "bf16": 3}
+DATA_BYTES = {"v4": V4_DATA_BYTES, "v41_window": 512, "v41_entry": 256, "bf16": 1024}  # offset of a record's scales
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,10 @@ def _piece(cache, cache16, drow, srow, valid, D0: tl.constexpr, W: tl.constexpr,
     """fp16 [BN, W]: dims D0..D0+W of the records whose data starts at byte ``drow`` and
     scales at ``srow`` (int64 [BN]); invalid records read as zeros (never loaded)."""
     m3 = valid[:, None, None]
-    if FMT == 0 and D0 >= 448:  # V4: the rotated dims, bf16 after the 448 e4m3 bytes
+    if FMT == 3:  # bf16 rows (--kv-cache-dtype auto), no scales
+        ptr = cache16 + (drow // 2)[:, None] + (D0 + tl.arange(0, W))[None, :]
+        x = tl.load(ptr, mask=valid[:, None], other=0.0).to(tl.float16)
+    elif FMT == 0 and D0 >= 448:  # V4: the rotated dims, bf16 after the 448 e4m3 bytes
         ptr = cache16 + ((drow + 448) // 2)[:, None] + (D0 - 448 + tl.arange(0, W))[None, :]
         x = tl.load(ptr, mask=valid[:, None], other=0.0).to(tl.float16)
     elif FMT == 2:  # V4.1 entry: packed e2m1 pairs, an e4m3 scale per 16 values
@@ -189,18 +192,27 @@ def _attend_tile(acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd,
             acc_d = tl.dot(tl.trans(kd), p16, acc_d * alpha[None, :])
     else:
         s = tl.where(valid[None, :], s * sm_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p16 = p.to(tl.float16)
-        if PART != 2:
-            acc_a = tl.dot(p16, ka, acc_a * alpha[:, None])
-        if PART != 1:
-            acc_b = tl.dot(p16, kb, acc_b * alpha[:, None])
-            acc_c = tl.dot(p16, kc, acc_c * alpha[:, None])
-            acc_d = tl.dot(p16, kd, acc_d * alpha[:, None])
+        acc_a, acc_b, acc_c, acc_d, m_new, l_i = _softmax_pv(acc_a, acc_b, acc_c, acc_d, m_i, l_i, s, ka, kb, kc, kd,
+                                                             PART)
+    return acc_a, acc_b, acc_c, acc_d, m_new, l_i
+
+
+@triton.jit
+def _softmax_pv(acc_a, acc_b, acc_c, acc_d, m_i, l_i, s, ka, kb, kc, kd, PART: tl.constexpr):
+    """The online softmax of one tile's scores s [M, BN] (log2 units, −inf where hidden) and
+    P·V into PART's accumulators (0: all dims, 1: 0..255, 2: 256..511) of the four pieces."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p16 = p.to(tl.float16)
+    if PART != 2:
+        acc_a = tl.dot(p16, ka, acc_a * alpha[:, None])
+    if PART != 1:
+        acc_b = tl.dot(p16, kb, acc_b * alpha[:, None])
+        acc_c = tl.dot(p16, kc, acc_c * alpha[:, None])
+        acc_d = tl.dot(p16, kd, acc_d * alpha[:, None])
     return acc_a, acc_b, acc_c, acc_d, m_new, l_i
 
 
@@ -399,10 +411,20 @@ def choose_num_splits(programs: int, tiles: int, sms: int, num_warps: int = 4) -
 def v4_sparse_decode_triton(
     q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.Tensor | None, softmax_scale: float,
     config: SparseDecodeConfig | None = None, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, s_q, H, 512] bf16, lse [B, s_q, H] float32); no host sync (CUDA-graph safe
-    with ``out``/``lse`` passed in)."""
+    with ``out``/``lse`` passed in). ``partials``: float32 [B·s_q, H, 512] and [B·s_q, H] that
+    take the normalized output and the lse (−inf: no valid key) of one split over all keys,
+    without the sink, in place of ``out``/``lse`` (for a caller that merges more keys: the
+    sparse prefill, kernels/v4_sparse_prefill_triton.py); returns them."""
     check_inputs(q, scopes, sinks)
+    for i, sc in enumerate(scopes):
+        # the record gathers assume 8-byte pages (what the pools allocate); a cache shifted to
+        # 4 mod 16 read wrong values on an H200 instead of failing, so refuse it here
+        if sc.cache.data_ptr() % 8 or sc.cache.stride(0) % 8:
+            raise ValueError(f"scopes[{i}].cache: pages must start on 8 bytes (at {sc.cache.data_ptr() % 16} "
+                             f"mod 16, page stride {sc.cache.stride(0)})")
     if q.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"q must be bf16 or fp16, got {q.dtype}")
     if q.stride(-1) != 1:
@@ -413,11 +435,20 @@ def v4_sparse_decode_triton(
     block_h, dv_split, bn = cfg.block_h, cfg.dv_split, cfg.block_n
     if block_h not in (16, 32, 64, 128) or dv_split not in (1, 2) or bn not in (16, 32, 64, 128):
         raise ValueError(f"config: block_h must be 16/32/64/128, dv_split 1/2, block_n 16..128, got {cfg}")
+    if partials is not None:
+        part_o, part_l = partials
+        if (part_o.shape != (bsz * s_q, heads, HEAD_DIM) or part_l.shape != (bsz * s_q, heads)
+                or part_o.dtype != torch.float32 or part_l.dtype != torch.float32
+                or not part_o.is_contiguous() or not part_l.is_contiguous()):
+            raise ValueError(f"partials must be contiguous float32 [{bsz * s_q}, {heads}, {HEAD_DIM}] and "
+                             f"[{bsz * s_q}, {heads}]")
+        out, lse = part_o.view(bsz, s_q, heads, HEAD_DIM), part_l.view(bsz, s_q, heads)  # never written
     if out is None:
         out = torch.empty(bsz, s_q, heads, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
     if lse is None:
         lse = torch.empty(bsz, s_q, heads, dtype=torch.float32, device=q.device)
-    if out.shape != (bsz, s_q, heads, HEAD_DIM) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
+    if partials is None and (out.shape != (bsz, s_q, heads, HEAD_DIM) or out.dtype != torch.bfloat16
+                             or out.stride(-1) != 1):
         raise ValueError(f"out must be bf16 [{bsz}, {s_q}, {heads}, {HEAD_DIM}] with a unit last stride")
     if lse.shape != (bsz, s_q, heads) or lse.dtype != torch.float32:
         raise ValueError(f"lse must be float32 [{bsz}, {s_q}, {heads}]")
@@ -428,13 +459,14 @@ def v4_sparse_decode_triton(
     head_blocks = -(-heads // block_h)
     programs = bsz * s_q * head_blocks * dv_split
     splits = cfg.num_splits or choose_num_splits(programs, tiles, num_sms(q.device), cfg.num_warps)
-    splits = max(1, min(splits, tiles))
-    tiles_per_split = -(-tiles // splits)
-    splits = -(-tiles // tiles_per_split)  # no empty trailing split
-    part_o = part_l = None
-    if splits > 1:
-        part_o = torch.empty(bsz * s_q * splits, heads, HEAD_DIM, dtype=torch.float32, device=q.device)
-        part_l = torch.empty(bsz * s_q * splits, heads, dtype=torch.float32, device=q.device)
+    splits = 1 if partials is not None else max(1, min(splits, tiles))
+    tiles_per_split = max(1, -(-tiles // splits))
+    splits = max(1, -(-tiles // tiles_per_split))  # no empty trailing split
+    if partials is None:
+        part_o = part_l = None
+        if splits > 1:
+            part_o = torch.empty(bsz * s_q * splits, heads, HEAD_DIM, dtype=torch.float32, device=q.device)
+            part_l = torch.empty(bsz * s_q * splits, heads, dtype=torch.float32, device=q.device)
 
     def scope_args(s: SparseKV | None):
         if s is None:  # a second scope that is absent: any valid pointers, never read
@@ -466,10 +498,12 @@ def v4_sparse_decode_triton(
         s_q, heads, splits, tiles_per_split, float(softmax_scale) * LOG2E,
         FMT0=k0["FMT"], REC0=k0["REC"], DATA0=k0["DATA"], HAS_L0=k0["HAS_L"],
         FMT1=k1["FMT"], REC1=k1["REC"], DATA1=k1["DATA"], HAS_L1=k1["HAS_L"], HAS_SCOPE1=s1 is not None,
-        HAS_SINK=sinks is not None, SPLIT=splits > 1, DV_SPLIT=dv_split, BH=block_h, BN=bn,
+        HAS_SINK=sinks is not None, SPLIT=part_o is not None, DV_SPLIT=dv_split, BH=block_h, BN=bn,
         TM=bool(cfg.tokens_major), HEADS_FIRST=bool(cfg.heads_first), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if partials is not None:
+        return partials
     if splits > 1:
         ch = 16
         _combine_kernel[(bsz * s_q, -(-heads // ch))](

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from kernels.attention import DECODE_BACKENDS, PREFILL_BACKENDS
+from kernels.attention import DECODE_BACKENDS, PREFILL_BACKENDS, V4_PREFILL_BACKENDS
 from server.errors import InvalidRequestError
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -17,7 +17,8 @@ DTYPES = ("auto", "float32", "fp32", "float", "bfloat16", "bf16", "float16", "fp
 CUDAGRAPH_MODES = ("NONE", "FULL_DECODE_ONLY")
 OPTIMIZATION_LEVELS = (0, 1, 2, 3)  # vLLM's -O0..-O3; here they only set the CUDA-graph default
 ATTENTION_BACKENDS = ("auto", *DECODE_BACKENDS)  # kernels/attention/ documents each and the auto policy
-PREFILL_ATTENTION_BACKENDS = ("auto", *PREFILL_BACKENDS)
+# + triton: the DeepSeek-V4 family's sparse prefill (kernels/attention/v4_sparse_prefill.py)
+PREFILL_ATTENTION_BACKENDS = ("auto", *PREFILL_BACKENDS, *(n for n in V4_PREFILL_BACKENDS if n not in PREFILL_BACKENDS))
 
 DEFAULT_CPU_KV_CACHE_BYTES = 256 * 1024 * 1024
 

@@ -148,7 +148,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     _flag("--attention-backend", group="execution", choices=ATTENTION_BACKENDS),
     _flag("--prefill-attention-backend", group="execution", choices=PREFILL_ATTENTION_BACKENDS,
           help="the prompt-chunk attention (auto: sdpa on CUDA, torch on CPU; flashinfer: FlashInfer's ragged "
-               "fa3 on Hopper, opt-in)"),
+               "fa3 on Hopper, opt-in; DeepSeek-V4/V4.1: auto = triton, the sparse prefill kernel, on Hopper, "
+               "torch elsewhere)"),
     # parallelism
     _flag("--tensor-parallel-size", "-tp", group="parallelism", type=int),
     _flag("--data-parallel-size", "-dp", group="parallelism", type=int),

@@ -69,6 +69,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MLASERVE_V4_PREFIX_SNAPSHOT_INTERVAL", 4096, _nonnegative_int,
            "DeepSeek-V4 family prefix caching: also snapshot the request state every this many prompt "
            "tokens (rounded up to whole blocks; 0: only at the prompt's end and where prompts diverge)"),
+    EnvVar("MLASERVE_V4_GRAPH_MAX_LEN", 32768, _nonnegative_int,
+           "DeepSeek-V4 family decode CUDA graphs cover contexts up to this many tokens (capped at "
+           "--max-model-len; their gathers are batch x this wide); a decode step with a longer "
+           "request runs eagerly (0: --max-model-len)"),
     EnvVar("MLASERVE_V41_DEQUANTIZE_EXPERTS", False, _flag,
            "1: DeepSeek-V4.1 routed experts stored as MXFP4 (and --load-format dummy's) are made per-expert "
            "modules in the model dtype instead of staying stacked MXFP4 for the W4A8 / W4A16 kernels"),

@@ -157,7 +157,8 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
     server/v4_kv_specs.py sized from the byte budget (the TP group's minimum), prefix caching
     by state snapshots (server/v4_prefix_cache.py), row pools sized once from the plan, decode
     graphs (server/v4_cuda_graphs.py); ``--attention-backend`` picks the sparse decode backend
-    for fp8 records (model/v4/sparse_attention.py)."""
+    for fp8 records, ``--prefill-attention-backend`` the chunks' sparse prefill backend
+    (model/v4/sparse_attention.py)."""
     if par is not None:
         check_v4_family_parallel(config, model_dir)
     if config.dtype == "auto":
@@ -171,7 +172,8 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
         model = load_v4_family(model_dir, dtype, device, par, mxfp4_experts)
     try:
         model.configure_cache(config.kv_cache_dtype, page_rows=config.block_size,
-                              attention_backend=config.attention_backend)
+                              attention_backend=config.attention_backend,
+                              prefill_backend=config.prefill_attention_backend)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
     # Prefix caching: room for one snapshot per running request in the fixed-size pools.
@@ -194,7 +196,7 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
                 describe_v4_capacity(groups, max_model_len))
     # The row pools, once, at the plan's sizes: their addresses never move (CUDA graphs).
     model.configure_cache(config.kv_cache_dtype, page_rows=config.block_size, plan=v4_pool_plan(groups),
-                          attention_backend=config.attention_backend)
+                          attention_backend=config.attention_backend, prefill_backend=config.prefill_attention_backend)
     logger.info("row pools: %d bytes (the plan's groups: %d bytes)", model.cache_pools().num_bytes(),
                 sum(g.num_bytes for g in groups))
     runner = V4FamilyRunner(model, config, num_blocks, device, specs)

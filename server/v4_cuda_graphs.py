@@ -6,7 +6,7 @@ side (``prepare_decode``: reserve the new entries' pages, build the batch index 
 engram hash ids), the device side (``decode_batch``: a fixed chain of kernels for a batch
 size and the page-table widths) and the state update (``finish_decode``). The device side is
 captured once per size of ``decode_capture_sizes`` over persistent inputs
-(model/v4/decode_buffers.py: token ids, positions, ring bases, page tables ``--max-model-len``
+(model/v4/decode_buffers.py: token ids, positions, ring bases, page tables ``max_tokens``
 / ratio entries wide, hash ids); a step copies its inputs in, pads to the smallest captured
 size that fits (padding rows read and write only the pools' scratch unit) and replays. The
 graphs write into the model's row pools, which are sized once at start-up (the block
@@ -14,7 +14,11 @@ manager's plan), so their addresses never move. The indexer top-k, the candidate
 masks and the padded gathers are intermediates of the graph, at fixed addresses of its
 memory pool.
 
-Steps with prompt chunks, and decode batches above the largest captured size, run eagerly.
+``max_tokens`` is ``--max-model-len`` capped by ``MLASERVE_V4_GRAPH_MAX_LEN``: the torch
+attention path gathers every request's entries to the page-table width, so a graph for a
+million-token window would hold batch × a million rows of intermediates. Steps with prompt
+chunks, decode batches above the largest captured size, and decode steps with a request past
+``max_tokens`` run eagerly.
 Under capture V4.1's stacked MXFP4 experts run their kernels as in eager mode (fixed-shape
 token grouping, no host syncs; kernels/mxfp4_experts.py); bf16 experts (V4, V4.1 with
 per-expert modules) take their sync-free path, every local expert on every row
@@ -27,6 +31,7 @@ import logging
 
 import torch
 
+from server import envs
 from server.cuda_graphs import capture_graphs, graph_capture_sizes
 
 logger = logging.getLogger(__name__)
@@ -35,20 +40,24 @@ logger = logging.getLogger(__name__)
 class V4DecodeGraphs:
     """The captured decode graphs of one V4-family model: :meth:`run` is ``model.decode``."""
 
-    def __init__(self, model, sizes: list[int], max_model_len: int) -> None:
+    def __init__(self, model, sizes: list[int], max_tokens: int) -> None:
         if not sizes:
             raise ValueError("no CUDA-graph capture sizes")
         self.model = model
         self.sizes = sorted(sizes)
         self.max_batch = self.sizes[-1]
-        self.page_widths = model.cache_pools().page_widths(max_model_len)
-        self.buffers = model.decode_buffers(self.max_batch, max_model_len)
+        self.max_tokens = max_tokens
+        self.page_widths = model.cache_pools().page_widths(max_tokens)
+        self.buffers = model.decode_buffers(self.max_batch, max_tokens)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
         self.num_replays = 0
 
-    def fits(self, batch: int) -> bool:
-        return batch <= self.max_batch and bool(self.graphs)
+    def fits(self, batch: int, states=()) -> bool:
+        """Whether a decode of ``batch`` requests (their ``states``, when known) can replay: the
+        batch is at most the largest captured size and every request stays within ``max_tokens``."""
+        return (batch <= self.max_batch and bool(self.graphs)
+                and all(s.num_tokens < self.max_tokens for s in states))
 
     def batch_size(self, n: int) -> int:
         """The captured size an ``n``-row step pads to."""
@@ -63,8 +72,9 @@ class V4DecodeGraphs:
         """Every buffer row is padding while capturing: the warm-ups write only scratch units."""
         self.buffers.pad(0, self.max_batch)
         self.graphs, self.pool = capture_graphs(self.sizes, self._forward, self.buffers.input_ids.device)
-        logger.info("captured %d decode CUDA graphs for %s (batch %d..%d; page tables: %s)", len(self.graphs),
-                    self.model.config.model_type, self.sizes[0], self.max_batch,
+        logger.info("captured %d decode CUDA graphs for %s (batch %d..%d, contexts up to %d tokens; page "
+                    "tables: %s)", len(self.graphs), self.model.config.model_type, self.sizes[0], self.max_batch,
+                    self.max_tokens,
                     ", ".join(f"{name} {w}" for name, w in self.page_widths.items()))
 
     def run(self, input_ids: torch.Tensor, states: list) -> torch.Tensor:
@@ -91,6 +101,7 @@ def maybe_capture_v4(model, config, max_model_len: int) -> V4DecodeGraphs | None
     sizes = graph_capture_sizes(device, config, model.par)
     if not sizes:
         return None
-    graphs = V4DecodeGraphs(model, sizes, max_model_len)
+    cap = envs.MLASERVE_V4_GRAPH_MAX_LEN
+    graphs = V4DecodeGraphs(model, sizes, min(max_model_len, cap) if cap else max_model_len)
     graphs.capture()
     return graphs

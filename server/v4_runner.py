@@ -269,7 +269,7 @@ class V4FamilyRunner(ModelRunner):
         rows = to_device([d[2] for d in decode], torch.long, input_ids.device)
         self.lockstep.before_forward()
         graphs, states = self.decode_graphs, [d[1] for d in decode]
-        if pure and graphs is not None and graphs.fits(len(decode)):
+        if pure and graphs is not None and graphs.fits(len(decode), states):
             out = graphs.run(input_ids[rows], states)
         else:
             out = self.model.decode(input_ids[rows], states)

@@ -29,7 +29,10 @@ The cuda backend's kernels run P.V in FP8 (P as e4m3): 1.5e-2 relative error aga
 on the same FP8 inputs, vs 2e-3 for Triton, which keeps P in fp16 (``--attention-backend triton``).
 
 V4 / V4.1 sparse decode (window rows ‖ selected compressed entries, quantized records) has its
-own registry (``kernels/attention/v4_sparse_decode.py``: triton on SM90, else torch).
+own registry (``kernels/attention/v4_sparse_decode.py``: triton on SM90, else torch), and so
+does V4.1's lightning indexer on packed key records (``kernels/attention/v4_indexer.py``:
+triton on CUDA, else the model's own torch path) and the family's chunked prefill
+(``kernels/attention/v4_sparse_prefill.py``: triton on SM90, else the model's torch attention).
 
 Prefill (the non-absorbed causal attention of a step's prompt chunks, each over its cached
 prefix and itself; ``--prefill-attention-backend``) is chosen separately
@@ -64,8 +67,10 @@ from kernels.attention.prefill import SdpaPrefill, TorchPrefill
 from kernels.attention.torch_decode import TorchDecode
 from kernels.attention.triton_decode import TritonDecode
 from kernels.attention.trtllm_decode import TrtllmDecode
-from kernels.attention.v4_sparse_decode import (V4_DECODE_BACKENDS, TorchV4SparseDecode, TritonV4SparseDecode,
-                                               V4SparseDecodeBackend, select_v4_decode_backend)
+from kernels.attention.v4_sparse_decode import (V4_DECODE_BACKENDS, CudaV4SparseDecode, TorchV4SparseDecode,
+                                               TritonV4SparseDecode, V4SparseDecodeBackend, select_v4_decode_backend)
+from kernels.attention.v4_sparse_prefill import (V4_PREFILL_BACKENDS, TorchV4SparsePrefill, TritonV4SparsePrefill,
+                                                V4SparsePrefillBackend, select_v4_prefill_backend)
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +162,8 @@ REFERENCE_DECODE = TorchDecode()  # what a forward context without a chosen back
 __all__ = ["DECODE_BACKENDS", "PREFILL_BACKENDS", "REFERENCE_DECODE", "AttentionSpec", "BackendSupport",
            "BackendUnavailable", "CudaDecode", "DecodeBackend", "DecodeMetadata", "FlashInferDecode",
            "FlashInferPrefill", "PrefillBackend", "PrefillMetadata", "SdpaPrefill", "TorchDecode", "TorchPrefill",
-           "TritonDecode", "TrtllmDecode", "V4_DECODE_BACKENDS", "TorchV4SparseDecode", "TritonV4SparseDecode",
-           "V4SparseDecodeBackend", "select_v4_decode_backend", "auto_decode_backend", "auto_prefill_backend",
-           "default_prefill_backend", "select_decode_backend", "select_prefill_backend"]
+           "TritonDecode", "TrtllmDecode", "V4_DECODE_BACKENDS", "CudaV4SparseDecode", "TorchV4SparseDecode",
+           "TritonV4SparseDecode", "V4SparseDecodeBackend", "select_v4_decode_backend", "V4_PREFILL_BACKENDS",
+           "TorchV4SparsePrefill", "TritonV4SparsePrefill", "V4SparsePrefillBackend", "select_v4_prefill_backend",
+           "auto_decode_backend", "auto_prefill_backend", "default_prefill_backend", "select_decode_backend",
+           "select_prefill_backend"]

@@ -22,7 +22,7 @@ class CudaDecode(DecodeBackend):
         reason = super().unsupported_reason(spec)
         if reason is not None:
             return reason
-        if reason := missing_module_reason("triton", "triton"):  # the split-KV combine is a Triton kernel
+        if reason := missing_module_reason("triton", "triton"):  # its input checks are in mla_decode_triton
             return reason
         from kernels.mla_decode_cuda import CudaKernelUnavailable, default_library_path
 

@@ -7,8 +7,13 @@ per-request picks, not a block table over one latent cache).
     triton  our Triton kernel (kernels/v4_sparse_decode_triton.py); SM90, every record format
             at 512 dims (V4: 64 RoPE dims), 8..128 heads per GPU, CUDA graphs; a float32 q is
             taken as bf16
+    cuda    our CUDA C++ kernels (kernels/v4_sparse_decode_cuda.py); SM90, V4 MODEL1 records,
+            8..128 heads per GPU (records dequantized once per CTA of 64 heads, or of all
+            heads up to 32), CUDA graphs, MODEL1 pages and one-record row pools; a cache
+            not on 8 bytes goes to the Triton kernel
 
-``auto`` (:func:`select_v4_decode_backend`): triton on a GPU it runs on, else torch.
+``auto`` (:func:`select_v4_decode_backend`): cuda where it runs (one log line says why not),
+then triton, then torch.
 """
 
 from __future__ import annotations
@@ -82,20 +87,52 @@ class TritonV4SparseDecode(V4SparseDecodeBackend):
         return v4_sparse_decode_triton(q, scopes, sinks, softmax_scale, out=out, lse=lse)
 
 
+class CudaV4SparseDecode(TritonV4SparseDecode):
+    """The CUDA C++ kernels for V4 records; a call whose records they do not read (V4.1's) runs
+    the Triton kernel instead (which, like them, refuses pages not on 8 bytes). The library is built in
+    ``unsupported_reason``, so a failed build is a start-up fallback, not a first-step error."""
+
+    name = "cuda"
+    record_formats = ("v4",)
+
+    @classmethod
+    def unsupported_reason(cls, spec, formats=()):
+        reason = super().unsupported_reason(spec, formats)
+        if reason is None:
+            from kernels.mla_decode_cuda import CudaKernelUnavailable
+            from kernels.v4_sparse_decode_cuda import library
+
+            try:
+                library()
+            except (CudaKernelUnavailable, OSError) as exc:
+                reason = str(exc).splitlines()[0]
+        return reason
+
+    def decode(self, q, scopes, sinks, softmax_scale, out=None, lse=None):
+        from kernels.v4_sparse_decode_cuda import unsupported_reason, v4_sparse_decode_cuda
+
+        if unsupported_reason(scopes) is not None:
+            return super().decode(q, scopes, sinks, softmax_scale, out=out, lse=lse)
+        return v4_sparse_decode_cuda(q, scopes, sinks, softmax_scale, out=out, lse=lse)
+
+
 V4_DECODE_BACKENDS: dict[str, type[V4SparseDecodeBackend]] = {
-    cls.name: cls for cls in (TritonV4SparseDecode, TorchV4SparseDecode)
+    cls.name: cls for cls in (CudaV4SparseDecode, TritonV4SparseDecode, TorchV4SparseDecode)
 }
 
 
 def select_v4_decode_backend(requested: str, spec: AttentionSpec, formats: tuple[str, ...] = ()
                              ) -> V4SparseDecodeBackend:
-    """``auto``: the first of triton, torch that runs ``spec`` and ``formats`` here; an explicit
+    """``auto``: the first of cuda, triton, torch that runs ``spec`` and ``formats`` here; an explicit
     request that cannot run raises ``BackendUnavailable`` naming the flag."""
     if requested == "auto":
         for cls in V4_DECODE_BACKENDS.values():
-            if cls.unsupported_reason(spec, formats) is None:
+            reason = cls.unsupported_reason(spec, formats)
+            if reason is None:
                 logger.info("V4 sparse decode backend: %s (auto; %s)", cls.name, _graphs(cls))
                 return cls(spec)
+            if cls is CudaV4SparseDecode and spec.device.type == "cuda":
+                logger.info("V4 sparse decode backend: not cuda (%s)", reason)
         raise BackendUnavailable(f"--attention-backend auto: no V4 sparse decode backend runs {spec}")
     cls = V4_DECODE_BACKENDS.get(requested)
     if cls is None:

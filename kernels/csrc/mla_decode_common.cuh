@@ -19,7 +19,7 @@ struct Params {
   long long o_sb, o_ss, o_sh;
   float* lse;                  // [B, s_q, H] when num_splits == 1
   long long l_sb, l_ss, l_sh;
-  float* part_o;               // [B * rows, num_splits, 512] when num_splits > 1
+  __nv_bfloat16* part_o;       // [B * rows, num_splits, 512] when num_splits > 1: normalized, unscaled
   float* part_l;               // [B * rows, num_splits]
   int batch, s_q, heads, num_splits, page_size;
   float scale_log2;            // softmax_scale * q_scale * k_scale * log2(e)
@@ -40,6 +40,11 @@ struct TileRange {
   }
 };
 
+// Lets the grid launched after this one with programmatic dependent launch (the split combine,
+// mla_decode_combine_sm90a.cu) schedule its CTAs now; they wait in griddepcontrol.wait until
+// this grid has finished, so only the launch latency moves under this kernel.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::); }
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -48,6 +53,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // the MMAs, even when they hold NaN).
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+// The same for 8 bytes (through L1: cp.async.cg takes only 16).
+__device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>

@@ -26,9 +26,9 @@
 //   (Measured on the H200, B=128, 16 heads: 84.7 us against 86.3 us for one warpgroup per CTA
 //   and two CTAs per SM with two stages each; at B=128 it needs no split-KV, so no combine.)
 // - Slots past the sequence are loaded as they are (maybe NaN): their scores are masked and
-//   the fragment loads zero them. Split-KV (small batches) writes normalized partials + LSE for
-//   the combine kernel, as the other kernels do. The launch shape depends only on tensor shapes:
-//   capturable in a CUDA graph.
+//   the fragment loads zero them. Split-KV (small batches) writes normalized bf16 partials +
+//   fp32 LSE for the combine kernel (mla_decode_combine_sm90a.cu, PDL), as the 64-row kernel
+//   does. The launch shape depends only on tensor shapes: capturable in a CUDA graph.
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -77,6 +77,8 @@ template <int N>
 __global__ void __launch_bounds__(kThreads, 1)
     mla_decode_fp8_narrow_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
   using Plan = NarrowPlan<N>;
+  launch_dependents();  // the split combine's launch, under this kernel
+  if (threadIdx.x == 0) prefetch_tensor_map(&kv_map);
   // This thread's accumulator columns (query rows) are 8j + 2q4 + e; column index c = 2j + e.
   constexpr int kCols = N / 4;
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -322,21 +324,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int ld = 0; ld < 8; ++ld) v[ld] = o[h][ld >> 1][4 * (c >> 1) + 2 * (ld & 1) + (c & 1)] * inv;
       const int dim = d0 + 256 * h;
-      if (p.num_splits > 1) {
-        float* dst = p.part_o + (flat * p.num_splits + split) * kDimV + dim;
-        *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
-        *reinterpret_cast<float4*>(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
-      } else {
-        __nv_bfloat16* dst = p.out + b * p.o_sb + (row / p.heads) * p.o_ss + (row % p.heads) * p.o_sh + dim;
-        uint4 packed;
-        uint32_t* w = &packed.x;
+      // A split's normalized partial (bf16, unscaled) for the combine, or the output.
+      const bool split_kv = p.num_splits > 1;
+      __nv_bfloat16* dst = split_kv ? p.part_o + (flat * p.num_splits + split) * kDimV + dim
+                                    : p.out + b * p.o_sb + (row / p.heads) * p.o_ss + (row % p.heads) * p.o_sh + dim;
+      const float scale = split_kv ? 1.f : p.out_scale;
+      uint4 packed;
+      uint32_t* w = &packed.x;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * k] * p.out_scale, v[2 * k + 1] * p.out_scale);
-          w[k] = *reinterpret_cast<const uint32_t*>(&pair);
-        }
-        *reinterpret_cast<uint4*>(dst) = packed;
+      for (int k = 0; k < 4; ++k) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * k] * scale, v[2 * k + 1] * scale);
+        w[k] = *reinterpret_cast<const uint32_t*>(&pair);
       }
+      *reinterpret_cast<uint4*>(dst) = packed;
     }
   }
 }

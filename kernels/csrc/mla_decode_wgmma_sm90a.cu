@@ -41,9 +41,10 @@
 // - Q and P use wgmma's no-swizzle layout (core matrices of 8 rows x 16 bytes, packed).
 // - Slots past the sequence in a tile's last page are loaded as they are (poisoned slots hold
 //   NaN): their scores are masked to -inf and the fragment loads replace them with zeros, so
-//   they never reach the P.V product. Split-KV writes normalized partials + LSE for the combine
-//   kernel (kernels/mla_decode_triton.py), like the sister kernels. Launch shape depends only on
-//   tensor shapes, the tensor map only on the cache tensor: capturable in a CUDA graph.
+//   they never reach the P.V product. Split-KV writes normalized bf16 partials + fp32 LSE for
+//   the combine kernel (mla_decode_combine_sm90a.cu, launched after this one with PDL: this
+//   kernel lets it launch as it starts). Launch shape depends only on tensor shapes, the tensor
+//   map only on the cache tensor: capturable in a CUDA graph.
 
 #include <cuda.h>  // CUtensorMap and its enums only: the driver is reached through the runtime
 #include <cuda_bf16.h>
@@ -94,6 +95,8 @@ static_assert(kRows * kChunks % kThreads == 0, "whole copies per thread");
 __global__ void __launch_bounds__(kThreads, 1)
     mla_decode_fp8_wgmma_kernel(const Params p, const __grid_constant__ CUtensorMap kv_map) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
+  launch_dependents();  // the split combine's launch, under this kernel
+  if (threadIdx.x == 0) prefetch_tensor_map(&kv_map);
   uint8_t* smem = smem_raw + ((kSmemAlign - (smem_addr(smem_raw) & (kSmemAlign - 1))) & (kSmemAlign - 1));
   uint8_t* q_s = smem + kSmemQ;
   uint8_t* k_s = smem + kSmemK;
@@ -404,21 +407,20 @@ __global__ void __launch_bounds__(kThreads, 1)
       float v[8];
 #pragma unroll
       for (int ld = 0; ld < 8; ++ld) v[ld] = o[ld >> 1][4 * j + 2 * (ld & 1) + c] * inv;
-      if (p.num_splits > 1) {
-        float* dst = p.part_o + ((static_cast<long long>(b) * rows_total + row) * p.num_splits + split) * kDimV + d0;
-        *reinterpret_cast<float4*>(dst) = make_float4(v[0], v[1], v[2], v[3]);
-        *reinterpret_cast<float4*>(dst + 4) = make_float4(v[4], v[5], v[6], v[7]);
-      } else {
-        __nv_bfloat16* dst = p.out + b * p.o_sb + (row / p.heads) * p.o_ss + (row % p.heads) * p.o_sh + d0;
-        uint4 packed;
-        uint32_t* w = &packed.x;
+      // A split's normalized partial (bf16, unscaled) for the combine, or the output.
+      const bool split_kv = p.num_splits > 1;
+      __nv_bfloat16* dst =
+          split_kv ? p.part_o + ((static_cast<long long>(b) * rows_total + row) * p.num_splits + split) * kDimV + d0
+                   : p.out + b * p.o_sb + (row / p.heads) * p.o_ss + (row % p.heads) * p.o_sh + d0;
+      const float scale = split_kv ? 1.f : p.out_scale;
+      uint4 packed;
+      uint32_t* w = &packed.x;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * k] * p.out_scale, v[2 * k + 1] * p.out_scale);
-          w[k] = *reinterpret_cast<const uint32_t*>(&pair);
-        }
-        *reinterpret_cast<uint4*>(dst) = packed;
+      for (int k = 0; k < 4; ++k) {
+        const __nv_bfloat162 pair = __floats2bfloat162_rn(v[2 * k] * scale, v[2 * k + 1] * scale);
+        w[k] = *reinterpret_cast<const uint32_t*>(&pair);
       }
+      *reinterpret_cast<uint4*>(dst) = packed;
     }
 }
 

@@ -64,6 +64,13 @@ __device__ __forceinline__ void copy_q_chunk(const Params& p, int b, int row0, i
   cp_async_16(smem_addr(q_s + chunk_dst(i)), src, valid ? 16 : 0);
 }
 
+// Fetches the cache's tensor map (a kernel parameter) into the TMA unit's descriptor cache
+// while the CTA loads Q and sets up its barriers, so the first tile's copies do not wait for it
+// (a short split's time is mostly such first latencies). One thread.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
 // One cache tile (token row `row` of page `page`, 64 tokens) into the stage at `dst` as five
 // boxes, completing mbarrier `bar` with the whole tile's bytes (the out-of-bounds half of the
 // fifth box counts too). One thread.
@@ -127,23 +134,6 @@ __device__ __forceinline__ void load_v_fragments(const uint8_t* tile, int d0, in
         }
       }
     }
-}
-
-// cuTensorMapEncodeTiled, looked up through the runtime (no link against the driver library).
-using EncodeTiledFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                   const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                   CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-EncodeTiledFn encode_tiled() {
-  static EncodeTiledFn fn = nullptr;
-  if (fn == nullptr) {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &found) ==
-            cudaSuccess && found == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<EncodeTiledFn>(ptr);
-  }
-  return fn;
 }
 
 // The cache [num_pages, page_size, 576] bytes as a 3-D tensor (byte, token, page) whose boxes

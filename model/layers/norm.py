@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.rmsnorm import rms_norm
+from kernels.rmsnorm import rms_norm, rms_norm_after_cast_reference
 
 
 class RMSNorm(nn.Module):
@@ -25,6 +25,5 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_after_cast:
-            xf = x.float()
-            return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+            return rms_norm_after_cast_reference(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)

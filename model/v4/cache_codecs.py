@@ -18,13 +18,13 @@ from model.v4.cache_pool import RowCodec
 
 
 def v4_fp8_row_codec(dim: int, rope_dims: int, dtype: torch.dtype) -> RowCodec:
-    return RowCodec(dim, fmt.v4_row_bytes(dim, rope_dims), torch.uint8,
-                    lambda x: fmt.pack_v4_rows(x, rope_dims), lambda r: fmt.unpack_v4_rows(r, dim, rope_dims, dtype))
+    return RowCodec(dim, fmt.v4_row_bytes(dim, rope_dims), torch.uint8, lambda x: fmt.pack_v4_rows(x, rope_dims),
+                    lambda r: fmt.unpack_v4_rows(r, dim, rope_dims, dtype), "v4_row")
 
 
 def v4_fp8_index_key_codec(dim: int, dtype: torch.dtype) -> RowCodec:
     return RowCodec(dim, fmt.v4_index_key_bytes(dim), torch.uint8, fmt.pack_v4_index_keys,
-                    lambda r: fmt.unpack_v4_index_keys(r, dtype))
+                    lambda r: fmt.unpack_v4_index_keys(r, dtype), "v4_key")
 
 
 def v41_fp8_codecs(config, dtype: torch.dtype) -> tuple[RowCodec, RowCodec, RowCodec]:
@@ -35,8 +35,8 @@ def v41_fp8_codecs(config, dtype: torch.dtype) -> tuple[RowCodec, RowCodec, RowC
         raise ValueError(f"--kv-cache-dtype fp8: head_dim {d} / index_head_dim {k} are not multiples of the "
                          "records' 32 / 16 / 32-value blocks")
     return (RowCodec(d, fmt.v41_window_row_bytes(d), torch.uint8, fmt.pack_v41_window_rows,
-                     lambda r: fmt.unpack_v41_window_rows(r, dtype)),
+                     lambda r: fmt.unpack_v41_window_rows(r, dtype), "v41_window"),
             RowCodec(d, fmt.v41_entry_bytes(d), torch.uint8, fmt.pack_v41_entries,
-                     lambda r: fmt.unpack_v41_entries(r, dtype)),
+                     lambda r: fmt.unpack_v41_entries(r, dtype), "v41_entry"),
             RowCodec(k, fmt.v41_index_key_bytes(k), torch.uint8, fmt.pack_v41_index_keys,
-                     lambda r: fmt.unpack_v41_index_keys(r, dtype)))
+                     lambda r: fmt.unpack_v41_index_keys(r, dtype), "v41_key"))

@@ -60,20 +60,24 @@ class PoolPlan:
 class RowCodec:
     """How rows of ``dim`` values are stored: ``encode`` [..., dim] → [..., width] of ``dtype``
     and ``decode`` back to values. ``decode(encode(x))`` is what every reader sees, the
-    request's own new rows included."""
+    request's own new rows included. ``format`` names the encoding for the fused decode
+    writes (kernels/v4_kv_write_triton.py ``FORMATS``)."""
 
     dim: int
     width: int
     dtype: torch.dtype
     encode: Callable[[torch.Tensor], torch.Tensor]
     decode: Callable[[torch.Tensor], torch.Tensor]
+    format: str = "plain"
 
 
-def plain_codec(dim: int, dtype: torch.dtype, round_values: Callable | None = None) -> RowCodec:
-    """Rows kept as ``dim`` values of ``dtype`` (after ``round_values``, e.g. V4.1's fake quant)."""
+def plain_codec(dim: int, dtype: torch.dtype, round_values: Callable | None = None,
+                format: str = "plain") -> RowCodec:
+    """Rows kept as ``dim`` values of ``dtype`` (after ``round_values``, e.g. V4.1's fake quant,
+    whose encoding ``format`` names)."""
     def encode(x: torch.Tensor) -> torch.Tensor:
         return (x if round_values is None else round_values(x)).to(dtype)
-    return RowCodec(dim, dim, dtype, encode, lambda s: s)
+    return RowCodec(dim, dim, dtype, encode, lambda s: s, format)
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:

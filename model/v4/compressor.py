@@ -27,14 +27,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.attention.v4_kv_write import compress_step
+from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, norm_rope_rows, pool_window_rows
 from model.layers.norm import RMSNorm
 from model.v4.rope import RotaryTable, apply_trailing_rope
 from model.v4.cache_pool import BatchIndex, CachePools, RowLease
-
-
-def pool_windows(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """[n, c]: per-channel softmax over the slot axis (float32) of ``gate``, weighting ``kv``."""
-    return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+from kernels.topk import ordered_topk
 
 
 class WindowCompressor(nn.Module):
@@ -66,24 +64,26 @@ class WindowCompressor(nn.Module):
         """Entries [N, head_dim] of N closed windows from their raw rows kv, gate [N, m, width]
         (gate without the position bias) and, for CSA, the previous windows' raw rows (used
         where ``has_prev`` [N]; window 0 has none: zero kv, −inf gate)."""
-        gate = gate + self.position_bias
-        if self.overlap:
-            d, m = self.head_dim, self.ratio
-            prev = has_prev.view(-1, 1, 1)
-            ca_kv = torch.where(prev, prev_kv[..., :d], torch.zeros((), dtype=kv.dtype, device=kv.device))
-            ca_gate = torch.where(prev, (prev_gate + self.position_bias)[..., :d],
-                                  torch.full((), float("-inf"), dtype=gate.dtype, device=kv.device))
-            kv = torch.cat([ca_kv, kv[..., d:]], dim=1)
-            gate = torch.cat([ca_gate, gate[..., d:]], dim=1)
-            assert kv.shape[1] == 2 * m
-        pooled = self.kv_norm(pool_windows(kv, gate))
+        prev = {"prev_kv": prev_kv, "prev_gate": prev_gate, "has_prev": has_prev} if self.overlap else {}
+        pooled = pool_window_rows(kv, gate, self.position_bias, **prev)
         cos, sin = rope.cos_sin(window_ids * self.ratio, pooled.dtype)
-        return apply_trailing_rope(pooled, cos, sin)
+        return norm_rope_rows(pooled, self.row_norm, cos, sin)
+
+    @property
+    def row_norm(self) -> RowNorm:
+        return RowNorm(self.kv_norm.weight, self.kv_norm.eps)
 
     def compress(self, x: torch.Tensor, start: int, lease: RowLease, pools: CachePools,
                  rope: RotaryTable) -> torch.Tensor:
         """Feed one request's chunk x [T, D] at positions ``start …``; returns all its entries so
         far [n, head_dim] as stored (decoded)."""
+        n = self.compress_store(x, start, lease, pools, rope)
+        name = self.pool_prefix + "entries"
+        return pools[name].get(self.pool_layer, lease.rows(name, 0, n))
+
+    def compress_store(self, x: torch.Tensor, start: int, lease: RowLease, pools: CachePools,
+                       rope: RotaryTable) -> int:
+        """:meth:`compress` without reading the entries back: returns their count n."""
         m, t, layer = self.ratio, x.shape[0], self.pool_layer
         kv_pool, gate_pool = pools[self.pool_prefix + "kv"], pools[self.pool_prefix + "gate"]
         name = self.pool_prefix + "entries"
@@ -109,36 +109,30 @@ class WindowCompressor(nn.Module):
         keep = min(t, self.ring_rows)
         kv_pool.put(layer, lease.rows(kv_pool.name, end - keep, end), kv[t - keep:])
         gate_pool.put(layer, lease.rows(gate_pool.name, end - keep, end), gate[t - keep:])
-        return entries.get(layer, lease.rows(name, 0, n_new))
+        return n_new
 
-    def decode_step(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools,
-                    rope: RotaryTable) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_step(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools, rope: RotaryTable,
+                    kv_write: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`decode_store`, then every request's entries gathered [B, N, head_dim] (zero
         past its count) with the counts [B]."""
-        counts = self.decode_store(x, batch, pools, rope)
+        counts = self.decode_store(x, batch, pools, rope, kv_write)
         return batch.gather_prefix(pools, self.pool_prefix + "entries", self.pool_layer, counts), counts
 
-    def decode_store(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools, rope: RotaryTable) -> torch.Tensor:
+    def decode_store(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools, rope: RotaryTable,
+                     kv_write: str = "auto") -> torch.Tensor:
         """B requests, one token each (x [B, D] at ``batch.positions``): store the raw rows, emit
-        the entries of the windows that close; returns each request's entry count [B]."""
+        the entries of the windows that close (kernels/v4_kv_write.py, ``kv_write`` its
+        implementation); returns each request's entry count [B]."""
         m, layer, p = self.ratio, self.pool_layer, batch.positions
         kv_name, gate_name, name = (self.pool_prefix + k for k in ("kv", "gate", "entries"))
         kv_pool, gate_pool, entries = pools[kv_name], pools[gate_name], pools[name]
-        here = p.unsqueeze(-1)
-        kv_pool.put(layer, batch.ring_rows(pools, kv_name, here), self.kv_proj(x).unsqueeze(1))
-        gate_pool.put(layer, batch.ring_rows(pools, gate_name, here), self.gate_proj(x).unsqueeze(1))
-        this = (p + 1 - m).unsqueeze(-1) + torch.arange(m, device=p.device)  # the window ending at p
-        window = (p + 1) // m - 1
-        closes = (p + 1) % m == 0
-        prev = (this - m) if self.overlap else None
-        new = self.pool_rows(
-            kv_pool.get(layer, batch.ring_rows(pools, kv_name, this)),
-            gate_pool.get(layer, batch.ring_rows(pools, gate_name, this)),
-            None if prev is None else kv_pool.get(layer, batch.ring_rows(pools, kv_name, prev)),
-            None if prev is None else gate_pool.get(layer, batch.ring_rows(pools, gate_name, prev)),
-            window > 0, window.clamp_min(0), rope)
-        target = batch.paged_rows(pools, name, window.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-        entries.put(layer, torch.where(closes, target, torch.zeros_like(target)), entries.codec.encode(new))
+        cos, sin = rope.cos_sin(((p + 1) // m - 1).clamp_min(0) * m, x.dtype)
+        ring = RowTarget(p, kv_pool.rows_per_unit, ring_base=batch.ring_base[kv_name])
+        target = RowTarget(p, entries.rows_per_unit, page_table=batch.page_tables[name], ratio=m)
+        store = RowStore(entries.flat(layer), entries.codec.encode, entries.codec.format)
+        compress_step(self.kv_proj(x), self.gate_proj(x), kv_pool.flat(layer), gate_pool.flat(layer), ring,
+                      batch.ring_base[gate_name], m,
+                      self.overlap, self.position_bias, self.row_norm, cos, sin, store, target, kv_write)
         return (p + 1) // m
 
 
@@ -189,9 +183,9 @@ class LightningIndexer(WindowCompressor):
         return torch.cat(picks)
 
     def decode_select(self, x: torch.Tensor, q_residual: torch.Tensor, batch: BatchIndex, pools: CachePools,
-                      rope: RotaryTable) -> torch.Tensor:
+                      rope: RotaryTable, kv_write: str = "auto") -> torch.Tensor:
         """B requests, one token each: update their index keys, return their picks [B, k]."""
-        keys, counts = self.decode_step(x, batch, pools, rope)
+        keys, counts = self.decode_step(x, batch, pools, rope, kv_write)
         q = self.queries(q_residual, batch.positions, rope)
         scores = self.scorer(q, keys, x)  # [B, N]
         entry = torch.arange(keys.shape[1], device=x.device).unsqueeze(0)
@@ -204,8 +198,8 @@ class LightningIndexer(WindowCompressor):
 
     def top_picks(self, scores: torch.Tensor, entry: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """Top ``topk`` of scores [T, n] among the ``visible`` [T, 1] first entries; −1 past them."""
-        top = scores.masked_fill(entry >= visible, float("-inf")).topk(min(self.topk, scores.shape[-1]), dim=-1)
-        return torch.where(top.indices >= visible, torch.full_like(top.indices, -1), top.indices)
+        _, indices = ordered_topk(scores.masked_fill(entry >= visible, float("-inf")), min(self.topk, scores.shape[-1]))
+        return torch.where(indices >= visible, torch.full_like(indices, -1), indices)
 
 
 class CSACompressor(WindowCompressor):

@@ -12,7 +12,8 @@ Each call appends its tokens at positions ``state.num_tokens …``. ``model.deco
 states)`` advances many requests by one token each in one forward (the rows B one-token
 calls compute); the states' rows live in the model's shared pools (model/v4/cache_pool.py,
 built by :meth:`~DeepseekV4ForCausalLM.cache_pools`). With ``fp8`` records its attention runs
-on ``model.sparse_decode``, the backend :meth:`configure_cache` chose (model/v4/sparse_attention.py).
+on ``model.sparse_decode``, the backend :meth:`configure_cache` chose (model/v4/sparse_attention.py);
+a prompt chunk's attention on ``model.sparse_prefill`` (on a GPU: the Triton kernel).
 
 The embedding is copied into ``hc_mult`` streams; each layer runs an mHC site →
 ``input_layernorm`` → attention → expand, then an mHC site → ``post_attention_layernorm`` →
@@ -45,7 +46,8 @@ from model.v4.rope import RotaryTable
 from model.parallel import ParallelContext, StepRows
 from model.v4.cache_pool import BatchIndex, CachePools, PoolPlan, plain_codec
 from model.v4.decode_buffers import DecodeBuffers, DecodeInputs
-from model.v4.sparse_attention import V4SparseDecodeBackend, choose_sparse_decode
+from model.v4.sparse_attention import (V4SparseDecodeBackend, V4SparsePrefillBackend, choose_sparse_decode,
+                                       choose_sparse_prefill)
 from model.v4.state import V4RequestState
 from model.v4_loader import load_v4_into_module, read_v4_config
 from model.v4_parallel import final_rows, first_rows, row_parallel_site, shard_spec, vocab_embedding
@@ -115,20 +117,26 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.main_rope = RotaryTable(config.qk_rope_head_dim, config.main_rope)
         self.compress_rope = RotaryTable(config.qk_rope_head_dim, config.compress_rope)
         self.sparse_decode: V4SparseDecodeBackend | None = None  # see configure_cache
+        self.sparse_prefill: V4SparsePrefillBackend | None = None
+        self.kv_write = "auto"  # the decode's KV writes: auto (fused on CUDA), torch or triton (kernels/v4_kv_write.py)
 
     def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64, plan: PoolPlan | None = None,
-                        attention_backend: str = "auto") -> None:
+                        attention_backend: str = "auto", prefill_backend: str = "auto") -> None:
         """How new states store their rows: ``auto`` (the model dtype) or ``fp8`` (V4's 584-byte
         records for window rows and entries, e4m3 + one fp32 scale for index keys; lossy), in
         pages of ``page_rows`` entries that grow on demand — or, with ``plan``, in pools of the
         plan's fixed sizes, allocated now — and the sparse-decode backend the batched decode
-        attends packed records with (``attention_backend``: model/v4/sparse_attention.py).
-        Replaces the pools: states made before keep the old ones."""
+        attends packed records with (``attention_backend``: model/v4/sparse_attention.py), and
+        the sparse-prefill backend of the chunks (``prefill_backend``; None on a CPU: the torch
+        attention). Replaces the pools: states made before keep the old ones."""
         c = self.config
         v4_row_codecs(c, kv_cache_dtype, self.dtype)[0](c.head_dim)  # validates
+        heads, device = self.model.layers[0].self_attn.num_heads, self.lm_head.weight.device
         self.sparse_decode = choose_sparse_decode(
-            attention_backend, kv_cache_dtype, self.lm_head.weight.device, self.model.layers[0].self_attn.num_heads,
-            c.head_dim, c.qk_rope_head_dim, page_rows, self.dtype, ("v4",))
+            attention_backend, kv_cache_dtype, device, heads, c.head_dim, c.qk_rope_head_dim, page_rows, self.dtype,
+            ("v4",))
+        self.sparse_prefill = choose_sparse_prefill(prefill_backend, kv_cache_dtype, device, heads, c.head_dim,
+                                                    c.qk_rope_head_dim, self.dtype, ("v4",))
         self._cache_settings = (kv_cache_dtype, page_rows, plan)
         self._pools = None
         if plan is not None:
@@ -202,7 +210,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         for layer in self.model.layers:
             rope = self.compress_rope if layer.uses_compress_rope else self.main_rope
             streams = layer(streams, input_ids,
-                            lambda h, a=layer.self_attn, r=rope: a(h, positions, state.lease, pools, r), rows)
+                            lambda h, a=layer.self_attn, r=rope: a(h, positions, state.lease, pools, r,
+                                                                   self.sparse_prefill), rows)
         state.num_tokens += t
         return final_rows(par, self.model.norm(self.model.hc_head(streams)), t)
 
@@ -245,7 +254,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         for layer in self.model.layers:
             rope = self.compress_rope if layer.uses_compress_rope else self.main_rope
             streams = layer(streams, input_ids,
-                            lambda h, a=layer.self_attn, r=rope: a.decode(h, batch, pools, r, self.sparse_decode), rows)
+                            lambda h, a=layer.self_attn, r=rope: a.decode(h, batch, pools, r, self.sparse_decode,
+                                                                        self.kv_write), rows)
         return final_rows(par, self.model.norm(self.model.hc_head(streams)), n)
 
     def finish_decode(self, states: list[V4RequestState], inputs: DecodeInputs) -> None:

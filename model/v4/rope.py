@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.rope import yarn_inv_freq
+from kernels.rope import apply_trailing_rope, yarn_inv_freq
+
+__all__ = ["RopeSpec", "RotaryTable", "YarnParams", "apply_trailing_rope"]
 
 
 @dataclass(frozen=True)
@@ -59,25 +61,3 @@ class RotaryTable:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         f = self.spec.attention_factor
         return (freqs.cos() * f).to(dtype), (freqs.sin() * f).to(dtype)
-
-
-def apply_trailing_rope(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
-) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of the last ``2·cos.shape[-1]`` dims of x [N, ..., d].
-
-    cos/sin are [N, r/2] and broadcast over the middle dims (heads). The rotation runs in
-    float32 and the result is cast back to x's dtype; the leading (nope) dims pass through.
-    ``inverse`` rotates by the negative angle (the conjugate).
-    """
-    half = cos.shape[-1]
-    rot = 2 * half
-    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    c = cos.reshape(shape).float()
-    s = sin.reshape(shape).float()
-    if inverse:
-        s = -s
-    r = x[..., -rot:].float()
-    even, odd = r[..., 0::2], r[..., 1::2]
-    rotated = torch.stack([even * c - odd * s, odd * c + even * s], dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat([x[..., :-rot], rotated], dim=-1)

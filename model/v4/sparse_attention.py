@@ -17,6 +17,11 @@ Index tensors are built from the step's device tensors with device ops only (no 
 The backend is chosen once per model and cache (:func:`choose_sparse_decode`); ``None``
 keeps the torch path of padded gathers (model/v4/attention.py), the one for rows kept in
 the model dtype and the default on a CPU.
+
+A prefill chunk's attention likewise reads the pools in place through a sparse-prefill
+backend (:func:`choose_sparse_prefill`; kernels/attention/v4_sparse_prefill.py): the ring rows
+of the window before the chunk, the chunk's own rows, and the request's entry rows with the
+indexer's picks (or, for V4's HCA, every visible entry) — records or model-dtype rows.
 """
 
 from __future__ import annotations
@@ -25,9 +30,13 @@ import logging
 
 import torch
 
-from kernels.attention import AttentionSpec, BackendUnavailable, V4SparseDecodeBackend, select_v4_decode_backend
+from kernels.attention import (AttentionSpec, BackendUnavailable, V4SparseDecodeBackend, V4SparsePrefillBackend,
+                               select_v4_decode_backend, select_v4_prefill_backend)
 from kernels.attention.v4_sparse_decode import V4_CACHE_DTYPE
+from kernels.attention.v4_kv_write import write_rows
+from kernels.v4_kv_write import RowNorm, RowStore, RowTarget
 from kernels.v4_sparse_decode import SparseKV, row_record_cache
+from kernels.v4_sparse_prefill import StoredRows
 from model.v4.cache_pool import BatchIndex, CachePools, RowPool
 
 logger = logging.getLogger(__name__)
@@ -53,16 +62,36 @@ def choose_sparse_decode(requested: str, kv_cache_dtype: str, device: torch.devi
     return select_v4_decode_backend(requested, spec, formats)
 
 
+def choose_sparse_prefill(requested: str, kv_cache_dtype: str, device: torch.device, num_heads: int,
+                          head_dim: int, rope_dim: int, dtype: torch.dtype,
+                          formats: tuple[str, ...]) -> V4SparsePrefillBackend | None:
+    """The sparse-prefill backend of a model's chunks (``--prefill-attention-backend``), or None
+    for the model's torch attention: ``auto`` takes the Triton kernel where it runs (a GPU),
+    ``torch`` none. A backend that cannot run here raises ``BackendUnavailable`` naming the flag."""
+    packed = kv_cache_dtype.startswith("fp8")
+    spec = AttentionSpec(torch.device(device), V4_CACHE_DTYPE if packed else dtype, num_heads, head_dim, rope_dim, 1,
+                         head_dim**-0.5, dtype)
+    return select_v4_prefill_backend(requested, spec, formats if packed else ())
+
+
+def stored_rows(pool: RowPool, layer: int, record: str, rope_dims: int = 64) -> StoredRows:
+    """Pool layer ``layer``'s rows as a prefill backend reads them: ``record`` records, or
+    model-dtype rows when the pool keeps values (``--kv-cache-dtype auto``)."""
+    return StoredRows(pool.flat(layer), record if pool.codec.dtype == torch.uint8 else "rows", rope_dims)
+
+
 def window_key_positions(batch: BatchIndex, window: int) -> torch.Tensor:
     """[B, window]: the positions (p − window, p] each request's new token attends."""
     p = batch.positions
     return p.unsqueeze(-1) - (window - 1) + torch.arange(window, device=p.device)
 
 
-def store_window_row(pool: RowPool, layer: int, batch: BatchIndex, pools: CachePools, kv: torch.Tensor) -> None:
-    """Store B new window rows kv [B, d] at ``batch.positions`` in ring pool ``pool``."""
-    rows = batch.ring_rows(pools, pool.name, batch.positions.unsqueeze(-1))
-    pool.put(layer, rows, pool.codec.encode(kv).unsqueeze(1))
+def write_window_row(pool: RowPool, layer: int, batch: BatchIndex, pools: CachePools, raw: torch.Tensor,
+                     norm: RowNorm, cos: torch.Tensor, sin: torch.Tensor, kv_write: str = "auto") -> None:
+    """Store B new window rows ``RoPE(norm(raw))`` (raw [B, d] at ``batch.positions``, cos/sin
+    there) in ring pool ``pool``, encoded by its codec (kernels/v4_kv_write.py)."""
+    write_rows(raw, norm, cos, sin, RowStore(pool.flat(layer), pool.codec.encode, pool.codec.format),
+               RowTarget(batch.positions, pool.rows_per_unit, ring_base=batch.ring_base[pool.name]), kv_write)
 
 
 def window_scope(pool: RowPool, layer: int, batch: BatchIndex, pools: CachePools, window: int, record: str,

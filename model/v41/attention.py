@@ -25,15 +25,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.attention import V4SparseDecodeBackend
+from kernels.attention import V4SparseDecodeBackend, V4SparsePrefillBackend
 from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
+from kernels.attention.v4_kv_write import compress_step, write_rows
+from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, norm_rope_rows
+from kernels.v4_sparse_prefill import PrefillEntries, PrefillWindow
 from model.layers.norm import RMSNorm
 from model.v4.attention import gather_window
 from model.v4.attention_core import selected_entry_bias, sink_attention, window_bias
 from model.v4.cache_pool import BatchIndex, CachePools, RowLease
 from model.v4.output_proj import GroupedLinear
 from model.v4.rope import RotaryTable, apply_trailing_rope
-from model.v4.sparse_attention import entry_scope, sparse_attend, store_window_row, window_scope
+from model.v4.sparse_attention import entry_scope, sparse_attend, stored_rows, window_scope, write_window_row
 from model.v41.compressor import Compressor
 from model.v41.config import V41Config
 from model.v41.indexer import QUERY_BLOCK, Indexer
@@ -76,9 +79,17 @@ class Attention(nn.Module):
 
     def project_raw(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """:meth:`project` with the window rows before their FP8 rounding (the pools' codec does it)."""
+        q_res, q = self.project_queries(x, cos, sin)
+        return q_res, q, norm_rope_rows(self.wkv(x), self.row_norm, cos, sin)
+
+    def project_queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q_res [N, q_lora_rank], q [N, heads, head_dim]) of normed x [N, hidden]."""
         q_res = self.q_norm(self.wq_a(x))
-        q = apply_trailing_rope(self.wq_b(q_res).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
-        return q_res, q, apply_trailing_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        return q_res, apply_trailing_rope(self.wq_b(q_res).view(x.shape[0], self.num_heads, self.head_dim), cos, sin)
+
+    @property
+    def row_norm(self) -> RowNorm:
+        return RowNorm(self.kv_norm.weight, self.kv_norm.eps, weight_after_cast=True)
 
     def shared_entries(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """KV source: the rotated, FP4-fake-quantized entries of compressor latents [G, head_dim];
@@ -122,13 +133,14 @@ class Attention(nn.Module):
         self._store_groups(latent, cos, sin, pools, lease.rows(pre + "entries", g0, g0 + latent.shape[0]))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryTable, state: RequestState,
-                step: dict) -> torch.Tensor:
+                step: dict, sparse: V4SparsePrefillBackend | None = None) -> torch.Tensor:
         """One request: x [T, hidden] normed at ``positions``; ``rope`` is this layer's flavour
         (compress iff ratio > 0).
 
         ``step`` is shared by the layers of one forward: index sources leave their top-k
         picks there (``step["topk_picks"][layer]``) for the reuse layers after them, and the
-        candidate source its block mask. Queries attend ``QUERY_BLOCK`` at a time.
+        candidate source its block mask. Queries attend ``QUERY_BLOCK`` at a time, or, with
+        ``sparse``, the backend attends the pool rows in place (model/v4/sparse_attention.py).
         """
         t, start, lease = x.shape[0], int(positions[0]), state.lease
         pools = lease.pools
@@ -139,25 +151,30 @@ class Attention(nn.Module):
         first_row = max(0, start - (self.window - 1))
         n_cached, keep = start - first_row, min(t, self.window)
         stored = window.codec.encode(raw)
+        new_rows = lease.rows("window", start + t - keep, start + t)
+        if sparse is not None:  # the new rows go to the ring after the attention read the old ones
+            win = PrefillWindow(window.codec.decode(stored).to(q.dtype), stored_rows(window, self.layer_idx,
+                                                                                     "v41_window"),
+                                lease.rows("window", first_row, start), self.window)
+            n, picks = self._entries_and_picks(x, q_res, positions, cos, sin, lease, pools, rope, step, q.dtype)
+            entries = None
+            if n and picks is not None:  # without an index source the entries stay masked
+                name = self.source_pools + "entries"
+                entries = PrefillEntries(stored_rows(pools[name], 0, "v41_entry"), lease.rows(name, 0, n), picks)
+            out = sparse.prefill(q, start, win, entries, self.attn_sink, self.scale)
+            window.put(self.layer_idx, new_rows, stored[t - keep:])
+            return self.output(out, cos, sin)
         old = window.get(self.layer_idx, lease.rows("window", first_row, start))
-        window.put(self.layer_idx, lease.rows("window", start + t - keep, start + t), stored[t - keep:])
+        window.put(self.layer_idx, new_rows, stored[t - keep:])
         window_rows = torch.cat([old, window.codec.decode(stored)]).to(q.dtype)
         row_pos = torch.arange(first_row, start + t, device=x.device)
 
         entries, picks = None, None
         if self.ratio:
-            if self.compressor is not None:
-                self._compress(x, start, lease, pools, rope)
-            n = (start + t) // self.source_ratio
-            all_picks = step.setdefault("topk_picks", {})
+            n, picks = self._entries_and_picks(x, q_res, positions, cos, sin, lease, pools, rope, step, q.dtype)
             if n:
                 name = self.source_pools + "entries"
                 entries = pools[name].get(0, lease.rows(name, 0, n)).to(q.dtype)
-                if self.indexer is not None and self.source_pools + "keys" in pools:
-                    name = self.source_pools + "keys"
-                    keys = pools[name].get(0, lease.rows(name, 0, n)).to(q.dtype)
-                    all_picks[self.layer_idx] = self.indexer.topk_picks(x, q_res, keys, positions, cos, sin, step)
-            picks = all_picks.get(self.index_source)
 
         out = torch.empty_like(q)
         for s in range(0, t, QUERY_BLOCK):
@@ -172,30 +189,62 @@ class Attention(nn.Module):
             out[s:e] = sink_attention(q[s:e], keys, bias, self.attn_sink, self.scale)
         return self.output(out, cos, sin)
 
+    def _entries_and_picks(self, x: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, lease: RowLease, pools: CachePools, rope: RotaryTable, step: dict,
+                           dtype: torch.dtype) -> tuple[int, torch.Tensor | None]:
+        """One request's chunk: run the KV source's compressor and the index source's top-k;
+        returns the entries visible by the chunk's end and the picks [T, k] this layer uses
+        (None: no index source, or not a compressed layer)."""
+        if not self.ratio:
+            return 0, None
+        start, t = int(positions[0]), x.shape[0]
+        if self.compressor is not None:
+            self._compress(x, start, lease, pools, rope)
+        n = (start + t) // self.source_ratio
+        all_picks = step.setdefault("topk_picks", {})
+        if n and self.indexer is not None and self.source_pools + "keys" in pools:
+            name = self.source_pools + "keys"
+            if self.indexer.backend is not None:  # packed records scored in place
+                pool = pools[name]
+                all_picks[self.layer_idx] = self.indexer.prefill_packed_picks(
+                    x, q_res, pool.flat(0), lease.units[name], pool.rows_per_unit, n, positions, cos, sin, step)
+            else:
+                keys = pools[name].get(0, lease.rows(name, 0, n)).to(dtype)
+                all_picks[self.layer_idx] = self.indexer.topk_picks(x, q_res, keys, positions, cos, sin, step)
+        return n, all_picks.get(self.index_source)
+
     def decode(self, x: torch.Tensor, batch: BatchIndex, rope: RotaryTable, step: dict,
-               pools: CachePools, sparse: V4SparseDecodeBackend | None = None) -> torch.Tensor:
+               pools: CachePools, sparse: V4SparseDecodeBackend | None = None, kv_write: str = "auto") -> torch.Tensor:
         """B requests, one token each: x [B, hidden] normed at ``batch.positions`` → [B, hidden].
         ``step`` as in :meth:`forward`, with [B, 1, …] picks and block masks. ``sparse``: the
         backend that attends the packed pool rows in place (model/v4/sparse_attention.py; None:
-        padded gathers)."""
+        padded gathers); ``kv_write``: the implementation of the row writes (kernels/v4_kv_write.py)."""
         p = batch.positions
         cos, sin = rope.cos_sin(p, x.dtype)
-        q_res, q, raw = self.project_raw(x, cos, sin)
+        q_res, q = self.project_queries(x, cos, sin)
         window = pools["window"]
+        write_window_row(window, self.layer_idx, batch, pools, self.wkv(x), self.row_norm, cos, sin, kv_write)
         if sparse is None:
-            keys, bias = gather_window(window, self.layer_idx, batch, pools, raw, self.window)
+            keys, bias = gather_window(window, self.layer_idx, batch, pools, self.window)
             keys = keys.to(q.dtype)
         else:
-            store_window_row(window, self.layer_idx, batch, pools, raw)
             scopes = [window_scope(window, self.layer_idx, batch, pools, self.window, "v41_window")]
         if self.ratio:
             if self.compressor is not None:
-                self._decode_compress(x, batch, pools, rope)
+                self._decode_compress(x, batch, pools, rope, kv_write)
             counts = (p + 1) // self.source_ratio
             all_picks = step.setdefault("topk_picks", {})
             if self.indexer is not None and self.source_pools + "keys" in pools:
-                index_keys = batch.gather_prefix(pools, self.source_pools + "keys", 0, counts)
-                all_picks[self.layer_idx] = self.indexer.decode_picks(x, q_res, index_keys, counts, cos, sin, step)
+                name = self.source_pools + "keys"
+                if self.indexer.backend is not None:  # packed records scored in place
+                    pool = pools[name]
+                    all_picks[self.layer_idx] = self.indexer.decode_packed_picks(
+                        x, q_res, pool.flat(0), batch.page_tables[name], pool.rows_per_unit, counts,
+                        batch.capacity(pools, name), cos, sin, step)
+                else:
+                    index_keys = batch.gather_prefix(pools, name, 0, counts)
+                    all_picks[self.layer_idx] = self.indexer.decode_picks(x, q_res, index_keys, counts, cos, sin,
+                                                                          step)
             picks = all_picks.get(self.index_source)
             if sparse is None:
                 entries = batch.gather_prefix(pools, self.source_pools + "entries", 0, counts).to(q.dtype)
@@ -209,25 +258,32 @@ class Attention(nn.Module):
         out = sink_attention(q.unsqueeze(1), keys, bias.unsqueeze(1), self.attn_sink, self.scale).squeeze(1)
         return self.output(out, cos, sin)
 
-    def _decode_compress(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools, rope: RotaryTable) -> None:
+    def _decode_compress(self, x: torch.Tensor, batch: BatchIndex, pools: CachePools, rope: RotaryTable,
+                         kv_write: str) -> None:
         """KV source, B requests: keep each new token's fp32 rows in its ring, pool the group that
         ends at it, and store the entry (and key) of the requests whose group closed (the rest
-        go to the scratch unit)."""
+        go to the scratch unit), by kernels/v4_kv_write.py."""
         r, p, pre = self.ratio, batch.positions, self.source_pools
+        cos, sin = rope.cos_sin(((p + 1) // r - 1).clamp_min(0) * r, x.dtype)
+        comp, entries = self.compressor, pools[pre + "entries"]
+        norm = RowNorm(comp.norm.weight, comp.norm.eps, weight_after_cast=True)
+        store = RowStore(entries.flat(0), entries.codec.encode, entries.codec.format)
+        target = RowTarget(p, entries.rows_per_unit, page_table=batch.page_tables[pre + "entries"], ratio=r)
+        want = self.indexer is not None
         if r > 1:
-            kv, gate = self.compressor.project(x)
-            here = batch.ring_rows(pools, pre + "kv", p.unsqueeze(-1))
-            pools[pre + "kv"].put(0, here, kv.unsqueeze(1))
-            pools[pre + "gate"].put(0, here, gate.unsqueeze(1))
-            group = batch.ring_rows(pools, pre + "kv", (p + 1 - r).unsqueeze(-1) + torch.arange(r, device=p.device))
-            latent = self.compressor.pool(pools[pre + "kv"].get(0, group), pools[pre + "gate"].get(0, group), x.dtype)
+            kv, gate = comp.project(x)
+            ring = RowTarget(p, pools[pre + "kv"].rows_per_unit, ring_base=batch.ring_base[pre + "kv"])
+            latent = compress_step(kv, gate, pools[pre + "kv"].flat(0), pools[pre + "gate"].flat(0), ring,
+                                   batch.ring_base[pre + "gate"], r, False, None, norm, cos, sin, store, target,
+                                   kv_write, want)
         else:
-            latent = self.compressor.norm(self.compressor.wkv(x))
-        index = ((p + 1) // r - 1).clamp_min(0)
-        cos, sin = rope.cos_sin(index * r, latent.dtype)
-        target = batch.paged_rows(pools, pre + "entries", index.unsqueeze(-1)).squeeze(-1)
-        closes = (p + 1) % r == 0
-        self._store_groups(latent, cos, sin, pools, torch.where(closes, target, torch.zeros_like(target)))
+            latent = write_rows(comp.wkv(x), norm, cos, sin, store, target, kv_write, want)
+        if want:
+            keys, ix = pools[pre + "keys"], self.indexer
+            write_rows(ix.wk(latent), RowNorm(ix.k_norm.weight, ix.k_norm.eps, weight_after_cast=True), cos, sin,
+                       RowStore(keys.flat(0), keys.codec.encode, keys.codec.format),
+                       RowTarget(p, keys.rows_per_unit, page_table=batch.page_tables[pre + "keys"], ratio=r),
+                       kv_write)
 
 
 def entry_bias(picks: torch.Tensor | None, num_entries: int, window: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.v4_kv_write import pool_windows
 from model.layers.norm import RMSNorm
-from model.v4.compressor import pool_windows
 from model.v4.state import split_complete_windows
 from model.v41.config import V41Config
 

@@ -9,50 +9,34 @@ Roles, per layer with a compressed branch:
   with its own ``wq_b``/``weights_proj``:
   ``score[t, s] = Σ_h w[t, h]·ReLU(q[t, h]·k[s])·d^-½``, ``w = weights_proj(x)·H^-½``,
   ``q = FP4_32(RoPE_c(wq_b·q_res))``; entries ``s ≥ (t + 1) // ratio`` are not yet visible;
-* the candidate source additionally publishes a block mask (:func:`select_candidate_blocks`)
+* the candidate source additionally publishes a block mask
+  (:func:`kernels.v4_indexer.select_candidate_blocks`)
   that later index sources apply before their own top-k (its own top-k is unrestricted);
 * reuse layers (no indexer) attend with the top-k of the nearest index source before them.
 
 The top-k picks (-1 where fewer entries than ``index_topk`` are visible) become the attention's
 additive bias over the compressed entries: 0 on picks, -inf elsewhere.
+
+With packed key records (``--kv-cache-dtype fp8``) an :class:`~kernels.attention.v4_indexer.IndexerBackend`
+(the Triton kernel on CUDA) scores the records in place (:meth:`Indexer.packed_picks`): the
+same scores from the same e2m1 values, then the same selection.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.microscaling import fake_quant_fp4
+from kernels.attention.v4_indexer import IndexerBackend
+from kernels.v4_indexer import (blocks_to_entries, candidate_blocks, quantize_index_queries, score_values,
+                                select_candidate_blocks, topk_picks, topk_picks_from_keys)
 from model.layers.norm import RMSNorm
 from model.v4.rope import apply_trailing_rope
 from model.v41.config import V41Config
 
 # Queries scored per block: bounds the transient [block, heads, entries] score tensor.
 QUERY_BLOCK = 256
-
-
-def select_candidate_blocks(
-    scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block_size: int
-) -> torch.Tensor:
-    """Boolean mask over candidate blocks [T, ceil(n / block_size)]: the ``topk_blocks`` blocks of
-    ``block_size`` consecutive entries with the highest max score, always including the block
-    that holds a query's newest visible entry. ``scores`` [T, n] has invisible entries at -inf;
-    ``visible`` [T, 1] is the number of visible entries per query."""
-    n = scores.shape[-1]
-    padded = F.pad(scores, (0, (-n) % block_size), value=float("-inf"))
-    block_max = padded.view(*scores.shape[:-1], -1, block_size).amax(dim=-1)
-    num_blocks = block_max.shape[-1]
-    newest = (visible - 1).div(block_size, rounding_mode="floor")
-    block_ids = torch.arange(num_blocks, device=scores.device)
-    block_max = block_max.masked_fill(block_ids == newest, float("inf"))
-    top = block_max.topk(min(topk_blocks, num_blocks), dim=-1)
-    return torch.zeros_like(block_max, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
-
-
-def blocks_to_entries(blocks: torch.Tensor, block_size: int, num_entries: int) -> torch.Tensor:
-    """[T, blocks] block mask -> [T, num_entries] entry mask."""
-    return blocks.repeat_interleave(block_size, dim=-1)[..., :num_entries]
 
 
 class Indexer(nn.Module):
@@ -69,6 +53,7 @@ class Indexer(nn.Module):
         self.num_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
         self.index_topk = config.index_topk
+        self.backend: IndexerBackend | None = None  # scores packed key records (set by configure_cache)
         self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False, dtype=dtype)
         self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False, dtype=dtype)
         if self.owns_keys:
@@ -120,10 +105,66 @@ class Indexer(nn.Module):
             step["candidates"] = own
         return picks.squeeze(1)
 
+    def prefill_packed_picks(self, x: torch.Tensor, q_res: torch.Tensor, records: torch.Tensor,
+                             pages: list[int], page_rows: int, num_keys: int, positions: torch.Tensor,
+                             cos: torch.Tensor, sin: torch.Tensor, step: dict) -> torch.Tensor:
+        """:meth:`topk_picks` scored by :attr:`backend` on one request's packed key records
+        [rows, bytes] (its pages ``pages``, the first ``num_keys`` keys), ``QUERY_BLOCK``
+        queries at a time."""
+        t = x.shape[0]
+        page_table = torch.tensor(pages, dtype=torch.long, device=x.device).unsqueeze(0)
+        visible = (positions.long() + 1) // self.ratio
+        earlier = step.get("candidates")
+        picks, candidates = [], []
+        for s in range(0, t, QUERY_BLOCK):
+            e = min(t, s + QUERY_BLOCK)
+            block_picks, own = self.packed_picks(
+                self.backend, x[s:e], q_res[s:e], records, page_table, page_rows, visible[s:e], num_keys, cos[s:e],
+                sin[s:e], None if earlier is None else earlier[s:e], queries_per_request=e - s)
+            picks.append(block_picks)
+            candidates.append(own)
+        if self.is_candidate_source:
+            step["candidates"] = torch.cat(candidates)
+        return torch.cat(picks)
+
+    def decode_packed_picks(self, x: torch.Tensor, q_res: torch.Tensor, records: torch.Tensor,
+                            page_table: torch.Tensor, page_rows: int, counts: torch.Tensor, num_keys: int,
+                            cos: torch.Tensor, sin: torch.Tensor, step: dict) -> torch.Tensor:
+        """:meth:`decode_picks` scored by :attr:`backend` on the packed key records [rows, bytes]
+        of B requests (``page_table`` [B, pages], ``num_keys``: the padded width)."""
+        earlier = step.get("candidates")
+        picks, own = self.packed_picks(self.backend, x, q_res, records, page_table, page_rows, counts, num_keys,
+                                       cos, sin, None if earlier is None else earlier[:, 0])
+        if self.is_candidate_source:
+            step["candidates"] = own.unsqueeze(1)
+        return picks
+
+    def packed_picks(self, backend: IndexerBackend, x: torch.Tensor, q_res: torch.Tensor, records: torch.Tensor,
+                     page_table: torch.Tensor, page_rows: int, visible: torch.Tensor, num_keys: int,
+                     cos: torch.Tensor, sin: torch.Tensor, candidates: torch.Tensor | None,
+                     queries_per_request: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(picks [Q, k], this layer's candidate block mask [Q, blocks] or None) for Q queries
+        scored by ``backend`` on the packed key records [rows, bytes] of their requests
+        (``page_table`` [Q / queries_per_request, pages]); ``visible`` [Q]; ``candidates``: the
+        candidate source's mask [Q, blocks], when published."""
+        q8, q_scale = quantize_index_queries(self.raw_queries(q_res, cos, sin))
+        allowed = candidates if self.uses_candidates else None
+        keys, bmax = backend.scores(q8, q_scale, self.head_weights(x), records, page_table, page_rows, visible,
+                                    num_keys, self.head_dim**-0.5, queries_per_request, allowed, self.block_size,
+                                    self.is_candidate_source, keys_out=True)
+        own = None
+        if self.is_candidate_source:
+            own = candidate_blocks(bmax, visible.view(-1, 1), self.topk_blocks, self.block_size)
+        return topk_picks_from_keys(keys, self.index_topk), own
+
+    def raw_queries(self, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """:meth:`queries` before the FP4 rounding."""
+        q = self.wq_b(q_res).view(q_res.shape[0], self.num_heads, self.head_dim)
+        return apply_trailing_rope(q, cos, sin)
+
     def queries(self, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """[N, heads, index_head_dim] rotated, FP4-fake-quantized queries of q_res [N, q_lora_rank]."""
-        q = self.wq_b(q_res).view(q_res.shape[0], self.num_heads, self.head_dim)
-        return fake_quant_fp4(apply_trailing_rope(q, cos, sin), 32, "ue8m0")
+        return fake_quant_fp4(self.raw_queries(q_res, cos, sin), 32, "ue8m0")
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         return self.weights_proj(x).float() * self.num_heads**-0.5
@@ -132,9 +173,7 @@ class Indexer(nn.Module):
                visible: torch.Tensor) -> torch.Tensor:
         """Index scores [B, T, n] (float32, -inf on entries not yet visible) of queries q
         [B, T, heads, d], head weights [B, T, heads] and keys [B, n, d]; visible [T, 1]."""
-        scores = torch.einsum("bshd,btd->bsht", q.float(), keys.float())
-        scores = scores.relu() * self.head_dim**-0.5
-        index_scores = (scores * weights.unsqueeze(-1)).sum(dim=2)
+        index_scores = score_values(q, weights, keys, self.head_dim**-0.5)
         entry_ids = torch.arange(keys.shape[-2], device=keys.device)
         return index_scores.masked_fill(entry_ids >= visible, float("-inf"))
 
@@ -149,6 +188,4 @@ class Indexer(nn.Module):
         elif self.uses_candidates and candidates is not None:
             allowed = blocks_to_entries(candidates, self.block_size, n)
             index_scores = index_scores.masked_fill(~allowed, float("-inf"))
-        top = index_scores.topk(min(self.index_topk, n), dim=-1, sorted=False)
-        picks = torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
-        return picks, own
+        return topk_picks(index_scores, self.index_topk), own

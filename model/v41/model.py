@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
+from kernels.attention.v4_indexer import choose_indexer
 from model.layers.norm import RMSNorm
 from model.v4.rope import RotaryTable
 from model.v4_loader import CheckpointError, iter_v4_weights, read_v4_config, stored_mxfp4_experts
@@ -52,7 +53,8 @@ from model.v41.mhc import (
 from model.v41.moe import MoE, stacked_mxfp4_unsupported
 from model.v4.cache_pool import BatchIndex, CachePools, PoolPlan, plain_codec
 from model.v4.decode_buffers import DecodeBuffers, DecodeInputs
-from model.v4.sparse_attention import V4SparseDecodeBackend, choose_sparse_decode
+from model.v4.sparse_attention import (V4SparseDecodeBackend, V4SparsePrefillBackend, choose_sparse_decode,
+                                       choose_sparse_prefill)
 from model.v41.state import RequestState
 from model.parallel import ParallelContext, StepRows
 from model.v4_parallel import final_rows, first_rows, row_parallel_site, shard_spec, vocab_embedding
@@ -149,6 +151,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, -(-config.vocab_size // par.tp_size), bias=False, dtype=dtype)
         self.hasher: EngramHasher | None = None
         self.sparse_decode: V4SparseDecodeBackend | None = None  # see configure_cache
+        self.sparse_prefill: V4SparsePrefillBackend | None = None
+        self.kv_write = "auto"  # the decode's KV writes: auto (fused on CUDA), torch or triton (kernels/v4_kv_write.py)
 
     def bind_tokenizer(self, tokenizer_json_path: str) -> DeepseekV41ForCausalLM:
         """Build the engram hasher from the checkpoint's ``tokenizer.json``."""
@@ -214,19 +218,30 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.load_tensor(name, tensors[name], state)
 
     def configure_cache(self, kv_cache_dtype: str = "auto", page_rows: int = 64, plan: PoolPlan | None = None,
-                        attention_backend: str = "auto") -> None:
+                        attention_backend: str = "auto", indexer_backend: str = "auto",
+                        prefill_backend: str = "auto") -> None:
         """How new states store their rows: ``auto`` (the model dtype, values already rounded to
         the trained FP8/FP4 grids) or ``fp8`` (the packed records: window rows e4m3 + ue8m0 per
         32, entries e2m1 + e4m3 per 16, index keys e2m1 + ue8m0 per 32; the same values), in
         pages of ``page_rows`` entries that grow on demand — or, with ``plan``, in pools of the
         plan's fixed sizes, allocated now — and the sparse-decode backend the batched decode
-        attends packed records with (``attention_backend``: model/v4/sparse_attention.py).
-        Replaces the pools: states made before keep the old ones."""
+        attends packed records with (``attention_backend``: model/v4/sparse_attention.py), and
+        the indexer's scorer of packed key records (``indexer_backend``: auto, triton or torch;
+        kernels/attention/v4_indexer.py), and the sparse-prefill backend of the chunks
+        (``prefill_backend``; None on a CPU: the torch attention). Replaces the pools: states
+        made before keep the old ones."""
         c, weight = self.config, self.lm_head.weight
         v41_row_codecs(c, kv_cache_dtype, weight.dtype)  # validates
+        heads, formats = self.model.layers[0].attn.num_heads, ("v41_window", "v41_entry")
         self.sparse_decode = choose_sparse_decode(
-            attention_backend, kv_cache_dtype, weight.device, self.model.layers[0].attn.num_heads, c.head_dim,
-            c.qk_rope_head_dim, page_rows, weight.dtype, ("v41_window", "v41_entry"))
+            attention_backend, kv_cache_dtype, weight.device, heads, c.head_dim, c.qk_rope_head_dim, page_rows,
+            weight.dtype, formats)
+        self.sparse_prefill = choose_sparse_prefill(prefill_backend, kv_cache_dtype, weight.device, heads, c.head_dim,
+                                                    c.qk_rope_head_dim, weight.dtype, formats)
+        scorer = choose_indexer(indexer_backend, kv_cache_dtype, weight.device, c.index_head_dim)
+        for layer in self.model.layers:
+            if layer.attn.indexer is not None:
+                layer.attn.indexer.backend = scorer
         self._cache_settings = (kv_cache_dtype, page_rows, plan)
         self._pools = None
         if plan is not None:
@@ -293,7 +308,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         for layer in self.model.layers:
             rope = self.model.compress_rope if layer.attn.ratio else self.model.main_rope
             streams, pre = layer(streams, pre, hash_ids, t,
-                                 lambda h, a=layer.attn, r=rope: a(h, positions, r, state, step), rows)
+                                 lambda h, a=layer.attn, r=rope: a(h, positions, r, state, step, self.sparse_prefill),
+                                 rows)
         hidden = final_rows(par, self.model.norm(collapse_streams(streams, pre)), t)
         state.num_tokens += t
         return par.gather_vocab(self.lm_head(hidden).float())[..., : c.vocab_size]
@@ -337,7 +353,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         for layer in self.model.layers:
             rope = self.model.compress_rope if layer.attn.ratio else self.model.main_rope
             streams, pre = layer(streams, pre, inputs.hash_ids, n,
-                                 lambda h, a=layer.attn, r=rope: a.decode(h, batch, r, step, pools, self.sparse_decode),
+                                 lambda h, a=layer.attn, r=rope: a.decode(h, batch, r, step, pools, self.sparse_decode,
+                                                                       self.kv_write),
                                  rows)
         hidden = final_rows(par, self.model.norm(collapse_streams(streams, pre)), n)
         return par.gather_vocab(self.lm_head(hidden).float())[..., : c.vocab_size]
@@ -363,9 +380,9 @@ def v41_row_codecs(config: V41Config, kv_cache_dtype: str, dtype: torch.dtype):
     """(window row, compressed entry, index key) codecs for ``kv_cache_dtype``."""
     d, k = config.head_dim, config.index_head_dim
     if kv_cache_dtype == "auto":
-        return (plain_codec(d, dtype, lambda x: fake_quant_fp8_ue8m0(x, 32)),
-                plain_codec(d, dtype, lambda x: fake_quant_fp4(x, 16, "e4m3")),
-                plain_codec(k, dtype, lambda x: fake_quant_fp4(x, 32, "ue8m0")))
+        return (plain_codec(d, dtype, lambda x: fake_quant_fp8_ue8m0(x, 32), "fake_v41_window"),
+                plain_codec(d, dtype, lambda x: fake_quant_fp4(x, 16, "e4m3"), "fake_v41_entry"),
+                plain_codec(k, dtype, lambda x: fake_quant_fp4(x, 32, "ue8m0"), "fake_v41_key"))
     if kv_cache_dtype.startswith("fp8"):
         from model.v4.cache_codecs import v41_fp8_codecs
         return v41_fp8_codecs(config, dtype)

@@ -51,6 +51,7 @@ def test_library_builds_and_matches_the_ctypes_mirror(tmp_path):
         assert lib.mla_decode_fp8_wgmma_narrow_sm90_smem_bytes(rows) == mdc.narrow_smem_bytes(rows)
         assert (mdc.narrow_smem_bytes(rows) + mdc.SMEM_RESERVED_PER_CTA) * mdc.NARROW_CTAS_PER_SM <= mdc.SMEM_PER_SM
     assert lib.mla_decode_fp8_wgmma_narrow_sm90_smem_bytes(48) == -1
+    assert lib.mla_decode_split_combine_max_splits() == mdc.MAX_SPLITS
 
 
 def test_missing_nvcc_is_a_clear_error(tmp_path, monkeypatch):
@@ -86,19 +87,70 @@ def test_a_failed_build_falls_back_to_triton_under_auto_and_is_a_startup_error_w
 
 
 def test_launch_heuristics():
-    # B=128, 16 heads, one row of 16 per CTA: 128 CTAs on 132 SMs, one wave already.
-    assert mdc.choose_num_splits(128, 16, 64, 132, "narrow") == 1
-    assert mdc.choose_num_splits(1, 16, 64, 132, "narrow") == 64  # one request: as many as tiles allow
-    assert mdc.choose_num_splits(1, 16, 3, 132, "narrow") == 3
-    assert mdc.choose_num_splits(512, 128, 64, 132, "wgmma") == 1  # the batch fills the GPU
     # Up to 32 rows the narrow kernel, above the 64-row wgmma kernel; one CTA per SM each.
     assert [mdc.choose_kernel(r) for r in (1, 16, 32, 33, 64, 128, 512)] == ["narrow"] * 3 + ["wgmma"] * 4
-    assert mdc.choose_num_splits(128, 128, 64, 132, "wgmma") == 1  # 256 CTAs: two waves already
-    assert mdc.choose_num_splits(32, 128, 64, 132, "wgmma") == 2
-    assert mdc.choose_num_splits(1, 128, 64, 132, "wgmma") == 64
     assert [mdc.narrow_rows_per_cta(r) for r in (1, 16, 17, 32, 48)] == [16, 16, 32, 32, 32]
-    assert mdc.choose_num_splits(64, 16, 64, 132, "narrow") == 2
-    assert mdc.choose_num_splits(32, 48, 64, 132, "narrow") == 2  # two 32-row CTAs per request
+    assert mdc.launch_ctas(32, 48, "narrow") == (64, 2)  # two 32-row CTAs per request
+    assert mdc.launch_ctas(3, 120, "wgmma") == (6, 2)
+    assert mdc.choose_num_splits(512, 128, 64, 132, "wgmma") == 1  # the batch fills the GPU
+    assert mdc.choose_num_splits(1, 16, 3, 132, "narrow") == 3  # no more splits than tiles
+
+
+# (B, rows, tiles at S=4096, kernel) -> the split counts measured best before the cost model:
+# one wave of one CTA per SM (B=128 16 heads: 84.4 µs, 128 heads: 195 µs).
+LARGE_BATCH_SPLITS = {
+    (128, 16, "narrow"): 1, (64, 16, "narrow"): 2, (128, 32, "narrow"): 1, (64, 32, "narrow"): 2,
+    (128, 128, "wgmma"): 1, (64, 128, "wgmma"): 1, (128, 256, "wgmma"): 1, (64, 256, "wgmma"): 1,
+    (32, 128, "wgmma"): 2,
+}
+
+
+def test_split_planner_keeps_the_large_batch_launches():
+    for (bsz, rows, kernel), splits in LARGE_BATCH_SPLITS.items():
+        assert mdc.choose_num_splits(bsz, rows, 64, 132, kernel) == splits, (bsz, rows, kernel)
+
+
+SMALL_GRID = [(bsz, seq) for bsz in (1, 2, 4, 8, 16) for seq in (2048, 8192, 32768)]
+
+
+@pytest.mark.parametrize("rows,kernel", [(128, "wgmma"), (16, "narrow")])
+def test_split_planner_fills_the_gpu_in_one_wave_at_small_batches(rows, kernel):
+    for bsz, seq in SMALL_GRID:
+        tiles = seq // 64
+        splits = mdc.choose_num_splits(bsz, rows, tiles, 132, kernel)
+        ctas = mdc.launch_ctas(bsz, rows, kernel)[0] * splits
+        per_split = -(-tiles // splits)
+        assert 1 <= splits <= min(tiles, mdc.MAX_SPLITS)
+        assert ctas <= 132, (bsz, seq, splits)  # one CTA per SM: a second wave repeats the fixed cost
+        # Either a good part of the SMs is busy (the narrow kernel saturates HBM with ~70), or
+        # every split is already down to a few tiles (256 tokens).
+        assert ctas >= 132 // 3 or per_split <= 4, (bsz, seq, splits)
+        # No split count the model knows is faster, and each is the model's estimate.
+        best = mdc.estimate_split_us(splits, bsz, rows, tiles, 132, kernel)
+        assert all(mdc.estimate_split_us(s, bsz, rows, tiles, 132, kernel) >= best - 1e-9
+                   for s in range(1, min(tiles, mdc.MAX_SPLITS) + 1))
+
+
+def test_split_planner_counts_waves_and_partials():
+    model = mdc.SPLIT_COST
+    one_wave = mdc.estimate_split_us(16, 4, 128, 128, 132, "wgmma")  # 128 CTAs x 8 tiles
+    two_waves = mdc.estimate_split_us(32, 4, 128, 128, 132, "wgmma")  # 256 CTAs x 4 tiles
+    tile = model.tile_time("wgmma", 128, 2)
+    assert one_wave == pytest.approx(model.cta_us + 8 * tile + model.combine_us
+                                     + 2 * 128 * 64 * (2 * 512 + 4) / model.l2_bytes_per_us)
+    assert two_waves > one_wave  # the second wave pays the fixed cost again, and twice the partials
+    assert mdc.estimate_split_us(1, 4, 128, 128, 132, "wgmma") == pytest.approx(model.cta_us + 128 * tile)
+    # Memory-bound narrow tiles: a full GPU shares HBM; a lone CTA is held by its own TMA ring.
+    assert model.tile_time("narrow", 132, 1) > model.tile_time("narrow", 8, 1) >= model.narrow_tile_us
+    # With a free combine the model splits as far as one wave allows.
+    fast_combine = mdc.SplitCostModel(combine_us=0.0, l2_bytes_per_us=1e12)
+    assert mdc.choose_num_splits(1, 128, 512, 132, "wgmma", fast_combine) == 64  # 128 CTAs x 8 tiles
+
+
+def test_split_count_outside_the_combine_range_is_refused():
+    q, kv, bt, sl, qs, ks = make_case(1, 1, 16, [700], FP8)  # CPU tensors: refused before any launch
+    with pytest.raises(ValueError, match=f"num_splits must be 1 to {mdc.MAX_SPLITS}"):
+        mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, num_splits=mdc.MAX_SPLITS + 1)
 
 
 def test_cuda_backend_refusals_name_the_flag_and_the_reason(monkeypatch):
@@ -165,6 +217,7 @@ NARROW_CASES = [  # (B, s_q, H, lens): 16 and 32 rows, 8 heads, rows not a multi
     (2, 2, 10, [3, 129]),
     (1, 3, 16, [1000]),
     (4, 1, 16, [63, 64, 65, 128]),
+    (2, 1, 128, [2048, 300]),  # four 32-row CTAs per request (the benchmark's narrow arm at 128 heads)
 ]
 
 
@@ -258,6 +311,18 @@ def test_page_size_128_and_strided_query():
     assert rel_err(out, ref) < WGMMA_REL_TOL and (lse - ref_lse).abs().max().item() < LSE_TOL
 
 
+def _eager_then_captured(call, out, lse):
+    """Runs ``call`` (which fills ``out``/``lse``) eagerly, then captures it: the graph and the
+    eager results."""
+    call()
+    torch.cuda.synchronize()
+    want_out, want_lse = out.clone(), lse.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph, want_out, want_lse
+
+
 @gpu
 @needs_hopper
 def test_cuda_graph_replay_matches_eager():
@@ -265,12 +330,7 @@ def test_cuda_graph_replay_matches_eager():
     out = torch.empty(4, 1, 16, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(4, 1, 16, device="cuda")
     call = lambda: mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE, q_scale=qs, k_scale=ks, out=out, lse=lse)  # noqa: E731
-    call()
-    torch.cuda.synchronize()
-    want_out, want_lse = out.clone(), lse.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph, want_out, want_lse = _eager_then_captured(call, out, lse)
     out.fill_(float("nan"))
     sl.copy_(torch.tensor([70, 1, 640, 4000], dtype=torch.int32))
     graph.replay()
@@ -313,3 +373,91 @@ def test_ablation_tool_still_finds_the_kernel_lines_it_deletes():
         src = source.read_text()
         for name, edits in cuts.items():
             assert all(line in src for line, _ in edits), (kernel, name)
+
+
+# ----------------------------------------------------------------------------- GPU, small batches
+
+SMALL_BATCH_CASES = [  # (B, s_q, H, lens): the planner's many-split launches, up to 32k tokens
+    (1, 1, 128, [32768]),
+    (2, 1, 128, [2048, 32763]),
+    (4, 1, 128, [1, 8192, 70, 20001]),
+    (2, 2, 128, [2, 16385]),
+    (1, 1, 16, [32768]),
+    (4, 1, 16, [1, 8192, 4097, 32700]),
+]
+
+
+def _small_batch_case(case, seed):
+    from tests.kernels.test_mla_decode_lse import make_poisoned_case
+
+    bsz, s_q, heads, lens = case
+    return make_poisoned_case(bsz, s_q, heads, lens, seed, "cuda")
+
+
+def _check_f64(q, kv, tables, seq_lens, out, lse):
+    """Output and LSE against float64 on the same FP8 inputs (the LSE test's bound)."""
+    from tests.kernels.test_mla_decode_lse import LSE_TOL as F64_LSE_TOL
+    from tests.kernels.test_mla_decode_lse import reference_f64
+
+    ref, ref_lse = reference_f64(q, kv, tables, seq_lens)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    lse_err = (lse.double() - ref_lse).abs().max().item()
+    assert err < WGMMA_REL_TOL and lse_err < F64_LSE_TOL, (err, lse_err)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("case", SMALL_BATCH_CASES)
+def test_small_batches_split_many_ways_against_float64(case):
+    """Default (planned) split counts at B = 1-4: NaN-poisoned unused pages and slots, NaN-filled
+    outputs, ragged lengths from one token to 32k."""
+    from tests.kernels.test_mla_decode_lse import K_SCALE, Q_SCALE
+    from tests.kernels.test_mla_decode_lse import SM_SCALE as LSE_SM_SCALE
+
+    q, kv, tables, seq_lens = _small_batch_case(case, seed=sum(case[3]) % 997)
+    bsz, s_q, heads, _ = case
+    rows = s_q * heads
+    splits = mdc.choose_num_splits(bsz, rows, tables.shape[1], 132, mdc.choose_kernel(rows))
+    assert splits > 1  # these shapes are the split path
+    out = torch.full((bsz, s_q, heads, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((bsz, s_q, heads), float("nan"), device="cuda")
+    mdc.mla_decode_cuda(q, kv, tables, seq_lens, LSE_SM_SCALE, q_scale=Q_SCALE, k_scale=K_SCALE, out=out, lse=lse)
+    _check_f64(q, kv, tables, seq_lens, out, lse)
+    # The combine as a plain stream-ordered launch: the same bits.
+    plain_out, plain_lse = mdc.mla_decode_cuda(q, kv, tables, seq_lens, LSE_SM_SCALE, q_scale=Q_SCALE,
+                                               k_scale=K_SCALE, pdl=False)
+    assert torch.equal(plain_out, out) and torch.equal(plain_lse, lse)
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("heads", [128, 16])
+def test_small_batch_graph_replay_with_new_lengths(heads):
+    """One graph captured for a 32k-token block table (the split count fixed at capture), replayed
+    with shorter and longer requests than at capture: the combine (a programmatic dependent
+    launch) follows the decode kernel in the graph."""
+    from tests.kernels.test_mla_decode_lse import K_SCALE, Q_SCALE
+    from tests.kernels.test_mla_decode_lse import SM_SCALE as LSE_SM_SCALE
+
+    q, kv, tables, seq_lens = _small_batch_case((2, 1, heads, [32768, 32768]), seed=31 + heads)
+    out = torch.empty(2, 1, heads, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(2, 1, heads, device="cuda")
+
+    def call():
+        mdc.mla_decode_cuda(q, kv, tables, seq_lens, LSE_SM_SCALE, q_scale=Q_SCALE, k_scale=K_SCALE, out=out,
+                            lse=lse)
+
+    seq_lens.copy_(torch.tensor([5000, 1], dtype=torch.int32))
+    graph, want_out, want_lse = _eager_then_captured(call, out, lse)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)  # deterministic, same as eager
+    for lens in ([32768, 64], [1, 32767], [129, 2048]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        out.fill_(float("nan"))
+        for _ in range(3):  # back-to-back replays: the next decode may start under this combine
+            graph.replay()
+        torch.cuda.synchronize()
+        _check_f64(q, kv, tables, seq_lens, out, lse)

@@ -324,7 +324,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
         (5, 2, [0, 1, 3], 0, 1.0, small),       # experts 2 and 4 get nothing
         (12, 1, [2], 0, 1.0, small),            # one expert gets every token
         (6, 3, [0, 1, 2, 3, 4, 7, 9], 2, 0.0, MXFP4MoEConfig(32, 128, 128, 8, 4, 1)),  # foreign experts
-        (1, 2, None, 0, 1.0, None),             # default at batch 1: split-K 4 / 2
+        (1, 2, None, 0, 1.0, None),             # default at batch 1: W4A8 swap-AB, W4A16 split-K 4 / 2
         # split-K of 2 spans into 3 (one split empty), unfused 64-column gate/up, fp16 convert
         (4, 2, [0, 2, 4], 0, 1.0, MXFP4MoEConfig(16, 128, 128, 2, 4, 1, split_k=3, split_k_down=2)),
         (7, 2, None, 1, 1.0, MXFP4MoEConfig(16, 64, 128, 2, 4, 1, split_k_down=3, convert="fp16")),
@@ -441,7 +441,7 @@ def _compile_layouts(fn, types, consts, **options):
 @needs_cuda
 @pytest.mark.parametrize("mode", ["w4a8", "w4a16"])
 def test_gpu_kernels_match_references(mode):
-    from kernels.mxfp4_moe_triton import moe_mxfp4_triton
+    from kernels.mxfp4_experts import moe_mxfp4_kernels
 
     if mode == "w4a8" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("e4m3 MMA needs SM89+")
@@ -452,7 +452,7 @@ def test_gpu_kernels_match_references(mode):
                        (513, 6, list(range(6, 16)))]:
         wts, ids = routing(t, k, e, seed=t, device="cuda", only=only)
         x = torch.randn(t, d, device="cuda").bfloat16()
-        out = moe_mxfp4_triton(x, *w, wts, ids, 10.0, mode=mode)
+        out = moe_mxfp4_kernels(x, *w, wts, ids, 10.0, mode=mode)
         ref = moe_mxfp4_reference(x, *w, wts, ids, 10.0, mode)
         assert not out.isnan().any()
         assert rel_err(out, ref) < tol, (t, k, only, rel_err(out, ref))

@@ -86,9 +86,42 @@ def test_split_k_only_where_tiles_leave_sms_idle():
     assert split_k_for(10, 40, 132) == 20 and split_k_for(40, 64, 132) == 4
     assert split_k_for(10, 3, 132) == 1 and split_k_for(10, 40, 132, max_split=8) == 8
     assert default_config(1, 1280, 5120)["SPLIT_K"] == 20  # wq_a decode: 10 tiles → 200 programs
-    assert default_config(1, 1280, 5120, quantize_out=True)["SPLIT_K"] == 1
+    assert default_config(1, 1280, 5120, quantize_out=True)["SPLIT_K"] == 20  # the reduce quantizes
     assert default_config(8192, 5120, 8192)["SPLIT_K"] == 1
     assert default_config(128, 1280, 5120)["SPLIT_K"] == 10  # partials capped at the weight's bytes
+
+
+def test_cuda_config_and_operand_checks():
+    from kernels.mxfp8_gemm_cuda import default_cuda_config, unsupported_reason
+
+    # decode: 64-row tiles, K split to one wave; prefill: 128-row tiles, no split
+    assert default_cuda_config(1, 1280, 5120) == {"consumers": 1, "SPLIT_K": 20}
+    assert default_cuda_config(64, 5120, 8192) == {"consumers": 1, "SPLIT_K": 4}
+    assert default_cuda_config(65, 8192, 4096) == {"consumers": 2, "SPLIT_K": 4}
+    assert default_cuda_config(8192, 5120, 8192) == {"consumers": 2, "SPLIT_K": 1}
+    assert default_cuda_config(3, 64, 32)["SPLIT_K"] == 1  # one K stage cannot split
+    x8, xs = quantize_mxfp8(activations(4, 256))
+    w8, ws = weight(256, 128)
+    assert unsupported_reason(x8, xs, w8, ws, 4, 256, 128, 2) is None
+    assert "multiple of 128" in unsupported_reason(x8, xs, w8[:192], ws[:6], 4, 192, 128, 2)
+    assert "odd" in unsupported_reason(x8, xs, w8, ws, 4, 255, 128, 2)
+    x8b, xsb = quantize_mxfp8(activations(4, 192))
+    w8b, wsb = weight(256, 96)
+    assert "K (96)" in unsupported_reason(x8b, xsb, w8b, wsb, 4, 256, 96, 2)
+    assert unsupported_reason(x8b[:, :96], xsb[:, :3], w8b, wsb, 4, 256, 96, 1) is None
+    assert "16-byte" in unsupported_reason(x8[:, 1:], xs, w8, ws, 4, 256, 128, 2)
+
+
+def test_backend_choice_is_validated():
+    from kernels.mxfp8_gemm import mxfp8_gemm
+    from kernels.mxfp8_gemm_cuda import CudaKernelUnavailable
+
+    x8, xs = quantize_mxfp8(activations(4, 64))
+    w8, ws = weight(64, 64)
+    with pytest.raises(ValueError, match="unknown MXFP8 GEMM backend"):
+        mxfp8_gemm(x8, xs, w8, ws, backend="cutlass")
+    with pytest.raises(CudaKernelUnavailable, match="CUDA tensors"):
+        mxfp8_gemm(x8, xs, w8, ws, backend="cuda")
 
 
 def test_operand_validation():
@@ -165,6 +198,13 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         r8, rs = quantize_mxfp8(z)
         assert same(z8, r8) and torch.equal(zs, rs), t
         assert z8.shape == (t, groups * r) and zs.shape == (t, groups * r // 32)
+    # split-K with the quantizing reduce: the same bytes as quantizing the same split's bf16 sum
+    for t in (1, 129):
+        x8, xs = quantize_mxfp8_triton(activations(t, groups * kg, seed=t + 7))
+        cfg = dict(default_config(t, groups * r, kg, groups), SPLIT_K=2, BLOCK_K=32)
+        z8, zs = mxfp8_gemm(x8, xs, w8, ws, groups=groups, quantize_out=True, config=cfg)
+        u8, us = quantize_mxfp8_triton(mxfp8_gemm(x8, xs, w8, ws, groups=groups, config=cfg))
+        assert same(z8, u8) and torch.equal(zs, us), t
     print("interpreter ok")
     """
 )
@@ -221,7 +261,7 @@ _PTXAS = Path(importlib.util.find_spec("triton").origin).parent / "backends/nvid
 def test_default_configs_compile_for_sm90_with_wgmma_and_no_spills():
     """The kernels the H200 will run, compiled here: the default tiles of V4.1-Flash's linears
     and of wo_a's quantizing epilogue, the split-K sum and the quantization (with inverse RoPE)."""
-    from kernels.mxfp8_gemm import _mxfp8_gemm_kernel, _split_sum_kernel, default_config
+    from kernels.mxfp8_gemm_triton import _mxfp8_gemm_kernel, _split_sum_kernel, _split_sum_quant_kernel, default_config
     from kernels.mxfp8_quant_triton import _mxfp8_quant_kernel
 
     ints = ("M", "N", "K_GROUP", "N_GROUP", "K_STEPS", "stride_am", "stride_sam", "stride_bn", "stride_sbn",
@@ -242,12 +282,107 @@ def test_default_configs_compile_for_sm90_with_wgmma_and_no_spills():
     _, usage = _compile_sm90(_split_sum_kernel, {"W": "*fp32", "C": "*bf16", "MN": "i32", "SPLITS": "i32"},
                              {"BLOCK": 1024, "OUT_BF16": True}, num_warps=4)
     assert " STACK:0 " in usage
+    _, usage = _compile_sm90(_split_sum_quant_kernel, {"W": "*fp32", "Q": "*u8", "S": "*u8", "M": "i32", "N": "i32",
+                                                       "SPLITS": "i32"}, {"BLOCK_M": 8, "BLOCKS": 8}, num_warps=4)
+    assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), usage
     qtypes = dict(X="*bf16", Y="*u8", S="*u8", COS="*bf16", SIN="*bf16", **dict.fromkeys(
         ("M", "K", "stride_xm", "stride_ym", "stride_sm", "stride_cm"), "i32"))
     for rope in (0, 64):
         consts = {"BLOCK_M": 8, "BLOCKS": 16, "HEAD_DIM": 512, "ROPE": rope, "ROUND_BF16": True}
         _, usage = _compile_sm90(_mxfp8_quant_kernel, qtypes, consts, num_warps=4, enable_fp_fusion=False)
         assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), usage
+
+
+_NVCC = Path("/usr/local/cuda-13.0/bin/nvcc")
+
+
+_ROUNDING_HARNESS = r"""
+#include <cstdio>
+#include <vector>
+#include "mxfp8_rounding.cuh"
+// stdin: fp32 accumulators, 32 per block; stdout: per block 32 e4m3 bytes then the scale byte,
+// as the CUDA GEMM's quantizing epilogue computes them (bf16 rounding first).
+int main() {
+  std::vector<float> x(32);
+  while (fread(x.data(), 4, 32, stdin) == 32) {
+    float amax = 0.f;
+    for (float& v : x) { v = round_to_bf16(v); amax = amax > (v < 0 ? -v : v) ? amax : (v < 0 ? -v : v); }
+    const uint32_t byte = ue8m0_byte(amax);
+    unsigned char out[33];
+    for (int i = 0; i < 32; ++i) out[i] = static_cast<unsigned char>(quantize_e4m3(x[i], pow2_from_byte(254u - byte)));
+    out[32] = static_cast<unsigned char>(byte);
+    fwrite(out, 1, 33, stdout);
+  }
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(not _NVCC.exists() and not os.environ.get("CUDA_HOME"), reason="needs nvcc")
+def test_cuda_epilogue_rounding_matches_reference_quantization(tmp_path):
+    """The CUDA epilogue's rules (kernels/csrc/mxfp8_rounding.cuh, compiled for the host) on fp32
+    accumulators: e4m3 bytes and UE8M0 scales equal quantize_mxfp8 of their bf16 rounding, over
+    every e4m3 value and tie, bf16 rounding ties, and random fp32 bits across many binades."""
+    from kernels.mla_decode_cuda import CSRC, find_nvcc
+
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (grid[1:] + grid[:-1]) / 2  # e4m3 ties (exact in bf16)
+    edge = torch.cat([grid, mids, -grid, -mids])
+    edge = torch.cat([edge, torch.zeros(-len(edge) % 31)]).reshape(-1, 31)
+    edge = torch.cat([torch.full((len(edge), 1), 448.0), edge], 1).reshape(-1)
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 2**31 - 1, (4096 * 32,), generator=g, dtype=torch.int64)
+    expo = torch.randint(100, 160, (4096, 1), generator=g).repeat_interleave(32, 1).reshape(-1)  # a binade per block
+    rand = ((bits & 0x807FFFFF) | (expo << 23)).to(torch.int32).view(torch.float32)
+    ties = (rand.view(torch.int32) & ~0xFFFF) | torch.tensor([0x8000, 0x7FFF, 0x8001, 0x18000])[
+        torch.randint(0, 4, rand.shape, generator=g)].to(torch.int32)
+    x = torch.cat([edge, rand, ties.view(torch.float32), torch.zeros(32)]).contiguous()
+    src = tmp_path / "harness.cu"
+    src.write_text(_ROUNDING_HARNESS)
+    exe = tmp_path / "harness"
+    nvcc = find_nvcc() or str(_NVCC)
+    subprocess.run([nvcc, "-O2", "-I", str(CSRC), "-o", str(exe), str(src)], check=True, capture_output=True,
+                   timeout=300)
+    out = subprocess.run([str(exe)], input=x.numpy().tobytes(), capture_output=True, check=True, timeout=60).stdout
+    got = torch.frombuffer(bytearray(out), dtype=torch.uint8).reshape(-1, 33)
+    rq, rs = quantize_mxfp8(x.reshape(-1, 32).bfloat16())
+    assert torch.equal(got[:, 32], rs.reshape(-1))
+    assert torch.equal(got[:, :32], rq.view(torch.uint8))
+
+
+@pytest.mark.skipif(not _NVCC.exists() and not os.environ.get("CUDA_HOME"), reason="needs nvcc")
+def test_cuda_library_builds_and_matches_the_ctypes_mirror(tmp_path):
+    import ctypes
+
+    from kernels import mxfp8_gemm_cuda as mgc
+    from kernels.mla_decode_cuda import build_library
+
+    lib_path = build_library(out_dir=tmp_path, sources=mgc.SOURCES, headers=mgc.HEADERS, name="mxfp8_gemm_sm90a",
+                             flags=mgc.NVCC_FLAGS, nvcc=None if os.environ.get("CUDA_HOME") else str(_NVCC))
+    lib = ctypes.CDLL(str(lib_path))
+    assert lib.mxfp8_gemm_sm90_params_bytes() == ctypes.sizeof(mgc._GemmParams)
+    for consumers in (1, 2):  # a 1 KB reserve per CTA on top, within Hopper's 228 KB per SM
+        assert 190 * 1024 < lib.mxfp8_gemm_sm90_smem_bytes(consumers) <= 227 * 1024
+    assert lib.mxfp8_gemm_sm90_smem_bytes(3) == -1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _NVCC.exists() and not os.environ.get("CUDA_HOME"), reason="needs nvcc")
+def test_cuda_gemm_compiles_for_sm90a_without_spills_or_serialized_wgmma():
+    """Every instantiation of kernels/csrc/mxfp8_gemm_sm90a.cu: no local memory, and no ptxas
+    warning that it had to serialize the wgmmas (which would undo the promotion overlap)."""
+    from kernels.mla_decode_cuda import find_nvcc
+    from kernels.mxfp8_gemm_cuda import NVCC_FLAGS, SOURCES
+
+    nvcc = find_nvcc() or str(_NVCC)
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"mxfp8_gemm_{os.getpid()}.so"
+    res = subprocess.run([nvcc, *NVCC_FLAGS, "-Xptxas", "-v", "-o", str(out), *map(str, SOURCES)],
+                         capture_output=True, text=True, timeout=600)
+    out.unlink(missing_ok=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    spills = [line for line in res.stderr.splitlines() if "spill" in line]
+    assert len(spills) == 4 and all(" 0 bytes spill stores, 0 bytes spill loads" in line for line in spills), spills
+    assert "C7510" not in res.stderr and "serialized" not in res.stderr, res.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -273,9 +408,12 @@ def test_gpu_quant_matches_reference():
 # V4.1-Flash: wq_a 5120→1280, wq_b 1280→32768, wo_b 8192→5120, a ragged N and a tiny K
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("shape", [(1, 1280, 5120), (129, 32768, 1280), (300, 5120, 8192), (16, 1000, 512),
-                                   (4096, 1280, 5120), (3, 64, 32)])
-def test_gpu_gemm_matches_reference(shape):
+                                   (4096, 1280, 5120), (3, 64, 32), (37, 250, 160), (200, 384, 224)])
+def test_gpu_gemm_matches_reference(shape, backend):
+    """K off the 128-wide stage (160, 224: unaligned scale rows, a zero-filled last stage), N
+    off the tile and off 32 (250), M off both tile heights; bf16, fp32 and split-K outputs."""
     from kernels.mxfp8_gemm import mxfp8_gemm, mxfp8_linear
     from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
 
@@ -284,12 +422,21 @@ def test_gpu_gemm_matches_reference(shape):
     w8, ws = weight(n, k, seed=n, device="cuda")
     x8, xs = quantize_mxfp8_triton(x)
     ref = mxfp8_gemm_reference(x8, xs, w8, ws, out_dtype=torch.float32)
-    y = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32)
+    y = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, backend=backend)
     # same products; the FP8 MMA's own narrower accumulation of each 32-slice and the fp32 sum
     # order differ from the reference (a wrong scale would be an O(1) error)
     assert rel_err(y, ref) < 1e-4
-    yb = mxfp8_linear(x, w8, ws)
+    yb = mxfp8_gemm(x8, xs, w8, ws, backend=backend)
     assert yb.dtype == torch.bfloat16 and rel_err(yb, ref) < 1e-2
+    if backend == "cuda":
+        from kernels.mxfp8_gemm_cuda import default_cuda_config
+
+        for consumers in (1, 2):  # both tile heights, unsplit and split where K allows
+            for split in sorted({1, default_cuda_config(m, n, k)["SPLIT_K"]}):
+                cfg = {"consumers": consumers, "SPLIT_K": split}
+                yc = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, backend="cuda", config=cfg)
+                assert rel_err(yc, ref) < 1e-4, cfg
+    assert rel_err(mxfp8_linear(x, w8, ws), ref) < 1e-2
 
 
 def capture(fn):
@@ -307,22 +454,30 @@ def capture(fn):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("tp", ["tp1", "tp8"])
 @pytest.mark.parametrize("tokens", [1, 129, 8193])
-def test_gpu_wo_a_epilogue_bytes_match_separate_quant(tokens):
-    """V4.1-Flash wo_a: 8 groups of 8 heads × 512 → 1024; z's e4m3 bytes and scales from the
-    fused epilogue equal quantizing its bf16 output separately, eager and in graph replays."""
+def test_gpu_wo_a_epilogue_bytes_match_separate_quant(tokens, tp, backend):
+    """V4.1-Flash wo_a (TP1: 8 groups of 8 heads × 512 → 1024; TP8: one group): z's e4m3 bytes
+    and scales (wo_b's input) from the fused epilogue, or from the quantizing split-K reduce,
+    equal quantizing its bf16 output separately, eager and in graph replays."""
     from kernels.mxfp8_gemm import default_config, mxfp8_gemm
+    from kernels.mxfp8_operands import sm_count
+    from kernels.mxfp8_gemm_cuda import default_cuda_config
     from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
 
-    groups, r, kg = 8, 1024, 4096
+    groups, r, kg = (8, 1024, 4096) if tp == "tp1" else (1, 1024, 4096)
     w8, ws = weight(groups * r, kg, seed=5, device="cuda")
     x = activations(tokens, groups * kg, seed=tokens, device="cuda")
     x8, xs = quantize_mxfp8_triton(x)
-    z8, zs = mxfp8_gemm(x8, xs, w8, ws, groups=groups, quantize_out=True)
-    # the same tiling as the fused launch (the bf16 GEMM alone may split K, which sums in
-    # another order and moves some bf16 roundings of z: a different z, not a different quant)
-    same_tiles = default_config(tokens, groups * r, kg, groups, quantize_out=True)
-    z = mxfp8_gemm(x8, xs, w8, ws, groups=groups, config=same_tiles)
+    # the same tiling and split as the fused launch (another split sums in another order and
+    # moves some bf16 roundings of z: a different z, not a different quantization)
+    if backend == "cuda":
+        same_tiles = default_cuda_config(tokens, groups * r, kg, sm_count(0))
+    else:
+        same_tiles = default_config(tokens, groups * r, kg, groups, sm_count(0), quantize_out=True)
+    z8, zs = mxfp8_gemm(x8, xs, w8, ws, groups=groups, quantize_out=True, backend=backend)
+    z = mxfp8_gemm(x8, xs, w8, ws, groups=groups, config=same_tiles, backend=backend)
     u8, us = quantize_mxfp8_triton(z)
     assert _bytes_equal(z8, u8) and torch.equal(zs, us)
     r8, rs = quantize_mxfp8(z)
@@ -333,11 +488,11 @@ def test_gpu_wo_a_epilogue_bytes_match_separate_quant(tokens):
     static = x.clone()
 
     def fused():
-        return mxfp8_gemm(*quantize_mxfp8_triton(static), w8, ws, groups=groups, quantize_out=True)
+        return mxfp8_gemm(*quantize_mxfp8_triton(static), w8, ws, groups=groups, quantize_out=True, backend=backend)
 
     def separate():
         q, s = quantize_mxfp8_triton(static)
-        return quantize_mxfp8_triton(mxfp8_gemm(q, s, w8, ws, groups=groups, config=same_tiles))
+        return quantize_mxfp8_triton(mxfp8_gemm(q, s, w8, ws, groups=groups, config=same_tiles, backend=backend))
 
     g_fused, (gz8, gzs) = capture(fused)
     g_sep, (gu8, gus) = capture(separate)

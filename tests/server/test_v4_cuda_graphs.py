@@ -55,6 +55,20 @@ def test_graph_path_on_cpu_gives_the_eager_tokens(fixture, tokenizer_dir):
     assert 8 in graphs.launched  # the steps of all 5 requests decoding pad to 8
 
 
+def test_requests_past_the_graph_context_run_eagerly(tokenizer_dir):
+    """Graphs cover contexts up to ``max_tokens``: a decode step with a longer request runs
+    eagerly, with the same tokens."""
+    prompts = prompts_for(V41, 3, seed=4)
+    ref = run(make_core(V41, tokenizer_dir, max_num_seqs=4), prompts, GREEDY)
+    core = make_core(V41, tokenizer_dir, max_num_seqs=4)
+    longest = max(len(p) for p in prompts)
+    graphs = EagerReplay(core.runner.model, [1, 2, 4], longest + 2)
+    graphs.capture()
+    core.runner.decode_graphs = graphs
+    assert run(core, prompts, GREEDY) == ref
+    assert 0 < graphs.num_replays < GREEDY.max_tokens - 1  # replays stop once a request passes max_tokens
+
+
 # ---- GPU -----------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("fixture", [V4, V41], ids=["v4", "v41"])

@@ -1,0 +1,408 @@
+// MXFP8 GEMM for Hopper (sm_90a): C = (A8 . 2^SA)(B8 . 2^SB)^T with the scales applied per
+// 32-wide K slice. Same contract as kernels/mxfp8_gemm.py::mxfp8_gemm_reference; the Python side
+// and the launch choice are in kernels/mxfp8_gemm_cuda.py. Why this design (numbers in
+// benchmarks/KERNEL_NOTES.md, "MXFP8 GEMM in CUDA C++"):
+//
+// - Hopper has no block-scaled MMA, and the MX scales change every 32 of K, which is one FP8
+//   wgmma (m64n128k32). So each slice's product lands in its own fp32 partial and is added to the
+//   accumulator as acc += P . 2^(ea+eb) (an FMA per output per 32 MACs, ~50 % of the fp32 pipe at
+//   ~1000 TFLOP/s). That FMA must run while the tensor cores work on the next slice: two partial
+//   register sets per thread, the wgmma of slice j+1 issued before slice j is promoted
+//   (wgmma.wait_group 1 then waits only for slice j).
+// - Persistent CTAs (one per SM), each walking work units = output tile x split of K: a 64-row
+//   (one consumer warpgroup) or 128-row (two) x 128-column tile. One thread of a producer
+//   warpgroup issues the TMA loads (128 K bytes of A's rows and of B's rows per stage, 128-byte
+//   swizzle, wgmma's K-major layout) into a ring of stages and runs ahead across work units, so
+//   the next tile's loads overlap this one's epilogue; an mbarrier pair per stage (full: the
+//   bytes landed; empty: every consumer warp is done with it).
+// - The stage's scales travel with it: the producer warp's lanes copy the rows' 4 scale bytes
+//   (one word per row, cp.async with a zero fill past M, completing on the stage's full
+//   barrier) and the 4 column blocks' words into shared memory. Activation scale rows ([M, K/32]
+//   bytes) are too short for a TMA box. Shapes whose scale rows are not 4-byte aligned (K not a
+//   multiple of 128) take a synchronous byte-copy path.
+// - Registers per consumer thread: 64 accumulators + 2 x 64 partials (with 128-row tiles,
+//   setmaxnreg moves the producer warpgroup's registers to the consumers).
+// - Nothing is in flight across the loop's back edge (ptxas serializes every wgmma otherwise):
+//   a stage's four slices run issue 0, issue 1, wait 1, promote 0, issue 2, wait 1, promote 1,
+//   issue 3, wait 1, promote 2, wait 0, promote 3; the un-overlapped last promotion of one
+//   warpgroup runs under the other's MMAs.
+// - Epilogues from the registers: bf16 (round to nearest even), fp32, fp32 split-K partials
+//   (summed in order by a second kernel), or MXFP8 (bf16 rounding, amax over each 32 columns
+//   across the four lanes that hold them, UE8M0 byte, e4m3 round-to-nearest-even on the integer
+//   bits): the same integer rules as kernels/mxfp8_quant_triton.py, so the bytes are those of
+//   quantizing the bf16 output separately.
+// - K past the end (a last stage shorter than 128; single-group GEMMs only) is zero-filled by
+//   the TMA and its scales are 0. Launch shape from tensor shapes only; the tensor maps are
+//   kernel parameters (encoded on the host per call):
+//   capturable in a CUDA graph.
+
+#include <cuda.h>  // CUtensorMap and its enums only: the driver is reached through the runtime
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "mxfp8_rounding.cuh"
+#include "sm90_async.cuh"
+
+// Mirrored by ``_GemmParams`` in kernels/mxfp8_gemm_cuda.py (same order and types).
+struct GemmParams {
+  const uint8_t* sa;     // activation scales [M, groups * K/32] bytes
+  const uint8_t* sb;     // weight scales [ceil(N/32), K/32] bytes
+  void* out;             // [M, N] bf16 / fp32, [splits, M, N] fp32 partials, or e4m3 bytes
+  uint8_t* out_scales;   // [M, N/32] UE8M0 bytes (MODE_QUANT)
+  long long ldsa, ldsb;  // row strides of the scales (bytes)
+  long long ldc, ldsc;   // row strides of out (elements) and out_scales (bytes)
+  long long split_stride;  // elements between split-K partials
+  int m, n, k_group, n_group;  // K per group; output columns per group (n when groups == 1)
+  int mode;              // 0 bf16, 1 fp32, 2 fp32 split-K partial, 3 MXFP8
+  int splits;            // splits of K (work units = tiles x splits)
+  int k_iters_per_split;  // 128-wide K stages per split
+  int scales_u32;        // scale rows 4-byte aligned with K a multiple of 128: one word per stage
+};
+
+namespace {
+
+constexpr int kBlockN = 128;
+constexpr int kBlockK = 128;             // bytes of K per stage (four 32-wide slices)
+constexpr int kRowsPerConsumer = 64;     // one warpgroup's wgmma M
+constexpr int kRingBytes = 192 * 1024;   // the stages' tiles
+constexpr int kGroupM = 8;               // output-tile rasterization (L2 reuse of B)
+enum { MODE_BF16 = 0, MODE_FP32 = 1, MODE_SPLIT = 2, MODE_QUANT = 3 };
+
+template <int kConsumers>
+struct Plan {
+  static constexpr int kBlockM = kRowsPerConsumer * kConsumers;
+  static constexpr int kABytes = kBlockM * kBlockK;
+  static constexpr int kBBytes = kBlockN * kBlockK;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kStages = kRingBytes / kStageBytes;  // 6 (128 rows) or 8 (64 rows)
+  static constexpr int kThreads = 128 * (kConsumers + 1);   // + the producer warpgroup
+  // per stage: one scale word per row of A, then one per 32-column block of B
+  static constexpr int kScaleWords = kBlockM + kBlockN / 32;
+  static constexpr int kSmemBytes = kStages * (kStageBytes + 4 * kScaleWords + 16) + 1024;  // + barriers, alignment
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// 4-byte global -> shared copy; src_bytes = 0 zero-fills.
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+// One arrival on `bar` once this thread's earlier cp.asyncs have landed (counted in the init).
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+// D[64 x 128] = A[64 x 32] . B[128 x 32]^T, e4m3 operands from shared memory, fp32 (64 per
+// thread); overwrites D (scale-d 0).
+__device__ __forceinline__ void wgmma_m64n128k32_set(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+      "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
+      "%45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b));
+}
+
+// acc += P . 2^(ea + eb): slice `j` of this thread's scale words; the thread's rows r0, r0 + 8
+// (sa[0], sa[1]) and the tile's four 32-column blocks (sb[0..3]); accumulator 4i + 2r + e is
+// row r0 + 8r, column 8i + 2 (lane % 4) + e, in block i / 4.
+__device__ __forceinline__ void promote(float (&acc)[64], const float (&part)[64], const uint32_t (&sa)[2],
+                                        const uint32_t (&sb)[4], int j) {
+  float fa[2], s[2][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) fa[r] = pow2_from_byte((sa[r] >> (8 * j)) & 0xFFu);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const float fb = pow2_from_byte((sb[c] >> (8 * j)) & 0xFFu);
+    s[0][c] = fa[0] * fb;
+    s[1][c] = fa[1] * fb;
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+#pragma unroll
+    for (int v = 0; v < 4; ++v) acc[4 * i + v] = fmaf(part[4 * i + v], s[v >> 1][i >> 2], acc[4 * i + v]);
+}
+
+// The four slice bytes of a stage as one word (little-endian: slice j in bits 8j..8j+7), read
+// byte by byte; slices past `valid` bytes of the row are 0 (their products are zero-filled).
+__device__ __forceinline__ uint32_t scale_word_bytes(const uint8_t* row, int valid) {
+  uint32_t w = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    if (j < valid) w |= static_cast<uint32_t>(row[j]) << (8 * j);
+  return w;
+}
+
+// Work unit u: output tile (grouped along M for L2 reuse of B) and split of K.
+struct WorkUnit {
+  int m0, n0, split;
+  template <int kBlockM>
+  __device__ static WorkUnit make(int u, int tiles_m, int tiles_n) {
+    const int tiles = tiles_m * tiles_n, tile = u % tiles, width = kGroupM * tiles_n;
+    const int first_m = (tile / width) * kGroupM, size_m = min(tiles_m - first_m, kGroupM);
+    return {(first_m + (tile % width) % size_m) * kBlockM, ((tile % width) / size_m) * kBlockN, u / tiles};
+  }
+};
+
+// Writes a consumer thread's tile accumulators: 4i + 2r + e is (row r0 + 8r, column
+// n0 + 8i + 2(t % 4) + e), t the thread's index in its warpgroup.
+__device__ __forceinline__ void epilogue(const GemmParams& p, float (&acc)[64], int r0, int n0, int split, int t) {
+  const int col0 = n0 + 2 * (t % 4);
+  if (p.mode == MODE_QUANT) {  // n and n0 are multiples of 32 here
+    uint8_t* q = static_cast<uint8_t*>(p.out);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r0 + 8 * r;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 4 * c; i < 4 * c + 4; ++i)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            acc[4 * i + 2 * r + e] = round_to_bf16(acc[4 * i + 2 * r + e]);
+            amax = fmaxf(amax, fabsf(acc[4 * i + 2 * r + e]));
+          }
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+        const uint32_t byte = ue8m0_byte(amax);
+        const float inv = pow2_from_byte(254u - byte);
+        if (row >= p.m || n0 + 32 * c >= p.n) continue;
+#pragma unroll
+        for (int i = 4 * c; i < 4 * c + 4; ++i) {
+          const uint32_t lo = quantize_e4m3(acc[4 * i + 2 * r], inv), hi = quantize_e4m3(acc[4 * i + 2 * r + 1], inv);
+          *reinterpret_cast<uint16_t*>(q + row * p.ldc + col0 + 8 * i) = static_cast<uint16_t>(lo | (hi << 8));
+        }
+        if (t % 4 == 0) p.out_scales[row * p.ldsc + n0 / 32 + c] = static_cast<uint8_t>(byte);
+      }
+    }
+    return;
+  }
+  const long long base = p.mode == MODE_SPLIT ? split * p.split_stride : 0;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r0 + 8 * r;
+    if (row >= p.m) continue;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int col = col0 + 8 * i;
+      if (col >= p.n) continue;  // n is even: both columns or neither
+      const float v0 = acc[4 * i + 2 * r], v1 = acc[4 * i + 2 * r + 1];
+      const long long off = base + row * p.ldc + col;
+      if (p.mode == MODE_BF16)
+        *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) + off) = __floats2bfloat162_rn(v0, v1);
+      else
+        *reinterpret_cast<float2*>(static_cast<float*>(p.out) + off) = make_float2(v0, v1);
+    }
+  }
+}
+
+template <int kConsumers, bool kAlignedScales>
+__global__ void __launch_bounds__(Plan<kConsumers>::kThreads, 1)
+    mxfp8_gemm_kernel(const GemmParams p, const __grid_constant__ CUtensorMap map_a,
+                      const __grid_constant__ CUtensorMap map_b) {
+  using P = Plan<kConsumers>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const uint32_t ring = smem_u32(smem);
+  uint32_t* scale_s = reinterpret_cast<uint32_t*>(smem + P::kStages * P::kStageBytes);  // [stage][kScaleWords]
+  const uint32_t full0 = smem_u32(scale_s + P::kStages * P::kScaleWords), empty0 = full0 + 8 * P::kStages;
+
+  const int tiles_m = (p.m + P::kBlockM - 1) / P::kBlockM, tiles_n = (p.n + kBlockN - 1) / kBlockN;
+  const int units = tiles_m * tiles_n * p.splits;
+  const int k_stages = (p.k_group + kBlockK - 1) / kBlockK;
+  const int nb_total = (p.n + 31) / 32;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < P::kStages; ++s) {
+      mbar_init_count(full0 + 8 * s, 1 + 32);  // the TMA's arming thread + the scale-copying lanes
+      mbar_init_count(empty0 + 8 * s, 4 * kConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
+  }
+  __syncthreads();
+
+  if (warp >= 4 * kConsumers) {  // producer warpgroup: its first warp loads, the others idle
+    // 128-row tiles (three warpgroups) need more registers than an even split gives (168):
+    // the producer gives most of its own to the consumers.
+    if (kConsumers == 2) setmaxnreg_dec<40>();
+    if (warp != 4 * kConsumers) return;
+    int g = 0;  // stages loaded so far (ring position and phase)
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+      const WorkUnit w = WorkUnit::template make<P::kBlockM>(u, tiles_m, tiles_n);
+      const int ka0 = (w.n0 / p.n_group) * p.k_group;  // this tile's group's first K column of A
+      const int it0 = w.split * p.k_iters_per_split, it1 = min(k_stages, it0 + p.k_iters_per_split);
+      for (int it = it0; it < it1; ++it, ++g) {
+        const int s = g % P::kStages, round = g / P::kStages;
+        if (round > 0) mbar_wait(empty0 + 8 * s, (round - 1) & 1);
+        const uint32_t bar = full0 + 8 * s;
+        uint32_t* words = scale_s + s * P::kScaleWords;
+        const int kb = it * (kBlockK / 32);  // the stage's first slice
+        if (kAlignedScales) {
+#pragma unroll
+          for (int i = 0; i < P::kBlockM / 32; ++i) {
+            const int row = w.m0 + lane + 32 * i;
+            const uint8_t* src = p.sa + (row < p.m ? row * p.ldsa + ka0 / 32 + kb : 0);
+            cp_async_4(smem_u32(words + lane + 32 * i), src, row < p.m ? 4 : 0);
+          }
+          if (lane < kBlockN / 32) {
+            const int nb = w.n0 / 32 + lane;
+            const uint8_t* src = p.sb + (nb < nb_total ? nb * p.ldsb + kb : 0);
+            cp_async_4(smem_u32(words + P::kBlockM + lane), src, nb < nb_total ? 4 : 0);
+          }
+        } else {
+          const int valid = p.k_group / 32 - kb;
+          for (int i = 0; i < P::kBlockM / 32; ++i) {
+            const int row = w.m0 + lane + 32 * i;
+            words[lane + 32 * i] = row < p.m ? scale_word_bytes(p.sa + row * p.ldsa + ka0 / 32 + kb, valid) : 0u;
+          }
+          if (lane < kBlockN / 32) {
+            const int nb = w.n0 / 32 + lane;
+            words[P::kBlockM + lane] = nb < nb_total ? scale_word_bytes(p.sb + nb * p.ldsb + kb, valid) : 0u;
+          }
+        }
+        if (lane == 0) {
+          mbar_arm(bar, P::kStageBytes);
+          const uint32_t a_dst = ring + s * P::kStageBytes;
+          tma_load_2d(a_dst, &map_a, ka0 + it * kBlockK, w.m0, bar);
+          tma_load_2d(a_dst + P::kABytes, &map_b, it * kBlockK, w.n0, bar);
+        }
+        if (kAlignedScales) cp_async_arrive(bar);  // when this lane's copies land
+        else mbar_arrive(bar);                     // its plain stores are ordered by the release
+      }
+    }
+    return;
+  }
+
+  // consumer warpgroup wg: rows m0 + 64 wg .. +63 of each tile
+  if (kConsumers == 2) setmaxnreg_inc<232>();
+  const int wg = warp / 4, t = threadIdx.x % 128;
+  const int row_local = wg * kRowsPerConsumer + 16 * (t / 32) + (t % 32) / 4;  // and + 8
+  float part0[64], part1[64];
+  int g = 0;
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const WorkUnit w = WorkUnit::template make<P::kBlockM>(u, tiles_m, tiles_n);
+    const int it0 = w.split * p.k_iters_per_split, it1 = min(k_stages, it0 + p.k_iters_per_split);
+    float acc[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+    for (int it = it0; it < it1; ++it, ++g) {
+      const int s = g % P::kStages, round = g / P::kStages;
+      mbar_wait(full0 + 8 * s, round & 1);
+      const uint32_t* words = scale_s + s * P::kScaleWords;
+      const uint32_t sa[2] = {words[row_local], words[row_local + 8]};
+      const uint4 sb4 = *reinterpret_cast<const uint4*>(words + P::kBlockM);
+      const uint32_t sb[4] = {sb4.x, sb4.y, sb4.z, sb4.w};
+      const uint32_t a_lo = desc_lo(ring + s * P::kStageBytes + wg * kRowsPerConsumer * kBlockK, 16);
+      const uint32_t b_lo = desc_lo(ring + s * P::kStageBytes + P::kABytes, 16);
+      // slice j of the stage: 32 bytes further along the swizzled 128-byte rows
+      auto desc_a = [&](int j) { return make_desc(a_lo + 2 * j, 1024, kSwizzle128); };
+      auto desc_b = [&](int j) { return make_desc(b_lo + 2 * j, 1024, kSwizzle128); };
+      wgmma_fence();
+      wgmma_m64n128k32_set(part0, desc_a(0), desc_b(0));
+      wgmma_commit();
+      wgmma_m64n128k32_set(part1, desc_a(1), desc_b(1));
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_regs(part0);
+      promote(acc, part0, sa, sb, 0);
+      wgmma_fence();
+      wgmma_m64n128k32_set(part0, desc_a(2), desc_b(2));
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_regs(part1);
+      promote(acc, part1, sa, sb, 1);
+      wgmma_fence();
+      wgmma_m64n128k32_set(part1, desc_a(3), desc_b(3));
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_regs(part0);
+      promote(acc, part0, sa, sb, 2);
+      wgmma_wait<0>();
+      fence_regs(part1);
+      if ((t % 32) == 0) mbar_arrive(empty0 + 8 * s);  // this warp is done with the stage
+      promote(acc, part1, sa, sb, 3);
+    }
+    epilogue(p, acc, w.m0 + row_local, w.n0, w.split, t);
+  }
+}
+
+// A [rows, cols] byte matrix (row stride `ld`) read as 128-byte x `box_rows` boxes, written to
+// shared memory with the 128-byte swizzle; out-of-bounds bytes are zeros.
+bool encode_operand_map(CUtensorMap* map, const void* base, long long rows, long long cols, long long ld, int box_rows) {
+  const EncodeTiledFn encode = encode_tiled();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld)};
+  const cuuint32_t box[2] = {kBlockK, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <int kConsumers, bool kAlignedScales>
+int launch(const GemmParams* p, const void* a, long long lda, long long a_cols, const void* b, long long ldb,
+           cudaStream_t stream) {
+  using P = Plan<kConsumers>;
+  static bool configured = false;
+  if (!configured) {
+    const cudaError_t err = cudaFuncSetAttribute(mxfp8_gemm_kernel<kConsumers, kAlignedScales>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, P::kSmemBytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    configured = true;
+  }
+  alignas(64) CUtensorMap map_a, map_b;
+  if (!encode_operand_map(&map_a, a, p->m, a_cols, lda, P::kBlockM)) return -2;
+  if (!encode_operand_map(&map_b, b, p->n, p->k_group, ldb, kBlockN)) return -2;
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const long long units = static_cast<long long>((p->m + P::kBlockM - 1) / P::kBlockM) *
+                          ((p->n + kBlockN - 1) / kBlockN) * p->splits;
+  const int grid = static_cast<int>(units < sms ? units : sms);  // persistent: one CTA per SM at most
+  mxfp8_gemm_kernel<kConsumers, kAlignedScales><<<grid, P::kThreads, P::kSmemBytes, stream>>>(*p, map_a, map_b);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+extern "C" {
+
+// a: e4m3 [M, a_cols] (row stride lda bytes), b: e4m3 [N, K] (row stride ldb). consumers: 1 (64-row
+// tiles) or 2 (128-row tiles). Returns a cudaError_t (0 = success), -1 for a bad argument, or -2
+// when the driver refuses a tensor map.
+int mxfp8_gemm_sm90(const GemmParams* p, const void* a, long long lda, long long a_cols, const void* b,
+                    long long ldb, int consumers, void* stream) {
+  if (p->m <= 0 || p->n <= 0 || p->k_group <= 0 || p->splits < 1 || p->n % 2) return -1;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const bool aligned = p->scales_u32 != 0;
+  if (consumers == 1 && aligned) return launch<1, true>(p, a, lda, a_cols, b, ldb, s);
+  if (consumers == 1) return launch<1, false>(p, a, lda, a_cols, b, ldb, s);
+  if (consumers == 2 && aligned) return launch<2, true>(p, a, lda, a_cols, b, ldb, s);
+  if (consumers == 2) return launch<2, false>(p, a, lda, a_cols, b, ldb, s);
+  return -1;
+}
+
+// Dynamic shared memory of a CTA with `consumers` consumer warpgroups (-1: not built).
+int mxfp8_gemm_sm90_smem_bytes(int consumers) {
+  return consumers == 1 ? Plan<1>::kSmemBytes : consumers == 2 ? Plan<2>::kSmemBytes : -1;
+}
+
+// The size of GemmParams as this library was built, checked against the ctypes mirror at load.
+int mxfp8_gemm_sm90_params_bytes() { return static_cast<int>(sizeof(GemmParams)); }
+
+}  // extern "C"

@@ -1,0 +1,218 @@
+// What the V4 sparse decode kernels share (v4_sparse_decode_sm90a.cu: 64 heads per CTA on wgmma,
+// v4_sparse_decode_narrow_sm90a.cu: up to 32 heads on mma.sync): the launch parameters, the
+// fp16 tile layout, the dequantization of MODEL1 records and the producer warpgroup that
+// gathers and dequantizes a CTA's tiles.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "mla_decode_common.cuh"
+#include "sm90_async.cuh"
+
+// Mirrored by kernels/v4_sparse_decode_cuda.py (same order and types).
+struct SparseScope {
+  const uint8_t* cache;   // MODEL1 pages: page_size 576-byte data rows, then 8-byte scale rows
+  long long page_stride;  // bytes, a multiple of 8 (16: MODEL1 pages; 584: one-record rows)
+  const int* indices;     // [B, s_q, k]: page * page_size + slot, -1 = none
+  long long idx_sb, idx_ss;
+  const int* lengths;     // [B] or null: only indices[b, :, :lengths[b]] count
+  int page_size, k, tiles;
+};
+
+struct SparseParams {
+  const __nv_bfloat16* q;  // [B, s_q, H, 512]
+  long long q_sb, q_ss, q_sh;
+  SparseScope scope[2];
+  const float* sinks;      // [H] or null
+  __nv_bfloat16* out;      // [B, s_q, H, 512] when num_splits == 1
+  long long o_sb, o_ss, o_sh;
+  float* lse;              // [B, s_q, H] when num_splits == 1
+  long long l_sb, l_ss, l_sh;
+  float* part_o;           // [B * s_q * num_splits, H, 512] when num_splits > 1
+  float* part_l;           // [B * s_q * num_splits, H]
+  int num_scopes, batch, s_q, heads, num_splits, tiles_per_split;
+  float scale_log2;        // softmax_scale * log2(e)
+  // V's N-major descriptor: bytes between 64-dim boxes (leading) and between 8-record groups
+  // (stride); 4096 and 1024 (a parameter so that a device check can tell a swapped pair).
+  uint32_t v_desc_lead, v_desc_stride;
+};
+
+namespace {
+
+constexpr int kRec = 32;      // records per tile
+constexpr int kDim = 512;
+constexpr int kKStages = 2;   // fp16 tiles
+constexpr int kRawStages = 4;  // raw tiles in flight
+constexpr int kDataBytes = 576;  // 448 e4m3 + 64 bf16
+constexpr int kE4m3Chunks = 28;  // 16-byte chunks of e4m3 per record
+constexpr int kChunks = 36;      // 16-byte chunks of a record's data row
+constexpr float kLn2 = 0.6931471805599453f;
+
+// fp16 tiles in shared memory (Q and each K stage): eight boxes of 64 dims (128-byte rows, one
+// per head or record), 16-byte chunk j of row r at box + 128 r + 16 (j ^ (r & 7)): wgmma's
+// 128-byte swizzle (read K-major for Q.K^T and N-major for P.V), and conflict-free rows for
+// ldmatrix. Boxes start on 1024 bytes.
+constexpr int kKBox = kRec * 128;            // 4096
+constexpr int kKBytes = 8 * kKBox;           // 32768
+// A raw stage: the tile's data rows, then each producer thread's copy of its record's scales.
+constexpr int kRawData = kRec * kDataBytes;  // 18432
+constexpr int kRawBytes = kRawData + kRec * 4 * 8;
+constexpr int kXchgBytes = 2 * 16 * 128 * 4;  // the consumers' partial scores (both kernels)
+
+__device__ __forceinline__ int swizzled(int row, int chunk) { return row * 128 + ((chunk ^ (row & 7)) << 4); }
+
+__device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Dequantize one 16-byte raw chunk c (< 36) of a record into the fp16 K stage at `kt`, row r:
+// chunks below 28 are 16 e4m3 values (dims 16c..) times 2^(e - 127), the rest 8 bf16 RoPE values
+// (dims 448 + 8 (c - 28)..).
+__device__ __forceinline__ void convert_chunk(uint8_t* kt, int r, int c, uint4 x, uint32_t exps_lo, uint32_t exps_hi) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  if (c < kE4m3Chunks) {
+    const int si = c >> 2;
+    const uint32_t e = ((si < 4 ? exps_lo >> (8 * si) : exps_hi >> (8 * (si - 4)))) & 0xFF;
+    const __half s = __float2half_rn(__uint_as_float(e << 23));
+    const __half2 s2 = __halves2half2(s, s);
+    uint32_t h[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[k] & 0xFFFF), __NV_E4M3);
+      const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[k] >> 16), __NV_E4M3);
+      const __half2 a = __hmul2(__half2(lo), s2), b = __hmul2(__half2(hi), s2);
+      h[2 * k] = *reinterpret_cast<const uint32_t*>(&a);
+      h[2 * k + 1] = *reinterpret_cast<const uint32_t*>(&b);
+    }
+    uint8_t* box = kt + (c >> 2) * kKBox;
+    const int j = (c & 3) * 2;
+    *reinterpret_cast<uint4*>(box + swizzled(r, j)) = make_uint4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<uint4*>(box + swizzled(r, j + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+  } else {
+    uint32_t h[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&w[k]);
+      h[k] = pack_half2(__low2float(b), __high2float(b));
+    }
+    *reinterpret_cast<uint4*>(kt + 7 * kKBox + swizzled(r, c - kE4m3Chunks)) = make_uint4(h[0], h[1], h[2], h[3]);
+  }
+}
+
+// Tiles [tile0, tile0 + n) of the token's [window tiles | entry tiles] belong to this split.
+struct CtaTiles {
+  int tile0, n;
+  __device__ CtaTiles(const SparseParams& p, int split) {
+    const int total = p.scope[0].tiles + (p.num_scopes > 1 ? p.scope[1].tiles : 0);
+    tile0 = split * p.tiles_per_split;
+    n = max(0, min(p.tiles_per_split, total - tile0));
+  }
+};
+
+// The CTA's Q rows [row0, row0 + kRows) of token (b, tq), bf16 -> fp16 (heads past p.heads
+// zero), into the swizzled tile at q_s (boxes of kRows x 128 bytes), by `threads` threads.
+template <int kRows>
+__device__ __forceinline__ void load_q_tile(const SparseParams& p, int b, int tq, int row0, uint8_t* q_s, int tid,
+                                            int threads) {
+  for (int i = tid; i < kRows * 64; i += threads) {
+    const int row = i >> 6, ch = i & 63, head = row0 + row;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (head < p.heads) {
+      const uint4 x = *reinterpret_cast<const uint4*>(p.q + b * p.q_sb + tq * p.q_ss + head * p.q_sh + 8 * ch);
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+      uint32_t h[4];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const __nv_bfloat162 bb = *reinterpret_cast<const __nv_bfloat162*>(&w[k]);
+        h[k] = pack_half2(__low2float(bb), __high2float(bb));
+      }
+      v = make_uint4(h[0], h[1], h[2], h[3]);
+    }
+    *reinterpret_cast<uint4*>(q_s + (ch >> 3) * (kRows * 128) + swizzled(row, ch & 7)) = v;
+  }
+}
+
+// The producer warpgroup (tid 0..127): thread i copies 16-byte chunks (i & 3) + 4m of record
+// i / 4 of each tile by cp.async into the raw stages (as two 8-byte copies where the cache's
+// records are on 8 bytes only; records left out by the indices are zero-filled, never loaded), then, once the consumers released the fp16 stage, converts
+// exactly the bytes it copied (its own cp.async wait is all the raw stages need), writes the
+// record's score bias (0, or -inf for a record left out) and arrives on the stage's `full`
+// mbarrier (128 arrivals). `empty` completes when the consumers are done with a stage.
+__device__ __forceinline__ void produce_tiles(const SparseParams& p, const CtaTiles& tiles, int b, int tq, int tid,
+                                              uint8_t* raw_s, uint8_t* k_s, float* bias_s, uint32_t bar_full,
+                                              uint32_t bar_empty) {
+  const int tile0 = tiles.tile0, n = tiles.n;
+  const int r = tid >> 2, part = tid & 3;
+  // The flat record number of this thread's record in tile t, or -1.
+  auto fetch_index = [&](int t) -> int {
+    if (t >= n) return -1;
+    const int g = tile0 + t;
+    const int sc = g < p.scope[0].tiles ? 0 : 1;
+    const SparseScope& s = p.scope[sc];
+    const int pos = (g - (sc ? p.scope[0].tiles : 0)) * kRec + r;
+    const int len = s.lengths ? min(s.k, s.lengths[b]) : s.k;
+    return pos < len ? s.indices[b * s.idx_sb + tq * s.idx_ss + pos] : -1;
+  };
+  uint32_t valid_bits = 0;  // bit (t % kRawStages): this thread's record of tile t is valid
+  auto issue = [&](int t, int rec) {
+    if (t < n) {
+      const int slot = t % kRawStages;
+      const int sc = tile0 + t < p.scope[0].tiles ? 0 : 1;
+      const SparseScope& s = p.scope[sc];
+      const bool valid = rec >= 0;
+      valid_bits = (valid_bits & ~(1u << slot)) | (static_cast<uint32_t>(valid) << slot);
+      const long long page = valid ? rec / s.page_size : 0, slot_in_page = valid ? rec - page * s.page_size : 0;
+      const uint8_t* data = s.cache + page * s.page_stride + slot_in_page * kDataBytes;
+      const uint8_t* scales = s.cache + page * s.page_stride + static_cast<long long>(s.page_size) * kDataBytes +
+                              slot_in_page * 8;
+      const uint32_t dst = smem_addr(raw_s + slot * kRawBytes);
+      if (((s.page_stride | reinterpret_cast<uintptr_t>(s.cache)) & 15) == 0) {  // MODEL1 pages
+#pragma unroll
+        for (int m = 0; m < kChunks / 4; ++m) {
+          const int c = part + 4 * m;
+          cp_async_16(dst + r * kDataBytes + c * 16, valid ? data + c * 16 : s.cache, valid ? 16 : 0);
+        }
+      } else {  // one-record rows of 584 bytes (the V4 family's row pools): on 8 bytes only
+#pragma unroll
+        for (int m = 0; m < kChunks / 4; ++m) {
+          const int c = part + 4 * m;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            cp_async_8(dst + r * kDataBytes + c * 16 + 8 * h, valid ? data + c * 16 + 8 * h : s.cache, valid ? 8 : 0);
+        }
+      }
+      cp_async_8(dst + kRawData + (r * 4 + part) * 8, valid ? scales : s.cache, valid ? 8 : 0);
+    }
+    cp_async_commit();  // one group per tile, empty ones too: the wait below counts groups
+  };
+  for (int t = 0; t < kRawStages - 1; ++t) issue(t, fetch_index(t));
+  int next = fetch_index(kRawStages - 1);
+  for (int t = 0; t < n; ++t) {
+    // The slot of tile t + 3 held tile t - 1, which this thread converted last iteration.
+    issue(t + kRawStages - 1, next);
+    next = fetch_index(t + kRawStages);
+    cp_async_wait<kRawStages - 1>();  // this thread's copies of tile t have landed
+    const int ks = t % kKStages;
+    if (t >= kKStages) mbar_wait(bar_empty + 8 * ks, ((t / kKStages) - 1) & 1);
+    const uint8_t* raw = raw_s + (t % kRawStages) * kRawBytes;
+    uint8_t* kt = k_s + ks * kKBytes;
+    const uint2 ex = *reinterpret_cast<const uint2*>(raw + kRawData + (r * 4 + part) * 8);
+#pragma unroll
+    for (int m = 0; m < kChunks / 4; ++m) {
+      const int c = part + 4 * m;
+      convert_chunk(kt, r, c, *reinterpret_cast<const uint4*>(raw + r * kDataBytes + c * 16), ex.x, ex.y);
+    }
+    if (part == 0) bias_s[ks * kRec + r] = (valid_bits >> (t % kRawStages)) & 1 ? 0.f : -INFINITY;
+    fence_async_shared();  // the fp16 tile is read by wgmma (the async proxy)
+    mbar_arrive(bar_full + 8 * ks);
+  }
+  cp_async_wait<0>();
+}
+
+}  // namespace

@@ -1,0 +1,177 @@
+"""Our CUDA C++ MXFP8 GEMM for Hopper (``kernels/csrc/mxfp8_gemm_sm90a.cu``): same operands and
+contract as :func:`kernels.mxfp8_gemm.mxfp8_gemm` (activations e4m3 + UE8M0 per 32 along K,
+weights e4m3 + UE8M0 per 32×32 block, grouped wo_a, bf16/fp32 output or an MXFP8 epilogue).
+
+Why C++: the per-32 promotion (an FMA of each 32-wide K slice's fp32 partial into the
+accumulator) has to overlap the next slice's wgmma; the kernel issues slice j+1 before it
+promotes slice j, from two partial register sets (design notes in the .cu file and
+benchmarks/KERNEL_NOTES.md, "MXFP8 GEMM in CUDA C++").
+
+Persistent CTAs (one per SM) walk the output tiles, 64 × 128 (one consumer warpgroup, M ≤ 64)
+or 128 × 128 (two), K in 128-byte TMA stages. Where the tiles leave SMs idle, K is split:
+fp32 partials in a workspace, summed in a fixed order by a Triton launch (with
+``quantize_out`` that launch also rounds to bf16 and quantizes by the epilogue's integer rules,
+so z's bytes are those of quantizing the split's bf16 sum).
+
+Build: compiled with ``nvcc`` on first use into the kernel cache of kernels/mla_decode_cuda.py
+(same builder, file lock and C ABI through ``ctypes``); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import warnings
+
+import torch
+
+from kernels.fp8 import FP8_DTYPE
+from kernels.mla_decode_cuda import CSRC, CudaKernelUnavailable, build_library, find_nvcc
+from kernels.mxfp8_gemm_triton import split_sum
+from kernels.mxfp8_operands import MX_BLOCK, check_operands, scale_bytes, sm_count, split_k_for
+
+SOURCES = (CSRC / "mxfp8_gemm_sm90a.cu",)
+HEADERS = (CSRC / "sm90_async.cuh", CSRC / "mxfp8_rounding.cuh")
+NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC")
+BLOCK_N = 128
+BLOCK_K = 128
+ROWS_PER_CONSUMER = 64
+MODES = {"bf16": 0, "fp32": 1, "split": 2, "quant": 3}
+
+
+class _GemmParams(ctypes.Structure):
+    """Mirror of ``GemmParams`` in the .cu file (same order and types)."""
+
+    _fields_ = [
+        ("sa", ctypes.c_void_p), ("sb", ctypes.c_void_p), ("out", ctypes.c_void_p), ("out_scales", ctypes.c_void_p),
+        ("ldsa", ctypes.c_longlong), ("ldsb", ctypes.c_longlong), ("ldc", ctypes.c_longlong),
+        ("ldsc", ctypes.c_longlong), ("split_stride", ctypes.c_longlong),
+        ("m", ctypes.c_int), ("n", ctypes.c_int), ("k_group", ctypes.c_int), ("n_group", ctypes.c_int),
+        ("mode", ctypes.c_int), ("splits", ctypes.c_int), ("k_iters_per_split", ctypes.c_int),
+        ("scales_u32", ctypes.c_int),
+    ]
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL:
+    path = build_library(sources=SOURCES, headers=HEADERS, name="mxfp8_gemm_sm90a", flags=NVCC_FLAGS)
+    lib = ctypes.CDLL(str(path))
+    lib.mxfp8_gemm_sm90.argtypes = [ctypes.POINTER(_GemmParams), ctypes.c_void_p, ctypes.c_longlong,
+                                    ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
+                                    ctypes.c_void_p]
+    lib.mxfp8_gemm_sm90.restype = ctypes.c_int
+    lib.mxfp8_gemm_sm90_params_bytes.restype = ctypes.c_int
+    if lib.mxfp8_gemm_sm90_params_bytes() != ctypes.sizeof(_GemmParams):
+        raise CudaKernelUnavailable("GemmParams layout of the built library differs from kernels/mxfp8_gemm_cuda.py")
+    return lib
+
+
+@functools.cache
+def cuda_gemm_available(device_index: int = 0) -> bool:
+    """A Hopper-class GPU (sm_90), nvcc, and the library built (once per process; a failed
+    build warns once and leaves the Triton kernel in charge of ``backend=None``)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False
+    if find_nvcc() is None:
+        return False
+    try:
+        _library()
+    except CudaKernelUnavailable as exc:
+        warnings.warn(f"the CUDA MXFP8 GEMM is unavailable, using the Triton kernel: {exc}", stacklevel=2)
+        return False
+    return True
+
+
+def unsupported_reason(x8, xs, w8, ws, m: int, n: int, kg: int, groups: int) -> str | None:
+    """Why the CUDA kernel cannot take these operands (None when it can): TMA needs 16-byte
+    aligned bases and row strides, the epilogue writes column pairs, and a grouped tile must
+    not straddle two groups (in N or in a K stage)."""
+    if n % 2:
+        return f"N ({n}) is odd"
+    if groups > 1 and (n // groups) % BLOCK_N:
+        return f"the group's {n // groups} rows are not a multiple of {BLOCK_N}"
+    if groups > 1 and kg % BLOCK_K:
+        return f"the group's K ({kg}) is not a multiple of {BLOCK_K}"  # a last stage would read the next group
+    for name, t in (("x8", x8), ("w8", w8)):
+        if t.data_ptr() % 16 or t.stride(0) % 16:
+            return f"{name} is not 16-byte aligned with a row stride that is a multiple of 16"
+    if xs.stride(-1) != 1 or ws.stride(-1) != 1:
+        return "the scales are not contiguous in K"
+    return None
+
+
+def split_for(tiles: int, k_stages: int, m: int, n: int, kg: int, sms: int) -> int:
+    """K splits where the output tiles alone leave SMs idle: the smallest divisor of the K
+    stages reaching one wave (each split ≥ 2 stages), the fp32 partials no larger than the
+    weight's bytes; 1 when the tiles fill the GPU."""
+    return split_k_for(tiles, k_stages, sms, max(1, min(32, kg // (4 * max(m, 1)))))
+
+
+def default_cuda_config(m: int, n: int, kg: int, sms: int = 132) -> dict:
+    """One consumer warpgroup (64-row tiles) up to M = 64, two (128 rows) beyond; split-K by
+    :func:`split_for`."""
+    consumers = 1 if m <= ROWS_PER_CONSUMER else 2
+    tiles = -(-m // (ROWS_PER_CONSUMER * consumers)) * -(-n // BLOCK_N)
+    return {"consumers": consumers, "SPLIT_K": split_for(tiles, -(-kg // BLOCK_K), m, n, kg, sms)}
+
+
+def mxfp8_gemm_cuda(
+    x8: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, groups: int = 1,
+    out_dtype: torch.dtype = torch.bfloat16, quantize_out: bool = False, config: dict | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kernels.mxfp8_gemm.mxfp8_gemm` on the CUDA C++ kernel (``config``: ``consumers``
+    1 or 2, ``SPLIT_K``); raises :class:`CudaKernelUnavailable` naming what does not fit."""
+    m, n, kg = check_operands(x8, xs, w8, ws, groups)
+    if quantize_out and n % MX_BLOCK:
+        raise ValueError(f"quantize_out needs N ({n}) to be a multiple of {MX_BLOCK}")
+    if not x8.is_cuda:
+        raise CudaKernelUnavailable("the CUDA MXFP8 GEMM needs CUDA tensors")
+    reason = unsupported_reason(x8, xs, w8, ws, m, n, kg, groups)
+    if reason:
+        raise CudaKernelUnavailable(f"the CUDA MXFP8 GEMM cannot take these operands: {reason}")
+    if not quantize_out and out_dtype not in (torch.bfloat16, torch.float32):
+        raise CudaKernelUnavailable(f"the CUDA MXFP8 GEMM writes bf16 or fp32, not {out_dtype}")
+    xs, ws = scale_bytes(xs), scale_bytes(ws)
+    cfg = config or default_cuda_config(m, n, kg, sm_count(x8.device.index or 0))
+    consumers, split = cfg["consumers"], cfg.get("SPLIT_K", 1)
+    k_stages = -(-kg // BLOCK_K)
+    if consumers not in (1, 2) or split < 1 or k_stages % split:
+        raise ValueError(f"bad CUDA GEMM config {cfg}: consumers 1 or 2, SPLIT_K dividing the {k_stages} K stages")
+    dev = x8.device
+    if quantize_out:
+        out = torch.empty(m, n, dtype=torch.uint8, device=dev)
+        scales = torch.empty(m, n // MX_BLOCK, dtype=torch.uint8, device=dev)
+    else:
+        out = torch.empty(m, n, dtype=out_dtype, device=dev)
+        scales = None
+    if m == 0 or n == 0:
+        return (out.view(FP8_DTYPE), scales) if quantize_out else out
+    if split > 1:
+        dst, mode = torch.empty(split, m, n, dtype=torch.float32, device=dev), MODES["split"]
+    elif quantize_out:
+        dst, mode = out, MODES["quant"]
+    else:
+        dst, mode = out, MODES["bf16" if out_dtype == torch.bfloat16 else "fp32"]
+    aligned = (kg % BLOCK_K == 0 and xs.stride(0) % 4 == 0 and ws.stride(0) % 4 == 0
+               and xs.data_ptr() % 4 == 0 and ws.data_ptr() % 4 == 0)
+    p = _GemmParams(
+        xs.data_ptr(), ws.data_ptr(), dst.data_ptr(), scales.data_ptr() if mode == MODES["quant"] else None,
+        xs.stride(0), ws.stride(0), dst.stride(-2), scales.stride(0) if scales is not None else 0,
+        dst.stride(0) if split > 1 else 0,
+        m, n, kg, n // groups if groups > 1 else n, mode, split, k_stages // split, int(aligned),
+    )
+    with torch.cuda.device(dev):
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        err = _library().mxfp8_gemm_sm90(ctypes.byref(p), x8.data_ptr(), x8.stride(0), x8.shape[1], w8.data_ptr(),
+                                         w8.stride(0), consumers, ctypes.c_void_p(stream))
+    if err != 0:
+        reasons = {-1: "bad argument", -2: "the driver refused an operand's TMA tensor map"}
+        raise RuntimeError(f"mxfp8_gemm_sm90: {reasons.get(err, f'cudaError_t {err}')}")
+    if split > 1:
+        split_sum(dst, out, scales)
+    if quantize_out:
+        return out.view(FP8_DTYPE), scales
+    return out
+
+
+__all__ = ["cuda_gemm_available", "default_cuda_config", "mxfp8_gemm_cuda", "split_for", "unsupported_reason"]

@@ -1,0 +1,223 @@
+"""Our CUDA C++ sparse decode for DeepSeek-V4 on Hopper (``kernels/csrc/v4_sparse_decode_sm90a.cu``).
+
+Same contract as ``kernels.v4_sparse_decode.v4_sparse_decode_reference`` for V4 MODEL1 records
+(FlashMLA's pages: the layout its sparse decode reads). One CTA = one query token x 64 heads x
+one split of the token's 32-record tiles; a producer warpgroup gathers and dequantizes each
+record once into fp16 shared memory, two consumer warpgroups run Q·Kᵀ and P·V on fp16 wgmma,
+each with half of the 512 output dims (design and budget: benchmarks/KERNEL_NOTES.md).
+
+MODEL1 pages and one-record rows (the V4 family's 584-byte row pools) are both read.
+Up to 32 heads per GPU a second kernel (``v4_sparse_decode_narrow_sm90a.cu``, memory-bound) holds
+all of a token's heads (16 or 32 rows) in one CTA on mma.sync, with the same producer; 33-63
+heads run the 64-head kernel padded. V4.1's window and entry records are not read here (Triton).
+
+Build: nvcc (sm_90a) at first use through ``kernels.mla_decode_cuda.build_library`` (same
+per-user cache, file lock and flags as the MLA decode kernels), called through ``ctypes``.
+Launch shapes depend on tensor shapes only (never on index values or lengths): capturable in
+a CUDA graph with preallocated ``out``/``lse``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from kernels import mla_decode_cuda as mdc
+from kernels.v4_cache_formats import V4_DATA_BYTES, V4_ROPE_DIMS
+from kernels.v4_sparse_decode import HEAD_DIM, MAX_SCOPES, SparseKV, check_inputs
+
+SOURCES = (mdc.CSRC / "v4_sparse_decode_sm90a.cu", mdc.CSRC / "v4_sparse_decode_narrow_sm90a.cu")
+HEADERS = (mdc.CSRC / "v4_sparse_decode_common.cuh", mdc.CSRC / "mla_decode_common.cuh",
+           mdc.CSRC / "sm90_async.cuh")
+LIBRARY_NAME = "v4_sparse_decode_sm90a"
+HEADS_PER_CTA = 64  # the wgmma kernel
+NARROW_MAX_HEADS = 32  # up to this many heads: the mma.sync kernel, all heads in one CTA
+TILE = 32  # records per tile
+MAX_SPLITS = 32
+V_DESC = (TILE * 128, 1024)  # V read N-major: bytes between 64-dim boxes, between 8-record groups
+LOG2E = 1.4426950408889634
+
+
+def smem_bytes(rows: int) -> int:
+    """Shared memory of a CTA of ``rows`` query rows (mirror of the .cu plans): fp16 Q, two fp16
+    K stages, four raw stages (data rows + a copy of the scales per producer thread), the
+    consumers' partial scores, the per-record biases, four mbarriers, 1024 bytes to align."""
+    return (rows * 1024 + 2 * TILE * 1024 + 4 * (TILE * V4_DATA_BYTES + TILE * 32) + 2 * 16 * 128 * 4
+            + 2 * TILE * 4 + 4 * 8 + 1024)
+
+
+def cta_rows(heads: int) -> int:
+    """Query rows per CTA: 16 or 32 (narrow kernel, every head of a token), else 64 (wgmma)."""
+    return 16 if heads <= 16 else (32 if heads <= NARROW_MAX_HEADS else HEADS_PER_CTA)
+
+
+SMEM_BYTES = smem_bytes(HEADS_PER_CTA)
+
+
+class _Scope(ctypes.Structure):
+    """Mirror of ``SparseScope`` in the .cu file."""
+
+    _fields_ = [
+        ("cache", ctypes.c_void_p), ("page_stride", ctypes.c_longlong),
+        ("indices", ctypes.c_void_p), ("idx_sb", ctypes.c_longlong), ("idx_ss", ctypes.c_longlong),
+        ("lengths", ctypes.c_void_p),
+        ("page_size", ctypes.c_int), ("k", ctypes.c_int), ("tiles", ctypes.c_int),
+    ]
+
+
+class _Params(ctypes.Structure):
+    """Mirror of ``SparseParams`` in the .cu file (same order and types)."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_sb", ctypes.c_longlong), ("q_ss", ctypes.c_longlong), ("q_sh", ctypes.c_longlong),
+        ("scope", _Scope * MAX_SCOPES),
+        ("sinks", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("o_sb", ctypes.c_longlong), ("o_ss", ctypes.c_longlong), ("o_sh", ctypes.c_longlong),
+        ("lse", ctypes.c_void_p), ("l_sb", ctypes.c_longlong), ("l_ss", ctypes.c_longlong), ("l_sh", ctypes.c_longlong),
+        ("part_o", ctypes.c_void_p), ("part_l", ctypes.c_void_p),
+        ("num_scopes", ctypes.c_int), ("batch", ctypes.c_int), ("s_q", ctypes.c_int), ("heads", ctypes.c_int),
+        ("num_splits", ctypes.c_int), ("tiles_per_split", ctypes.c_int),
+        ("scale_log2", ctypes.c_float),
+        ("v_desc_lead", ctypes.c_uint32), ("v_desc_stride", ctypes.c_uint32),
+    ]
+
+
+def build_library(nvcc: str | None = None, out_dir: Path | None = None) -> Path:
+    return mdc.build_library(nvcc, out_dir, sources=SOURCES, headers=HEADERS, name=LIBRARY_NAME)
+
+
+@functools.lru_cache(maxsize=4)
+def _library_in(cache: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build_library(out_dir=cache)))
+    for fn, argtypes in (("v4_sparse_decode_sm90", [ctypes.POINTER(_Params), ctypes.c_void_p]),
+                         ("v4_sparse_decode_narrow_sm90", [ctypes.POINTER(_Params), ctypes.c_void_p]),
+                         ("v4_sparse_decode_sm90_params_bytes", []), ("v4_sparse_decode_sm90_smem_bytes", []),
+                         ("v4_sparse_decode_narrow_sm90_smem_bytes", [ctypes.c_int])):
+        getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, ctypes.c_int
+    if lib.v4_sparse_decode_sm90_params_bytes() != ctypes.sizeof(_Params):
+        raise mdc.CudaKernelUnavailable("SparseParams layout of the built library differs from "
+                                        "kernels/v4_sparse_decode_cuda.py")
+    return lib
+
+
+def library() -> ctypes.CDLL:
+    """The built library (built once per process and kernel cache directory)."""
+    return _library_in(mdc.cache_dir())
+
+
+def unsupported_reason(scopes: Sequence[SparseKV]) -> str | None:
+    """Why these scopes' caches are not what the kernel reads (None: they are)."""
+    for i, sc in enumerate(scopes):
+        if sc.record != "v4" or sc.rope_dims != V4_ROPE_DIMS:
+            return f"scopes[{i}]: the cuda kernel reads V4 MODEL1 records only, not {sc.record!r}"
+        if sc.cache.data_ptr() % 8 or sc.cache.stride(0) % 8:
+            return (f"scopes[{i}].cache: pages must start on 8 bytes (at {sc.cache.data_ptr() % 16} mod 16, "
+                    f"stride {sc.cache.stride(0)})")
+    return None
+
+
+def plan_splits(bsz: int, s_q: int, heads: int, tiles: int, num_sms: int) -> tuple[int, int]:
+    """(num_splits, tiles_per_split): enough CTAs (one per SM) to fill the GPU once, no empty
+    trailing split; from shapes only, so the launch can be captured in a CUDA graph."""
+    if tiles < 1:
+        raise ValueError(f"sparse decode needs at least one key tile, got {tiles}")
+    ctas = bsz * s_q * (1 if heads <= NARROW_MAX_HEADS else -(-heads // HEADS_PER_CTA))
+    splits = max(1, min(tiles, MAX_SPLITS, num_sms // max(ctas, 1)))
+    per = -(-tiles // splits)
+    return -(-tiles // per), per
+
+
+def check_cuda_inputs(q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.Tensor | None) -> None:
+    """The contract's checks plus what this kernel needs; one line naming the tensor."""
+    check_inputs(q, scopes, sinks)
+    if reason := unsupported_reason(scopes):
+        raise ValueError(reason)
+    if q.dtype != torch.bfloat16:
+        raise TypeError(f"q must be bf16 for the cuda kernel, got {q.dtype}")
+    if q.stride(-1) != 1 or q.data_ptr() % 16 or any(st % 8 for st in q.stride()[:3]):
+        raise ValueError("q must have a unit last stride, 16-byte aligned rows")
+    for i, sc in enumerate(scopes):
+        if sc.indices.stride(-1) != 1:
+            raise ValueError(f"scopes[{i}].indices must have a unit last stride")
+        if sc.indices.shape[-1] < 1:
+            raise ValueError(f"scopes[{i}].indices has no picks (k = 0)")
+
+
+def v4_sparse_decode_cuda(
+    q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.Tensor | None, softmax_scale: float,
+    out: torch.Tensor | None = None, lse: torch.Tensor | None = None, num_splits: int | None = None,
+    v_desc: tuple[int, int] = V_DESC,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, s_q, H, 512] bf16, lse [B, s_q, H] float32); no host sync. A 16-bit or float32
+    q that is not bf16 is cast once (the kernel converts bf16 to fp16 as it loads).
+    ``num_splits`` overrides the plan (tests, benchmarks); ``v_desc`` (leading, stride bytes of
+    V's N-major wgmma descriptor) exists for a device check that tells a swapped pair."""
+    if q.dtype != torch.bfloat16 and q.is_floating_point():
+        q = q.to(torch.bfloat16)
+    if q.stride(-1) != 1 or q.data_ptr() % 16 or any(st % 8 for st in q.stride()[:3]):
+        q = q.contiguous()
+    check_cuda_inputs(q, scopes, sinks)
+    bsz, s_q, heads, _ = q.shape
+    if out is None:
+        out = torch.empty(bsz, s_q, heads, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
+    if lse is None:
+        lse = torch.empty(bsz, s_q, heads, dtype=torch.float32, device=q.device)
+    if out.shape != (bsz, s_q, heads, HEAD_DIM) or out.dtype != torch.bfloat16 or out.stride(-1) != 1:
+        raise ValueError(f"out must be bf16 [{bsz}, {s_q}, {heads}, {HEAD_DIM}] with a unit last stride")
+    if out.data_ptr() % 4 or any(st % 2 for st in out.stride()[:3]):
+        raise ValueError("out must have 4-byte aligned pairs of values (even strides)")
+    if lse.shape != (bsz, s_q, heads) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 [{bsz}, {s_q}, {heads}]")
+    if bsz == 0:
+        return out, lse
+    from kernels.v4_sparse_decode_triton import _combine_kernel, num_sms
+
+    tiles = [-(-sc.indices.shape[-1] // TILE) for sc in scopes]
+    splits, per = plan_splits(bsz, s_q, heads, sum(tiles), num_sms(q.device))
+    if num_splits is not None:  # a benchmark's or test's override
+        per = -(-sum(tiles) // max(1, min(num_splits, sum(tiles))))
+        splits = -(-sum(tiles) // per)
+    part_o = part_l = None
+    if splits > 1:
+        part_o = torch.empty(bsz * s_q * splits, heads, HEAD_DIM, dtype=torch.float32, device=q.device)
+        part_l = torch.empty(bsz * s_q * splits, heads, dtype=torch.float32, device=q.device)
+    scope_args = []
+    for sc, nt in zip(scopes, tiles):
+        scope_args.append(_Scope(sc.cache.data_ptr(), sc.cache.stride(0), sc.indices.data_ptr(), sc.indices.stride(0),
+                                 sc.indices.stride(1), sc.lengths.data_ptr() if sc.lengths is not None else None,
+                                 sc.page_size, sc.indices.shape[-1], nt))
+    while len(scope_args) < MAX_SCOPES:
+        scope_args.append(_Scope())
+    p = _Params(
+        q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
+        (_Scope * MAX_SCOPES)(*scope_args),
+        sinks.data_ptr() if sinks is not None else None,
+        out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
+        lse.data_ptr(), lse.stride(0), lse.stride(1), lse.stride(2),
+        part_o.data_ptr() if part_o is not None else None, part_l.data_ptr() if part_l is not None else None,
+        len(scopes), bsz, s_q, heads, splits, per, float(softmax_scale) * LOG2E, *v_desc,
+    )
+    with torch.cuda.device(q.device):
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        lib = library()
+        launch = lib.v4_sparse_decode_narrow_sm90 if heads <= NARROW_MAX_HEADS else lib.v4_sparse_decode_sm90
+        err = launch(ctypes.byref(p), ctypes.c_void_p(stream))
+    if err != 0:
+        raise RuntimeError(f"v4_sparse_decode_sm90: cudaError_t {err}")
+    if splits > 1:
+        import triton
+
+        _combine_kernel[(bsz * s_q, -(-heads // 16))](
+            part_o, part_l, sinks if sinks is not None else lse, out, out.stride(0), out.stride(1), out.stride(2),
+            lse, lse.stride(0), lse.stride(1), lse.stride(2), s_q, heads, splits,
+            HAS_SINK=sinks is not None, SPLITS_P2=triton.next_power_of_2(splits), BH=16, num_warps=4,
+        )
+    return out, lse
+
+
+__all__ = ["HEADS_PER_CTA", "TILE", "build_library", "check_cuda_inputs", "library", "plan_splits",
+           "unsupported_reason", "v4_sparse_decode_cuda"]
