@@ -289,8 +289,10 @@ def greedy_exact_match_logits(logits_fn, tok, rows, device="cpu", batch_size: in
                               with_bos: bool = True) -> tuple[float, list[tuple[str, str]]]:
     """Like :func:`greedy_exact_match` for few-shot ``(shots, a, b)`` rows and a causal model
     given as ``logits_fn(input_ids [B, T]) -> logits [B, T, vocab]``. Prompts are right-padded
-    to one width (causal: the padding after a row's tokens changes nothing before it) and each
-    row reads the logits at its own last token. Returns the accuracy and the failures as
+    to one width (causal: the padding after a row's tokens changes nothing before it). Scored
+    teacher-forced in one forward over prompt + expected answer: greedy decoding reproduces
+    the answer exactly when every argmax along it is the answer's next token; only the failing
+    rows then decode greedily, for their text. Returns the accuracy and the failures as
     ``(prompt, generated_text)``."""
     import torch
 
@@ -310,18 +312,30 @@ def greedy_exact_match_logits(logits_fn, tok, rows, device="cpu", batch_size: in
         for start in range(0, len(items), batch_size):
             chunk = items[start : start + batch_size]
             ids = torch.full((len(chunk), width), eos, dtype=torch.long)
-            for r, (p, _, _) in enumerate(chunk):
-                ids[r, : len(p)] = torch.tensor(p)
-            ids = ids.to(device)
-            pos = torch.tensor([len(p) for p, _, _ in chunk], device=device)
-            rows_idx = torch.arange(len(chunk), device=device)
-            for _ in range(steps):
-                ids[rows_idx, pos] = logits_fn(ids)[rows_idx, pos - 1].argmax(-1)
-                pos = pos + 1
-            for r, (p, want, text) in enumerate(chunk):
-                got = ids[r, len(p) : len(p) + steps].tolist()
-                if got[: len(want)] == want:
-                    correct += 1
-                else:
-                    failures.append((text, tok.decode(got, skip_special_tokens=False)))
+            for r, (p, want, _) in enumerate(chunk):
+                ids[r, : len(p) + len(want)] = torch.tensor(p + want)
+            picks = logits_fn(ids.to(device)).argmax(-1).cpu()
+            failed = [(p, text) for r, (p, want, text) in enumerate(chunk)
+                      if picks[r, len(p) - 1 : len(p) - 1 + len(want)].tolist() != want]
+            correct += len(chunk) - len(failed)
+            got = _greedy_tokens(logits_fn, [p for p, _ in failed], steps, width, eos, device)
+            failures += [(text, tok.decode(g, skip_special_tokens=False)) for (_, text), g in zip(failed, got)]
     return correct / len(rows), failures
+
+
+def _greedy_tokens(logits_fn, prompts: list[list[int]], steps: int, width: int, eos: int, device) -> list[list[int]]:
+    """``steps`` greedy tokens after each prompt, all rows at once, right-padded to ``width``."""
+    import torch
+
+    if not prompts:
+        return []
+    ids = torch.full((len(prompts), width), eos, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, : len(p)] = torch.tensor(p)
+    ids = ids.to(device)
+    pos = torch.tensor([len(p) for p in prompts], device=device)
+    rows_idx = torch.arange(len(prompts), device=device)
+    for _ in range(steps):
+        ids[rows_idx, pos] = logits_fn(ids)[rows_idx, pos - 1].argmax(-1)
+        pos = pos + 1
+    return [ids[r, len(p) : len(p) + steps].tolist() for r, p in enumerate(prompts)]

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from tests.server.live_server import ROOT, live_server
-from tests.server.test_lm_eval_parity import run_lm_eval, served_model_name
+from tests.server.test_lm_eval_parity import run_lm_eval_both_modes, served_model_name
 
 MODEL_DIR = os.path.join(ROOT, "configs", "arith-v41")
 TASKS = {"arith_v41_gen": "exact_match,none", "arith_v41_mc": "acc,none"}
@@ -32,9 +32,8 @@ pytestmark = [
 def runs(tmp_path_factory):
     with live_server(MODEL_DIR, "--device", "cpu", "--disable-log-stats") as base_url:
         name = served_model_name(base_url)
-        return {tok: run_lm_eval("auto", tok, name, base_url, str(tmp_path_factory.mktemp(f"v41_tok{int(tok)}")),
-                                 tasks=TASKS, limit=LIMIT)
-                for tok in (False, True)}
+        return run_lm_eval_both_modes("auto", name, base_url,
+                                      lambda tok: str(tmp_path_factory.mktemp(f"v41_tok{int(tok)}")), TASKS, LIMIT)
 
 
 @pytest.mark.parametrize("tokenized_requests", (False, True))

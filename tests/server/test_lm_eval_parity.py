@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -128,6 +129,18 @@ def run_lm_eval(kv_cache_dtype: str, tokenized_requests: bool, served_name: str,
     return LmEvalRun(kv_cache_dtype, tokenized_requests, cmd, scores, n_samples, proc.stdout.strip(), wall_s)
 
 
+def run_lm_eval_both_modes(kv_cache_dtype: str, served_name: str, base_url: str, out_dir_of,
+                           tasks=TASK_METRICS, limit: int = LIMIT) -> dict[bool, LmEvalRun]:
+    """Both ``tokenized_requests`` modes against one server at once ({mode: run});
+    ``out_dir_of(mode)`` names each run's output directory. Concurrent because each CLI run
+    spends seconds starting up while the server idles, and its requests leave the second core
+    mostly free; the scores cannot depend on it (greedy, and the engine is batch invariant)."""
+    with ThreadPoolExecutor(len(TOKENIZED_REQUESTS)) as pool:
+        futures = {tok: pool.submit(run_lm_eval, kv_cache_dtype, tok, served_name, base_url, out_dir_of(tok),
+                                    tasks, limit) for tok in TOKENIZED_REQUESTS}
+        return {tok: f.result() for tok, f in futures.items()}
+
+
 def decode_logprobs(base_url: str, served_name: str) -> list[list[float]]:
     out = []
     with httpx.Client(timeout=60) as client:
@@ -200,10 +213,8 @@ class ParityRunner:
             start_s = time.monotonic() - t0
             name = served_model_name(base_url)
             probes = decode_logprobs(base_url, name)
-            runs = {}
-            for tok in TOKENIZED_REQUESTS:
-                out_dir = str(self._tmp.mktemp(f"lm_eval_{kv}_tok{int(tok)}"))
-                runs[tok] = run_lm_eval(kv, tok, name, base_url, out_dir)
+            runs = run_lm_eval_both_modes(kv, name, base_url,
+                                          lambda tok: str(self._tmp.mktemp(f"lm_eval_{kv}_tok{int(tok)}")))
         return KvResult(kv, start_s, runs, probes)
 
     def finish(self) -> None:

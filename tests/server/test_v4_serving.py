@@ -108,8 +108,13 @@ def metric(url: str, name: str) -> float:
 
 # ---- in-process: batch invariance, preemption, async, n > 1, no leaks ---------------------------
 def make_core(fixture: str, tokenizer_dir: str, **overrides) -> EngineCore:
+    """An in-process engine on ``fixture``. On the CPU its KV budget is 64 blocks unless given:
+    enough for every test here, and ``check_invariants`` walks every page each step (the
+    default 256 MiB would be ~100,000 pages of the tiny fixtures)."""
     cfg = dict(device="cpu", tokenizer=tokenizer_dir, block_size=16, max_num_seqs=16)
     cfg.update(overrides)
+    if cfg["device"] == "cpu" and "kv_cache_memory_bytes" not in cfg:
+        cfg.setdefault("num_gpu_blocks_override", 64)
     return EngineCore(EngineConfig(**cfg), fixture)
 
 
@@ -163,19 +168,55 @@ def alone(fixture: str, tokenizer_dir: str, prompts, params) -> list:
     return [run(core, [p], params)["0"] for p in prompts]
 
 
-@pytest.mark.parametrize("fixture,count,blocks", [(V41, 16, 3), (V4, 6, 3)], ids=["v41", "v4"])
-def test_batch_invariance_chunks_preemption_async(fixture, count, blocks, tokenizer_dir):
-    prompts = prompts_for(fixture, count)
-    ref = alone(fixture, tokenizer_dir, prompts, GREEDY)
-    # Chunks of at most 11 tokens split prompts inside compressor windows (m = 1, 2, 4, 8); a
-    # few blocks of 16 tokens hold only some requests' compressed entries at a time, so
-    # requests wait and running ones are preempted (recompute) as they grow.
+def shared_prefix_prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Prompts of 3..38 tokens: every fourth one random, the others the first 17..36 tokens of
+    one of two 40-token bases (A: the golden prompt) plus up to two of their own; the first
+    has 36 of base A."""
+    rng = random.Random(seed)
+    bases = [golden(V41)["prompt_ids"], [1] + [rng.randrange(2, 320) for _ in range(39)]]
+    out = []
+    for i in range(count):
+        if i % 4 == 3:
+            out.append([0] + [rng.randrange(2, 320) for _ in range(rng.randint(2, 19))])
+        else:
+            keep = 36 if i == 0 else rng.choice([17, 20, 23, 33, 36])
+            out.append(bases[i % 2][:keep] + [rng.randrange(2, 320) for _ in range(rng.randint(0, 2))])
+    return out
+
+
+@pytest.mark.parametrize("fixture", [V41, V4], ids=["v41", "v4"])
+def test_16_concurrent_requests_equal_each_alone(fixture, tokenizer_dir):
+    """16 concurrent greedy requests give each request's tokens alone (without prefix caching,
+    one unsplit prefill), and its logprobs to rounding, under: chunks of at most 11 tokens,
+    which split prompts inside the 16-token blocks, the 8-token window and every compressor
+    window (m = 1, 2 for V4.1; 4, 8 for V4); a budget of 4 blocks, so requests wait, running
+    ones are preempted (recompute) as they grow and snapshots are evicted; prefix hits (base
+    A's snapshot at 16, cached before the batch, and any the batch itself takes); with and
+    without async scheduling (logprobs read the tokens on the host, so the async run asks for
+    none: its steps overlap). Invariants hold every step; every page and pool unit comes back."""
+    prompts = shared_prefix_prompts(16)
+    with_logprobs = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
+    ref_core = make_core(fixture, tokenizer_dir, enable_prefix_caching=False)
+    ref = [run_logprobs(ref_core, [p], with_logprobs)["0"] for p in prompts]
     for asynchronous in (False, True):
+        params = GREEDY if asynchronous else with_logprobs
         core = make_core(fixture, tokenizer_dir, max_num_batched_tokens=11, max_num_seqs=8,
-                         num_gpu_blocks_override=blocks, async_scheduling=asynchronous)
-        got = run(core, prompts, GREEDY)
-        assert [got[str(i)] for i in range(count)] == ref, asynchronous
-        assert core.scheduler.num_preemptions > 0
+                         num_gpu_blocks_override=4, async_scheduling=asynchronous)
+        bm = core.block_manager
+        core.add_request("warm", golden(V41)["prompt_ids"][:20], params)  # a snapshot at 16
+        while core.has_unfinished():
+            core.step()
+        assert len(bm.snapshots) == 1
+        evicted = []
+        real_evict = bm.snapshots._evict
+        bm.snapshots._evict = lambda key: (evicted.append(key), real_evict(key))
+        got = run_logprobs(core, prompts, params, check_invariants=True)  # no leaks at the end
+        for i, (_, want_ids, want_lps) in enumerate(ref):
+            _, ids, lps = got[str(i)]
+            assert ids == want_ids, (asynchronous, i)
+            if not asynchronous:
+                assert max(abs(a[1] - b[1]) for a, b in zip(lps, want_lps, strict=True)) < 1e-5, i
+        assert bm.prefix_cache_hits >= 16 and core.scheduler.num_preemptions > 0 and evicted
         assert (core.runner.num_overlapped_steps > 0) == asynchronous
         assert core.runner.num_batched_decodes > 0
 
@@ -209,7 +250,8 @@ def test_unsupported_flags_are_one_error_line(tokenizer_dir):
         check_v4_family_parallel(EngineConfig(data_parallel_size=8, enable_expert_parallel=True), V4)
 
 
-def run_logprobs(core: EngineCore, prompts: list[list[int]], params: SamplingParams) -> dict:
+def run_logprobs(core: EngineCore, prompts: list[list[int]], params: SamplingParams,
+                 check_invariants: bool = False) -> dict:
     """{request id: [prompt logprobs, generated ids, their logprobs]} with every top-k value."""
     for i, p in enumerate(prompts):
         core.add_request(str(i), p, params)
@@ -222,6 +264,8 @@ def run_logprobs(core: EngineCore, prompts: list[list[int]], params: SamplingPar
             for sd in delta.seqs:
                 out[delta.request_id][1] += sd.token_ids
                 out[delta.request_id][2] += [(t.token_id, t.logprob, sorted(t.top.items())) for t in sd.logprobs or []]
+        if check_invariants:
+            core.scheduler.check_invariants()
     assert_no_leaks(core)
     return out
 
