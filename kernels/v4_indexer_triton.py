@@ -111,7 +111,10 @@ def _index_scores_kernel(
         offs = k_first + t * BN + tl.arange(0, BN)
         valid = (offs < vis_max) & (offs < num_keys)
         page = tl.load(PT + req * pt_stride + offs // page_rows, mask=valid, other=0).to(tl.int64)
-        rec = KEYS + (page * page_rows + offs % page_rows) * REC
+        # byte offsets as page · (page_rows · REC) + slot · REC, not (page · page_rows + slot) · REC:
+        # Triton's alignment analysis takes the sum of a masked load and a contiguous range for a
+        # multiple of 16 at every element and would issue 16-byte loads at 4-aligned records
+        rec = KEYS + page * (page_rows * REC) + (offs % page_rows) * REC
         acc = tl.zeros([BN, M], dtype=tl.float32)
         for b in tl.static_range(NB):
             packed = tl.load(rec[:, None] + (b * 16 + tl.arange(0, 16))[None, :], mask=valid[:, None], other=0)
