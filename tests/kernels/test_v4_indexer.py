@@ -262,12 +262,10 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
 )
 
 
-def kernel_cases(device: str, small: bool):
-    """(Triton, reference) pairs of scores and block maxima: decode at mixed counts with and
-    without a candidate mask, a prefill chunk of one request (partial query tiles), 8 padded
-    heads and V4.1-Flash's 32 × 128; unused pages NaN-poisoned (0xFF)."""
-    from kernels.v4_indexer_triton import index_scores_triton
-
+def kernel_args(device: str, small: bool):
+    """The positional arguments of ``index_scores_triton`` (and of the reference): decode at
+    mixed counts with and without a candidate mask, a prefill chunk of one request (partial
+    query tiles), 8 padded heads and V4.1-Flash's 32 × 128; unused pages NaN-poisoned (0xFF)."""
     shapes = [(8, 64, [0, 3, 17, 40]), (32, 128, [1, 64, 130])] if small else \
         [(8, 64, [0, 3, 17, 400]), (32, 128, [1, 64, 130, 5000, 9001, 0, 2048, 777])]
     for heads, dim, counts in shapes:
@@ -285,14 +283,22 @@ def kernel_cases(device: str, small: bool):
             allowed = (torch.rand(nq, -(-n // 8), generator=g) > 0.4).to(device)
             table = tables if qpr == 1 else tables[-1:]
             for al in (None, allowed):
-                args = (q8, qs, w, pool, table, 16, vis, n, dim**-0.5, qpr, al, 8, True)
-                want = index_scores_reference(*args)
-                got = index_scores_triton(*args)
-                yield got[0], want[0]
-                yield got[1], want[1]
-                keys, _ = index_scores_triton(*args, keys_out=True)
-                assert torch.equal(keys & 0xFFFFFFFF, (0xFFFFFFFF - torch.arange(n, device=device)).expand_as(keys))
-                yield scores_from_keys(keys), want[0]
+                yield q8, qs, w, pool, table, 16, vis, n, dim**-0.5, qpr, al, 8, True
+
+
+def kernel_cases(device: str, small: bool):
+    """(Triton, reference) pairs of scores and block maxima on :func:`kernel_args`."""
+    from kernels.v4_indexer_triton import index_scores_triton
+
+    for args in kernel_args(device, small):
+        n = args[7]
+        want = index_scores_reference(*args)
+        got = index_scores_triton(*args)
+        yield got[0], want[0]
+        yield got[1], want[1]
+        keys, _ = index_scores_triton(*args, keys_out=True)
+        assert torch.equal(keys & 0xFFFFFFFF, (0xFFFFFFFF - torch.arange(n, device=device)).expand_as(keys))
+        yield scores_from_keys(keys), want[0]
 
 
 def scores_from_keys(keys: torch.Tensor) -> torch.Tensor:
@@ -332,6 +338,101 @@ def test_default_shapes_compile_for_sm90_on_fp8_wgmma_without_spills():
         ptx, usage = _compile_sm90(_index_scores_kernel, types, consts, num_warps=warps, num_stages=stages)
         assert "wgmma" in ptx and "e4m3" in ptx and "cp.async" in ptx and "prmt.b32" in ptx, usage
         assert usage.endswith("LOCAL:0") and " STACK:0 " in usage, (consts, usage)
+
+
+_POINTER_TYPES = {torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32"}
+
+
+def _specialize(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of a launch as Triton's launcher specializes it: tensors
+    whose address and integers that are multiples of 16 get ``tt.divisibility`` 16, integers
+    equal to 1 become constants."""
+    import inspect
+
+    names = list(inspect.signature(fn.fn).parameters)
+    sig, consts, attrs = {}, {}, {}
+    for i, (name, value) in enumerate(zip(names, list(args) + [kwargs[n] for n in names[len(args):]])):
+        if name in kwargs or (isinstance(value, int) and value == 1):
+            sig[name], consts[(i,)] = "constexpr", value
+            continue
+        if isinstance(value, torch.Tensor):
+            sig[name], aligned = _POINTER_TYPES[value.dtype], value.data_ptr() % 16 == 0
+        elif isinstance(value, float):
+            sig[name], aligned = "fp32", False
+        else:
+            sig[name], aligned = "i32" if -2**31 <= value < 2**31 else "i64", value % 16 == 0
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, consts, attrs
+
+
+def global_access_bytes(ptx: str, source: str) -> dict[int, set[int]]:
+    """The bytes each global load, store and cp.async of ``ptx`` moves per thread, by the line of
+    ``source`` it was generated from (the PTX's .loc directives)."""
+    import re
+
+    files = {k for k, path in re.findall(r'\.file\s+(\d+)\s+"([^"]+)"', ptx) if Path(path) == Path(source)}
+    line, widths = None, {}
+    for text in ptx.splitlines():
+        if m := re.match(r"\s*\.loc\s+(\d+)\s+(\d+)", text):
+            line = int(m.group(2)) if m.group(1) in files else None
+        elif m := re.search(r"cp\.async\.c[ag]\.shared\.global[^;]*\],\s*(0x[0-9a-f]+|\d+)", text):
+            widths.setdefault(line, set()).add(int(m.group(1), 0))
+        elif m := re.search(r"\b(?:ld|st)\.global((?:\.[\w:]+)*)", text):
+            vec = re.search(r"\.v(\d)", m.group(1))
+            bits = re.findall(r"\.[bsuf](\d+)\b", m.group(1))
+            widths.setdefault(line, set()).add((int(vec.group(1)) if vec else 1) * int(bits[-1]) // 8)
+    return widths
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_PTXAS is None or not _PTXAS.exists(), reason="needs triton's bundled ptxas")
+def test_key_record_loads_assume_no_more_alignment_than_the_records(monkeypatch):
+    """Every launch of the GPU test (its arguments built here, the launch recorded) compiled for
+    sm_90 as Triton's launcher specializes it: the global accesses generated from the lines that
+    read key records move at most the records' alignment per access (68-byte records: 4 bytes,
+    34-byte: 2), since a record starts at 68 · row. Triton's alignment analysis once took the
+    records for 16-aligned (16-byte cp.async: a misaligned address on the GPU)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import kernels.v4_indexer_triton as kt
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((args, kwargs))
+
+    monkeypatch.setattr(kt, "_index_scores_kernel", Recorder())
+    for args in kernel_args("cpu", small=False):
+        kt.index_scores_triton(*args)
+        kt.index_scores_triton(*args, keys_out=True)
+    monkeypatch.undo()
+    fn = kt._index_scores_kernel
+    source = Path(kt.__file__).read_text().splitlines()
+    record_lines = {i + 1 for i, text in enumerate(source) if re.search(r"tl\.load\(rec\b", text)}
+    assert len(record_lines) == 2  # the e2m1 codes and the scale exponents
+    compiled = set()
+    for args, kwargs in launches:
+        kwargs = dict(kwargs, PRMT=True)  # the GPU's byte lookups (a CPU launch takes the integer path)
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages")}
+        sig, consts, attrs = _specialize(fn, args, kwargs)
+        key = repr((sig, consts, attrs, options))
+        if key in compiled:
+            continue
+        compiled.add(key)
+        ptx = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                             options=options).asm["ptx"]
+        widths = global_access_bytes(ptx, kt.__file__)
+        rec = kwargs["REC"]
+        for line in record_lines:
+            assert widths.get(line) and max(widths[line]) <= rec & -rec, (rec, line, widths.get(line), consts, attrs)
+        assert max(max(w) for w in widths.values()) <= 16
+    assert len(compiled) >= 8, len(compiled)
 
 
 # ---- GPU ------------------------------------------------------------------------------------------
