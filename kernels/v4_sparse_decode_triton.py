@@ -243,7 +243,8 @@ def _split_kernel(
     SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss, l_sh, PO, PL,
     S_Q, H, num_splits, tiles_per_split, sm_log2,
     FMT0: tl.constexpr, REC0: tl.constexpr, DATA0: tl.constexpr, ALIGN0: tl.constexpr, HAS_L0: tl.constexpr,
-    FMT1: tl.constexpr, REC1: tl.constexpr, DATA1: tl.constexpr, ALIGN1: tl.constexpr, HAS_L1: tl.constexpr, HAS_SCOPE1: tl.constexpr,
+    FMT1: tl.constexpr, REC1: tl.constexpr, DATA1: tl.constexpr, ALIGN1: tl.constexpr, HAS_L1: tl.constexpr,
+    HAS_SCOPE1: tl.constexpr,
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, DV_SPLIT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
     TM: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
@@ -262,7 +263,8 @@ def _split_kernel(
         _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
              C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss,
              l_sh, PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
-             FMT0, REC0, DATA0, ALIGN0, HAS_L0, FMT1, REC1, DATA1, ALIGN1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 0, BH, BN, TM)
+             FMT0, REC0, DATA0, ALIGN0, HAS_L0,
+             FMT1, REC1, DATA1, ALIGN1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 0, BH, BN, TM)
     else:
         heads = (hb // 2) * BH + tl.arange(0, BH)
         row_ok = heads < H
@@ -270,12 +272,14 @@ def _split_kernel(
             _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
                  C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss,
                  l_sh, PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
-                 FMT0, REC0, DATA0, ALIGN0, HAS_L0, FMT1, REC1, DATA1, ALIGN1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 1, BH, BN, TM)
+                 FMT0, REC0, DATA0, ALIGN0, HAS_L0,
+                 FMT1, REC1, DATA1, ALIGN1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 1, BH, BN, TM)
         else:
             _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
                  C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss,
                  l_sh, PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
-                 FMT0, REC0, DATA0, ALIGN0, HAS_L0, FMT1, REC1, DATA1, ALIGN1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 2, BH, BN, TM)
+                 FMT0, REC0, DATA0, ALIGN0, HAS_L0,
+                 FMT1, REC1, DATA1, ALIGN1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 2, BH, BN, TM)
 
 
 @triton.jit
