@@ -148,18 +148,21 @@ def _qk(k, q, s, TM: tl.constexpr):
 
 @triton.jit
 def _attend_tile(acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd,
-                 cache, cache16, page_stride, page_size, idx_row, K, length, t, sm_log2,
-                 FMT: tl.constexpr, REC: tl.constexpr, DATA: tl.constexpr, PART: tl.constexpr, BN: tl.constexpr,
-                 TM: tl.constexpr):
+                 cache, cache16, page_words, page_size, idx_row, K, length, t, sm_log2,
+                 FMT: tl.constexpr, REC: tl.constexpr, DATA: tl.constexpr, ALIGN: tl.constexpr, PART: tl.constexpr,
+                 BN: tl.constexpr, TM: tl.constexpr):
     """One tile of BN picks of one scope: online softmax and P·V into the accumulators of PART
     (0: all dims, 1: dims 0..255, 2: dims 256..511). TM (tokens-major): q pieces, scores and
-    accumulators are transposed (keys fill the MMA's M, heads its N)."""
+    accumulators are transposed (keys fill the MMA's M, heads its N). Pages are ``page_words``
+    words of ALIGN bytes apart: the stride's alignment reaches the compiler even where the
+    stride is no 16-byte multiple (one-record pages of V4's 584-byte rows)."""
     offs = t * BN + tl.arange(0, BN)
     idx = tl.load(idx_row + offs, mask=offs < K, other=-1)
     valid = (idx >= 0) & (offs < length)
     idx = tl.where(valid, idx, 0)
     page = (idx // page_size).to(tl.int64)
     slot = (idx % page_size).to(tl.int64)
+    page_stride = page_words * ALIGN
     if FMT == 0:  # V4: data rows, then the page's scale rows
         drow = page * page_stride + slot * DATA
         srow = page * page_stride + slot * 8 + page_size * DATA
@@ -239,8 +242,9 @@ def _split_kernel(
     C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1,
     SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss, l_sh, PO, PL,
     S_Q, H, num_splits, tiles_per_split, sm_log2,
-    FMT0: tl.constexpr, REC0: tl.constexpr, DATA0: tl.constexpr, HAS_L0: tl.constexpr,
-    FMT1: tl.constexpr, REC1: tl.constexpr, DATA1: tl.constexpr, HAS_L1: tl.constexpr, HAS_SCOPE1: tl.constexpr,
+    FMT0: tl.constexpr, REC0: tl.constexpr, DATA0: tl.constexpr, ALIGN0: tl.constexpr, HAS_L0: tl.constexpr,
+    FMT1: tl.constexpr, REC1: tl.constexpr, DATA1: tl.constexpr, ALIGN1: tl.constexpr, HAS_L1: tl.constexpr,
+    HAS_SCOPE1: tl.constexpr,
     HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, DV_SPLIT: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
     TM: tl.constexpr, HEADS_FIRST: tl.constexpr,
 ):
@@ -259,7 +263,8 @@ def _split_kernel(
         _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
              C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss,
              l_sh, PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
-             FMT0, REC0, DATA0, HAS_L0, FMT1, REC1, DATA1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 0, BH, BN, TM)
+             FMT0, REC0, DATA0, ALIGN0, HAS_L0,
+             FMT1, REC1, DATA1, ALIGN1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 0, BH, BN, TM)
     else:
         heads = (hb // 2) * BH + tl.arange(0, BH)
         row_ok = heads < H
@@ -267,12 +272,14 @@ def _split_kernel(
             _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
                  C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss,
                  l_sh, PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
-                 FMT0, REC0, DATA0, HAS_L0, FMT1, REC1, DATA1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 1, BH, BN, TM)
+                 FMT0, REC0, DATA0, ALIGN0, HAS_L0,
+                 FMT1, REC1, DATA1, ALIGN1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 1, BH, BN, TM)
         else:
             _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
                  C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss,
                  l_sh, PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
-                 FMT0, REC0, DATA0, HAS_L0, FMT1, REC1, DATA1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 2, BH, BN, TM)
+                 FMT0, REC0, DATA0, ALIGN0, HAS_L0,
+                 FMT1, REC1, DATA1, ALIGN1, HAS_L1, HAS_SCOPE1, HAS_SINK, SPLIT, 2, BH, BN, TM)
 
 
 @triton.jit
@@ -298,8 +305,8 @@ def _zeros_acc(W: tl.constexpr, BH: tl.constexpr, TM: tl.constexpr):
 def _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K0,
          C1, C1_16, c1_ps, c1_page, I1, i1_sb, i1_ss, L1, K1, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss, l_sh,
          PO, PL, S_Q, H, num_splits, tiles_per_split, sm_log2, b, tq, bt, split, heads, row_ok,
-         FMT0: tl.constexpr, REC0: tl.constexpr, DATA0: tl.constexpr, HAS_L0: tl.constexpr,
-         FMT1: tl.constexpr, REC1: tl.constexpr, DATA1: tl.constexpr, HAS_L1: tl.constexpr,
+         FMT0: tl.constexpr, REC0: tl.constexpr, DATA0: tl.constexpr, ALIGN0: tl.constexpr, HAS_L0: tl.constexpr,
+         FMT1: tl.constexpr, REC1: tl.constexpr, DATA1: tl.constexpr, ALIGN1: tl.constexpr, HAS_L1: tl.constexpr,
          HAS_SCOPE1: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr, PART: tl.constexpr,
          BH: tl.constexpr, BN: tl.constexpr, TM: tl.constexpr):
     """One program's work for output PART (see _attend_tile)."""
@@ -327,7 +334,7 @@ def _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K
     for t in range(t_begin, tl.minimum(t_end, tiles0)):
         acc_a, acc_b, acc_c, acc_d, m_i, l_i = _attend_tile(
             acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd, C0, C0_16, c0_ps, c0_page, idx0, K0, len0, t,
-            sm_log2, FMT0, REC0, DATA0, PART, BN, TM)
+            sm_log2, FMT0, REC0, DATA0, ALIGN0, PART, BN, TM)
     if HAS_SCOPE1:
         tiles1 = tl.cdiv(K1, BN)
         if HAS_L1:
@@ -338,7 +345,7 @@ def _run(Q, q_sb, q_ss, q_sh, C0, C0_16, c0_ps, c0_page, I0, i0_sb, i0_ss, L0, K
         for t in range(tl.maximum(t_begin, tiles0) - tiles0, tl.minimum(t_end - tiles0, tiles1)):
             acc_a, acc_b, acc_c, acc_d, m_i, l_i = _attend_tile(
                 acc_a, acc_b, acc_c, acc_d, m_i, l_i, qa, qb, qc, qd, C1, C1_16, c1_ps, c1_page, idx1, K1, len1, t,
-                sm_log2, FMT1, REC1, DATA1, PART, BN, TM)
+                sm_log2, FMT1, REC1, DATA1, ALIGN1, PART, BN, TM)
 
     lonely = l_i == 0.0
     lse = tl.where(lonely, float("-inf"), (m_i + tl.log2(tl.where(lonely, 1.0, l_i))) * 0.6931471805599453)
@@ -395,6 +402,13 @@ def _combine_kernel(PO, PL, SINK, OUT, o_sb, o_ss, o_sh, LSE, l_sb, l_ss, l_sh, 
     out = (acc * scale[:, None]).to(tl.bfloat16)
     tl.store(OUT + b.to(tl.int64) * o_sb + tq * o_ss + heads[:, None] * o_sh + d[None, :], out, mask=ok[:, None])
     tl.store(LSE + b * l_sb + tq * l_ss + heads * l_sh, tl.where(lonely, float("inf"), lse), mask=ok)
+
+
+def page_align(cache: torch.Tensor) -> int:
+    """16 or 8: the bytes every page start is a multiple of (the caller checked 8). A byte
+    stride that is no 16-byte multiple (584-byte one-record pages) carries no alignment to the
+    compiler, so the kernel gets the stride in words of this many bytes."""
+    return 16 if cache.stride(0) % 16 == 0 and cache.data_ptr() % 16 == 0 else 8
 
 
 def num_sms(device: torch.device) -> int:
@@ -472,14 +486,14 @@ def v4_sparse_decode_triton(
         if s is None:  # a second scope that is absent: any valid pointers, never read
             return (q, q, 0, 1, q, 0, 0, q, 0)
         c = s.cache
-        return (c, c.view(torch.bfloat16), c.stride(0), c.shape[1], s.indices, s.indices.stride(0),
+        return (c, c.view(torch.bfloat16), c.stride(0) // page_align(c), c.shape[1], s.indices, s.indices.stride(0),
                 s.indices.stride(1), s.lengths if s.lengths is not None else s.indices, s.indices.shape[-1])
 
     def scope_consts(s: SparseKV | None):
         if s is None:
-            return dict(FMT=0, REC=584, DATA=576, HAS_L=False)
+            return dict(FMT=0, REC=584, DATA=576, ALIGN=16, HAS_L=False)
         return dict(FMT=FORMATS[s.record], REC=RECORD_BYTES[s.record], DATA=DATA_BYTES[s.record],
-                    HAS_L=s.lengths is not None)
+                    ALIGN=page_align(s.cache), HAS_L=s.lengths is not None)
 
     for s in sc:
         if s.indices.stride(-1) != 1:
@@ -496,8 +510,9 @@ def v4_sparse_decode_triton(
         lse, lse.stride(0), lse.stride(1), lse.stride(2),
         part_o if part_o is not None else dummy, part_l if part_l is not None else dummy,
         s_q, heads, splits, tiles_per_split, float(softmax_scale) * LOG2E,
-        FMT0=k0["FMT"], REC0=k0["REC"], DATA0=k0["DATA"], HAS_L0=k0["HAS_L"],
-        FMT1=k1["FMT"], REC1=k1["REC"], DATA1=k1["DATA"], HAS_L1=k1["HAS_L"], HAS_SCOPE1=s1 is not None,
+        FMT0=k0["FMT"], REC0=k0["REC"], DATA0=k0["DATA"], ALIGN0=k0["ALIGN"], HAS_L0=k0["HAS_L"],
+        FMT1=k1["FMT"], REC1=k1["REC"], DATA1=k1["DATA"], ALIGN1=k1["ALIGN"], HAS_L1=k1["HAS_L"],
+        HAS_SCOPE1=s1 is not None,
         HAS_SINK=sinks is not None, SPLIT=part_o is not None, DV_SPLIT=dv_split, BH=block_h, BN=bn,
         TM=bool(cfg.tokens_major), HEADS_FIRST=bool(cfg.heads_first), num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -256,16 +257,12 @@ def test_triton_kernel_under_interpreter():
 _SM90_STACK_LIMIT = {16: 8, 64: 488, 128: 64}  # spill stack of the default (measured-fastest) shapes, or less
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("heads", sorted(_SM90_STACK_LIMIT))
-def test_default_configs_compile_for_sm90_pipelined(heads):
-    """The defaults the H200 runs, compiled here: cp.async-pipelined gathers (where staged), the MMA kind
-    (mma.sync for 16-row programs, wgmma from 64 rows) and at most the known spill stack."""
-    pytest.importorskip("triton")
-    from tests.kernels.test_mxfp8_gemm import _PTXAS, _compile_sm90
-
-    if not _PTXAS.exists():
-        pytest.skip("needs triton's bundled ptxas")
+def _compile_split_kernel(heads: int, row_pages: bool):
+    """(ptx, resource usage) of the default program for ``heads``, compiled for sm_90 here:
+    paged V4 scopes (16-byte page strides), or, with ``row_pages``, one-record pages of 584-byte
+    rows (8 mod 16: the row pools and the sparse prefill's picks) as the launch specializes them
+    (page size 1, the stride in 8-byte words, 73: no divisibility hint)."""
+    from tests.kernels.test_mxfp8_gemm import _compile_sm90
     from kernels.v4_sparse_decode_triton import _split_kernel, resolve_config
 
     cfg = resolve_config(heads, None)
@@ -274,12 +271,32 @@ def test_default_configs_compile_for_sm90_pipelined(heads):
     names = ("q_sb q_ss q_sh c0_ps c0_page i0_sb i0_ss K0 c1_ps c1_page i1_sb i1_ss K1 o_sb o_ss o_sh l_sb l_ss l_sh "
              "S_Q H num_splits tiles_per_split").split()
     types.update(dict.fromkeys(names, "i32"))
-    consts = dict(FMT0=0, REC0=584, DATA0=576, HAS_L0=False, FMT1=0, REC1=584, DATA1=576, HAS_L1=True,
-                  HAS_SCOPE1=True, HAS_SINK=True, SPLIT=True, DV_SPLIT=cfg.dv_split, BH=cfg.block_h, BN=cfg.block_n,
-                  TM=cfg.tokens_major, HEADS_FIRST=cfg.heads_first)
-    divisible = ("q_sb", "q_ss", "q_sh", "c0_ps", "c1_ps", "o_sb", "o_ss", "o_sh", "i0_sb", "i0_ss", "i1_sb", "i1_ss")
-    ptx, usage = _compile_sm90(_split_kernel, types, consts, divisible=divisible, num_warps=cfg.num_warps,
-                               num_stages=cfg.num_stages)
+    consts = dict(FMT0=0, REC0=584, DATA0=576, ALIGN0=16, HAS_L0=False, FMT1=0, REC1=584, DATA1=576, ALIGN1=16,
+                  HAS_L1=True, HAS_SCOPE1=True, HAS_SINK=True, SPLIT=True, DV_SPLIT=cfg.dv_split, BH=cfg.block_h,
+                  BN=cfg.block_n, TM=cfg.tokens_major, HEADS_FIRST=cfg.heads_first)
+    divisible = ["q_sb", "q_ss", "q_sh", "o_sb", "o_ss", "o_sh", "i0_sb", "i0_ss", "i1_sb", "i1_ss"]
+    if row_pages:
+        consts.update(c0_page=1, c1_page=1, ALIGN0=8, ALIGN1=8)
+    else:
+        divisible += ["c0_ps", "c1_ps"]
+    return _compile_sm90(_split_kernel, types, consts, divisible=tuple(divisible), num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads", sorted(_SM90_STACK_LIMIT))
+def test_default_configs_compile_for_sm90_pipelined(heads):
+    """The defaults the H200 runs, compiled here: cp.async-pipelined gathers (where staged), the MMA kind
+    (mma.sync for 16-row programs, wgmma from 64 rows) and at most the known spill stack."""
+    pytest.importorskip("triton")
+    from tests.kernels.test_mxfp8_gemm import _PTXAS
+
+    if not _PTXAS.exists():
+        pytest.skip("needs triton's bundled ptxas")
+    from kernels.v4_sparse_decode_triton import resolve_config
+
+    cfg = resolve_config(heads, None)
+    ptx, usage = _compile_split_kernel(heads, row_pages=False)
     if cfg.num_stages > 1:
         assert "cp.async" in ptx, "the record gathers are not pipelined"
     if cfg.block_h >= 64:
@@ -288,6 +305,25 @@ def test_default_configs_compile_for_sm90_pipelined(heads):
         assert "mma.sync" in ptx and "wgmma" not in ptx, usage
     stack = int(usage.split("STACK:")[1].split()[0])
     assert usage.endswith("LOCAL:0") and stack <= _SM90_STACK_LIMIT[heads], (cfg, usage)
+
+
+@pytest.mark.slow
+def test_row_record_pages_compile_like_paged_ones_for_sm90():
+    """64 heads (wgmma, two stages) on 584-byte one-record pages, the program of the sparse
+    prefill's picks on V4 layers: the record bytes are gathered by 8-byte cp.async stages, as
+    from 16-byte-strided pages (with the stride as bytes the compiler saw no alignment: byte
+    loads outside the pipeline, 960 B of spills, and NaN on the H200)."""
+    pytest.importorskip("triton")
+    from tests.kernels.test_mxfp8_gemm import _PTXAS
+
+    if not _PTXAS.exists():
+        pytest.skip("needs triton's bundled ptxas")
+    ptx, usage = _compile_split_kernel(64, row_pages=True)
+    assert "wgmma.mma_async" in ptx, usage
+    assert ptx.count("cp.async.ca.shared.global") > ptx.count("ld.global.b8"), "record bytes not pipelined"
+    assert re.search(r"cp\.async\.ca\.shared\.global \[[^\]]*\], \[[^\]]*\], 0x8", ptx), "no 8-byte gathers"
+    stack = int(usage.split("STACK:")[1].split()[0])
+    assert usage.endswith("LOCAL:0") and stack <= _SM90_STACK_LIMIT[64], usage
 
 
 GPU_CASES = [  # (B, s_q, H, top-k, page size of the entries)
@@ -354,18 +390,20 @@ def test_triton_kernel_v41_formats_and_graph_replay():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("heads", [16, 64])
 @pytest.mark.parametrize("record", ["v4", "v41_window", "v41_entry"])
-def test_triton_kernel_on_row_records(record):
-    """The row pools' layout (one-record pages, record number = row) through the kernel."""
+def test_triton_kernel_on_row_records(record, heads):
+    """The row pools' layout (one-record pages, record number = row) through the kernel; 64
+    heads: the two-stage wgmma program, on V4's 584-byte rows (8 mod 16) as well."""
     from kernels.v4_sparse_decode_triton import v4_sparse_decode_triton
 
     gen = torch.Generator().manual_seed(21)
-    q, window, _ = row_record_case(5, 16, 128, record if record != "v41_entry" else "v41_window", gen,
+    q, window, _ = row_record_case(5, heads, 128, record if record != "v41_entry" else "v41_window", gen,
                                    device="cuda")
-    _, entries, _ = row_record_case(5, 16, 700, record, gen, device="cuda")
+    _, entries, _ = row_record_case(5, heads, 700, record, gen, device="cuda")
     entries = SparseKV(entries.cache, entries.indices, record, torch.tensor([700, 1, 0, 350, 64], dtype=torch.int32,
                                                                             device="cuda"))
-    sinks = torch.randn(16, generator=gen).cuda()
+    sinks = torch.randn(heads, generator=gen).cuda()
     out, lse = v4_sparse_decode_triton(q, [window, entries], sinks, SCALE)
     want, want_lse = v4_sparse_decode_reference(q, [window, entries], sinks, SCALE, compute_dtype=torch.float64)
     assert not out.isnan().any()

@@ -180,6 +180,8 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
          C(block_h=2, block_t=8, dv_split=1, block_n=16)),
         (3, 0, 16, 8, dict(record_w="rows", mode="picks", ratio=2, topk=3), C()),  # bf16 rows, start 0
         (7, 12, 3, 8, dict(record_w="rows", mode="none"), C(block_h=4, block_t=4, block_n=16)),
+        # the bench's V4 CSA shape at 64 heads (both kernels' 64-head programs), 584-byte rows
+        (2, 4093, 64, 128, dict(record_w="v4", mode="picks", ratio=4, topk=512, no_pick_frac=0.0), C()),
     ]
     import kernels.v4_sparse_prefill_triton as kernel_module
     cases.append((9, 5, 2, 8, dict(record_w="v4", mode="picks", ratio=2, topk=4), C(block_h=2, block_t=8, block_n=16)))
@@ -209,6 +211,7 @@ def test_triton_kernels_under_interpreter():
 
 _COMPILE_CASES = [  # (heads, window record, HCA entries, picks partial, spill stack or less): defaults of 8/64 heads
     (64, "v41_window", False, True, 512), (8, "v4", True, False, 128),
+    (64, "v4", False, True, 528),  # V4 CSA's window + merge program
 ]
 
 
@@ -247,6 +250,7 @@ def test_window_kernel_compiles_for_sm90(heads, record, has_ent, has_part, limit
 # ---- GPU: the kernels against the float64 reference on fresh random inputs -------------------------
 GPU_CASES = [  # (T, start, H, case fields)
     (300, 1000, 8, dict(record_w="v4", mode="picks", ratio=4, topk=512)),  # V4 CSA
+    (256, 8192, 64, dict(record_w="v4", mode="picks", ratio=4, topk=512)),  # V4 CSA at 64 heads (the bench's NaN)
     (200, 37, 64, dict(record_w="v4", mode="causal", ratio=128)),  # V4 HCA: few entries yet
     (257, 4000, 64, dict(record_w="v4", mode="causal", ratio=128)),  # V4 HCA, entries on every token
     (300, 700, 8, dict(record_w="v41_window", record_e="v41_entry", mode="picks", ratio=2, topk=512)),
