@@ -140,8 +140,8 @@ if triton is not None:
             tl.store(DST + NOPE + 2 * ROPE + blk, byte.to(tl.uint8), mask=(blk < NOPE // BLOCK) & write)
             pad = NOPE + 2 * ROPE + NOPE // BLOCK + tl.arange(0, 8)
             tl.store(DST + pad, tl.zeros([8], dtype=tl.uint8), mask=(pad < WIDTH) & write)
-        elif FMT == 8:  # V4 index key: e4m3 with one fp32 scale amax / 448
-            scale = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32))[:, None]
+        elif FMT == 8:  # V4 index key: e4m3 with one fp32 scale amax · fp32(1/448)
+            scale = (tl.maximum(amax, 1e-4) * 0.002232142857142857)[:, None]  # times fp32(1/448), as the reference
             scale = tl.broadcast_to(scale, ve.shape)
             qe = e4m3_rne_bits(tl.clamp(tl.math.div_rn(ve, scale), -448.0, 448.0))
             qo = e4m3_rne_bits(tl.clamp(tl.math.div_rn(vo, scale), -448.0, 448.0))
@@ -151,7 +151,7 @@ if triton is not None:
             tl.store(DST + D + shift, ((bits >> (8 * shift)) & 0xFF).to(tl.uint8), mask=(shift < 4) & write)
         else:  # e2m1 pairs: e4m3 scale per 16 (2, 5) or ue8m0 per 32 (3, 6)
             if FMT == 2 or FMT == 5:
-                q = tl.math.div_rn(tl.maximum(amax, 0.01171875), tl.full(amax.shape, 6.0, tl.float32))
+                q = tl.maximum(amax, 0.01171875) * 0.16666666666666666  # times fp32(1/6), as the reference
                 sbyte = e4m3_rne_bits(tl.minimum(q, 448.0))
                 scale = _e4m3_value(sbyte)
             else:
