@@ -627,6 +627,6 @@ def test_kernels_compile_for_sm90_without_spills():
                      BIAS="*fp32", W="*fp32", DST=dst(fmt))
         c = dict(consts(fmt, dim), M=m, WR=2 * dim if overlap else dim, BLOCK_W=1024 if overlap else dim,
                  SC=min(slots, 8), OVERLAP=overlap, HAS_BIAS=raw == "*bf16", RAW_BF16=raw == "*bf16",
-                 AFTER_CAST=raw == "*fp32", BF16=True, LATENT=raw == "*fp32")
+                 AFTER_CAST=raw == "*fp32", BF16=True, LATENT=raw == "*fp32", PRECISE_EXP=True)
         _, usage = _compile_sm90(_compress_kernel, types, c, num_warps=8 if slots >= 8 else 4, enable_fp_fusion=False)
         assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (m, fmt, usage)
