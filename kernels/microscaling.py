@@ -119,7 +119,9 @@ def quantize_fp4_blocks(x: torch.Tensor, block: int, scale_format: str) -> tuple
     if scale_format == "ue8m0":
         scale = pow2_ceil(amax.clamp_min(_FP4_UE8M0_MIN_AMAX) * (1.0 / FP4_MAX))
     else:
-        scale = (amax.clamp_min(_FP4_E4M3_MIN_AMAX) / FP4_MAX).to(torch.float8_e4m3fn).float()
+        # times fp32(1/6), not a division: CUDA torch turns a division by a Python scalar into
+        # that product (CPU torch divides), so only the product has the same bits everywhere
+        scale = (amax.clamp_min(_FP4_E4M3_MIN_AMAX) * (1.0 / FP4_MAX)).to(torch.float8_e4m3fn).float()
     codes = float_to_fp4_codes((b / scale).clamp(-FP4_MAX, FP4_MAX))
     return codes.reshape(x.shape), scale.squeeze(-1)
 

@@ -196,8 +196,11 @@ def v4_index_key_bytes(dim: int) -> int:
 
 def pack_v4_index_keys(keys: torch.Tensor) -> torch.Tensor:
     """V4 indexer keys [..., d] → uint8 [..., d + 4]: e4m3 values, then one float32 scale
-    (amax / 448) per key."""
-    scale = keys.float().abs().amax(-1, keepdim=True).clamp_min(1e-4) / 448.0
+    (amax · fp32(1/448)) per key.
+
+    The scale multiplies by the reciprocal, as CUDA torch computes a division by a Python
+    scalar (CPU torch divides): the same bits on every device, and the fused kernel's."""
+    scale = keys.float().abs().amax(-1, keepdim=True).clamp_min(1e-4) * (1.0 / 448.0)
     q = (keys.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return torch.cat([q.view(torch.uint8), scale.contiguous().view(torch.uint8)], dim=-1)
 

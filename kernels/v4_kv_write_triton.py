@@ -17,14 +17,20 @@ pools' ``RowCodec.format``): ``plain`` (the model dtype), V4.1's fake-quantized 
 d = 512 / 128), V4's MODEL1 row (``v4_row``, 584 B) and index key (``v4_key``). Every
 rounding is the reference's (kernels/v4_kv_write.py over kernels/v4_cache_formats.py): IEEE
 division and square root, no FMA contraction, bf16 and e4m3 rounding on the integer bits
-(kernels/mxfp8_quant_triton.py), e2m1 ties-to-even by the 2^23 trick. Where the norm's sum
-and (for entries) the softmax's exp see the same values in any order, the records equal the
-reference's byte for byte; otherwise only those two differ in the last fp32 bit.
+(kernels/mxfp8_quant_triton.py), e2m1 ties-to-even by the 2^23 trick, scales times fp32(1/448)
+or fp32(1/6) (the product CUDA torch computes for a division by a Python scalar), and the
+softmax's exp CUDA's ``expf`` on the GPU (libdevice, as torch's softmax; ``tl.exp`` under the
+interpreter). Where the norm's and the softmax's float32 sums see the same values in any
+order, the records equal the reference's byte for byte; otherwise only those sums differ, in
+the last fp32 bit. Each program touches only its request's ring rows and target row, so the
+programs of a launch commute (the test replays them in reversed order).
 
 Fixed launch shapes (B programs), masks instead of branches, no host sync: CUDA-graph safe.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -34,6 +40,7 @@ from kernels.v4_kv_write import RowNorm, RowStore, RowTarget
 try:  # the CPU reference does not need Triton
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
@@ -79,6 +86,14 @@ if triton is not None:
         normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
         v = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)  # subnormal: m · 2^-9
         return tl.where((bits & 0x80) != 0, -v, v)
+
+    @triton.jit
+    def _exp(x, PRECISE: tl.constexpr):
+        """exp of fp32 x: CUDA's ``expf`` (libdevice, what torch's softmax calls) when PRECISE;
+        else ``tl.exp`` (an ``ex2.approx`` on the GPU; the interpreter has no libdevice)."""
+        if PRECISE:
+            return libdevice.exp(x)
+        return tl.exp(x)
 
     @triton.jit
     def _fp4_code(y):
@@ -140,8 +155,8 @@ if triton is not None:
             tl.store(DST + NOPE + 2 * ROPE + blk, byte.to(tl.uint8), mask=(blk < NOPE // BLOCK) & write)
             pad = NOPE + 2 * ROPE + NOPE // BLOCK + tl.arange(0, 8)
             tl.store(DST + pad, tl.zeros([8], dtype=tl.uint8), mask=(pad < WIDTH) & write)
-        elif FMT == 8:  # V4 index key: e4m3 with one fp32 scale amax / 448
-            scale = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full(amax.shape, 448.0, tl.float32))[:, None]
+        elif FMT == 8:  # V4 index key: e4m3 with one fp32 scale amax · fp32(1/448)
+            scale = (tl.maximum(amax, 1e-4) * 0.002232142857142857)[:, None]  # times fp32(1/448), as the reference
             scale = tl.broadcast_to(scale, ve.shape)
             qe = e4m3_rne_bits(tl.clamp(tl.math.div_rn(ve, scale), -448.0, 448.0))
             qo = e4m3_rne_bits(tl.clamp(tl.math.div_rn(vo, scale), -448.0, 448.0))
@@ -151,7 +166,7 @@ if triton is not None:
             tl.store(DST + D + shift, ((bits >> (8 * shift)) & 0xFF).to(tl.uint8), mask=(shift < 4) & write)
         else:  # e2m1 pairs: e4m3 scale per 16 (2, 5) or ue8m0 per 32 (3, 6)
             if FMT == 2 or FMT == 5:
-                q = tl.math.div_rn(tl.maximum(amax, 0.01171875), tl.full(amax.shape, 6.0, tl.float32))
+                q = tl.maximum(amax, 0.01171875) * 0.16666666666666666  # times fp32(1/6), as the reference
                 sbyte = e4m3_rne_bits(tl.minimum(q, 448.0))
                 scale = _e4m3_value(sbyte)
             else:
@@ -265,7 +280,7 @@ if triton is not None:
         M: tl.constexpr, WR: tl.constexpr, BLOCK_W: tl.constexpr, SC: tl.constexpr, OVERLAP: tl.constexpr,
         HAS_BIAS: tl.constexpr, RAW_BF16: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, FMT: tl.constexpr,
         BLOCK: tl.constexpr, NB: tl.constexpr, BH: tl.constexpr, WIDTH: tl.constexpr, AFTER_CAST: tl.constexpr,
-        BF16: tl.constexpr, LATENT: tl.constexpr,
+        BF16: tl.constexpr, LATENT: tl.constexpr, PRECISE_EXP: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         p = tl.load(POS + b).to(tl.int64)
@@ -301,20 +316,30 @@ if triton is not None:
             for c in range(0, NS, SC):
                 gates = _slot_gate(GATE, GATE_RING, BIAS, b, stride_new, gate_base, c + slots, p, closes,
                                    has_prev, col3, ok3, R, M, D, WR, OVERLAP, HAS_BIAS)
-                den_e += tl.sum(tl.exp(gates[0] - mx_e[None, :, :]), 0)
-                den_o += tl.sum(tl.exp(gates[1] - mx_o[None, :, :]), 0)
+                den_e += tl.sum(_exp(gates[0] - mx_e[None, :, :], PRECISE_EXP), 0)
+                den_o += tl.sum(_exp(gates[1] - mx_o[None, :, :], PRECISE_EXP), 0)
             for c in range(0, NS, SC):
                 ge, go, pos, off, mask = _slot_gate(GATE, GATE_RING, BIAS, b, stride_new, gate_base, c + slots, p,
                                                     closes, has_prev, col3, ok3, R, M, D, WR, OVERLAP, HAS_BIAS)
                 ke, ko = _load_slot(KV, KV_RING, b, stride_new, kv_base, pos, p, off, col3, mask, R, WR)
-                we = tl.math.div_rn(tl.exp(ge - mx_e[None, :, :]), tl.broadcast_to(den_e[None, :, :], ge.shape))
-                wo = tl.math.div_rn(tl.exp(go - mx_o[None, :, :]), tl.broadcast_to(den_o[None, :, :], go.shape))
+                we = tl.math.div_rn(_exp(ge - mx_e[None, :, :], PRECISE_EXP),
+                                      tl.broadcast_to(den_e[None, :, :], ge.shape))
+                wo = tl.math.div_rn(_exp(go - mx_o[None, :, :], PRECISE_EXP),
+                                      tl.broadcast_to(den_o[None, :, :], go.shape))
                 acc_e += tl.sum(_round(ke * _round(we, RAW_BF16), RAW_BF16), 0)
                 acc_o += tl.sum(_round(ko * _round(wo, RAW_BF16), RAW_BF16), 0)
         pe = _round(_round(acc_e, RAW_BF16), BF16)
         po = _round(_round(acc_o, RAW_BF16), BF16)
         _finish(pe, po, col, ok & closes, W, eps, COS + b * stride_cs, SIN + b * stride_cs, DST + row * WIDTH,
                 LAT + b * D, closes, D, ROPE, FMT, BLOCK, NB, WIDTH, AFTER_CAST, BF16, LATENT)
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET), which has no libdevice."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def _params(store: RowStore, dim: int, rope_dims: int) -> dict:
@@ -370,6 +395,7 @@ def compress_step_triton(kv: torch.Tensor, gate: torch.Tensor, kv_ring: torch.Te
             SC=min(triton.next_power_of_2(slots), 8), OVERLAP=overlap, HAS_BIAS=position_bias is not None,
             RAW_BF16=kv.dtype == torch.bfloat16,
             **_params(store, dim, 2 * cos.shape[-1]), AFTER_CAST=norm.weight_after_cast,
-            BF16=cos.dtype == torch.bfloat16, LATENT=want_latent, num_warps=8 if slots >= 8 else 4,
+            BF16=cos.dtype == torch.bfloat16, LATENT=want_latent, PRECISE_EXP=not _interpreting(),
+            num_warps=8 if slots >= 8 else 4,
             enable_fp_fusion=False)
     return latent if want_latent else None

@@ -232,18 +232,30 @@ def _signs_times_pow2(shape, g, device) -> torch.Tensor:
 
 
 def _compare(fmt, codec, got: torch.Tensor, want: torch.Tensor, exact: bool, what: str) -> None:
-    """Written rows [n, width]: bytes equal when ``exact``; else nearly all rows equal and the
-    decoded values within a quantization step of the row's largest value."""
+    """Written rows [n, width]: bytes equal when ``exact``; else the decoded values within a
+    quantization step of the row's largest value and nearly all rows equal: at most one row
+    in ten (at least one), since the kernels' float32 sums run in another order than torch's
+    and a last-bit difference flips a bf16 / e4m3 rounding in a few rows. Plain float32 rows
+    have no rounding to hide those bits: there only the values are compared, within 1e-5."""
     same_rows = (got.view(torch.uint8) == want.view(torch.uint8)).all(-1)
     if exact:
         assert bool(same_rows.all()), (what, fmt, (~same_rows).nonzero().flatten().tolist()[:8])
         return
-    assert same_rows.float().mean().item() >= 0.9, (what, fmt, same_rows.float().mean().item())
+    fp32_plain = fmt == "plain" and got.dtype == torch.float32
+    if not fp32_plain:
+        differ = int((~same_rows).sum())
+        assert differ <= max(1, same_rows.numel() // 10), (what, fmt, same_rows.float().mean().item())
     a, b = codec.decode(got).float(), codec.decode(want).float()
     fp4 = "entry" in fmt or fmt in ("v41_key", "fake_v41_key")
-    step = 0.02 if fmt == "plain" else (0.35 if fp4 else 0.13)
+    step = (1e-5 if fp32_plain else 0.02) if fmt == "plain" else (0.35 if fp4 else 0.13)
     tol = step * b.abs().amax(-1, keepdim=True) + 1e-6
     assert bool(((a - b).abs() <= tol).all()), (what, fmt, ((a - b).abs() - tol).max().item())
+
+
+def _disjoint_page_tables(batch: int, pages: int, g) -> torch.Tensor:
+    """[batch, pages] page ids, no page in two requests' tables (unit 0 is the scratch unit).
+    Requests sharing a row would leave whichever program stored last: on a GPU, any one."""
+    return (torch.randperm(batch * pages, generator=g) + 1).view(batch, pages)
 
 
 def _rope_tables(b: int, rope_dims: int, dtype, g, device):
@@ -275,14 +287,14 @@ def check_write_rows(fmt: str, dim: int, rope_dims: int, dtype: torch.dtype, aft
     else:
         rows, ratio = PAGE_ROWS, 2
         pages = 300 // (ratio * rows) + 1
-        table = torch.stack([torch.randperm(batch * pages, generator=g)[:pages] + 1 for _ in range(batch)])
+        table = _disjoint_page_tables(batch, pages, g)
         units = batch * pages + 1
         target = RowTarget(positions.to(device), rows, page_table=table.to(device), ratio=ratio)
     want, got = _poisoned(units * rows, codec, device), _poisoned(units * rows, codec, device)
     ref_latent = write_rows_reference(x, norm, cos, sin, RowStore(want, codec.encode, fmt), target)
     latent = impl(x, norm, cos, sin, RowStore(got, codec.encode, fmt), target, True)
     written = target.flat_rows()[(positions.to(device) + 1) % ratio == 0]
-    assert written.numel() > 0
+    assert written.numel() > 0 and written.unique().numel() == written.numel()
     _compare(fmt, codec, got[written], want[written], exact, "rows")
     untouched = torch.ones(units * rows, dtype=torch.bool, device=device)
     untouched[written] = False
@@ -328,8 +340,10 @@ def check_compress(kind: str, fmt: str, dim: int, rope_dims: int, exact: bool, b
     positions = torch.randint(0, 8 * m, (batch,), generator=g)
     positions[: min(batch, 3)] = torch.tensor([m - 1, 2 * m - 1, 0])[: min(batch, 3)]  # window 0, window 1, open
     base = (torch.randperm(batch, generator=g) + 1) * r
+    if exact:  # each request's own rows in its ring unit, so its window is all ±2^k of one k
+        kv_ring[(base.unsqueeze(-1) + torch.arange(r)).flatten()] = rows.reshape(-1, width)
     pages = 8 // PAGE_ROWS + 1
-    table = torch.stack([torch.randperm(batch * pages, generator=g)[:pages] + 1 for _ in range(batch)])
+    table = _disjoint_page_tables(batch, pages, g)
     w = (torch.rand(dim, generator=g) * 1.5 + 0.25).to(dtype if after_cast else torch.float32)
     cos, sin = _rope_tables(batch, rope_dims, dtype, g, device)
     to = dict(device=device)
@@ -349,6 +363,7 @@ def check_compress(kind: str, fmt: str, dim: int, rope_dims: int, exact: bool, b
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "rings"
     closes = (positions.to(**to) + 1) % m == 0
     written = target.flat_rows()[closes]
+    assert written.unique().numel() == written.numel()
     _compare(fmt, codec, got[written], want[written], exact, f"{kind} entries")
     untouched = torch.ones(n_rows, dtype=torch.bool, device=device)
     untouched[written] = False
@@ -356,6 +371,79 @@ def check_compress(kind: str, fmt: str, dim: int, rope_dims: int, exact: bool, b
     assert torch.equal(got[untouched].view(torch.uint8), want[untouched].view(torch.uint8)), "wrote outside"
     tol = 0 if exact else (2e-2 if dtype == torch.bfloat16 else 1e-5)
     torch.testing.assert_close(latent[closes], ref_latent[closes], rtol=tol, atol=tol)
+
+
+def _one_request(target, b: int):
+    """RowTarget of request b alone."""
+    from dataclasses import replace
+
+    def cut(t):
+        return None if t is None else t[b:b + 1]
+
+    return replace(target, positions=cut(target.positions), ring_base=cut(target.ring_base),
+                   page_table=cut(target.page_table))
+
+
+def in_program_order(order):
+    """(row write, compressor step) impls running the Triton wrappers one request per launch,
+    requests in ``order``: under the interpreter (programs in grid order) this plays a launch's
+    programs in another order, as a GPU may. Results equal to the one-launch results show the
+    programs do not depend on each other."""
+    from kernels.v4_kv_write_triton import compress_step_triton, write_rows_triton
+
+    def rows(x, norm, cos, sin, store, target, want_latent=False):
+        out = {b: write_rows_triton(x[b:b + 1], norm, cos[b:b + 1], sin[b:b + 1], store, _one_request(target, b),
+                                    want_latent) for b in order(x.shape[0])}
+        return torch.cat([out[b] for b in sorted(out)]) if want_latent else None
+
+    def compress(kv, gate, kv_ring, gate_ring, ring, gate_base, ratio, overlap, bias, norm, cos, sin, store, target,
+                 want_latent=False):
+        out = {b: compress_step_triton(kv[b:b + 1], gate[b:b + 1], kv_ring, gate_ring, _one_request(ring, b),
+                                       gate_base[b:b + 1], ratio, overlap, bias, norm, cos[b:b + 1], sin[b:b + 1],
+                                       store, _one_request(target, b), want_latent)
+               for b in order(kv.shape[0])}
+        return torch.cat([out[b] for b in sorted(out)]) if want_latent else None
+
+    return rows, compress
+
+
+def reversed_order(n: int) -> list[int]:
+    return list(range(n))[::-1]
+
+
+def check_shared_rows_expose_program_order() -> None:
+    """Two requests writing one paged row: the stored record is the last program's, so the
+    reversed order stores the other one; the order check above would catch a kernel whose
+    programs touch each other's rows (rings, gates, entries) the same way."""
+    from kernels.v4_kv_write import RowNorm, RowStore, RowTarget
+    from kernels.v4_kv_write_triton import write_rows_triton
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, generator=g)
+    cos, sin = _rope_tables(2, 16, torch.float32, g, "cpu")
+    norm = RowNorm(torch.rand(64, generator=g) + 0.5, 1e-6)
+    shared = RowTarget(torch.tensor([1, 1]), PAGE_ROWS, page_table=torch.tensor([[1], [1]]), ratio=2)
+    stores = []
+    for run in (write_rows_triton, in_program_order(reversed_order)[0]):
+        stores.append(torch.full((2 * PAGE_ROWS, 64), float("nan")))
+        run(x, norm, cos, sin, RowStore(stores[-1], lambda v: v, "plain"), shared)
+    assert not torch.equal(stores[0][PAGE_ROWS], stores[1][PAGE_ROWS])
+
+
+_INTERPRET_ORDER_SCRIPT = """
+import torch
+from tests.kernels.test_v4_kv_write import (check_compress, check_shared_rows_expose_program_order,
+                                            check_write_rows, in_program_order, reversed_order)
+rows, compress = in_program_order(reversed_order)
+for fmt, dim, dtype, ring in [("v4_key", 32, torch.bfloat16, True), ("v41_entry", 64, torch.float32, False),
+                              ("plain", 64, torch.float32, True)]:
+    check_write_rows(fmt, dim, 16, dtype, False, ring, False, 6, seed=1, impl=rows)
+for kind, fmt in [("v4_csa", "v4_key"), ("v4_csa_fp32", "plain"), ("v41", "v41_entry"), ("v4_hca", "plain")]:
+    for exact in (True, False):
+        check_compress(kind, fmt, 32 if fmt == "v4_key" else 64, 16, exact, 6, impl=compress)
+check_shared_rows_expose_program_order()
+print("interpreter ok")
+"""
 
 
 _INTERPRET_SCRIPT = """
@@ -383,6 +471,20 @@ def test_triton_kernels_under_interpreter():
 
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_triton_programs_in_reversed_order_under_interpreter():
+    """Each launch replayed one request per launch in reversed order (:func:`in_program_order`)
+    writes what the reference writes; and a shared target row does show the order."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    res = subprocess.run([sys.executable, "-c", _INTERPRET_ORDER_SCRIPT], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-4000:]
 
@@ -525,6 +627,6 @@ def test_kernels_compile_for_sm90_without_spills():
                      BIAS="*fp32", W="*fp32", DST=dst(fmt))
         c = dict(consts(fmt, dim), M=m, WR=2 * dim if overlap else dim, BLOCK_W=1024 if overlap else dim,
                  SC=min(slots, 8), OVERLAP=overlap, HAS_BIAS=raw == "*bf16", RAW_BF16=raw == "*bf16",
-                 AFTER_CAST=raw == "*fp32", BF16=True, LATENT=raw == "*fp32")
+                 AFTER_CAST=raw == "*fp32", BF16=True, LATENT=raw == "*fp32", PRECISE_EXP=True)
         _, usage = _compile_sm90(_compress_kernel, types, c, num_warps=8 if slots >= 8 else 4, enable_fp_fusion=False)
         assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (m, fmt, usage)
