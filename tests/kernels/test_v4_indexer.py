@@ -377,7 +377,9 @@ def global_access_bytes(ptx: str, source: str) -> dict[int, set[int]]:
     ``source`` it was generated from (the PTX's .loc directives)."""
     import re
 
-    files = {k for k, path in re.findall(r'\.file\s+(\d+)\s+"([^"]+)"', ptx) if Path(path) == Path(source)}
+    # by file name: Triton's cache is keyed by the source text, so a PTX compiled from another
+    # checkout of the same file carries that checkout's path
+    files = {k for k, path in re.findall(r'\.file\s+(\d+)\s+"([^"]+)"', ptx) if Path(path).name == Path(source).name}
     line, widths = None, {}
     for text in ptx.splitlines():
         if m := re.match(r"\s*\.loc\s+(\d+)\s+(\d+)", text):
