@@ -35,20 +35,19 @@ import torch
 
 from kernels.fp8 import FP8_DTYPE
 from kernels.moe_triton import padded_rows
-from kernels.mxfp4_moe import SPAN, check_mxfp4_experts
+from kernels.mxfp4_moe import SPAN
+
+from kernels.mxfp4_moe_triton import check_kernel_inputs, finish_gate_up, sum_slots
 
 try:
     import triton
     import triton.language as tl
 
-    from kernels.moe_triton import _sum_slots_kernel
     from kernels.mxfp4_moe_triton import (
         _LUT_ASM,
-        _finish_gate_up_kernel,
         _lut,
         _lut_byte,
         _quant_pairs,
-        _sum_split_slots_kernel,
         _swiglu_store,
         quant_spans_per_program,
     )
@@ -345,9 +344,8 @@ def moe_mxfp4_w4a8_swap_ab(
     config: SwapABConfig | None = None,
     ue8m0: bool = False,
 ) -> torch.Tensor:
-    """``kernels.mxfp4_moe_triton.moe_mxfp4_triton(mode="w4a8")`` through the swap-AB kernels
-    (arguments checked there) → fp32 [T, D]."""
-    n_local, d, inter = check_mxfp4_experts(x, w13, w13_scale, w2, w2_scale)
+    """``kernels.mxfp4_moe_triton.moe_mxfp4_triton(mode="w4a8")`` through the swap-AB kernels → fp32 [T, D]."""
+    n_local, d, inter = check_kernel_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
     t, k = topk_ids.shape
     n_slots = t * k
     dev = x.device
@@ -374,11 +372,7 @@ def moe_mxfp4_w4a8_swap_ab(
         CLAMP=limit > 0, UE8M0=ue8m0, FUSED=fused, BLOCK_T=cfg.block_t, BLOCK_F=cfg.block_f, SPANS=cfg.spans,
         CONVERT=convert, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fused:
-        fin_m = 16
-        _finish_gate_up_kernel[(rows // fin_m, inter // SPAN)](
-            part, hid, sh, slots, wts, n_slots, inter, cfg.split_k, float(limit),
-            part.stride(0), part.stride(1), hid.stride(0), sh.stride(0),
-            A8=True, CLAMP=limit > 0, UE8M0=ue8m0, BLOCK_M=fin_m, num_warps=4)
+        finish_gate_up(part, hid, sh, slots, wts, n_slots, limit, True, ue8m0)
     h = hid.view(FP8_DTYPE)
     split = cfg.split_k_down > 1
     y = torch.empty(cfg.split_k_down, n_slots, d, dtype=torch.float32 if split else torch.bfloat16, device=dev)
@@ -388,15 +382,7 @@ def moe_mxfp4_w4a8_swap_ab(
         h.stride(0), sh.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), y.stride(1),
         SPLIT=split, BLOCK_T=cfg.block_t, BLOCK_F=cfg.block_f_down, SPANS=cfg.spans, CONVERT=convert,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    sum_block = min(1024, triton.next_power_of_2(d))
-    ids = topk_ids.contiguous()
-    if split:
-        _sum_split_slots_kernel[(t, triton.cdiv(d, sum_block))](
-            y, ids, out, d, k, expert_offset, n_local, cfg.split_k_down, y.stride(0), y.stride(1), out.stride(0),
-            BLOCK_N=sum_block, num_warps=4)
-    else:
-        _sum_slots_kernel[(t, triton.cdiv(d, sum_block))](
-            y[0], ids, out, d, k, expert_offset, n_local, y.stride(1), out.stride(0), BLOCK_N=sum_block, num_warps=4)
+    sum_slots(y, topk_ids, out, expert_offset, n_local)
     return out
 
 

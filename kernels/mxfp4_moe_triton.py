@@ -447,19 +447,9 @@ def moe_mxfp4_triton(
     The token-row kernels: ``config`` an ``MXFP4MoEConfig`` or None (:func:`default_config`).
     ``kernels.mxfp4_experts.moe_mxfp4_kernels`` picks between these and the W4A8 swap-AB decode
     kernels (kernels/mxfp4_moe_decode.py)."""
-    if triton is None:
-        raise RuntimeError("the MXFP4 MoE kernels need the triton package")
     if mode not in MODES:
         raise ValueError(f"unknown MXFP4 MoE mode {mode!r}; one of {', '.join(MODES)}")
-    n_local, d, inter = check_mxfp4_experts(x, w13, w13_scale, w2, w2_scale)
-    if d % SPAN or inter % SPAN:
-        raise ValueError(f"the MXFP4 kernels need D ({d}) and I ({inter}) to be multiples of {SPAN}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} "
-                         f"must both be [T={x.shape[0]}, k]")
-    for name, w in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
-        if w.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous along its last dim")
+    n_local, d, inter = check_kernel_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids)
     t, k = topk_ids.shape
     n_slots = t * k
     dev = x.device
@@ -498,11 +488,7 @@ def moe_mxfp4_triton(
         A8=a8, CLAMP=limit > 0, UE8M0=ue8m0, FUSED=fused, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         GROUP_M=cfg.group_m, CONVERT=convert, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if not fused:
-        fin_m = 16
-        _finish_gate_up_kernel[(rows // fin_m, inter // SPAN)](
-            part, hid, sh, slots, wts, n_slots, inter, cfg.split_k, float(limit),
-            part.stride(0), part.stride(1), hid.stride(0), sh.stride(0),
-            A8=a8, CLAMP=limit > 0, UE8M0=ue8m0, BLOCK_M=fin_m, num_warps=4)
+        finish_gate_up(part, hid, sh, slots, wts, n_slots, limit, a8, ue8m0)
     h = hid.view(FP8_DTYPE) if a8 else hid
     split = cfg.split_k_down > 1
     y = torch.empty(cfg.split_k_down, n_slots, d, dtype=torch.float32 if split else torch.bfloat16, device=dev)
@@ -512,16 +498,52 @@ def moe_mxfp4_triton(
         h.stride(0), sh.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0), y.stride(1),
         A8=a8, SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, GROUP_M=cfg.group_m, CONVERT=convert,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    sum_slots(y, topk_ids, out, expert_offset, n_local)
+    return out
+
+
+def check_kernel_inputs(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids) -> tuple[int, int, int]:
+    """(local experts, D, I) after the checks every MXFP4 MoE kernel path needs; one line naming
+    the tensor otherwise."""
+    if triton is None:
+        raise RuntimeError("the MXFP4 MoE kernels need the triton package")
+    n_local, d, inter = check_mxfp4_experts(x, w13, w13_scale, w2, w2_scale)
+    if d % SPAN or inter % SPAN:
+        raise ValueError(f"the MXFP4 kernels need D ({d}) and I ({inter}) to be multiples of {SPAN}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / topk_weights {tuple(topk_weights.shape)} "
+                         f"must both be [T={x.shape[0]}, k]")
+    for name, w in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+        if w.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous along its last dim")
+    return n_local, d, inter
+
+
+def finish_gate_up(part, hid, sh, slots, wts, n_slots: int, limit: float, a8: bool, ue8m0: bool) -> None:
+    """Split-K gate/up partials [splits, rows, 2I] → SwiGLU (clamped), routing weight, and h
+    (e4m3 + scales for W4A8) in ``hid`` / ``sh``."""
+    rows, inter = hid.shape
+    fin_m = 16
+    _finish_gate_up_kernel[(rows // fin_m, inter // SPAN)](
+        part, hid, sh, slots, wts, n_slots, inter, part.shape[0], float(limit),
+        part.stride(0), part.stride(1), hid.stride(0), sh.stride(0),
+        A8=a8, CLAMP=limit > 0, UE8M0=ue8m0, BLOCK_M=fin_m, num_warps=4)
+
+
+def sum_slots(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, expert_offset: int, n_local: int) -> None:
+    """out [T, D] = each token's sum over its k slots of the down projections y [splits, T·k, D]
+    (split partials summed first); slots of other ranks' experts add nothing."""
+    t, k = topk_ids.shape
+    d, splits = out.shape[1], y.shape[0]
     sum_block = min(1024, triton.next_power_of_2(d))
     ids = topk_ids.contiguous()
-    if split:
+    if splits > 1:
         _sum_split_slots_kernel[(t, triton.cdiv(d, sum_block))](
-            y, ids, out, d, k, expert_offset, n_local, cfg.split_k_down, y.stride(0), y.stride(1), out.stride(0),
+            y, ids, out, d, k, expert_offset, n_local, splits, y.stride(0), y.stride(1), out.stride(0),
             BLOCK_N=sum_block, num_warps=4)
     else:
         _sum_slots_kernel[(t, triton.cdiv(d, sum_block))](
             y[0], ids, out, d, k, expert_offset, n_local, y.stride(1), out.stride(0), BLOCK_N=sum_block, num_warps=4)
-    return out
 
 
 _LUTS: dict = {}
