@@ -300,7 +300,7 @@ class ModelRunner:
         if prof is not None:
             prof.num_seqs, prof.num_tokens = len(plan.query_lens), len(plan.input_ids)
             prof.kind, prof.reason = classify_step(plan.num_decodes, len(plan.query_lens), self.decode_graphs,
-                                                   graphs_off_reason(self.device, self.config))
+                                                   graphs_off_reason(self.device, self.config), self.graph_fits(plan))
         if self.plan_broadcaster is not None:
             self.plan_broadcaster(plan)
         logits = self.run_plan(plan, prof)
@@ -370,6 +370,11 @@ class ModelRunner:
             self._last_sampled.update(result.sampled)
             step.result = result
         return step.result
+
+    def graph_fits(self, plan) -> bool | None:
+        """Whether a pure-decode ``plan`` replays a graph, where more than its batch size decides
+        (None: ``decode_graphs.fits(batch)``)."""
+        return None
 
     @torch.inference_mode()
     def dummy_step(self) -> None:

@@ -29,16 +29,22 @@ def env_enabled() -> bool:
     return envs.MLASERVE_STEP_PROFILE
 
 
-def classify_step(num_decodes: int, num_seqs: int, decode_graphs, graphs_off_reason: str) -> tuple[str, str | None]:
-    """(kind, why a pure decode ran eagerly). Mirrors ``ModelRunner._forward_decode``: a pure
-    decode replays a graph iff ``decode_graphs.fits(batch)``; one token per sequence there."""
+def classify_step(num_decodes: int, num_seqs: int, decode_graphs, graphs_off_reason: str,
+                  fits: bool | None = None) -> tuple[str, str | None]:
+    """(kind, why a pure decode ran eagerly). Mirrors the runner's decode: a pure decode replays
+    a graph iff ``fits`` (default ``decode_graphs.fits(batch)``; the V4 runner also checks every
+    request's context against the graphs' ``max_tokens``); one token per sequence there."""
     if num_decodes and num_decodes == num_seqs:
-        if decode_graphs is not None and decode_graphs.fits(num_seqs):
+        if fits is None:
+            fits = decode_graphs is not None and decode_graphs.fits(num_seqs)
+        if decode_graphs is not None and fits:
             return "decode-graph", None
         if decode_graphs is None:
             return "decode-eager", graphs_off_reason
         if num_seqs > decode_graphs.max_batch:
             return "decode-eager", f"batch > captured max {decode_graphs.max_batch}"
+        if decode_graphs.graphs and getattr(decode_graphs, "max_tokens", None):
+            return "decode-eager", f"a request past the graphs' {decode_graphs.max_tokens} tokens"
         return "decode-eager", "no graph captured"
     return ("mixed" if num_decodes else "prefill"), None
 

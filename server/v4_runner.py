@@ -282,6 +282,12 @@ class V4FamilyRunner(ModelRunner):
         for n, k in enumerate(need):
             parts[decode[k][0]] = logits[n:n + 1]
 
+    def graph_fits(self, plan) -> bool | None:
+        if self.decode_graphs is None:
+            return None
+        states = [self.states[sid] for sid in plan.seq_ids if sid in self.states]
+        return self.decode_graphs.fits(len(plan.seq_ids), states)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         self._drop_preempted(out)

@@ -103,6 +103,10 @@ def test_decode_classification_follows_graph_fits():
     assert classify_step(0, 3, graphs, "off") == ("prefill", None)
     graphs.graphs = {}
     assert classify_step(1, 1, graphs, "off") == ("decode-eager", "no graph captured")
+    # V4: a request past the graphs' context decodes eagerly, and the profile says why
+    v4 = types.SimpleNamespace(max_batch=8, graphs={1: None}, max_tokens=64)
+    assert classify_step(1, 1, v4, "off", fits=True) == ("decode-graph", None)
+    assert classify_step(1, 1, v4, "off", fits=False) == ("decode-eager", "a request past the graphs' 64 tokens")
 
 
 def test_cuda_synchronizes_at_each_boundary_only_when_profiling(monkeypatch):
