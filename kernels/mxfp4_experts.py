@@ -8,7 +8,7 @@ import importlib.util
 
 import torch
 
-from kernels.mxfp4_moe import SPAN, check_mxfp4_experts, moe_mxfp4_reference, moe_mxfp4_reference_every_expert
+from kernels.mxfp4_moe import SPAN, moe_mxfp4_reference, moe_mxfp4_reference_every_expert
 from kernels.mxfp4_moe_decode import SwapABConfig, moe_mxfp4_w4a8_swap_ab, use_swap_ab
 from kernels.mxfp4_moe_triton import moe_mxfp4_triton
 
@@ -64,9 +64,9 @@ def moe_mxfp4_kernels(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, l
     """The Triton MXFP4 experts: W4A8 at decode sizes (``use_swap_ab``: few token-slots per
     expert) or with a ``SwapABConfig`` on the swap-AB kernels, the rest on the token-row
     kernels (``config`` an ``MXFP4MoEConfig`` or None)."""
+    # w13's leading dim is the local expert count; the chosen path checks every shape itself
     if isinstance(config, SwapABConfig) or (config is None and mode == "w4a8" and topk_ids.dim() == 2
-                                            and use_swap_ab(topk_ids.numel(), check_mxfp4_experts(
-                                                x, w13, w13_scale, w2, w2_scale)[0])):
+                                            and use_swap_ab(topk_ids.numel(), w13.shape[0])):
         if mode != "w4a8":
             raise ValueError("the swap-AB decode kernels are W4A8 only")
         return moe_mxfp4_w4a8_swap_ab(x, w13, w13_scale, w2, w2_scale, topk_weights, topk_ids, limit,

@@ -59,7 +59,7 @@ import logging
 import torch
 
 from kernels.attention.base import (FP8_E4M3, AttentionSpec, BackendSupport, BackendUnavailable, DecodeBackend,
-                                    DecodeMetadata, PrefillBackend, PrefillMetadata, dtype_name)
+                                    DecodeMetadata, PrefillBackend, PrefillMetadata, dtype_name, requested_backend)
 from kernels.attention.cuda_decode import CudaDecode
 from kernels.attention.flashinfer_decode import FlashInferDecode
 from kernels.attention.flashinfer_prefill import FlashInferPrefill
@@ -103,18 +103,6 @@ def auto_decode_backend(spec: AttentionSpec) -> tuple[type[DecodeBackend], str]:
     elif triton_reason is None:
         return TritonDecode, f"{_describe_gpu(spec)} with a {cache} latent cache"
     return TorchDecode, f"no GPU kernel covers this model and cache: triton {triton_reason}"
-
-
-def requested_backend(registry: dict, requested: str, spec: AttentionSpec, what: str):
-    """The class of an explicitly requested backend, or ``BackendUnavailable`` saying why not
-    (``what`` names the setting: the flag, or the prefill backend)."""
-    cls = registry.get(requested)
-    if cls is None:
-        raise BackendUnavailable(f"{what}: unknown backend {requested!r}; one of auto, {', '.join(registry)}")
-    reason = cls.unsupported_reason(spec)
-    if reason is not None:
-        raise BackendUnavailable(f"{what} {requested}: {reason}")
-    return cls
 
 
 def select_decode_backend(requested: str, spec: AttentionSpec) -> DecodeBackend:

@@ -108,6 +108,20 @@ class BackendSupport:
         return ", ".join(parts)
 
 
+def requested_backend(registry: dict, requested: str, spec: AttentionSpec, what: str, *formats: tuple[str, ...],
+                      kind: str = ""):
+    """The class of an explicitly requested backend, or ``BackendUnavailable`` saying why not
+    (``what`` names the setting: the flag, or the prefill backend; ``formats``: the cache
+    records, for the registries whose backends check them; ``kind``: e.g. "V4 ")."""
+    cls = registry.get(requested)
+    if cls is None:
+        raise BackendUnavailable(f"{what}: unknown {kind}backend {requested!r}; one of auto, {', '.join(registry)}")
+    reason = cls.unsupported_reason(spec, *formats)
+    if reason is not None:
+        raise BackendUnavailable(f"{what} {requested}: {reason}")
+    return cls
+
+
 def missing_module_reason(module: str, package: str) -> str | None:
     """The reason a backend cannot run when ``module`` is not importable here."""
     if importlib.util.find_spec(module) is None:

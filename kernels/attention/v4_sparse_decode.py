@@ -23,7 +23,8 @@ from typing import ClassVar
 
 import torch
 
-from kernels.attention.base import AttentionSpec, BackendSupport, BackendUnavailable, missing_module_reason
+from kernels.attention.base import (AttentionSpec, BackendSupport, BackendUnavailable, missing_module_reason,
+                                    requested_backend)
 from kernels.v4_cache_formats import V4_ROPE_DIMS
 from kernels.v4_sparse_decode import RECORD_BYTES
 
@@ -134,13 +135,7 @@ def select_v4_decode_backend(requested: str, spec: AttentionSpec, formats: tuple
             if cls is CudaV4SparseDecode and spec.device.type == "cuda":
                 logger.info("V4 sparse decode backend: not cuda (%s)", reason)
         raise BackendUnavailable(f"--attention-backend auto: no V4 sparse decode backend runs {spec}")
-    cls = V4_DECODE_BACKENDS.get(requested)
-    if cls is None:
-        raise BackendUnavailable(f"--attention-backend: unknown V4 backend {requested!r}; one of auto, "
-                                 f"{', '.join(V4_DECODE_BACKENDS)}")
-    reason = cls.unsupported_reason(spec, formats)
-    if reason is not None:
-        raise BackendUnavailable(f"--attention-backend {requested}: {reason}")
+    cls = requested_backend(V4_DECODE_BACKENDS, requested, spec, "--attention-backend", formats, kind="V4 ")
     logger.info("V4 sparse decode backend: %s (requested; %s)", cls.name, _graphs(cls))
     return cls(spec)
 
