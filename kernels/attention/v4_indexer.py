@@ -6,9 +6,8 @@ reference: kernels/v4_indexer.py):
     triton  our kernel (kernels/v4_indexer_triton.py): FP8 MMAs on the records in place;
             CUDA, index_head_dim a multiple of 32; CUDA-graph safe
 
-:func:`choose_indexer`: ``auto`` is none: the model keeps its own path on decoded keys (the
-CPU path, and on CUDA too: the Triton kernel's first H200 run stopped with a misaligned address,
-benchmarks/KERNEL_NOTES.md); ``triton`` must be asked for.
+:func:`choose_indexer`: ``auto`` takes the Triton kernel on CUDA for packed (FP8) records and
+none elsewhere (the model's own path on decoded keys: the CPU path, and bf16 caches).
 """
 
 from __future__ import annotations
@@ -73,9 +72,10 @@ def choose_indexer(requested: str, kv_cache_dtype: str, device: torch.device | s
         return None
     reason = triton_unsupported_reason(device, index_head_dim)
     if requested == "auto":
-        logger.info("V4.1 indexer: the model's torch path on decoded keys (triton: %s)",
-                    reason or "not taken by auto until it runs on a GPU")
-        return None
+        if reason is not None:
+            logger.info("V4.1 indexer: the model's torch path on decoded keys (triton: %s)", reason)
+            return None
+        requested = "triton"
     if requested == "triton" and reason is not None:
         raise ValueError(f"indexer backend triton: {reason}")
     logger.info("V4.1 indexer backend: %s", requested)

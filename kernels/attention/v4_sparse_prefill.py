@@ -79,14 +79,13 @@ V4_PREFILL_BACKENDS: dict[str, type[V4SparsePrefillBackend]] = {
 }
 
 
-def select_v4_prefill_backend(requested: str, spec: AttentionSpec, formats: tuple[str, ...] = (),
-                              auto_off: str | None = None) -> V4SparsePrefillBackend | None:
-    """``auto``: triton where it runs ``spec`` and ``formats`` (unless ``auto_off`` says why
-    not), else None (the model's torch attention); ``torch``: None; ``triton``: the kernel, or
-    ``BackendUnavailable`` naming the flag."""
+def select_v4_prefill_backend(requested: str, spec: AttentionSpec,
+                              formats: tuple[str, ...] = ()) -> V4SparsePrefillBackend | None:
+    """``auto``: triton where it runs ``spec`` and ``formats``, else None (the model's torch
+    attention); ``torch``: None; ``triton``: the kernel, or ``BackendUnavailable`` naming the flag."""
     if requested in ("auto", "torch"):
         reason = ("requested" if requested == "torch"
-                  else auto_off or TritonV4SparsePrefill.unsupported_reason(spec, formats))
+                  else TritonV4SparsePrefill.unsupported_reason(spec, formats))
         if reason is None:
             logger.info("V4 sparse prefill backend: triton (auto)")
             return TritonV4SparsePrefill(spec)

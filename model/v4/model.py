@@ -135,12 +135,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.sparse_decode = choose_sparse_decode(
             attention_backend, kv_cache_dtype, device, heads, c.head_dim, c.qk_rope_head_dim, page_rows, self.dtype,
             ("v4",))
-        # auto keeps V4's prefill on torch attention: the kernel's CSA (top-k) path gave NaN on
-        # V4 records in its first H200 run (benchmarks/RESULTS.md); --prefill-attention-backend triton
-        # still asks for it
         self.sparse_prefill = choose_sparse_prefill(prefill_backend, kv_cache_dtype, device, heads, c.head_dim,
-                                                    c.qk_rope_head_dim, self.dtype, ("v4",),
-                                                    auto_off="not auto for V4 yet (NaN in its CSA path on a GPU)")
+                                                    c.qk_rope_head_dim, self.dtype, ("v4",))
         self._cache_settings = (kv_cache_dtype, page_rows, plan)
         self._pools = None
         if plan is not None:

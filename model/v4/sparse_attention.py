@@ -64,14 +64,14 @@ def choose_sparse_decode(requested: str, kv_cache_dtype: str, device: torch.devi
 
 def choose_sparse_prefill(requested: str, kv_cache_dtype: str, device: torch.device, num_heads: int,
                           head_dim: int, rope_dim: int, dtype: torch.dtype,
-                          formats: tuple[str, ...], auto_off: str | None = None) -> V4SparsePrefillBackend | None:
+                          formats: tuple[str, ...]) -> V4SparsePrefillBackend | None:
     """The sparse-prefill backend of a model's chunks (``--prefill-attention-backend``), or None
     for the model's torch attention: ``auto`` takes the Triton kernel where it runs (a GPU),
     ``torch`` none. A backend that cannot run here raises ``BackendUnavailable`` naming the flag."""
     packed = kv_cache_dtype.startswith("fp8")
     spec = AttentionSpec(torch.device(device), V4_CACHE_DTYPE if packed else dtype, num_heads, head_dim, rope_dim, 1,
                          head_dim**-0.5, dtype)
-    return select_v4_prefill_backend(requested, spec, formats if packed else (), auto_off)
+    return select_v4_prefill_backend(requested, spec, formats if packed else ())
 
 
 def stored_rows(pool: RowPool, layer: int, record: str, rope_dims: int = 64) -> StoredRows:
