@@ -14,6 +14,8 @@ only keys whose block of ``block_size`` is allowed. Queries come as e4m3 values 
 is exact) and float32 power-of-two scales per 32 (:func:`quantize_index_queries`), so a
 kernel's per-block products on FP8 tensor cores are exact and only the fp32 sums round.
 
+The whole step (quantization, scores, picks, candidate blocks) is :func:`index_picks_reference`.
+
 Selection on top of the scores (shared by every backend; fixed shapes, no host sync):
 :func:`topk_picks` (the top ``k``, −1 where fewer keys are visible; :func:`topk_picks_from_keys`
 when a backend returns the scores' top-k keys) and V4.1's two-level
@@ -168,3 +170,24 @@ def index_scores_reference(
     scores = scores.masked_fill(masked, float("-inf"))
     bmax = block_max(scores, block_size) if want_block_max else None
     return (order_keys(scores) if keys_out else scores), bmax
+
+
+def index_picks_reference(
+    q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, page_table: torch.Tensor, page_rows: int,
+    visible: torch.Tensor, num_keys: int, softmax_scale: float, index_topk: int, queries_per_request: int = 1,
+    allowed: torch.Tensor | None = None, block_size: int = 8, topk_blocks: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The indexer step of Q queries on packed records: (picks [Q, min(index_topk, num_keys)]
+    int64 (:func:`topk_picks`), the candidate block mask [Q, blocks] of
+    :func:`candidate_blocks` when ``topk_blocks`` is given, else None).
+
+    q [Q, heads, d]: the rotated queries before their FP4 rounding (any float dtype; rounded
+    by :func:`quantize_index_queries`); the other arguments as :func:`index_scores_reference`'s."""
+    q8, q_scale = quantize_index_queries(q)
+    scores, bmax = index_scores_reference(q8, q_scale, weights, keys, page_table, page_rows, visible, num_keys,
+                                          softmax_scale, queries_per_request, allowed, block_size,
+                                          want_block_max=topk_blocks is not None)
+    picks = topk_picks(scores, index_topk)
+    if topk_blocks is None:
+        return picks, None
+    return picks, candidate_blocks(bmax, visible.view(-1, 1), topk_blocks, block_size)

@@ -2,9 +2,11 @@
 reference: kernels/v4_indexer.py):
 
     torch   the reference; any device, any index_head_dim multiple of 32; eager (gathers and
-            decodes every key of a request in torch)
-    triton  our kernel (kernels/v4_indexer_triton.py): FP8 MMAs on the records in place;
-            CUDA, index_head_dim a multiple of 32; CUDA-graph safe
+            decodes every key of a request in torch; the selection is ``torch.topk``)
+    triton  our kernels (kernels/v4_indexer_triton.py, kernels/topk_triton.py): the queries'
+            quantization, FP8 MMAs on the records in place with the selection's histogram,
+            and an exact radix/bitonic selection of the picks and candidate blocks; CUDA,
+            index_head_dim 32, 64 or 128; CUDA-graph safe
 
 :func:`choose_indexer`: ``auto`` takes the Triton kernel on CUDA for packed (FP8) records and
 none elsewhere (the model's own path on decoded keys: the CPU path, and bf16 caches).
@@ -16,16 +18,20 @@ import logging
 
 import torch
 
-from kernels.v4_indexer import SCALE_BLOCK, index_scores_reference
+from kernels.v4_indexer import index_picks_reference, index_scores_reference
 
 logger = logging.getLogger(__name__)
 
 
 class IndexerBackend:
-    """Scores of packed key records: ``scores(...)`` has :func:`index_scores_reference`'s contract."""
+    """The indexer on packed key records: ``picks(...)`` has :func:`index_picks_reference`'s
+    contract (the model's step), ``scores(...)`` :func:`index_scores_reference`'s."""
 
     name = "torch"
     cuda_graph_safe = False
+
+    def picks(self, *args, **kwargs):
+        return index_picks_reference(*args, **kwargs)
 
     def scores(self, *args, **kwargs):
         return index_scores_reference(*args, **kwargs)
@@ -34,6 +40,11 @@ class IndexerBackend:
 class TritonIndexer(IndexerBackend):
     name = "triton"
     cuda_graph_safe = True
+
+    def picks(self, *args, **kwargs):
+        from kernels.v4_indexer_triton import index_picks_triton
+
+        return index_picks_triton(*args, **kwargs)
 
     def scores(self, *args, **kwargs):
         from kernels.v4_indexer_triton import index_scores_triton
@@ -47,12 +58,14 @@ INDEXER_BACKENDS = {cls.name: cls for cls in (TritonIndexer, IndexerBackend)}
 def triton_unsupported_reason(device: torch.device, index_head_dim: int) -> str | None:
     if device.type != "cuda":
         return f"needs a CUDA device, the model is on {device.type}"
-    if index_head_dim % SCALE_BLOCK:
-        return f"reads {SCALE_BLOCK}-dim blocks of keys; index_head_dim is {index_head_dim}"
     try:
         import triton  # noqa: F401
     except ImportError:
         return "the triton package is not installed"
+    from kernels.v4_indexer_triton import supported_head_dim
+
+    if not supported_head_dim(index_head_dim):
+        return f"reads index_head_dim 32, 64 or 128 (a record's scales as one word); it is {index_head_dim}"
     return None
 
 

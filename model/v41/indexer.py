@@ -18,8 +18,9 @@ The top-k picks (-1 where fewer entries than ``index_topk`` are visible) become 
 additive bias over the compressed entries: 0 on picks, -inf elsewhere.
 
 With packed key records (``--kv-cache-dtype fp8``) an :class:`~kernels.attention.v4_indexer.IndexerBackend`
-(the Triton kernel on CUDA) scores the records in place (:meth:`Indexer.packed_picks`): the
-same scores from the same e2m1 values, then the same selection.
+runs the step on the records in place (:meth:`Indexer.packed_picks`): the same scores from the
+same e2m1 values and the same selection — on CUDA the Triton kernels, scores and selection
+fused (no [Q, keys] sort or torch glue), elsewhere the torch reference.
 """
 
 from __future__ import annotations
@@ -29,8 +30,7 @@ from torch import nn
 
 from kernels.microscaling import fake_quant_fp4
 from kernels.attention.v4_indexer import IndexerBackend
-from kernels.v4_indexer import (blocks_to_entries, candidate_blocks, quantize_index_queries, score_values,
-                                select_candidate_blocks, topk_picks, topk_picks_from_keys)
+from kernels.v4_indexer import blocks_to_entries, score_values, select_candidate_blocks, topk_picks
 from model.layers.norm import RMSNorm
 from model.v4.rope import apply_trailing_rope
 from model.v41.config import V41Config
@@ -147,15 +147,10 @@ class Indexer(nn.Module):
         scored by ``backend`` on the packed key records [rows, bytes] of their requests
         (``page_table`` [Q / queries_per_request, pages]); ``visible`` [Q]; ``candidates``: the
         candidate source's mask [Q, blocks], when published."""
-        q8, q_scale = quantize_index_queries(self.raw_queries(q_res, cos, sin))
         allowed = candidates if self.uses_candidates else None
-        keys, bmax = backend.scores(q8, q_scale, self.head_weights(x), records, page_table, page_rows, visible,
-                                    num_keys, self.head_dim**-0.5, queries_per_request, allowed, self.block_size,
-                                    self.is_candidate_source, keys_out=True)
-        own = None
-        if self.is_candidate_source:
-            own = candidate_blocks(bmax, visible.view(-1, 1), self.topk_blocks, self.block_size)
-        return topk_picks_from_keys(keys, self.index_topk), own
+        return backend.picks(self.raw_queries(q_res, cos, sin), self.head_weights(x), records, page_table, page_rows,
+                             visible, num_keys, self.head_dim**-0.5, self.index_topk, queries_per_request, allowed,
+                             self.block_size, self.topk_blocks if self.is_candidate_source else None)
 
     def raw_queries(self, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """:meth:`queries` before the FP4 rounding."""
