@@ -2,20 +2,14 @@
 
 CPU: the torch reference on the records equals the model's own indexer on decoded keys (the
 scores, then the same picks and candidate masks up to ties), for decode and prefill, and the
-model run through the reference backend gives the logits of its own path. The Triton kernel
-under TRITON_INTERPRET=1 on tiny shapes (a subprocess: the interpreter is chosen at import),
-and compiled for sm_90 here. GPU: the kernel against the reference on random records with
-NaN-poisoned unused pages, V4.1-Flash's shapes, and CUDA-graph capture + replay."""
+model run through the reference backend gives the logits of its own path. GPU: the model's
+decode step on the Triton backend captured in a CUDA graph, and a random V4.1 model on it
+against the reference backend. The kernels themselves: tests/kernels/test_v4_indexer_triton.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -27,7 +21,6 @@ from kernels.topk import order_keys
 from kernels.v4_indexer import index_scores_reference, quantize_index_queries, topk_picks, topk_picks_from_keys
 from model.v41.config import parse_v41_config
 from model.v41.indexer import Indexer
-from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURE = REPO / "tests" / "fixtures" / "dev-v41-s0"
@@ -171,8 +164,8 @@ def test_model_through_the_reference_backend_gives_its_own_logits(monkeypatch):
     from model.v4_family import load_v4_family
 
     calls = []
-    real = IndexerBackend.scores
-    monkeypatch.setattr(IndexerBackend, "scores", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    real = IndexerBackend.picks
+    monkeypatch.setattr(IndexerBackend, "picks", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     logits = {}
     for backend in ("auto", "torch"):
         model = load_v4_family(str(FIXTURE), torch.float64, "cpu")
@@ -205,6 +198,12 @@ def test_backend_choice_and_errors():
         choose_indexer("cuda", "fp8", "cpu", 128)
 
 
+def scores_from_keys(keys: torch.Tensor) -> torch.Tensor:
+    """The float32 scores of ``kernels.topk.order_keys`` keys (their high 32 bits)."""
+    ordered = keys >> 32
+    return torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(torch.int32).view(torch.float32)
+
+
 def test_topk_picks_mark_invisible_picks():
     s = torch.tensor([[3.0, float("-inf"), 1.0, float("-inf")], [0.0, -0.0, -2.0, 0.0]])
     assert topk_picks(s, 3).tolist() == [[0, 2, -1], [0, 1, 3]]
@@ -227,232 +226,7 @@ def test_reference_rejects_bad_inputs():
         index_scores_reference(q8, qs, torch.zeros(2, 4), pool, table, 4, vis, 9, 1.0)
 
 
-# ---- the Triton kernel without a GPU ----------------------------------------------------------
-def test_prmt_conversion_is_exact_on_every_byte():
-    """The kernel's PTX (e2m1 pairs → e4m3, 4 bytes a call) mirrored instruction for instruction
-    by ``kernels.mxfp4_moe.fold_bytes_lut`` with the kernel's tables: every byte value gives the
-    e4m3 of both its codes, each output byte from the same input byte."""
-    import re
-
-    from kernels.mxfp4_moe import fold_bytes_lut
-    from kernels.v4_indexer_triton import _E2M1_TO_E4M3_ASM
-    from kernels.weight_formats import fp4_codes_to_float
-
-    tables = [int(t, 16) for t in re.findall(r"mov.b32 t(?:lo|hi), (0x[0-9A-F]+);", _E2M1_TO_E4M3_ASM.value)]
-    v = torch.arange(256, dtype=torch.int64)
-    word = v | (v.roll(1) << 8) | (v.roll(2) << 16) | (v.roll(3) << 24)  # four different bytes per word
-    lo, hi = fold_bytes_lut(word, torch.tensor(tables[0]), torch.tensor(tables[1]))
-    for i in range(4):
-        byte = (word >> (8 * i)) & 0xFF
-        for out, code in ((lo, byte & 15), (hi, byte >> 4)):
-            got = ((out >> (8 * i)) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).float()
-            assert torch.equal(got, fp4_codes_to_float(code.to(torch.uint8)).float())
-
-
-_INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
-    """
-    import torch
-    from tests.kernels.test_v4_indexer import kernel_cases
-    for got, want in kernel_cases("cpu", small=True):
-        fin = torch.isfinite(want)
-        assert torch.equal(fin, torch.isfinite(got)) and not got.isnan().any()
-        torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)
-    print("interpreter ok")
-    """
-)
-
-
-def kernel_args(device: str, small: bool):
-    """The positional arguments of ``index_scores_triton`` (and of the reference): decode at
-    mixed counts with and without a candidate mask, a prefill chunk of one request (partial
-    query tiles), 8 padded heads and V4.1-Flash's 32 × 128; unused pages NaN-poisoned (0xFF)."""
-    shapes = [(8, 64, [0, 3, 17, 40]), (32, 128, [1, 64, 130])] if small else \
-        [(8, 64, [0, 3, 17, 400]), (32, 128, [1, 64, 130, 5000, 9001, 0, 2048, 777])]
-    for heads, dim, counts in shapes:
-        pool, tables, _, n = _paged_keys(counts, dim, 16, seed=heads + dim, device=device)
-        g = torch.Generator().manual_seed(heads)
-        for qpr in (1, 13 if small else 301):
-            nreq = len(counts) if qpr == 1 else 1
-            nq = nreq * qpr
-            q8, qs = quantize_index_queries(torch.randn(nq, heads, dim, generator=g).to(device))
-            w = torch.randn(nq, heads, generator=g).to(device)
-            if qpr == 1:
-                vis = torch.tensor(counts, device=device)
-            else:
-                vis = torch.randint(0, counts[-1] + 1, (nq,), generator=g).to(device)
-            allowed = (torch.rand(nq, -(-n // 8), generator=g) > 0.4).to(device)
-            table = tables if qpr == 1 else tables[-1:]
-            for al in (None, allowed):
-                yield q8, qs, w, pool, table, 16, vis, n, dim**-0.5, qpr, al, 8, True
-
-
-def kernel_cases(device: str, small: bool):
-    """(Triton, reference) pairs of scores and block maxima on :func:`kernel_args`."""
-    from kernels.v4_indexer_triton import index_scores_triton
-
-    for args in kernel_args(device, small):
-        n = args[7]
-        want = index_scores_reference(*args)
-        got = index_scores_triton(*args)
-        yield got[0], want[0]
-        yield got[1], want[1]
-        keys, _ = index_scores_triton(*args, keys_out=True)
-        assert torch.equal(keys & 0xFFFFFFFF, (0xFFFFFFFF - torch.arange(n, device=device)).expand_as(keys))
-        yield scores_from_keys(keys), want[0]
-
-
-def scores_from_keys(keys: torch.Tensor) -> torch.Tensor:
-    """The float32 scores of ``kernels.topk.order_keys`` keys (their high 32 bits)."""
-    ordered = keys >> 32
-    return torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(torch.int32).view(torch.float32)
-
-
-@pytest.mark.slow
-def test_triton_kernel_under_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=REPO, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-4000:]
-
-
-_PTXAS = (Path(importlib.util.find_spec("triton").origin).parent / "backends/nvidia/bin/ptxas"
-          if importlib.util.find_spec("triton") else None)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(_PTXAS is None or not _PTXAS.exists(), reason="needs triton's bundled ptxas")
-def test_default_shapes_compile_for_sm90_on_fp8_wgmma_without_spills():
-    """V4.1-Flash's shapes (32 heads × 128), decode and prefill defaults, every mask variant,
-    the model's page sizes and widths (multiples of 16): the MMAs are FP8 wgmma, the key loads
-    cp.async-pipelined, no local memory; no spill stack at decode. The prefill tile sits at
-    sm_90's 255 registers a thread: ptxas may keep one 8-byte value on the stack there."""
-    import re
-
-    from kernels.v4_indexer_triton import _index_scores_kernel, default_shape
-    from tests.kernels.test_mxfp8_gemm import _compile_sm90
-
-    ints = "pt_stride page_rows al_stride out_stride bm_stride num_q num_keys q_per_req".split()
-    types = dict(Q8="*u8", QS="*fp32", W="*fp32", KEYS="*u8", PT="*i64", VIS="*i32", ALLOWED="*u8", OUT="*fp32",
-                 BMAX="*fp32", softmax_scale="fp32", **dict.fromkeys(ints, "i32"))
-    for qpr, allowed, bmax in ((1, False, True), (1, True, False), (256, False, True), (256, True, False)):
-        bn, bq, warps, stages = default_shape(qpr)
-        consts = dict(H=32, HP=32, D=128, REC=68, BQ=bq, BN=bn, BS=8, HAS_ALLOWED=allowed, WANT_BMAX=bmax, TILES=16,
-                      SKIP=True, PRMT=True, KEYS_OUT=True)
-        ptx, usage = _compile_sm90(_index_scores_kernel, types, consts, ("pt_stride", "page_rows", "out_stride",
-                                                                        "num_keys"), num_warps=warps, num_stages=stages)
-        assert "wgmma" in ptx and "e4m3" in ptx and "cp.async" in ptx and "prmt.b32" in ptx, usage
-        stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-        assert usage.endswith("LOCAL:0") and stack <= (0 if qpr == 1 else 8), (consts, usage)
-
-
-_POINTER_TYPES = {torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32"}
-
-
-def _specialize(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
-    """(signature, constexprs, attrs) of a launch as Triton's launcher specializes it: tensors
-    whose address and integers that are multiples of 16 get ``tt.divisibility`` 16, integers
-    equal to 1 become constants."""
-    import inspect
-
-    names = list(inspect.signature(fn.fn).parameters)
-    sig, consts, attrs = {}, {}, {}
-    for i, (name, value) in enumerate(zip(names, list(args) + [kwargs[n] for n in names[len(args):]])):
-        if name in kwargs or (isinstance(value, int) and value == 1):
-            sig[name], consts[(i,)] = "constexpr", value
-            continue
-        if isinstance(value, torch.Tensor):
-            sig[name], aligned = _POINTER_TYPES[value.dtype], value.data_ptr() % 16 == 0
-        elif isinstance(value, float):
-            sig[name], aligned = "fp32", False
-        else:
-            sig[name], aligned = "i32" if -2**31 <= value < 2**31 else "i64", value % 16 == 0
-        if aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, consts, attrs
-
-
-def global_access_bytes(ptx: str, source: str) -> dict[int, set[int]]:
-    """The bytes each global load, store and cp.async of ``ptx`` moves per thread, by the line of
-    ``source`` it was generated from (the PTX's .loc directives)."""
-    import re
-
-    # by file name: Triton's cache is keyed by the source text, so a PTX compiled from another
-    # checkout of the same file carries that checkout's path
-    files = {k for k, path in re.findall(r'\.file\s+(\d+)\s+"([^"]+)"', ptx) if Path(path).name == Path(source).name}
-    line, widths = None, {}
-    for text in ptx.splitlines():
-        if m := re.match(r"\s*\.loc\s+(\d+)\s+(\d+)", text):
-            line = int(m.group(2)) if m.group(1) in files else None
-        elif m := re.search(r"cp\.async\.c[ag]\.shared\.global[^;]*\],\s*(0x[0-9a-f]+|\d+)", text):
-            widths.setdefault(line, set()).add(int(m.group(1), 0))
-        elif m := re.search(r"\b(?:ld|st)\.global((?:\.[\w:]+)*)", text):
-            vec = re.search(r"\.v(\d)", m.group(1))
-            bits = re.findall(r"\.[bsuf](\d+)\b", m.group(1))
-            widths.setdefault(line, set()).add((int(vec.group(1)) if vec else 1) * int(bits[-1]) // 8)
-    return widths
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(_PTXAS is None or not _PTXAS.exists(), reason="needs triton's bundled ptxas")
-def test_key_record_loads_assume_no_more_alignment_than_the_records(monkeypatch):
-    """Every launch of the GPU test (its arguments built here, the launch recorded) compiled for
-    sm_90 as Triton's launcher specializes it: the global accesses generated from the lines that
-    read key records move at most the records' alignment per access (68-byte records: 4 bytes,
-    34-byte: 2), since a record starts at 68 · row. Triton's alignment analysis once took the
-    records for 16-aligned (16-byte cp.async: a misaligned address on the GPU)."""
-    import re
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    import kernels.v4_indexer_triton as kt
-
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((args, kwargs))
-
-    monkeypatch.setattr(kt, "_index_scores_kernel", Recorder())
-    for args in kernel_args("cpu", small=False):
-        kt.index_scores_triton(*args)
-        kt.index_scores_triton(*args, keys_out=True)
-    monkeypatch.undo()
-    fn = kt._index_scores_kernel
-    source = Path(kt.__file__).read_text().splitlines()
-    record_lines = {i + 1 for i, text in enumerate(source) if re.search(r"tl\.load\(rec\b", text)}
-    assert len(record_lines) == 2  # the e2m1 codes and the scale exponents
-    compiled = set()
-    for args, kwargs in launches:
-        kwargs = dict(kwargs, PRMT=True)  # the GPU's byte lookups (a CPU launch takes the integer path)
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages")}
-        sig, consts, attrs = _specialize(fn, args, kwargs)
-        key = repr((sig, consts, attrs, options))
-        if key in compiled:
-            continue
-        compiled.add(key)
-        ptx = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                             options=options).asm["ptx"]
-        widths = global_access_bytes(ptx, kt.__file__)
-        rec = kwargs["REC"]
-        for line in record_lines:
-            assert widths.get(line) and max(widths[line]) <= rec & -rec, (rec, line, widths.get(line), consts, attrs)
-        assert max(max(w) for w in widths.values()) <= 16
-    assert len(compiled) >= 8, len(compiled)
-
-
-# ---- GPU ------------------------------------------------------------------------------------------
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_triton_kernel_on_gpu():
-    for got, want in kernel_cases("cuda", small=False):
-        fin = torch.isfinite(want)
-        assert torch.equal(fin, torch.isfinite(got)) and not got.isnan().any()
-        torch.testing.assert_close(got[fin], want[fin], rtol=1e-5, atol=1e-5)
-
-
+# ---- GPU: the model's step on the Triton backend ---------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_decode_picks_replay_in_a_cuda_graph():
