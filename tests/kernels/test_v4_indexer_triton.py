@@ -212,7 +212,8 @@ def test_default_shapes_compile_for_sm90_on_fp8_wgmma_without_spills():
     assert re.search(r"STACK:0 .*LOCAL:0", usage), usage
 
 
-_POINTER_TYPES = {torch.uint8: "*u8", torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64", torch.float32: "*fp32"}
+_POINTER_TYPES = {torch.uint8: "*u8", torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64",
+                  torch.float32: "*fp32"}
 
 
 def _specialize(fn, args: tuple, kwargs: dict) -> tuple[dict, dict, dict]:
