@@ -1,5 +1,5 @@
-"""V4.1 lightning indexer (Triton, kernels/v4_indexer_triton.py) next to the sparse attention it
-feeds (kernels/v4_sparse_decode_triton.py), at V4.1-Flash's shapes, in one process.
+"""V4.1 lightning indexer step (Triton) next to the sparse attention it feeds
+(kernels/v4_sparse_decode_triton.py), at V4.1-Flash's shapes, old and new in one process.
 
 Indexer: 32 heads × 128 dims, keys as 68-byte FP4 records in shuffled pages of 64, top-k 512,
 candidate blocks of 8 (top 2048). Attention: 64 heads × 512, 128 window rows (528-byte
@@ -9,16 +9,25 @@ context), and one 8192-token prefill chunk ending at 8k / 64k (scored 256 querie
 as the model does). Indexer layer kinds: ``plain`` (scores + top-k), ``cand_src`` (the
 candidate source: + block maxima + block top-k), ``restricted`` (a later layer: scores under
 the candidate mask + top-k) and ``ratio2`` (plain over half the keys: layers 2, 8, 14). The
-``model`` column puts the 8 index layers of a V4.1-Flash token over its 38 sparse attention
+``model`` ratio puts the 8 index layers of a V4.1-Flash token over its 38 sparse attention
 layers (:func:`with_model_ratio`).
 
+Two implementations of the step (quantize the queries, score, select):
+
+- ``old`` — as main ran it: the torch quantization, the scoring launch writing int64 order
+  keys over the full width, ``torch.topk`` on them, the candidate blocks in torch (with the
+  current scoring kernel: its own speed-up shows in ``kernel``, not in old vs new);
+- ``new`` — ``index_picks_triton``: the quantization kernel, the scoring launch with the
+  selection's histogram (float32 scores, live tiles only), the Triton collect/finish selection
+  and candidate-block mask (kernels/topk_triton.py).
+
 Correctness first: the kernel's scores against the torch reference on the same records
-(first requests / queries; unused pages NaN-poisoned), the picks the same up to ties. Then
-timing: CUDA-graph replays, L2 emptied before each, median (``benchmarks.bench_mla_decode.time_call``).
-``kernel`` is the scoring launch alone (writing the int64 top-k keys, as the model runs it);
-``total`` adds the query quantization and the selection (one ``torch.topk`` on the keys).
-The ratio is ``total`` / attention against the 30 % target; ``GB/s`` counts each visible
-key's 68 bytes once per launch plus its 8-byte top-k key written.
+(first requests / queries; unused pages NaN-poisoned); the new picks and masks equal to the old
+ones exactly (the same kernel's scores, the same order) and the reference picks up to ties.
+Then timing: CUDA-graph replays, L2 emptied before each, median
+(``benchmarks.bench_mla_decode.time_call``). ``kernel`` is the new scoring launch alone;
+``GB/s`` counts each visible key's 68 bytes once per launch plus its 4-byte score. Ratios are
+the step's time ÷ one layer's attention, against the 30 % target.
 
     python3 -m benchmarks.bench_v4_indexer [--quick] [--sweep] [--reps 30]
 
@@ -35,9 +44,10 @@ import torch
 
 from benchmarks.bench_mla_decode import time_call
 from kernels.v4_cache_formats import pack_v41_entries, pack_v41_index_keys, pack_v41_window_rows
+from kernels.topk_triton import new_histogram
 from kernels.v4_indexer import (candidate_blocks, index_scores_reference, quantize_index_queries, topk_picks,
                                 topk_picks_from_keys)
-from kernels.v4_indexer_triton import index_scores_triton
+from kernels.v4_indexer_triton import index_picks_triton, index_scores_triton, quantize_queries_triton
 from kernels.v4_sparse_decode import SparseKV
 from kernels.v4_sparse_decode_triton import v4_sparse_decode_triton
 
@@ -48,11 +58,12 @@ QUERY_BLOCK = 256  # prefill queries per launch (model/v41/indexer.py)
 TARGET = 0.30
 MODEL_ATTN_LAYERS = 38
 REF_ROWS = 2
-SWEEP = [dict(block_n=64), dict(block_n=256, num_warps=8), dict(block_n=128, num_warps=8), dict(num_stages=1),
-         dict(skip_dead_tiles=False)]
+KINDS = ("plain", "cand_src", "restricted", "ratio2")
+SWEEP = [dict(block_n=64), dict(block_n=128, num_warps=8), dict(num_stages=2), dict(programs_per_sm=4),
+         dict(prefetch=False), dict(skip_dead_tiles=False)]
 PREFILL_SWEEP = [dict(block_q=2, block_n=64, num_warps=4, num_stages=3), dict(block_q=4, block_n=32, num_warps=4,
                                                                                num_stages=3),
-                 dict(num_stages=1)]
+                 dict(num_stages=1), dict(prefetch=False)]
 
 
 def paged_keys(num_requests: int, num_keys: int, gen: torch.Generator):
@@ -107,6 +118,25 @@ def timed_us(fn, reps_ms: int) -> float:
     return time_call(fn, (5, reps_ms), use_graph=True)[0] * 1e6
 
 
+def old_step(q_raw, w, pool, tables, vis, num_keys, allowed, topk_blocks, qpr=1):
+    """The indexer step as main ran it: torch quantization, int64 keys, torch.topk, torch blocks."""
+    a8, a_s = quantize_index_queries(q_raw)
+    keys, bm = index_scores_triton(a8, a_s, w, pool, tables, PAGE, vis, num_keys, DIM**-0.5, qpr, allowed, BLOCK,
+                                   topk_blocks is not None, keys_out=True)
+    picks = topk_picks_from_keys(keys, TOPK)
+    return picks, (None if topk_blocks is None else candidate_blocks(bm, vis.view(-1, 1), topk_blocks, BLOCK))
+
+
+def new_step(q_raw, w, pool, tables, vis, num_keys, allowed, topk_blocks, qpr=1, **shape):
+    return index_picks_triton(q_raw, w, pool, tables, PAGE, vis, num_keys, DIM**-0.5, TOPK, qpr, allowed, BLOCK,
+                              topk_blocks, **shape)
+
+
+def same_steps(old, new) -> bool:
+    return torch.equal(old[0], new[0]) and (old[1] is None) == (new[1] is None) and (
+        old[1] is None or torch.equal(old[1], new[1]))
+
+
 def decode_case(bsz: int, num_keys: int, reps: int, sweep: bool, gen: torch.Generator) -> dict:
     pool, tables = paged_keys(bsz, num_keys, gen)
     q_raw = torch.randn(bsz, HEADS, DIM, device="cuda", generator=gen)
@@ -116,39 +146,34 @@ def decode_case(bsz: int, num_keys: int, reps: int, sweep: bool, gen: torch.Gene
     allowed = torch.zeros(bsz, nblocks, dtype=torch.bool, device="cuda")
     allowed[:, torch.randperm(nblocks, device="cuda", generator=gen)[:TOPK_BLOCKS]] = True
     q8, qs = quantize_index_queries(q_raw)
+    q8m, _ = quantize_queries_triton(q_raw)
     row = {"case": "decode", "B": bsz, "keys": num_keys}
     n = min(REF_ROWS, bsz)
     half = num_keys // 2
-    kinds = {"plain": (None, False, num_keys, vis), "cand_src": (None, True, num_keys, vis),
-             "restricted": (allowed, False, num_keys, vis), "ratio2": (None, False, half, vis // 2)}
-    for kind, (al, bmax, nk, vk) in kinds.items():  # keys and counts of this kind
-        args = (q8, qs, w, pool, tables, PAGE, vk, nk, DIM**-0.5, 1)
-        got, got_b = index_scores_triton(*args, al, BLOCK, bmax)
+    kinds = {"plain": (None, None, num_keys, vis), "cand_src": (None, TOPK_BLOCKS, num_keys, vis),
+             "restricted": (allowed, None, num_keys, vis), "ratio2": (None, None, half, vis // 2)}
+    for kind, (al, kb, nk, vk) in kinds.items():  # mask, candidate blocks, keys and counts of this kind
+        got, got_b = index_scores_triton(q8, qs, w, pool, tables, PAGE, vk, nk, DIM**-0.5, 1, al, BLOCK, kb is not None)
         sub = (q8[:n], qs[:n], w[:n], pool, tables[:n], PAGE, vk[:n], nk, DIM**-0.5, 1)
-        want, want_b = index_scores_reference(*sub, None if al is None else al[:n], BLOCK, bmax)
+        want, want_b = index_scores_reference(*sub, None if al is None else al[:n], BLOCK, kb is not None)
         err = check_scores(got[:n], want)
-        if bmax:
+        if kb is not None:
             err = max(err, check_scores(got_b[:n], want_b))
-        keys, _ = index_scores_triton(*args, al, BLOCK, bmax, keys_out=True)
-        ties = same_picks_up_to_ties(topk_picks_from_keys(keys[:n], TOPK).cpu(), topk_picks(want, TOPK).cpu(),
-                                     want.cpu())
+        args = (q_raw, w, pool, tables, vk, nk, al, kb)
+        new = new_step(*args)
+        ties = same_picks_up_to_ties(new[0][:n].cpu(), topk_picks(want, TOPK).cpu(), want.cpu())
+        hist = new_histogram(bsz, torch.device("cuda")).zero_()
 
-        def kernel(al=al, bmax=bmax, nk=nk, vk=vk, **shape):
-            return index_scores_triton(q8, qs, w, pool, tables, PAGE, vk, nk, DIM**-0.5, 1, al, BLOCK, bmax,
-                                       keys_out=True, **shape)
-
-        def total(al=al, bmax=bmax, nk=nk, vk=vk):
-            a8, a_s = quantize_index_queries(q_raw)
-            keys, bm = index_scores_triton(a8, a_s, w, pool, tables, PAGE, vk, nk, DIM**-0.5, 1, al, BLOCK,
-                                           bmax, keys_out=True)
-            picks = topk_picks_from_keys(keys, TOPK)
-            return picks, (candidate_blocks(bm, vk.view(-1, 1), TOPK_BLOCKS, BLOCK) if bmax else None)
+        def kernel(al=al, kb=kb, nk=nk, vk=vk, hist=hist, **shape):
+            return index_scores_triton(q8m, qs, w, pool, tables, PAGE, vk, nk, DIM**-0.5, 1, al, BLOCK, kb is not None,
+                                       hist=hist, mma_ordered=True, **shape)
 
         k_us = timed_us(kernel, reps)
-        entry = {"kernel_us": k_us, "total_us": timed_us(total, reps), "rel_err": err, "picks_ok": ties,
-                 "GBps": (bsz * nk * (68 + 8)) / (k_us * 1e-6) * 1e-9}
+        entry = {"kernel_us": k_us, "new_us": timed_us(lambda a=args: new_step(*a), reps),
+                 "old_us": timed_us(lambda a=args: old_step(*a), reps), "rel_err": err, "picks_ok": ties,
+                 "same_as_old": same_steps(old_step(*args), new), "GBps": (bsz * nk * (68 + 4)) / (k_us * 1e-6) * 1e-9}
         if sweep and kind == "plain":
-            entry["sweep"] = {json.dumps(s): timed_us(lambda s=s: kernel(**s), reps) for s in SWEEP}
+            entry["sweep"] = {json.dumps(sh): timed_us(lambda sh=sh: kernel(**sh), reps) for sh in SWEEP}
         row[kind] = entry
     q, scopes, sinks = attention_inputs(bsz, 4096, True, gen)
     out = torch.empty(bsz, 1, ATTN_HEADS, LATENT, dtype=torch.bfloat16, device="cuda")
@@ -158,11 +183,16 @@ def decode_case(bsz: int, num_keys: int, reps: int, sweep: bool, gen: torch.Gene
 
 
 def with_model_ratio(row: dict) -> dict:
-    """V4.1-Flash per token: index sources 2, 8, 14 score half the keys (ratio 2), 20 is the
-    candidate source, 24 … 36 (4) are restricted; 38 layers attend window + top-k (the 2
-    window-only layers left out, so the ratio is not flattered)."""
-    idx = 3 * row["ratio2"]["total_us"] + row["cand_src"]["total_us"] + 4 * row["restricted"]["total_us"]
-    row["model_ratio"] = idx / (MODEL_ATTN_LAYERS * row["attn_us"])
+    """Per layer: each kind's old / new step over one attention layer. V4.1-Flash per token:
+    index sources 2, 8, 14 score half the keys (ratio 2), 20 is the candidate source, 24 … 36
+    (4) are restricted; 38 layers attend window + top-k (the 2 window-only layers left out, so
+    the ratio is not flattered)."""
+    for impl in ("old", "new"):
+        key = f"{impl}_us"
+        for kind in KINDS:
+            row[kind][f"{impl}_ratio"] = row[kind][key] / row["attn_us"]
+        idx = 3 * row["ratio2"][key] + row["cand_src"][key] + 4 * row["restricted"][key]
+        row[f"model_ratio_{impl}"] = idx / (MODEL_ATTN_LAYERS * row["attn_us"])
     return row
 
 
@@ -175,19 +205,11 @@ def prefill_case(context: int, chunk: int, reps: int, sweep: bool, gen: torch.Ge
     w = torch.randn(chunk, HEADS, device="cuda", generator=gen) * HEADS**-0.5
     row = {"case": "prefill", "chunk": chunk, "keys": context}
 
-    def blocks(bmax: bool, allowed: torch.Tensor | None = None, ratio: int = 1, **shape):
-        picks = []
-        a8, a_s = quantize_index_queries(q_raw)
+    def blocks(step, kb, allowed=None, ratio=1, **shape):
         keys, seen = context // ratio, (positions + 1) // ratio
-        for s in range(0, chunk, QUERY_BLOCK):
-            e = min(chunk, s + QUERY_BLOCK)
-            ordered, bm = index_scores_triton(a8[s:e], a_s[s:e], w[s:e], pool, tables, PAGE, seen[s:e], keys,
-                                              DIM**-0.5, e - s, None if allowed is None else allowed[s:e], BLOCK,
-                                              bmax, keys_out=True, **shape)
-            picks.append(topk_picks_from_keys(ordered, TOPK))
-            if bmax:
-                candidate_blocks(bm, seen[s:e].view(-1, 1), TOPK_BLOCKS, BLOCK)
-        return picks
+        spans = [(s, min(chunk, s + QUERY_BLOCK)) for s in range(0, chunk, QUERY_BLOCK)]
+        return [step(q_raw[s:e], w[s:e], pool, tables, seen[s:e], keys, None if allowed is None else allowed[s:e], kb,
+                     e - s, **shape) for s, e in spans]
 
     q8, qs = quantize_index_queries(q_raw)
     s, e = chunk - QUERY_BLOCK, chunk  # the last block: the most keys visible
@@ -196,21 +218,22 @@ def prefill_case(context: int, chunk: int, reps: int, sweep: bool, gen: torch.Ge
     want, _ = index_scores_reference(q8[idx], qs[idx], w[idx], pool, tables, PAGE, vis[idx], context, DIM**-0.5,
                                      idx.numel())
     row["rel_err"] = check_scores(got[idx - s], want)
-    keys, _ = index_scores_triton(q8[s:e], qs[s:e], w[s:e], pool, tables, PAGE, vis[s:e], context, DIM**-0.5, e - s,
-                                  keys_out=True)
-    row["picks_ok"] = same_picks_up_to_ties(topk_picks_from_keys(keys[idx - s], TOPK).cpu(),
-                                            topk_picks(want, TOPK).cpu(), want.cpu())
+    new, _ = new_step(q_raw[s:e], w[s:e], pool, tables, vis[s:e], context, None, None, e - s)
+    row["picks_ok"] = same_picks_up_to_ties(new[idx - s].cpu(), topk_picks(want, TOPK).cpu(), want.cpu())
     keys_read = sum(int(vis[min(chunk, b + QUERY_BLOCK) - 1]) for b in range(0, chunk, QUERY_BLOCK))
     nblocks = -(-context // BLOCK)
     allowed = torch.zeros(chunk, nblocks, dtype=torch.bool, device="cuda")
     allowed[:, torch.randperm(nblocks, device="cuda", generator=gen)[:TOPK_BLOCKS]] = True
-    kinds = {"plain": (False, None, 1), "cand_src": (True, None, 1), "restricted": (False, allowed, 1),
-             "ratio2": (False, None, 2)}
-    for kind, (bmax, al, ratio) in kinds.items():
-        total = timed_us(lambda bmax=bmax, al=al, ratio=ratio: blocks(bmax, al, ratio), reps)
-        row[kind] = {"total_us": total, "GBps": keys_read * 68 / ratio / (total * 1e-6) * 1e-9}
+    kinds = {"plain": (None, None, 1), "cand_src": (TOPK_BLOCKS, None, 1), "restricted": (None, allowed, 1),
+             "ratio2": (None, None, 2)}
+    for kind, (kb, al, ratio) in kinds.items():
+        same = all(same_steps(o, n) for o, n in zip(blocks(old_step, kb, al, ratio), blocks(new_step, kb, al, ratio)))
+        new_us = timed_us(lambda kb=kb, al=al, ratio=ratio: blocks(new_step, kb, al, ratio), reps)
+        row[kind] = {"new_us": new_us, "old_us": timed_us(lambda kb=kb, al=al, ratio=ratio: blocks(old_step, kb, al,
+                                                                                                    ratio), reps),
+                     "same_as_old": same, "GBps": keys_read * 68 / ratio / (new_us * 1e-6) * 1e-9}
         if sweep and kind == "plain":
-            row[kind]["sweep"] = {json.dumps(sh): timed_us(lambda sh=sh: blocks(False, **sh), reps)
+            row[kind]["sweep"] = {json.dumps(sh): timed_us(lambda sh=sh: blocks(new_step, None, **sh), reps)
                                   for sh in PREFILL_SWEEP}
     q, scopes, sinks = attention_inputs(chunk, context, False, gen)
     out = torch.empty(chunk, 1, ATTN_HEADS, LATENT, dtype=torch.bfloat16, device="cuda")
@@ -224,16 +247,17 @@ def fmt(r: dict) -> str:
         return f"{r['case']:8s} {r.get('B', r.get('chunk')):>5} {r['keys']:6d} | {r['error']}"
     size = r["B"] if r["case"] == "decode" else r["chunk"]
     cells = []
-    for kind in ("plain", "cand_src", "restricted", "ratio2"):
-        if kind in r:
-            e = r[kind]
-            k = f"{e['kernel_us']:7.1f}/" if "kernel_us" in e else ""
-            cells.append(f"{k}{e['total_us']:8.1f} {e['total_us'] / r['attn_us']:6.2f}x")
-    ok = r.get("picks_ok", r.get("plain", {}).get("picks_ok"))
-    err = r.get("rel_err", r.get("plain", {}).get("rel_err"))
-    gbps = r["plain"]["GBps"]
+    for kind in KINDS:
+        e = r[kind]
+        k = f"{e['kernel_us']:7.1f} " if "kernel_us" in e else " " * 8
+        cells.append(f"{k}{e['old_us']:8.1f}→{e['new_us']:7.1f} {e['old_ratio']:5.2f}→{e['new_ratio']:5.2f}")
+    plain = r["plain"]
+    ok = r.get("picks_ok", plain.get("picks_ok"))
+    same = all(r[kind]["same_as_old"] for kind in KINDS)
+    err = r.get("rel_err", plain.get("rel_err"))
     return (f"{r['case']:8s} {size:5d} {r['keys']:6d} | {r['attn_us']:8.1f} | " + " | ".join(cells)
-            + f" | {r['model_ratio']:5.2f}x | {gbps:6.0f} {err:.1e} {'ok' if ok else 'DIFF'}")
+            + f" | {r['model_ratio_old']:5.2f}→{r['model_ratio_new']:5.2f} | {plain['GBps']:6.0f} {err:.1e} "
+            + f"{'ok' if ok else 'DIFF'} {'same' if same else 'NOT-SAME'}")
 
 
 def main() -> None:
@@ -258,10 +282,11 @@ def main() -> None:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_v4_indexer.json"), "w") as f:
             json.dump({"target_ratio": TARGET, "rows": rows}, f, indent=1)
-    print(f"\nindexer µs (kernel/total) and total ÷ one layer's sparse attention; model: the 8 index"
-          f" layers ÷ {MODEL_ATTN_LAYERS} attention layers per token (target ≤ {TARGET:.2f}x)")
-    print("case     B|chunk  keys |  attn µs |      plain kernel/total ratio |   cand_src kernel/total ratio |"
-          " restricted kernel/total ratio | ratio2 (half the keys) | model | GB/s  rel.err picks")
+    print(f"\nindexer step µs, old → new (kernel: the new scoring launch alone), and ÷ one layer's sparse"
+          f" attention; model: the 8 index layers ÷ {MODEL_ATTN_LAYERS} attention layers per token"
+          f" (target ≤ {TARGET:.2f}x)")
+    print("case     B|chunk  keys |  attn µs | " + " | ".join(f"{k:>10s} kernel old→new ratio old→new"
+                                                        for k in KINDS) + " | model | GB/s rel.err picks")
     for r in rows:
         print(fmt(r))
 

@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 
 from kernels.mxfp8_quant_triton import pow2_from_byte
-from kernels.topk_triton import (HIST_STRIDE, candidate_blocks_triton, level1_bin, new_histogram, ordered_bits,
-                                 topk_rows_triton)
-from kernels.v4_indexer import SCALE_BLOCK, check_inputs
+from kernels.topk_triton import (HIST_STRIDE, MAX_K, MAX_MASK_BLOCKS, candidate_blocks_triton, level1_bin,
+                                 new_histogram, ordered_bits, topk_rows_triton)
+from kernels.v4_indexer import SCALE_BLOCK, candidate_blocks, check_inputs, topk_picks
 from kernels.v4_kv_write_triton import _fp4_code
 
 # e2m1 → e4m3 of 4 packed bytes (8 codes) per call on the GPU: two PRMT lookups of the
@@ -353,18 +353,22 @@ def index_scores_triton(
     q8: torch.Tensor, q_scale: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, page_table: torch.Tensor,
     page_rows: int, visible: torch.Tensor, num_keys: int, softmax_scale: float, queries_per_request: int = 1,
     allowed: torch.Tensor | None = None, block_size: int = 8, want_block_max: bool = False, keys_out: bool = False,
-    **shape,
+    hist: torch.Tensor | None = None, mma_ordered: bool = False, **shape,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`kernels.v4_indexer.index_scores_reference` as one launch; no host sync. Launch
-    shape (None: :func:`default_shape`): ``block_n`` keys per tile, ``block_q`` queries per
-    program, ``num_warps``, ``num_stages``, ``programs_per_sm`` (:func:`launch_shape`);
+    """:func:`kernels.v4_indexer.index_scores_reference` as one launch; no host sync.
+
+    ``hist``: a zeroed level-1 histogram (kernels/topk_triton.py) the launch fills, as in the
+    picks chain, whose launch also leaves the tiles past every query's count unwritten;
+    ``mma_ordered``: q8 is already in :func:`mma_order` (:func:`quantize_queries_triton`'s).
+    Launch shape (None: :func:`default_shape`): ``block_n`` keys per tile, ``block_q`` queries
+    per program, ``num_warps``, ``num_stages``, ``programs_per_sm`` (:func:`launch_shape`);
     ``skip_dead_tiles`` False computes the tiles past every query's count too (masked loads
     read nothing); ``prefetch`` False loads each tile's scale words in its own iteration."""
     check_inputs(q8, q_scale, weights, keys, page_table, page_rows, visible, num_keys, queries_per_request, allowed,
                  block_size)
-    return _launch_scores(mma_order(q8), q_scale, weights, keys, page_table, page_rows, visible, num_keys,
-                          softmax_scale, queries_per_request, allowed, block_size, want_block_max, keys_out, None, True,
-                          **shape)
+    return _launch_scores(q8 if mma_ordered else mma_order(q8), q_scale, weights, keys, page_table, page_rows, visible,
+                          num_keys, softmax_scale, queries_per_request, allowed, block_size, want_block_max, keys_out,
+                          hist, hist is None, **shape)
 
 
 def quantize_queries_triton(q: torch.Tensor, zero: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -397,7 +401,8 @@ def index_picks_triton(
     """:func:`kernels.v4_indexer.index_picks_reference` in five launches, graph-safe: the
     queries' quantization (zeroing the histogram), the scores with the level-1 histogram
     (float32, live tiles only), the selection's collect and finish
-    (kernels/topk_triton.py), and with ``topk_blocks`` the candidate block mask.
+    (kernels/topk_triton.py), and with ``topk_blocks`` the candidate block mask (torch for
+    ``index_topk`` above ``MAX_K`` or rows of more than ``MAX_MASK_BLOCKS`` blocks).
     ``select_buffers``: the selection's (small, cap) candidate buffers; ``shape``: the
     scoring launch's (:func:`index_scores_triton`)."""
     hist = new_histogram(q.shape[0], q.device)
@@ -407,6 +412,18 @@ def index_picks_triton(
     scores, bmax = _launch_scores(q8, q_scale, weights, keys, page_table, page_rows, visible, num_keys, softmax_scale,
                                   queries_per_request, allowed, block_size, topk_blocks is not None, False, hist,
                                   False, **shape)
-    picks = topk_rows_triton(scores, visible, index_topk, hist, *(select_buffers or (None, None)))
-    mask = candidate_blocks_triton(bmax, visible, topk_blocks, block_size) if topk_blocks is not None else None
-    return picks, mask
+    if index_topk <= MAX_K:
+        picks = topk_rows_triton(scores, visible, index_topk, hist, *(select_buffers or (None, None)))
+    else:  # beyond the candidate buffers: torch.topk on the live scores
+        picks = topk_picks(_live(scores, visible, 1), index_topk)
+    if topk_blocks is None:
+        return picks, None
+    if bmax.shape[1] <= MAX_MASK_BLOCKS:
+        return picks, candidate_blocks_triton(bmax, visible, topk_blocks, block_size)
+    return picks, candidate_blocks(_live(bmax, visible, block_size), visible.view(-1, 1), topk_blocks, block_size)
+
+
+def _live(values: torch.Tensor, visible: torch.Tensor, per: int) -> torch.Tensor:
+    """values [Q, n] with −inf past each row's ``ceil(visible / per)`` entries (never written there)."""
+    live = (visible.view(-1, 1) + per - 1) // per
+    return values.masked_fill(torch.arange(values.shape[1], device=values.device) >= live, float("-inf"))
