@@ -162,6 +162,9 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         assert torch.equal(scale, want_scale) and not zero.any()
     for args in chain_args("cpu", small=True):
         check_chain(args, select_buffers=(16, 64) if args[8] < 16 else (64, 256))
+    import kernels.v4_indexer_triton as kt
+    kt.MAX_K, kt.MAX_MASK_BLOCKS = 4, 2  # past the Triton selection's sizes: the torch fallbacks
+    check_chain(next(chain_args("cpu", small=True)))
     print("interpreter ok")
     """
 )
