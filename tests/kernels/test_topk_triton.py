@@ -13,10 +13,7 @@ full width."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -26,10 +23,10 @@ import torch
 from kernels.topk import order_keys
 from kernels.v4_indexer import candidate_blocks, topk_picks
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
+from tests.kernels.test_mxfp8_gemm import run_interpreted
 
 pytest.importorskip("triton")
 
-REPO = Path(__file__).resolve().parents[2]
 _PTXAS = Path(importlib.util.find_spec("triton").origin).parent / "backends/nvidia/bin/ptxas"
 
 
@@ -102,10 +99,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
 
 @pytest.mark.slow
 def test_selection_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=REPO, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-4000:]
+    run_interpreted(_INTERPRET_SCRIPT)
 
 
 def test_bad_inputs_raise_one_line_errors():

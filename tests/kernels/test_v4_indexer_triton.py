@@ -11,10 +11,7 @@ NaN-poisoned unused pages, and the chain captured in a CUDA graph and replayed."
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,9 +21,9 @@ import torch
 from kernels.v4_indexer import (candidate_blocks, index_picks_reference, index_scores_reference,
                                 quantize_index_queries, topk_picks)
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
+from tests.kernels.test_mxfp8_gemm import capture, run_interpreted
 from tests.kernels.test_v4_indexer import _paged_keys, assert_same_picks, scores_from_keys
 
-REPO = Path(__file__).resolve().parents[2]
 _PTXAS = (Path(importlib.util.find_spec("triton").origin).parent / "backends/nvidia/bin/ptxas"
           if importlib.util.find_spec("triton") else None)
 needs_ptxas = pytest.mark.skipif(_PTXAS is None or not _PTXAS.exists(), reason="needs triton's bundled ptxas")
@@ -173,10 +170,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
 @pytest.mark.slow
 def test_triton_kernels_under_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=REPO, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-4000:]
+    run_interpreted(_INTERPRET_SCRIPT)
 
 
 _INTS = "pt_stride page_rows al_stride out_stride bm_stride num_q num_keys q_per_req".split()
@@ -365,14 +359,7 @@ def test_picks_chain_replays_in_a_cuda_graph():
     def step():
         return index_picks_triton(q, w, pool, tables, 64, vis, n, 128**-0.5, 512, topk_blocks=256)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        picks, mask = step()
+    graph, (picks, mask) = capture(step)
     for rep in range(3):
         q.copy_(torch.randn_like(q))
         w.copy_(torch.randn_like(w))
