@@ -172,6 +172,8 @@ def decode_case(bsz: int, num_keys: int, reps: int, sweep: bool, gen: torch.Gene
         entry = {"kernel_us": k_us, "new_us": timed_us(lambda a=args: new_step(*a), reps),
                  "old_us": timed_us(lambda a=args: old_step(*a), reps), "rel_err": err, "picks_ok": ties,
                  "same_as_old": same_steps(old_step(*args), new), "GBps": (bsz * nk * (68 + 4)) / (k_us * 1e-6) * 1e-9}
+        if kind == "plain":  # the histogram by its own pass instead of the scoring launch's atomics
+            entry["new_unfused_hist_us"] = timed_us(lambda a=args: new_step(*a, fused_histogram=False), reps)
         if sweep and kind == "plain":
             entry["sweep"] = {json.dumps(sh): timed_us(lambda sh=sh: kernel(**sh), reps) for sh in SWEEP}
         row[kind] = entry

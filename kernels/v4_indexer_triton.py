@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from kernels.mxfp8_quant_triton import pow2_from_byte
-from kernels.topk_triton import (HIST_STRIDE, MAX_K, MAX_MASK_BLOCKS, candidate_blocks_triton, level1_bin,
-                                 new_histogram, ordered_bits, topk_rows_triton)
+from kernels.topk_triton import (HIST_STRIDE, MAX_K, MAX_MASK_BLOCKS, candidate_blocks_triton, histogram_rows_triton,
+                                 level1_bin, new_histogram, ordered_bits, topk_rows_triton)
 from kernels.v4_indexer import SCALE_BLOCK, candidate_blocks, check_inputs, topk_picks
 from kernels.v4_kv_write_triton import _fp4_code
 
@@ -396,22 +396,25 @@ def index_picks_triton(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, page_table: torch.Tensor, page_rows: int,
     visible: torch.Tensor, num_keys: int, softmax_scale: float, index_topk: int, queries_per_request: int = 1,
     allowed: torch.Tensor | None = None, block_size: int = 8, topk_blocks: int | None = None,
-    select_buffers: tuple[int, int] | None = None, **shape,
+    select_buffers: tuple[int, int] | None = None, fused_histogram: bool = True, **shape,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kernels.v4_indexer.index_picks_reference` in five launches, graph-safe: the
     queries' quantization (zeroing the histogram), the scores with the level-1 histogram
     (float32, live tiles only), the selection's collect and finish
     (kernels/topk_triton.py), and with ``topk_blocks`` the candidate block mask (torch for
     ``index_topk`` above ``MAX_K`` or rows of more than ``MAX_MASK_BLOCKS`` blocks).
-    ``select_buffers``: the selection's (small, cap) candidate buffers; ``shape``: the
-    scoring launch's (:func:`index_scores_triton`)."""
+    ``select_buffers``: the selection's (small, cap) candidate buffers; ``fused_histogram``
+    False: the histogram by its own pass over the scores instead of the scoring launch's
+    atomics; ``shape``: the scoring launch's (:func:`index_scores_triton`)."""
     hist = new_histogram(q.shape[0], q.device)
     q8, q_scale = quantize_queries_triton(q, zero=hist)
     check_inputs(q8, q_scale, weights, keys, page_table, page_rows, visible, num_keys, queries_per_request, allowed,
                  block_size)
     scores, bmax = _launch_scores(q8, q_scale, weights, keys, page_table, page_rows, visible, num_keys, softmax_scale,
-                                  queries_per_request, allowed, block_size, topk_blocks is not None, False, hist,
-                                  False, **shape)
+                                  queries_per_request, allowed, block_size, topk_blocks is not None, False,
+                                  hist if fused_histogram else None, False, **shape)
+    if not fused_histogram:
+        histogram_rows_triton(scores, visible, hist)
     if index_topk <= MAX_K:
         picks = topk_rows_triton(scores, visible, index_topk, hist, *(select_buffers or (None, None)))
     else:  # beyond the candidate buffers: torch.topk on the live scores

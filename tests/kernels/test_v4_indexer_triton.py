@@ -114,13 +114,14 @@ def chain_args(device: str, small: bool):
             yield q, w, pool, table, page_rows, vis, n, dim**-0.5, k, qpr, allowed, 8, None
 
 
-def check_chain(args, select_buffers=None, reference_rows=None) -> None:
-    """The chain on ``args``: its picks and candidate blocks are the reference selection of the
-    kernel's own scores exactly, and the reference chain's up to ties (``reference_rows``)."""
+def check_chain(args, reference_rows=None, **chain) -> None:
+    """The chain on ``args`` (options ``chain``): its picks and candidate blocks are the
+    reference selection of the kernel's own scores exactly, and the reference chain's up to
+    ties (on ``reference_rows``)."""
     from kernels.v4_indexer_triton import index_picks_triton, index_scores_triton
 
     q, w, pool, table, page_rows, vis, n, scale, k, qpr, allowed, bs, kb = args
-    picks, mask = index_picks_triton(*args, select_buffers=select_buffers)
+    picks, mask = index_picks_triton(*args, **chain)
     q8, qs = quantize_index_queries(q)
     scores, bmax = index_scores_triton(q8, qs, w, pool, table, page_rows, vis, n, scale, qpr, allowed, bs,
                                        kb is not None)
@@ -159,9 +160,11 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         assert torch.equal(scale, want_scale) and not zero.any()
     for args in chain_args("cpu", small=True):
         check_chain(args, select_buffers=(16, 64) if args[8] < 16 else (64, 256))
+    first = next(chain_args("cpu", small=True))
+    check_chain(first, select_buffers=(16, 64), fused_histogram=False)  # the histogram by its own pass
     import kernels.v4_indexer_triton as kt
     kt.MAX_K, kt.MAX_MASK_BLOCKS = 4, 2  # past the Triton selection's sizes: the torch fallbacks
-    check_chain(next(chain_args("cpu", small=True)))
+    check_chain(first)
     print("interpreter ok")
     """
 )
