@@ -44,6 +44,7 @@ import torch
 
 from benchmarks.bench_mla_decode import time_call
 from kernels.v4_cache_formats import pack_v41_entries, pack_v41_index_keys, pack_v41_window_rows
+from kernels.topk import key_scores
 from kernels.topk_triton import new_histogram
 from kernels.v4_indexer import (candidate_blocks, index_scores_reference, quantize_index_queries, topk_picks,
                                 topk_picks_from_keys)
@@ -153,10 +154,11 @@ def decode_case(bsz: int, num_keys: int, reps: int, sweep: bool, gen: torch.Gene
     kinds = {"plain": (None, None, num_keys, vis), "cand_src": (None, TOPK_BLOCKS, num_keys, vis),
              "restricted": (allowed, None, num_keys, vis), "ratio2": (None, None, half, vis // 2)}
     for kind, (al, kb, nk, vk) in kinds.items():  # mask, candidate blocks, keys and counts of this kind
-        got, got_b = index_scores_triton(q8, qs, w, pool, tables, PAGE, vk, nk, DIM**-0.5, 1, al, BLOCK, kb is not None)
+        got, got_b = index_scores_triton(q8, qs, w, pool, tables, PAGE, vk, nk, DIM**-0.5, 1, al, BLOCK, kb is not None,
+                                         keys_out=True)  # the old step's launch
         sub = (q8[:n], qs[:n], w[:n], pool, tables[:n], PAGE, vk[:n], nk, DIM**-0.5, 1)
         want, want_b = index_scores_reference(*sub, None if al is None else al[:n], BLOCK, kb is not None)
-        err = check_scores(got[:n], want)
+        err = check_scores(key_scores(got[:n]), want)
         if kb is not None:
             err = max(err, check_scores(got_b[:n], want_b))
         args = (q_raw, w, pool, tables, vk, nk, al, kb)
@@ -215,11 +217,12 @@ def prefill_case(context: int, chunk: int, reps: int, sweep: bool, gen: torch.Ge
 
     q8, qs = quantize_index_queries(q_raw)
     s, e = chunk - QUERY_BLOCK, chunk  # the last block: the most keys visible
-    got, _ = index_scores_triton(q8[s:e], qs[s:e], w[s:e], pool, tables, PAGE, vis[s:e], context, DIM**-0.5, e - s)
+    got, _ = index_scores_triton(q8[s:e], qs[s:e], w[s:e], pool, tables, PAGE, vis[s:e], context, DIM**-0.5, e - s,
+                                 keys_out=True)
     idx = torch.arange(s, e, 37, device="cuda")  # a spread of its queries
     want, _ = index_scores_reference(q8[idx], qs[idx], w[idx], pool, tables, PAGE, vis[idx], context, DIM**-0.5,
                                      idx.numel())
-    row["rel_err"] = check_scores(got[idx - s], want)
+    row["rel_err"] = check_scores(key_scores(got[idx - s]), want)
     new, _ = new_step(q_raw[s:e], w[s:e], pool, tables, vis[s:e], context, None, None, e - s)
     row["picks_ok"] = same_picks_up_to_ties(new[idx - s].cpu(), topk_picks(want, TOPK).cpu(), want.cpu())
     keys_read = sum(int(vis[min(chunk, b + QUERY_BLOCK) - 1]) for b in range(0, chunk, QUERY_BLOCK))

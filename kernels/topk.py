@@ -28,6 +28,12 @@ def order_keys(scores: torch.Tensor) -> torch.Tensor:
     return (ordered << 32) | (0xFFFFFFFF - torch.arange(scores.shape[-1], device=scores.device))
 
 
+def key_scores(keys: torch.Tensor) -> torch.Tensor:
+    """The float32 scores of :func:`order_keys` keys (their high 32 bits; −0.0 comes back as 0.0)."""
+    ordered = keys >> 32
+    return torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(torch.int32).view(torch.float32)
+
+
 # Every key of a −inf score is at most this; every finite score's key is above it.
 NEG_INF_KEY_MAX = (((0xFF800000 - (1 << 32)) ^ 0x7FFFFFFF) << 32) | 0xFFFFFFFF
 

@@ -3,7 +3,7 @@
 Design (the expected numbers: benchmarks/KERNEL_NOTES.md):
 
 - A program owns ``block_q`` queries of one request (decode: 1; a prefill chunk: 4, so the
-  MMA's N is 4 × 32 heads = 128; heads pad to a power of two ≥ 16) and a run of ``TILES``
+  MMA's N is 4 × 32 heads = 128; heads pad to a power of two ≥ 16) and a run of ``tiles``
   tiles of ``block_n`` keys. Keys fill the MMA's M: Sᵀ [block_n, block_q·heads] = K·Qᵀ.
 - Each 32-dim block is one FP8 MMA (K = 32): the record's 16 bytes of e2m1 pairs become e4m3
   bytes by PRMT byte lookups (e2m1 → e4m3 is exact; 14 instructions per 8 codes, plain
@@ -168,7 +168,7 @@ def _query_block(Q8, QS, qi64, head, q_ok, cols, b: tl.constexpr, H: tl.constexp
 @triton.jit
 def _index_scores_kernel(
     Q8, QS, W, KEYS, PT, pt_stride, page_rows, VIS, ALLOWED, al_stride, OUT, out_stride, BMAX, bm_stride, HIST,
-    num_q, num_keys, q_per_req, softmax_scale, TILES: tl.constexpr,
+    num_q, num_keys, q_per_req, tiles, softmax_scale,
     H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, REC: tl.constexpr, BQ: tl.constexpr, BN: tl.constexpr,
     BS: tl.constexpr, HAS_ALLOWED: tl.constexpr, WANT_BMAX: tl.constexpr, SKIP: tl.constexpr, PRMT: tl.constexpr,
     KEYS_OUT: tl.constexpr, HISTOGRAM: tl.constexpr, HSTRIDE: tl.constexpr, WRITE_DEAD: tl.constexpr,
@@ -189,9 +189,9 @@ def _index_scores_kernel(
     vis = tl.load(VIS + qj, mask=qj_ok, other=0).to(tl.int32)
     vis_max = tl.max(vis, 0)
     cols = tl.arange(0, 32)
-    k_first = tl.program_id(1) * TILES * BN
+    k_first = tl.program_id(1) * tiles * BN
     # tiles with a visible key for some query of the program, then the rest (−inf, no reads)
-    live = tl.minimum(tl.maximum(tl.cdiv(vis_max - k_first, BN), 0), TILES) if SKIP else TILES
+    live = tl.minimum(tl.maximum(tl.cdiv(vis_max - k_first, BN), 0), tiles) if SKIP else tiles
     limit = tl.minimum(vis_max, num_keys)
     k_last = k_first + live * BN  # the program's live keys end here
     pages_next, valid_next = _tile_pages(PT, req, pt_stride, page_rows, k_first, limit, BN)
@@ -246,7 +246,7 @@ def _index_scores_kernel(
             hit = keep & (offs < num_keys)[:, None] & qj_ok[None, :]
             tl.atomic_add(HIST + qj[None, :] * HSTRIDE + level1_bin(ordered_bits(s)), 1, mask=hit, sem="relaxed")
     if WRITE_DEAD:
-        for t in range(live, TILES):
+        for t in range(live, tiles):
             _store_tile(tl.full([BN, BQ], float("-inf"), dtype=tl.float32), OUT, out_stride, BMAX, bm_stride, qj,
                         qj_ok, k_first + t * BN, num_keys, BN, BQ, BS, WANT_BMAX, KEYS_OUT)
 
@@ -339,7 +339,7 @@ def _launch_scores(q8, q_scale, weights, keys, page_table, page_rows, visible, n
         page_table.stride(0), page_rows, visible, al, al.stride(0) if allowed is not None else 0,
         scores, scores.stride(0), bmax if bmax is not None else scores, bmax.stride(0) if bmax is not None else 0,
         hist if hist is not None else visible,
-        nq, num_keys, nq + block_q if one_request else queries_per_request, float(softmax_scale), TILES=per_program,
+        nq, num_keys, nq + block_q if one_request else queries_per_request, per_program, float(softmax_scale),
         H=heads, HP=max(16, triton.next_power_of_2(heads)), D=d, REC=keys.shape[1], BQ=block_q, BN=block_n,
         BS=block_size, HAS_ALLOWED=allowed is not None, WANT_BMAX=want_block_max, SKIP=skip_dead_tiles,
         PRMT=device.type == "cuda", KEYS_OUT=keys_out, HISTOGRAM=hist is not None, HSTRIDE=HIST_STRIDE,

@@ -17,7 +17,7 @@ import torch
 
 from kernels.v4_cache_formats import pack_v41_index_keys, unpack_v41_index_keys
 from kernels.attention.v4_indexer import IndexerBackend, choose_indexer
-from kernels.topk import order_keys
+from kernels.topk import key_scores, order_keys
 from kernels.v4_indexer import index_scores_reference, quantize_index_queries, topk_picks, topk_picks_from_keys
 from model.v41.config import parse_v41_config
 from model.v41.indexer import Indexer
@@ -198,19 +198,13 @@ def test_backend_choice_and_errors():
         choose_indexer("cuda", "fp8", "cpu", 128)
 
 
-def scores_from_keys(keys: torch.Tensor) -> torch.Tensor:
-    """The float32 scores of ``kernels.topk.order_keys`` keys (their high 32 bits)."""
-    ordered = keys >> 32
-    return torch.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(torch.int32).view(torch.float32)
-
-
 def test_topk_picks_mark_invisible_picks():
     s = torch.tensor([[3.0, float("-inf"), 1.0, float("-inf")], [0.0, -0.0, -2.0, 0.0]])
     assert topk_picks(s, 3).tolist() == [[0, 2, -1], [0, 1, 3]]
     assert topk_picks(s, 9).shape == (2, 4)
     keys = order_keys(s)
     assert torch.equal(topk_picks_from_keys(keys, 3), topk_picks(s, 3))
-    assert torch.equal(scores_from_keys(keys), torch.where(s == 0, 0.0, s))
+    assert torch.equal(key_scores(keys), torch.where(s == 0, 0.0, s))
 
 
 def test_reference_rejects_bad_inputs():

@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.topk import key_scores
 from kernels.v4_indexer import (candidate_blocks, index_picks_reference, index_scores_reference,
                                 quantize_index_queries, topk_picks)
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
 from tests.kernels.test_mxfp8_gemm import capture, run_interpreted
-from tests.kernels.test_v4_indexer import _paged_keys, assert_same_picks, scores_from_keys
+from tests.kernels.test_v4_indexer import _paged_keys, assert_same_picks
 
 _PTXAS = (Path(importlib.util.find_spec("triton").origin).parent / "backends/nvidia/bin/ptxas"
           if importlib.util.find_spec("triton") else None)
@@ -88,7 +89,7 @@ def kernel_cases(device: str, small: bool):
         yield got[1], want[1]
         keys, _ = index_scores_triton(*args, keys_out=True)
         assert torch.equal(keys & 0xFFFFFFFF, (0xFFFFFFFF - torch.arange(n, device=device)).expand_as(keys))
-        yield scores_from_keys(keys), want[0]
+        yield key_scores(keys), want[0]
 
 
 
@@ -176,7 +177,7 @@ def test_triton_kernels_under_interpreter():
     run_interpreted(_INTERPRET_SCRIPT)
 
 
-_INTS = "pt_stride page_rows al_stride out_stride bm_stride num_q num_keys q_per_req".split()
+_INTS = "pt_stride page_rows al_stride out_stride bm_stride num_q num_keys q_per_req tiles".split()
 SCORE_TYPES = dict(Q8="*u8", QS="*fp32", W="*fp32", KEYS="*u8", PT="*i64", VIS="*i64", ALLOWED="*u8", BMAX="*fp32",
                    HIST="*i32", softmax_scale="fp32", **dict.fromkeys(_INTS, "i32"))
 
@@ -192,12 +193,12 @@ def test_default_shapes_compile_for_sm90_on_fp8_wgmma_without_spills():
     from kernels.v4_indexer_triton import _index_scores_kernel, _quantize_queries_kernel, default_shape
     from tests.kernels.test_mxfp8_gemm import _compile_sm90
 
-    divisible = ("pt_stride", "page_rows", "out_stride", "num_keys")
+    divisible = ("pt_stride", "page_rows", "out_stride", "num_keys", "tiles")
     for qpr in (1, 256):
         bn, bq, warps, stages = default_shape(qpr)
         for allowed in (False, True):
             for picks_path in (True, False):
-                consts = dict(H=32, HP=32, D=128, REC=68, BQ=bq, BN=bn, BS=8, HAS_ALLOWED=allowed, TILES=16, SKIP=True,
+                consts = dict(H=32, HP=32, D=128, REC=68, BQ=bq, BN=bn, BS=8, HAS_ALLOWED=allowed, SKIP=True,
                               PRMT=True, WANT_BMAX=not allowed, KEYS_OUT=not picks_path and allowed,
                               HISTOGRAM=picks_path, HSTRIDE=HIST_STRIDE, WRITE_DEAD=not picks_path, PREFETCH=True)
                 types = dict(SCORE_TYPES, OUT="*i64" if consts["KEYS_OUT"] else "*fp32")
