@@ -243,7 +243,7 @@ def _index_scores_kernel(
         s = tl.where(keep, s, float("-inf"))
         _store_tile(s, OUT, out_stride, BMAX, bm_stride, qj, qj_ok, first, num_keys, BN, BQ, BS, WANT_BMAX, KEYS_OUT)
         if HISTOGRAM:
-            hit = keep & (offs < num_keys)[:, None] & qj_ok[None, :]
+            hit = keep & (s > float("-inf")) & (offs < num_keys)[:, None] & qj_ok[None, :]  # what collect counts
             tl.atomic_add(HIST + qj[None, :] * HSTRIDE + level1_bin(ordered_bits(s)), 1, mask=hit, sem="relaxed")
     if WRITE_DEAD:
         for t in range(live, tiles):
