@@ -19,7 +19,8 @@ Two implementations of the step (quantize the queries, score, select):
   current scoring kernel: its own speed-up shows in ``kernel``, not in old vs new);
 - ``new`` — ``index_picks_triton``: the quantization kernel, the scoring launch with the
   selection's histogram (float32 scores, live tiles only), the Triton collect/finish selection
-  and candidate-block mask (kernels/topk_triton.py).
+  and candidate-block mask (kernels/topk_triton.py); a restricted layer scores only its 2048
+  allowed blocks, compacted into dense keys first (``compact_allowed_blocks``).
 
 Correctness first: the kernel's scores against the torch reference on the same records
 (first requests / queries; unused pages NaN-poisoned); the new picks and masks equal to the old
@@ -129,8 +130,9 @@ def old_step(q_raw, w, pool, tables, vis, num_keys, allowed, topk_blocks, qpr=1)
 
 
 def new_step(q_raw, w, pool, tables, vis, num_keys, allowed, topk_blocks, qpr=1, **shape):
+    """The step as the model now runs it on CUDA (restricted layers on their compacted blocks)."""
     return index_picks_triton(q_raw, w, pool, tables, PAGE, vis, num_keys, DIM**-0.5, TOPK, qpr, allowed, BLOCK,
-                              topk_blocks, **shape)
+                              topk_blocks, None if allowed is None else TOPK_BLOCKS, **shape)
 
 
 def same_steps(old, new) -> bool:

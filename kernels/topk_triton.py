@@ -166,11 +166,12 @@ if triton is not None:
         return tl.topk(keys, KP)
 
     @triton.jit
-    def _finish_kernel(S, s_stride, VIS, HIST, CAND, PICKS, p_stride, k, width, KP: tl.constexpr,
+    def _finish_kernel(S, s_stride, VIS, HIST, CAND, PICKS, p_stride, MAP, map_stride, k, width, KP: tl.constexpr,
                        SMALL: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr,
-                       STRIDE: tl.constexpr):
+                       STRIDE: tl.constexpr, MAP_BLOCK: tl.constexpr):
         """The row's picks from its candidates (or from the exact path): sorted, −1 past the
-        finite scores, ``width`` = min(k, n) columns."""
+        finite scores, ``width`` columns; MAP_BLOCK > 0: column c is entry
+        ``MAP[row, c // MAP_BLOCK] · MAP_BLOCK + c % MAP_BLOCK``."""
         row = tl.program_id(0)
         t, above, at_t = _row_threshold(HIST, row, k, NB, STRIDE)
         n = above + at_t
@@ -183,7 +184,11 @@ if triton is not None:
         else:
             top = _sorted_top(CAND, row, n, CAP, CAP, KP)
         r = tl.arange(0, KP)
-        picks = tl.where(r < n, 0xFFFFFFFF - (top & 0xFFFFFFFF), -1)
+        picks = 0xFFFFFFFF - (top & 0xFFFFFFFF)
+        if MAP_BLOCK > 0:
+            blk = tl.load(MAP + row.to(tl.int64) * map_stride + picks // MAP_BLOCK, mask=r < n, other=0)
+            picks = blk.to(tl.int64) * MAP_BLOCK + picks % MAP_BLOCK
+        picks = tl.where(r < n, picks, -1)
         tl.store(PICKS + row.to(tl.int64) * p_stride + r, picks, mask=r < width)
 
     @triton.jit
@@ -243,12 +248,15 @@ def collect_chunk(rows: int, n: int, sms: int) -> int:
 
 
 def topk_rows_triton(scores: torch.Tensor, visible: torch.Tensor, k: int, hist: torch.Tensor | None = None,
-                     small: int | None = None, cap: int | None = None) -> torch.Tensor:
+                     small: int | None = None, cap: int | None = None, index_map: torch.Tensor | None = None,
+                     map_block: int = 1, width: int | None = None) -> torch.Tensor:
     """:func:`kernels.v4_indexer.topk_picks` of scores [rows, n] float32 whose entries at and
-    past ``visible`` [rows] (int32) are −inf (never read): picks [rows, min(k, n)] int64.
+    past ``visible`` [rows] are −inf (never read): picks [rows, min(k, n)] int64.
     ``hist``: the rows' level-1 histogram when the scores' producer built it (zeroed, then
     filled; its counter column zero), else built here. ``small``/``cap``: the two candidate
-    buffer sizes (powers of two; None: :func:`selection_sizes`)."""
+    buffer sizes (powers of two; None: :func:`selection_sizes`). ``index_map`` [rows, m]:
+    column c of the scores is entry ``index_map[row, c // map_block] · map_block + c %
+    map_block`` (compacted scores; picks in entries, ``width`` columns, −1 padded)."""
     _rows_check(scores, visible)
     if not 1 <= k <= MAX_K:
         raise ValueError(f"k must be in 1 … {MAX_K}, got {k}")
@@ -257,9 +265,9 @@ def topk_rows_triton(scores: torch.Tensor, visible: torch.Tensor, k: int, hist: 
     small, cap = small or default_small, cap or default_cap
     if small < kp or cap < small or small & (small - 1) or cap & (cap - 1):
         raise ValueError(f"candidate buffers must be powers of two with {kp} ≤ small ≤ cap, got {small}, {cap}")
-    picks = torch.empty(rows, min(k, n), dtype=torch.int64, device=scores.device)
+    picks = torch.empty(rows, min(k, n) if width is None else width, dtype=torch.int64, device=scores.device)
     if rows == 0 or n == 0:
-        return picks
+        return picks.fill_(-1)
     vis = visible
     if hist is None:
         hist = new_histogram(rows, scores.device).zero_()
@@ -269,8 +277,11 @@ def topk_rows_triton(scores: torch.Tensor, visible: torch.Tensor, k: int, hist: 
     chunk = collect_chunk(rows, n, sms)
     _collect_kernel[(rows, triton.cdiv(n, chunk))](scores, scores.stride(0), vis, hist, cand, k, CAP=cap, CHUNK=chunk,
                                                     BLOCK=1024, NB=NUM_BINS, STRIDE=HIST_STRIDE, num_warps=4)
-    _finish_kernel[(rows,)](scores, scores.stride(0), vis, hist, cand, picks, picks.stride(0), k, min(k, n), KP=kp,
-                            SMALL=small, CAP=cap, BLOCK=1024, NB=NUM_BINS, STRIDE=HIST_STRIDE, num_warps=8)
+    mapped = index_map is not None
+    _finish_kernel[(rows,)](scores, scores.stride(0), vis, hist, cand, picks, picks.stride(0),
+                            index_map if mapped else picks, index_map.stride(0) if mapped else 0, k, picks.shape[1],
+                            KP=kp, SMALL=small, CAP=cap, BLOCK=1024, NB=NUM_BINS, STRIDE=HIST_STRIDE,
+                            MAP_BLOCK=map_block if mapped else 0, num_warps=8)
     return picks
 
 

@@ -176,13 +176,16 @@ def index_picks_reference(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, page_table: torch.Tensor, page_rows: int,
     visible: torch.Tensor, num_keys: int, softmax_scale: float, index_topk: int, queries_per_request: int = 1,
     allowed: torch.Tensor | None = None, block_size: int = 8, topk_blocks: int | None = None,
+    allowed_blocks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The indexer step of Q queries on packed records: (picks [Q, min(index_topk, num_keys)]
     int64 (:func:`topk_picks`), the candidate block mask [Q, blocks] of
     :func:`candidate_blocks` when ``topk_blocks`` is given, else None).
 
     q [Q, heads, d]: the rotated queries before their FP4 rounding (any float dtype; rounded
-    by :func:`quantize_index_queries`); the other arguments as :func:`index_scores_reference`'s."""
+    by :func:`quantize_index_queries`); ``allowed_blocks``: a bound on the blocks any row of
+    ``allowed`` allows, which a backend may use to score only those (unused here); the other
+    arguments as :func:`index_scores_reference`'s."""
     q8, q_scale = quantize_index_queries(q)
     scores, bmax = index_scores_reference(q8, q_scale, weights, keys, page_table, page_rows, visible, num_keys,
                                           softmax_scale, queries_per_request, allowed, block_size,

@@ -13,7 +13,12 @@ Design (the expected numbers: benchmarks/KERNEL_NOTES.md):
 - Loads: the codes go through Triton's cp.async pipeline (they feed the MMA); a key's d/32
   scale bytes are one word (4 bytes at d = 128, aligned as the record), which Triton would
   load synchronously (it feeds no MMA), so the kernel loads it a tile ahead itself, from page
-  numbers loaded two tiles ahead; the candidate mask bytes likewise.
+  numbers loaded two tiles ahead; the candidate mask bytes likewise. The program's query
+  blocks and scales are loaded once, before the tile loop (d ≤ 128: four blocks).
+- Within a 32-dim block the MMA's K order is 0, 2, …, 30, 1, 3, …, 31 (:func:`mma_order`): a
+  thread's four code bytes are then its wgmma A registers as they come out of the PRMTs, and
+  the queries are stored in that order (the sum of a block's 32 exact products does not
+  depend on it).
 - ReLU, the head weights (H^-½ folded in), the d^-½ scale, the visibility mask and V4.1's
   candidate mask are applied on the tile, which stores float32 scores or (``keys_out``) the
   int64 keys of the ordered top-k (kernels/topk.py); the candidate source also gets the max of
@@ -26,7 +31,9 @@ Design (the expected numbers: benchmarks/KERNEL_NOTES.md):
   grid depends on shapes only (never on counts): capturable in a CUDA graph.
 - The memory roofline at decode: every visible key's 68 bytes once per request (and per
   query block in a prefill); 8 kFLOP per key and request (32 heads × 128 dims), so ~120
-  FLOP per byte — under the FP8 ridge of an H200, a bandwidth-bound kernel.
+  FLOP per byte — under the FP8 ridge of an H200; the fp32 work per key × head (four block
+  scalings, ReLU, weights, head sum) keeps the issue rate close to that floor at decode and
+  above it in a prefill.
 
 :func:`quantize_queries_triton` is ``kernels.v4_indexer.quantize_index_queries`` as one launch
 (it also zeroes the selection's histogram rows), :func:`index_picks_triton` the whole chain.
@@ -271,6 +278,43 @@ def _store_tile(s, OUT, out_stride, BMAX, bm_stride, qj, qj_ok, first, num_keys,
                  mask=(blocks[:, None] * BS < num_keys) & qj_ok[None, :])
 
 
+@triton.jit
+def _compact_blocks_kernel(ALLOWED, al_stride, VIS, PT, pt_stride, q_per_req, VPT, BLIST, VIS_C, nblocks, width,
+                           BS: tl.constexpr, BPP: tl.constexpr, ROW: tl.constexpr):
+    """Query q's allowed visible blocks in index order (at most ``width``): their ids
+    (BLIST[q, i]), a page table of one block a page (VPT[q, i]: block i's first pool row / BS)
+    and the compacted keys' visible count (VIS_C[q]: only the last block can be partial)."""
+    q = tl.program_id(0)
+    vis = tl.load(VIS + q).to(tl.int32)
+    b = tl.arange(0, ROW)
+    ok = (tl.load(ALLOWED + q.to(tl.int64) * al_stride + b, mask=(b < nblocks) & (b * BS < vis), other=0) != 0)
+    pos = tl.cumsum(ok.to(tl.int32), 0) - 1
+    keep = ok & (pos < width)
+    page = tl.load(PT + (q // q_per_req).to(tl.int64) * pt_stride + b // BPP, mask=keep, other=0).to(tl.int64)
+    tl.store(BLIST + q.to(tl.int64) * width + pos, b, mask=keep)
+    tl.store(VPT + q.to(tl.int64) * width + pos, page * BPP + b % BPP, mask=keep)
+    count = tl.sum(keep.to(tl.int32), 0)
+    last = tl.max(tl.where(keep, b, -1), 0)
+    tl.store(VIS_C + q, tl.where(count > 0, (count - 1) * BS + tl.minimum(vis - last * BS, BS), 0))
+
+
+def compact_allowed_blocks(allowed: torch.Tensor, page_table: torch.Tensor, page_rows: int, visible: torch.Tensor,
+                           queries_per_request: int, width: int, block_size: int):
+    """(page table [Q, width] of one ``block_size``-key block a page, block ids [Q, width], the
+    compacted keys' visible counts [Q]) of each query's allowed visible blocks in index order:
+    the records of :func:`index_scores_triton`'s restricted scores, read as dense keys."""
+    nq, nblocks = allowed.shape
+    vpt = torch.empty(nq, width, dtype=torch.int64, device=allowed.device)
+    blist = torch.empty(nq, width, dtype=torch.int32, device=allowed.device)
+    vis_c = torch.empty(nq, dtype=torch.int32, device=allowed.device)
+    if nq:
+        _compact_blocks_kernel[(nq,)](allowed.view(torch.uint8), allowed.stride(0), visible, page_table,
+                                      page_table.stride(0), queries_per_request if page_table.shape[0] > 1 else nq + 1,
+                                      vpt, blist, vis_c, nblocks, width, BS=block_size, BPP=page_rows // block_size,
+                                      ROW=max(16, triton.next_power_of_2(nblocks)), num_warps=8)
+    return vpt, blist, vis_c
+
+
 def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
@@ -396,34 +440,55 @@ def index_picks_triton(
     q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, page_table: torch.Tensor, page_rows: int,
     visible: torch.Tensor, num_keys: int, softmax_scale: float, index_topk: int, queries_per_request: int = 1,
     allowed: torch.Tensor | None = None, block_size: int = 8, topk_blocks: int | None = None,
-    select_buffers: tuple[int, int] | None = None, fused_histogram: bool = True, **shape,
+    allowed_blocks: int | None = None, select_buffers: tuple[int, int] | None = None, fused_histogram: bool = True,
+    **shape,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`kernels.v4_indexer.index_picks_reference` in five launches, graph-safe: the
     queries' quantization (zeroing the histogram), the scores with the level-1 histogram
     (float32, live tiles only), the selection's collect and finish
     (kernels/topk_triton.py), and with ``topk_blocks`` the candidate block mask (torch for
     ``index_topk`` above ``MAX_K`` or rows of more than ``MAX_MASK_BLOCKS`` blocks).
-    ``select_buffers``: the selection's (small, cap) candidate buffers; ``fused_histogram``
-    False: the histogram by its own pass over the scores instead of the scoring launch's
-    atomics; ``shape``: the scoring launch's (:func:`index_scores_triton`)."""
+    ``allowed_blocks``: at most this many blocks of any row of ``allowed`` are allowed (the
+    candidate source's top-k: the model's restricted layers), so the chain scores only those,
+    as dense keys through :func:`compact_allowed_blocks` (one launch more, ~4× less to read
+    and multiply at V4.1's 2048 of 8192 blocks). ``select_buffers``: the selection's (small,
+    cap) candidate buffers; ``fused_histogram`` False: the histogram by its own pass over the
+    scores instead of the scoring launch's atomics; ``shape``: the scoring launch's
+    (:func:`index_scores_triton`)."""
     hist = new_histogram(q.shape[0], q.device)
     q8, q_scale = quantize_queries_triton(q, zero=hist)
     check_inputs(q8, q_scale, weights, keys, page_table, page_rows, visible, num_keys, queries_per_request, allowed,
                  block_size)
+    width, blist = min(index_topk, num_keys), None
+    if (allowed is not None and allowed_blocks is not None and topk_blocks is None and page_rows % block_size == 0
+            and allowed.shape[1] <= MAX_MASK_BLOCKS):
+        page_table, blist, visible = compact_allowed_blocks(allowed, page_table, page_rows, visible,
+                                                            queries_per_request, allowed_blocks, block_size)
+        page_rows, num_keys, queries_per_request, allowed = block_size, allowed_blocks * block_size, 1, None
     scores, bmax = _launch_scores(q8, q_scale, weights, keys, page_table, page_rows, visible, num_keys, softmax_scale,
                                   queries_per_request, allowed, block_size, topk_blocks is not None, False,
                                   hist if fused_histogram else None, False, **shape)
     if not fused_histogram:
         histogram_rows_triton(scores, visible, hist)
     if index_topk <= MAX_K:
-        picks = topk_rows_triton(scores, visible, index_topk, hist, *(select_buffers or (None, None)))
+        picks = topk_rows_triton(scores, visible, index_topk, hist, *(select_buffers or (None, None)), index_map=blist,
+                                 map_block=block_size, width=width)
     else:  # beyond the candidate buffers: torch.topk on the live scores
         picks = topk_picks(_live(scores, visible, 1), index_topk)
+        if blist is not None:
+            picks = _mapped(picks, blist, block_size, width)
     if topk_blocks is None:
         return picks, None
     if bmax.shape[1] <= MAX_MASK_BLOCKS:
         return picks, candidate_blocks_triton(bmax, visible, topk_blocks, block_size)
     return picks, candidate_blocks(_live(bmax, visible, block_size), visible.view(-1, 1), topk_blocks, block_size)
+
+
+def _mapped(picks: torch.Tensor, blist: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """Compacted picks → key indices (−1 kept), padded with −1 to ``width`` columns."""
+    blocks = blist.gather(1, (picks.clamp_min(0) // block_size).to(torch.int64)).to(torch.int64)
+    keys = torch.where(picks >= 0, blocks * block_size + picks % block_size, -1)
+    return torch.nn.functional.pad(keys, (0, width - keys.shape[1]), value=-1)
 
 
 def _live(values: torch.Tensor, visible: torch.Tensor, per: int) -> torch.Tensor:

@@ -150,7 +150,8 @@ class Indexer(nn.Module):
         allowed = candidates if self.uses_candidates else None
         return backend.picks(self.raw_queries(q_res, cos, sin), self.head_weights(x), records, page_table, page_rows,
                              visible, num_keys, self.head_dim**-0.5, self.index_topk, queries_per_request, allowed,
-                             self.block_size, self.topk_blocks if self.is_candidate_source else None)
+                             self.block_size, self.topk_blocks if self.is_candidate_source else None,
+                             allowed_blocks=self.topk_blocks)
 
     def raw_queries(self, q_res: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """:meth:`queries` before the FP4 rounding."""

@@ -117,8 +117,8 @@ def chain_args(device: str, small: bool):
 
 def check_chain(args, reference_rows=None, **chain) -> None:
     """The chain on ``args`` (options ``chain``): its picks and candidate blocks are the
-    reference selection of the kernel's own scores exactly, and the reference chain's up to
-    ties (on ``reference_rows``)."""
+    reference selection of the kernel's own scores exactly (restricted: with the allowed blocks
+    compacted too), and the reference chain's up to ties (on ``reference_rows``)."""
     from kernels.v4_indexer_triton import index_picks_triton, index_scores_triton
 
     q, w, pool, table, page_rows, vis, n, scale, k, qpr, allowed, bs, kb = args
@@ -127,6 +127,10 @@ def check_chain(args, reference_rows=None, **chain) -> None:
     scores, bmax = index_scores_triton(q8, qs, w, pool, table, page_rows, vis, n, scale, qpr, allowed, bs,
                                        kb is not None)
     assert torch.equal(picks, topk_picks(scores, k))
+    if allowed is not None:  # the allowed blocks compacted into dense keys: the same scores, the same picks
+        most = int(allowed.sum(1).max())
+        for bound in (most, most + 5):
+            assert torch.equal(index_picks_triton(*args, allowed_blocks=bound, **chain)[0], picks), bound
     assert (mask is None) == (kb is None)
     if kb is not None:
         assert torch.equal(mask, candidate_blocks(bmax, vis.view(-1, 1), kb, bs))
@@ -190,7 +194,8 @@ def test_default_shapes_compile_for_sm90_on_fp8_wgmma_without_spills():
     scores with block maxima, dead tiles −inf), with and without the candidate mask: FP8 wgmma,
     cp.async-pipelined codes, no local memory or spill stack; the quantization likewise."""
     from kernels.topk_triton import HIST_STRIDE
-    from kernels.v4_indexer_triton import _index_scores_kernel, _quantize_queries_kernel, default_shape
+    from kernels.v4_indexer_triton import (_compact_blocks_kernel, _index_scores_kernel, _quantize_queries_kernel,
+                                           default_shape)
     from tests.kernels.test_mxfp8_gemm import _compile_sm90
 
     divisible = ("pt_stride", "page_rows", "out_stride", "num_keys", "tiles")
@@ -210,6 +215,11 @@ def test_default_shapes_compile_for_sm90_on_fp8_wgmma_without_spills():
     types = dict(Q="*fp32", Q8="*u8", QS="*fp32", ZERO="*i32", q_stride="i32", zero_stride="i32", zero_n="i32")
     _, usage = _compile_sm90(_quantize_queries_kernel, types, dict(H=32, HP=32, D=128, ZP=4096), ("q_stride",),
                              num_warps=4)
+    assert re.search(r"STACK:0 .*LOCAL:0", usage), usage
+    types = dict(ALLOWED="*u8", al_stride="i32", VIS="*i64", PT="*i64", pt_stride="i32", q_per_req="i32", VPT="*i64",
+                 BLIST="*i32", VIS_C="*i32", nblocks="i32", width="i32")
+    _, usage = _compile_sm90(_compact_blocks_kernel, types, dict(BS=8, BPP=8, ROW=8192), ("al_stride", "nblocks"),
+                             num_warps=8)
     assert re.search(r"STACK:0 .*LOCAL:0", usage), usage
 
 
@@ -265,11 +275,12 @@ def global_access_bytes(ptx: str, source: str) -> dict[int, set[int]]:
 @needs_ptxas
 def test_key_record_loads_assume_no_more_alignment_than_the_records(monkeypatch):
     """Every launch of the GPU tests (arguments built here, launches recorded: the scores'
-    contract and the picks chain) compiled for sm_90 as Triton's launcher specializes it: the
-    global accesses generated from the lines that read key records (the e2m1 codes, the scale
-    word) move at most the records' alignment per access (68-byte records: 4 bytes, 34-byte: 2),
-    since a record starts at 68 · row; nothing moves more than 16. Triton's alignment analysis
-    once took the records for 16-aligned (16-byte cp.async: a misaligned address on the GPU)."""
+    contract and the picks chain, restricted layers on compacted blocks too) compiled for sm_90
+    as Triton's launcher specializes it: the global accesses generated from the lines that read
+    key records (the e2m1 codes, the scale word) move at most the records' alignment per access
+    (68-byte records: 4 bytes, 34-byte: 2), since a record starts at 68 · row; nothing moves more
+    than 16. Triton's alignment analysis once took the records for 16-aligned (16-byte
+    cp.async: a misaligned address on the GPU)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -285,8 +296,8 @@ def test_key_record_loads_assume_no_more_alignment_than_the_records(monkeypatch)
                 return lambda *args, **kwargs: launches.setdefault(name, []).append((args, kwargs))
         return Recorder()
 
-    for module, name in ((kt, "_index_scores_kernel"), (kt, "_quantize_queries_kernel"), (kk, "_collect_kernel"),
-                         (kk, "_finish_kernel"), (kk, "_block_mask_kernel")):
+    for module, name in ((kt, "_index_scores_kernel"), (kt, "_quantize_queries_kernel"), (kt, "_compact_blocks_kernel"),
+                         (kk, "_collect_kernel"), (kk, "_finish_kernel"), (kk, "_block_mask_kernel")):
         monkeypatch.setattr(module, name, recorder(name))
     for args in kernel_args("cpu", small=False):
         kt.index_scores_triton(*args)
@@ -294,6 +305,9 @@ def test_key_record_loads_assume_no_more_alignment_than_the_records(monkeypatch)
         q8, qs, w, pool, table, page_rows, vis, n, scale, qpr, allowed, bs, _ = args
         kt.index_picks_triton(torch.randn(q8.shape), w, pool, table, page_rows, vis, n, scale, 64, qpr, allowed, bs,
                               16 if allowed is None else None)
+        if allowed is not None:  # the restricted launch on compacted blocks (pages of one block)
+            kt.index_picks_triton(torch.randn(q8.shape), w, pool, table, page_rows, vis, n, scale, 64, qpr, allowed,
+                                  bs, allowed_blocks=allowed.shape[1])
     monkeypatch.undo()
     record_lines = {i + 1 for i, text in enumerate(Path(kt.__file__).read_text().splitlines())
                     if re.search(r"tl\.load\((rec|word)\b", text)}
