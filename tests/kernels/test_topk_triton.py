@@ -133,8 +133,8 @@ def test_selection_kernels_compile_for_sm90_without_spills():
     cases = [
         (_histogram_kernel, dict(common), dict(CHUNK=1024, **tables), 4),
         (_collect_kernel, dict(common, CAND="*i64"), dict(CAP=cap, CHUNK=8192, BLOCK=1024, **tables), 4),
-        (_finish_kernel, dict(common, CAND="*i64", PICKS="*i64", p_stride="i32", width="i32"),
-         dict(KP=kp, SMALL=small, CAP=cap, BLOCK=1024, **tables), 8),
+        (_finish_kernel, dict(common, CAND="*i64", PICKS="*i64", p_stride="i32", MAP="*i32", map_stride="i32",
+                              width="i32"), dict(KP=kp, SMALL=small, CAP=cap, BLOCK=1024, MAP_BLOCK=8, **tables), 8),
     ] + [(_block_mask_kernel, dict(BM="*fp32", bm_stride="i32", VIS="*i64", MASK="*i8", m_stride="i32",
                                    num_blocks="i32", k="i32"), dict(BS=8, ROW=row), 8) for row in (8192, 16384)]
     for fn, types, consts, warps in cases:
