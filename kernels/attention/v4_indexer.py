@@ -4,9 +4,10 @@ reference: kernels/v4_indexer.py):
     torch   the reference; any device, any index_head_dim multiple of 32; eager (gathers and
             decodes every key of a request in torch; the selection is ``torch.topk``)
     triton  our kernels (kernels/v4_indexer_triton.py, kernels/topk_triton.py): the queries'
-            quantization, FP8 MMAs on the records in place with the selection's histogram,
-            and an exact radix/bitonic selection of the picks and candidate blocks; CUDA,
-            index_head_dim 32, 64 or 128; CUDA-graph safe
+            quantization, FP8 MMAs on the records in place with the selection's histogram
+            (restricted layers on their allowed blocks only), and an exact radix/bitonic
+            selection of the picks and candidate blocks; CUDA, index_head_dim 32, 64 or 128;
+            CUDA-graph safe
 
 :func:`choose_indexer`: ``auto`` takes the Triton kernel on CUDA for packed (FP8) records and
 none elsewhere (the model's own path on decoded keys: the CPU path, and bf16 caches).
