@@ -38,8 +38,8 @@ import torch
 PHASES = (
     ("engine.scheduler.schedule", "schedule"),
     ("engine.runner.plan", "plan"),
-    ("runner_module.build_attention_metadata", "metadata"),
-    ("engine.runner._input_ids", "input ids"),
+    ("runner_module.attention_arrays", "metadata"),
+    ("runner_module.upload_arrays", "upload"),
     ("engine.runner._forward_decode", "forward (stub)"),
     ("engine.runner.model.compute_logits", "logits"),
     ("engine.runner._sampling_rows", "sampling rows"),
