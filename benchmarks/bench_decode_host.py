@@ -12,8 +12,8 @@ sequences (exclusive wall time per phase, so the phases sum to the step; medians
     python3 -m benchmarks.bench_decode_host [--batch 96] [--input-len 1024] [--steps 50]
         [--no-async-scheduling] [--temperature 1.0] [--top-p 0.95] [--cprofile 25] [--count-ops]
 
-``--count-ops`` also counts the tensor ops dispatched per step (each is a kernel launch or a
-copy on the GPU). Prints a table (µs per step); JSON to ``$OUT/decode_host.json`` when ``$OUT``
+``--count-ops`` also counts the tensor ops dispatched per step that launch work on a GPU (a
+kernel or a copy each; views left out; host staging through ``torch.from_numpy`` is not one). Prints a table (µs per step); JSON to ``$OUT/decode_host.json`` when ``$OUT``
 is set. Nothing is asserted on time.
 """
 
@@ -39,7 +39,9 @@ PHASES = (
     ("engine.scheduler.schedule", "schedule"),
     ("engine.runner.plan", "plan"),
     ("runner_module.attention_arrays", "metadata"),
+    ("runner_module.build_attention_metadata", "metadata"),
     ("runner_module.upload_arrays", "upload"),
+    ("engine.runner._input_ids", "upload"),
     ("engine.runner._forward_decode", "forward (stub)"),
     ("engine.runner.model.compute_logits", "logits"),
     ("engine.runner._sampling_rows", "sampling rows"),
@@ -82,6 +84,22 @@ class PhaseTimer:
         return timed
 
 
+    def overhead_s(self, calls: int = 20000) -> float:
+        """Seconds one timed call adds (measured on a no-op); charged to ``other`` otherwise."""
+        probe = PhaseTimer(self.clock)
+        probe.enabled = True
+        noop = probe.wrap("noop", lambda: None)
+        outer = probe.wrap("outer", lambda: [noop() for _ in range(calls)])
+        t0 = self.clock()
+        outer()
+        total = self.clock() - t0
+        base0 = self.clock()
+        for _ in range(calls):
+            pass
+        base = self.clock() - base0
+        return max(0.0, (total - base) / calls)
+
+
 def _resolve(roots: dict, path: str):
     head, *rest = path.split(".")
     obj = roots[head]
@@ -91,9 +109,30 @@ def _resolve(roots: dict, path: str):
 
 
 def instrument(roots: dict, timer: PhaseTimer) -> None:
+    """Wrap every phase's function that exists (older engines lack some)."""
     for path, name in PHASES:
         obj, attr = _resolve(roots, path)
-        setattr(obj, attr, timer.wrap(name, getattr(obj, attr)))
+        if hasattr(obj, attr):
+            setattr(obj, attr, timer.wrap(name, getattr(obj, attr)))
+
+
+UPLOADERS = ("to_device", "upload_arrays")  # each call: one host->device copy on a GPU
+UPLOADING_MODULES = ("server.runner", "server.sampler", "model.forward_context")
+
+
+def count_uploads(counter: Counter) -> None:
+    """Count the host->device uploads (``to_device`` / ``upload_arrays`` calls) per step."""
+    import importlib
+
+    for mod_name in UPLOADING_MODULES:
+        mod = importlib.import_module(mod_name)
+        for name in UPLOADERS:
+            fn = getattr(mod, name, None)
+            if fn is not None:
+                def counted(*args, _fn=fn, **kwargs):
+                    counter["uploads"] += 1
+                    return _fn(*args, **kwargs)
+                setattr(mod, name, counted)
 
 
 def stub_forward(runner, hidden_size: int, dtype: torch.dtype) -> None:
@@ -107,15 +146,23 @@ def stub_forward(runner, hidden_size: int, dtype: torch.dtype) -> None:
     runner._forward_mixed = forward
 
 
+# Ops that only make a new view or wrap host memory: no kernel or copy on a GPU.
+VIEW_OPS = frozenset({"view", "slice", "alias", "detach", "detach_", "lift_fresh", "as_strided", "unsqueeze",
+                      "squeeze", "expand", "t", "transpose", "_unsafe_view", "select", "unbind", "split", "reshape",
+                      "permute", "_reshape_alias", "narrow"})
+
+
 class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the aten ops dispatched (each a kernel launch or copy on a GPU)."""
+    """Counts the aten ops dispatched that launch work on a GPU (a kernel or a copy each)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket.__name__)] += 1
+        name = str(func.overloadpacket.__name__)
+        if name not in VIEW_OPS:
+            self.ops[name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -146,7 +193,7 @@ def run(model: str = "tiny-v2", batch: int = 96, input_len: int = 1024, steps: i
     from server.outputs import OutputAccumulator
     from server.tokenizer import IncrementalDetokenizer
 
-    output_len = warmup + steps + 8
+    output_len = warmup + steps + 64  # no request ends before the op count (admissions are spread)
     max_len = input_len + output_len + 64
     with _preset_dir(model, num_layers, max_len, vocab) as model_dir:
         llm = LLM(model_dir, device="cpu", load_format="dummy", max_model_len=max_len, max_num_seqs=batch,
@@ -177,11 +224,11 @@ def run(model: str = "tiny-v2", batch: int = 96, input_len: int = 1024, steps: i
         step()
     profiler = cProfile.Profile() if cprofile else None
     timer.enabled = True
-    walls, per_step = [], []
+    walls, per_step, calls = [], [], []
     if profiler is not None:
         profiler.enable()
     for _ in range(steps):
-        before = dict(timer.totals)
+        before, before_calls = dict(timer.totals), sum(timer.calls.values())
         t0 = clock()
         step()
         wall = clock() - t0
@@ -189,23 +236,30 @@ def run(model: str = "tiny-v2", batch: int = 96, input_len: int = 1024, steps: i
         spent = {name: timer.totals[name] - before.get(name, 0.0) for _, name in PHASES}
         spent["other"] = wall - sum(spent.values())
         per_step.append(spent)
+        calls.append(sum(timer.calls.values()) - before_calls)
     if profiler is not None:
         profiler.disable()
     timer.enabled = False
-    ops = None
+    ops = uploads = None
     if count_ops:
-        counter = OpCounter()
+        counter, calls_seen = OpCounter(), Counter()
+        count_uploads(calls_seen)
         with counter:
             for _ in range(5):
                 step()
         ops = {k: v / 5 for k, v in counter.ops.most_common()}
+        uploads = calls_seen["uploads"] / 5
     # Medians per phase: the host is shared, and a median ignores the steps another process stalled.
-    phases = {name: 1e6 * statistics.median(s[name] for s in per_step) for name in per_step[0]}
-    host = [w - s["forward (stub)"] for w, s in zip(walls, per_step)]
+    overhead = timer.overhead_s()
+    for spent, n in zip(per_step, calls):  # what the timer itself cost is not the engine's
+        spent["other"] -= n * overhead
+    phases = {name: 1e6 * statistics.median(s[name] for s in per_step) for name in dict.fromkeys(per_step[0])}
+    host = [w - s["forward (stub)"] - n * overhead for w, s, n in zip(walls, per_step, calls)]
     result = {"batch": batch, "input_len": input_len, "steps": steps, "async_scheduling": async_scheduling,
               "temperature": temperature, "top_p": top_p, "top_k": top_k, "model": model,
               "vocab": engine.vocab_size, "clock": "cpu" if cpu_clock else "wall", "step_us_mean": 1e6 * statistics.mean(walls),
-              "host_us_per_step": 1e6 * statistics.median(host), "phases_us": phases, "ops_per_step": ops}
+              "host_us_per_step": 1e6 * statistics.median(host), "phases_us": phases, "ops_per_step": ops, "uploads_per_step": uploads,
+              "timer_us_per_call": 1e6 * overhead, "timed_calls_per_step": statistics.median(calls)}
     print(f"decode host cost: batch {batch}, context {input_len}, async {'on' if async_scheduling else 'off'}, "
           f"T={temperature} top_p={top_p} top_k={top_k}, {steps} steps (CPU, forward stubbed, "
           f"{'thread CPU time' if cpu_clock else 'wall time'})")
@@ -213,9 +267,10 @@ def run(model: str = "tiny-v2", batch: int = 96, input_len: int = 1024, steps: i
     for name, us in phases.items():
         print(f"{name:<16}{us:>10.0f}{us / batch:>9.2f}")
     print(f"{'host total':<16}{result['host_us_per_step']:>10.0f}{result['host_us_per_step'] / batch:>9.2f}"
-          f"   (median; mean step {result['step_us_mean']:.0f} us)")
+          f"   (medians; timer overhead {result['timer_us_per_call']:.2f} us x "
+          f"{result['timed_calls_per_step']:.0f} calls/step taken out)")
     if ops is not None:
-        print(f"tensor ops per step: {sum(ops.values()):.0f} (" +
+        print(f"host->device uploads per step: {uploads:g}; device ops per step: {sum(ops.values()):.0f} (" +
               ", ".join(f"{k} {v:g}" for k, v in list(ops.items())[:12]) + ")")
     if profiler is not None:
         s = io.StringIO()

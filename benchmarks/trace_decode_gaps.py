@@ -10,7 +10,8 @@ and reports from the timelines:
 - over all gaps: host time by engine phase and by innermost host event (a Python phase's own
   time, an aten op, cudaLaunchKernel, cudaStreamSynchronize ...), top ``--top``, and the
   (kernel before -> kernel after) pairs that hold the most idle time;
-- per step: cudaGraphLaunch, kernel launches, copies, and host syncs (by call and phase).
+- per step: cudaGraphLaunch, kernel launches, copies, host syncs (by call and phase), host time
+  by engine phase, and GPU time by kernel.
 
     python3 -m benchmarks.trace_decode_gaps --model deepseek-v2-lite --kv-cache-dtype fp8 \\
         --batch 96 --input-len 1024 --output-len 64 [--no-async-scheduling] [--python-stacks] [--trace PATH]
@@ -236,6 +237,10 @@ def analyze_trace(events: list[dict], top: int = 15, num_largest: int = 8, min_g
             stack = next((st for st, _ in _overlaps(segs, starts, e["ts"], e["ts"] + max(e.get("dur", 0), 1e-3))), ())
             syncs[f"{e['name']} in {_phase(stack)}"] += 1
     rep["syncs_per_step"] = {k: v / steps for k, v in syncs.most_common(top)}
+    kernel_us = Counter()
+    for e in gpu:
+        kernel_us[_short(e["name"])] += e.get("dur", 0)
+    rep["gpu_us_per_step_by_kernel"] = [[n, round(v / steps, 1)] for n, v in kernel_us.most_common(top)]
     rep["host_us_per_step_by_phase"] = _phase_totals(segs, steps, top)
     return rep
 
@@ -287,6 +292,8 @@ def format_report(rep: dict) -> str:
         lines += [f"  {v:>10.0f}  {n}" for n, v in rep[key]]
     lines.append("gap time by kernel pair (us, count):")
     lines += [f"  {v:>10.0f} {c:>6}  {p}" for p, v, c in rep["gap_kernel_pairs"]]
+    lines.append("GPU time per step by kernel (us):")
+    lines += [f"  {v:>10.1f}  {n}" for n, v in rep["gpu_us_per_step_by_kernel"]]
     return "\n".join(lines)
 
 

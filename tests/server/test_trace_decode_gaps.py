@@ -64,6 +64,7 @@ def test_gap_attribution_launchers_and_counts():
     ps = rep["per_step"]
     assert (ps["cudaGraphLaunch"], ps["kernel_launches"], ps["host_syncs"], ps["gpu_kernels"]) == (1, 1, 1, 4)
     assert rep["syncs_per_step"] == {"cudaStreamSynchronize in process": 1}
+    assert rep["gpu_us_per_step_by_kernel"][0] == ["kernel_a", 100]
     text = format_report(rep)
     assert "kernel_a -> gemm_b" in text and "cudaStreamSynchronize in process 1.00" in text
     # A larger minimum leaves the small gap out of the attribution.
