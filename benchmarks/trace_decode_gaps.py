@@ -106,7 +106,7 @@ def _gaps(gpu: list[dict], min_us: float) -> list[tuple[float, float, dict, dict
 
 def host_segments(events: list[dict]) -> list[tuple[float, float, tuple[str, ...]]]:
     """The host thread's time as non-overlapping (start, end, stack of event names) segments,
-    innermost last; time inside no event is left out. Children are clamped to their parent."""
+    innermost last; time inside no event is left out. A child is clamped to its parent."""
     evs = sorted(events, key=lambda e: (e["ts"], -e.get("dur", 0)))
     segs: list[tuple[float, float, tuple[str, ...]]] = []
     stack: list[tuple[float, str]] = []  # (end, name)
@@ -131,6 +131,26 @@ def host_segments(events: list[dict]) -> list[tuple[float, float, tuple[str, ...
         emit(stack[-1][0])
         stack.pop()
     return segs
+
+
+def overlay(under: list, over: list) -> list[tuple[float, float, tuple[str, ...]]]:
+    """Two segmentations of one timeline as one: each stretch's stack is ``under``'s then
+    ``over``'s. The engine's phase annotations and the op / Python-call events nest among
+    themselves but not always with each other (an annotation opens inside
+    ``record_function.__enter__``), so each is segmented alone and then overlaid."""
+    cuts = sorted({t for s, e, _ in under for t in (s, e)} | {t for s, e, _ in over for t in (s, e)})
+    out = []
+    i = j = 0
+    for a, b in zip(cuts, cuts[1:]):
+        while i < len(under) and under[i][1] <= a:
+            i += 1
+        while j < len(over) and over[j][1] <= a:
+            j += 1
+        stack = (under[i][2] if i < len(under) and under[i][0] <= a else ()) + \
+                (over[j][2] if j < len(over) and over[j][0] <= a else ())
+        if stack:
+            out.append((a, b, stack))
+    return out
 
 
 def _phase(stack: tuple[str, ...]) -> str:
@@ -180,7 +200,8 @@ def analyze_trace(events: list[dict], top: int = 15, num_largest: int = 8, min_g
     host = [e for e in xs if e.get("cat") in HOST_CATS and e.get("tid") == tid]
     runtime = [e for e in xs if e.get("cat") in ("cuda_runtime", "cuda_driver")]
     steps = sum(1 for e in host if e["name"] == STEP) or 1
-    segs = host_segments(host)
+    segs = overlay(host_segments([e for e in host if e["cat"] == "user_annotation"]),
+                   host_segments([e for e in host if e["cat"] != "user_annotation"]))
     starts = [s for s, _, _ in segs]
 
     rep = idle_report([(e["ts"], e["ts"] + e.get("dur", 0)) for e in gpu], top=num_largest)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.trace_decode_gaps import analyze_trace, decode_window, format_report, host_segments
+from benchmarks.trace_decode_gaps import analyze_trace, decode_window, format_report, host_segments, overlay
 
 
 def x(name, cat, ts, dur, tid=1, corr=None):
@@ -45,6 +45,19 @@ def test_host_segments_are_innermost_and_cover_each_event_once():
     assert inner["cudaStreamSynchronize"] == pytest.approx(35)
     assert inner["aten::copy_"] == pytest.approx(15)
     assert inner["mlaserve.process"] == pytest.approx(250)
+
+
+def test_annotations_overlay_python_frames_they_open_inside():
+    """record_function's annotation starts inside the Python frame of its ``__enter__``: the
+    two nest only among themselves, and the overlay keeps both whole."""
+    frames = [x("profiler.py(918): __enter__", "python_function", 0, 10), x("aten::mm", "cpu_op", 20, 10)]
+    steps = [x("mlaserve.step", "user_annotation", 5, 95)]
+    merged = overlay(host_segments(steps), host_segments(frames))
+    assert [(s, e, st) for s, e, st in merged] == [
+        (0, 5, ("profiler.py(918): __enter__",)), (5, 10, ("mlaserve.step", "profiler.py(918): __enter__")),
+        (10, 20, ("mlaserve.step",)), (20, 30, ("mlaserve.step", "aten::mm")), (30, 100, ("mlaserve.step",))]
+    rep = analyze_trace(frames + steps)
+    assert rep["host_us_per_step_by_phase"] == [["(engine loop)", 95]]
 
 
 def test_gap_attribution_launchers_and_counts():
