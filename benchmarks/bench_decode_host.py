@@ -4,17 +4,20 @@ A decode step on the GPU is one CUDA-graph replay; everything around it runs on 
 scheduling, the step plan and attention metadata, the eager launches around the graph (input
 copies, the logits GEMM, sampling), the readback, and output processing (stop checks,
 detokenization, the deltas). With ``--async-scheduling`` that work overlaps the previous step's
-GPU time only while it is shorter. This runs ``EngineCore`` on the CPU with a preset's shape
-(default ``tiny-v2``), the decoder forward replaced by a fixed hidden-state buffer (what a
-graph replay returns), and times each phase of ``--steps`` steady decode steps at ``--batch``
-sequences (exclusive wall time per phase, so the phases sum to the step; medians over the steps).
+GPU time only while it is shorter. This runs ``EngineCore`` (on the CPU, or ``--device cuda``
+for real launches) with a preset's shape (default ``tiny-v2``), the decoder forward replaced by
+a fixed hidden-state buffer (what a graph replay returns), and times each phase of ``--steps``
+steady decode steps at ``--batch`` sequences (exclusive time per phase, so the phases sum to
+the step; medians over the steps).
 
     python3 -m benchmarks.bench_decode_host [--batch 96] [--input-len 1024] [--steps 50]
         [--no-async-scheduling] [--temperature 1.0] [--top-p 0.95] [--cprofile 25] [--count-ops]
+        [--device cuda --model deepseek-v2-lite --num-layers 1]
 
-``--count-ops`` also counts the tensor ops dispatched per step that launch work on a GPU (a
-kernel or a copy each; views left out; host staging through ``torch.from_numpy`` is not one). Prints a table (µs per step); JSON to ``$OUT/decode_host.json`` when ``$OUT``
-is set. Nothing is asserted on time.
+``--count-ops`` also counts the host->device uploads and the tensor ops per step that launch
+work on a GPU (a kernel or a copy each; views and ``torch.from_numpy`` staging left out).
+Prints a table (µs per step); JSON to ``$OUT/decode_host.json`` when ``$OUT`` is set. Nothing
+is asserted on time.
 """
 
 from __future__ import annotations
@@ -137,7 +140,7 @@ def count_uploads(counter: Counter) -> None:
 
 def stub_forward(runner, hidden_size: int, dtype: torch.dtype) -> None:
     """Replace the decoder forward by a fixed random hidden-state buffer (no model compute)."""
-    buf = torch.randn(8192, hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
+    buf = torch.randn(8192, hidden_size, generator=torch.Generator().manual_seed(0)).to(runner.device, dtype)
 
     def forward(input_ids, positions, ctx):
         return buf[: input_ids.shape[0]]
@@ -187,7 +190,8 @@ def _preset_dir(model: str, num_layers: int | None, max_len: int, vocab: int | N
 
 def run(model: str = "tiny-v2", batch: int = 96, input_len: int = 1024, steps: int = 50, warmup: int = 8,
         async_scheduling: bool = True, temperature: float = 1.0, top_p: float = 0.95, top_k: int = 0,
-        num_layers: int | None = None, cprofile: int = 0, count_ops: bool = False, vocab: int | None = None, cpu_clock: bool = True) -> dict:
+        num_layers: int | None = None, cprofile: int = 0, count_ops: bool = False, vocab: int | None = None,
+        cpu_clock: bool = True, device: str = "cpu") -> dict:
     import server.runner as runner_module
     from server import LLM, SamplingParams
     from server.outputs import OutputAccumulator
@@ -196,8 +200,9 @@ def run(model: str = "tiny-v2", batch: int = 96, input_len: int = 1024, steps: i
     output_len = warmup + steps + 64  # no request ends before the op count (admissions are spread)
     max_len = input_len + output_len + 64
     with _preset_dir(model, num_layers, max_len, vocab) as model_dir:
-        llm = LLM(model_dir, device="cpu", load_format="dummy", max_model_len=max_len, max_num_seqs=batch,
-                  async_scheduling=async_scheduling, kv_cache_memory_bytes=1 << 31)
+        kv = {"kv_cache_memory_bytes": 1 << 31} if device == "cpu" else {}
+        llm = LLM(model_dir, device=device, load_format="dummy", max_model_len=max_len, max_num_seqs=batch,
+                  async_scheduling=async_scheduling, **kv)
     engine = llm.engine
     stub_forward(engine.runner, engine.model_config.hidden_size, engine.model.dtype)
     clock = time.thread_time if cpu_clock else time.perf_counter
@@ -255,13 +260,14 @@ def run(model: str = "tiny-v2", batch: int = 96, input_len: int = 1024, steps: i
         spent["other"] -= n * overhead
     phases = {name: 1e6 * statistics.median(s[name] for s in per_step) for name in dict.fromkeys(per_step[0])}
     host = [w - s["forward (stub)"] - n * overhead for w, s, n in zip(walls, per_step, calls)]
-    result = {"batch": batch, "input_len": input_len, "steps": steps, "async_scheduling": async_scheduling,
-              "temperature": temperature, "top_p": top_p, "top_k": top_k, "model": model,
-              "vocab": engine.vocab_size, "clock": "cpu" if cpu_clock else "wall", "step_us_mean": 1e6 * statistics.mean(walls),
-              "host_us_per_step": 1e6 * statistics.median(host), "phases_us": phases, "ops_per_step": ops, "uploads_per_step": uploads,
+    result = {"device": device, "batch": batch, "input_len": input_len, "steps": steps,
+              "async_scheduling": async_scheduling, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+              "model": model, "vocab": engine.vocab_size, "clock": "cpu" if cpu_clock else "wall",
+              "step_us_mean": 1e6 * statistics.mean(walls), "host_us_per_step": 1e6 * statistics.median(host),
+              "phases_us": phases, "ops_per_step": ops, "uploads_per_step": uploads,
               "timer_us_per_call": 1e6 * overhead, "timed_calls_per_step": statistics.median(calls)}
     print(f"decode host cost: batch {batch}, context {input_len}, async {'on' if async_scheduling else 'off'}, "
-          f"T={temperature} top_p={top_p} top_k={top_k}, {steps} steps (CPU, forward stubbed, "
+          f"T={temperature} top_p={top_p} top_k={top_k}, {steps} steps ({device}, forward stubbed, "
           f"{'thread CPU time' if cpu_clock else 'wall time'})")
     print(f"{'phase':<16}{'us/step':>10}{'us/seq':>9}")
     for name, us in phases.items():
@@ -293,13 +299,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=None, help="override the preset's vocab_size (>= 262)")
     ap.add_argument("--cprofile", type=int, default=0, help="print the N functions with the most own time")
-    ap.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
-                    help="cpu: this thread's CPU time (steady on a shared host); wall: perf_counter")
+    ap.add_argument("--device", default="cpu", help="cuda: real launches (the GPU then waits for the host)")
+    ap.add_argument("--clock", choices=("cpu", "wall"), default=None,
+                    help="cpu: this thread's CPU time (steady on a shared host; the default on the CPU); "
+                         "wall: perf_counter (the default on CUDA, where waiting for the GPU may spin)")
     ap.add_argument("--count-ops", action="store_true", help="count tensor ops per step")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
+    clock = a.clock or ("cpu" if a.device == "cpu" else "wall")
     res = run(a.model, a.batch, a.input_len, a.steps, a.warmup, a.async_scheduling, a.temperature, a.top_p,
-              a.top_k, a.num_layers, a.cprofile, a.count_ops, a.vocab, a.clock == "cpu")
+              a.top_k, a.num_layers, a.cprofile, a.count_ops, a.vocab, clock == "cpu", a.device)
     out_dir = os.environ.get("OUT")
     if out_dir:
         with open(os.path.join(out_dir, "decode_host.json"), "w") as f:

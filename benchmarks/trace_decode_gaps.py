@@ -291,10 +291,12 @@ def decode_window(events: list[dict]) -> tuple[float, float] | None:
 
 def format_report(rep: dict) -> str:
     ps = rep["per_step"]
+    span, steps = rep["span_us"], rep["steps"]
     lines = [
-        f"{rep['steps']} steps: span {rep['span_us'] / 1e3:.1f} ms ({rep['span_us'] / 1e3 / rep['steps']:.2f} ms/step), "
+        f"{steps} steps: span {span / 1e3:.1f} ms ({span / 1e3 / steps:.2f} ms/step), "
         f"GPU busy {rep['busy_us'] / 1e3:.1f} ms, idle {100 * rep['idle_share']:.1f} % "
-        f"({rep['idle_us_per_step']:.0f} us/step), gaps > {rep['min_gap_us']:g} us: {rep['gaps_over_min_per_step']:.1f}/step",
+        f"({rep['idle_us_per_step']:.0f} us/step), "
+        f"gaps > {rep['min_gap_us']:g} us: {rep['gaps_over_min_per_step']:.1f}/step",
         f"per step: cudaGraphLaunch {ps['cudaGraphLaunch']:.2f}, kernel launches {ps['kernel_launches']:.1f}, "
         f"copies {ps['copies']:.1f}, host syncs {ps['host_syncs']:.2f}, GPU kernels {ps['gpu_kernels']:.1f}, "
         f"host aten ops {ps['host_ops']:.1f}",
