@@ -1,7 +1,7 @@
-// What the V4 sparse decode kernels share (v4_sparse_decode_sm90a.cu: 64 heads per CTA on wgmma,
-// v4_sparse_decode_narrow_sm90a.cu: up to 32 heads on mma.sync): the launch parameters, the
-// fp16 tile layout, the dequantization of MODEL1 records and the producer warpgroup that
-// gathers and dequantizes a CTA's tiles.
+// What the V4 sparse decode kernels share (v4_sparse_decode_sm90a.cu and
+// v4_sparse_decode_t64_sm90a.cu: 64 heads per CTA on wgmma, v4_sparse_decode_narrow_sm90a.cu: up
+// to 32 heads on mma.sync): the launch parameters, the fp16 tile layout, the dequantization of
+// MODEL1 records and the 32-record producer warpgroup of the first two designs.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -71,39 +71,70 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// 16 e4m3 values (a 16-byte raw chunk) times 2^(e - 127) as 16 fp16 values: one cvt per pair
+// and one packed multiply by the power-of-two scale.
+__device__ __forceinline__ void dequant_e4m3x16(uint4 x, uint32_t e, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  const __half s = __float2half_rn(__uint_as_float(e << 23));
+  const __half2 s2 = __halves2half2(s, s);
+  uint32_t h[8];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[k] & 0xFFFF), __NV_E4M3);
+    const __half2_raw c = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[k] >> 16), __NV_E4M3);
+    const __half2 a2 = __hmul2(__half2(a), s2), c2 = __hmul2(__half2(c), s2);
+    h[2 * k] = *reinterpret_cast<const uint32_t*>(&a2);
+    h[2 * k + 1] = *reinterpret_cast<const uint32_t*>(&c2);
+  }
+  lo = make_uint4(h[0], h[1], h[2], h[3]);
+  hi = make_uint4(h[4], h[5], h[6], h[7]);
+}
+
+// 8 bf16 RoPE values (a 16-byte raw chunk) as 8 fp16 values.
+__device__ __forceinline__ uint4 rope_bf16x8_to_f16(uint4 x) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  uint32_t h[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&w[k]);
+    h[k] = pack_half2(__low2float(b), __high2float(b));
+  }
+  return make_uint4(h[0], h[1], h[2], h[3]);
+}
+
+// The UE8M0 exponent of 64-dim block `blk` (< 7) from a record's 8 scale bytes.
+__device__ __forceinline__ uint32_t scale_exponent(uint32_t lo, uint32_t hi, int blk) {
+  return (blk < 4 ? lo >> (8 * blk) : hi >> (8 * (blk - 4))) & 0xFF;
+}
+
 // Dequantize one 16-byte raw chunk c (< 36) of a record into the fp16 K stage at `kt`, row r:
 // chunks below 28 are 16 e4m3 values (dims 16c..) times 2^(e - 127), the rest 8 bf16 RoPE values
 // (dims 448 + 8 (c - 28)..).
 __device__ __forceinline__ void convert_chunk(uint8_t* kt, int r, int c, uint4 x, uint32_t exps_lo, uint32_t exps_hi) {
-  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
   if (c < kE4m3Chunks) {
-    const int si = c >> 2;
-    const uint32_t e = ((si < 4 ? exps_lo >> (8 * si) : exps_hi >> (8 * (si - 4)))) & 0xFF;
-    const __half s = __float2half_rn(__uint_as_float(e << 23));
-    const __half2 s2 = __halves2half2(s, s);
-    uint32_t h[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[k] & 0xFFFF), __NV_E4M3);
-      const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[k] >> 16), __NV_E4M3);
-      const __half2 a = __hmul2(__half2(lo), s2), b = __hmul2(__half2(hi), s2);
-      h[2 * k] = *reinterpret_cast<const uint32_t*>(&a);
-      h[2 * k + 1] = *reinterpret_cast<const uint32_t*>(&b);
-    }
+    uint4 lo, hi;
+    dequant_e4m3x16(x, scale_exponent(exps_lo, exps_hi, c >> 2), lo, hi);
     uint8_t* box = kt + (c >> 2) * kKBox;
     const int j = (c & 3) * 2;
-    *reinterpret_cast<uint4*>(box + swizzled(r, j)) = make_uint4(h[0], h[1], h[2], h[3]);
-    *reinterpret_cast<uint4*>(box + swizzled(r, j + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+    *reinterpret_cast<uint4*>(box + swizzled(r, j)) = lo;
+    *reinterpret_cast<uint4*>(box + swizzled(r, j + 1)) = hi;
   } else {
-    uint32_t h[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&w[k]);
-      h[k] = pack_half2(__low2float(b), __high2float(b));
-    }
-    *reinterpret_cast<uint4*>(kt + 7 * kKBox + swizzled(r, c - kE4m3Chunks)) = make_uint4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<uint4*>(kt + 7 * kKBox + swizzled(r, c - kE4m3Chunks)) = rope_bf16x8_to_f16(x);
   }
 }
+
+// n / d without a division (a run-time division is a MUFU reciprocal): for 0 <= n < 2^31 and
+// d >= 1, with l = ceil(log2 d) and m = floor(2^32 (2^l - d) / d) + 1, n / d = (umulhi(m, n) + n) >> l.
+struct FastDiv {
+  uint32_t m, l;
+  __device__ explicit FastDiv(int d) {
+    l = 32 - __clz(static_cast<uint32_t>(d - 1));
+    m = static_cast<uint32_t>((((1ull << l) - d) << 32) / d + 1);
+  }
+  __device__ __forceinline__ int operator()(int n) const {
+    return static_cast<int>((__umulhi(m, static_cast<uint32_t>(n)) + static_cast<uint32_t>(n)) >> l);
+  }
+};
 
 // Tiles [tile0, tile0 + n) of the token's [window tiles | entry tiles] belong to this split.
 struct CtaTiles {
