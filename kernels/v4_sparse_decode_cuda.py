@@ -14,9 +14,11 @@ Same contract as ``kernels.v4_sparse_decode.v4_sparse_decode_reference`` for V4 
   P to the other; 65-128 heads run as 2-CTA clusters whose producers each dequantize half of
   every tile into both CTAs' shared memory (``cluster=False`` runs them as independent CTAs).
 
-Up to 32 heads per GPU the narrow kernel (``v4_sparse_decode_narrow_sm90a.cu``, memory-bound)
-holds all of a token's heads (16 or 32 rows) in one CTA on mma.sync, with v1's producer; 33-63
-heads run a 64-head kernel padded. MODEL1 pages and one-record rows (the V4 family's 584-byte
+Up to 32 heads per GPU (memory-bound) one CTA holds all of a token's heads: v1's narrow kernel
+(``v4_sparse_decode_narrow_sm90a.cu``: 16 or 32 rows on mma.sync, v1's producer), and v2's up
+to 16 heads (``v4_sparse_decode_tokens_sm90a.cu``: records on wgmma's M side, loaded into
+registers as the Q·Kᵀ fragments, two warpgroups on alternate 64-record tiles; 17-32 heads keep
+the narrow kernel). 33-63 heads run a 64-head kernel padded. MODEL1 pages and one-record rows (the V4 family's 584-byte
 row pools) are both read. V4.1's window and entry records are not read here (Triton).
 
 Build: nvcc (sm_90a) at first use through ``kernels.mla_decode_cuda.build_library`` (same
@@ -39,15 +41,15 @@ from kernels.v4_cache_formats import V4_DATA_BYTES, V4_ROPE_DIMS
 from kernels.v4_sparse_decode import HEAD_DIM, MAX_SCOPES, SparseKV, check_inputs
 
 SOURCES = (mdc.CSRC / "v4_sparse_decode_sm90a.cu", mdc.CSRC / "v4_sparse_decode_narrow_sm90a.cu",
-           mdc.CSRC / "v4_sparse_decode_t64_sm90a.cu")
+           mdc.CSRC / "v4_sparse_decode_t64_sm90a.cu", mdc.CSRC / "v4_sparse_decode_tokens_sm90a.cu")
 HEADERS = (mdc.CSRC / "v4_sparse_decode_common.cuh", mdc.CSRC / "mla_decode_common.cuh",
            mdc.CSRC / "sm90_async.cuh")
 LIBRARY_NAME = "v4_sparse_decode_sm90a"
 HEADS_PER_CTA = 64  # the wgmma kernel
 NARROW_MAX_HEADS = 32  # up to this many heads: the mma.sync kernel, all heads in one CTA
+TOKENS_MAX_HEADS = 16  # up to this many heads v2 runs the tokens-major kernel
 TILE = 32  # records per tile (v1 and the narrow kernel)
 VARIANTS = ("v1", "v2")
-VARIANT_TILE = {"v1": TILE, "v2": 64}  # the 64+-head kernels' tiles
 MAX_SPLITS = 32
 V_DESC = (TILE * 128, 1024)  # V read N-major: bytes between 64-dim boxes, between 8-record groups
 LOG2E = 1.4426950408889634
@@ -71,6 +73,21 @@ SMEM_BYTES = smem_bytes(HEADS_PER_CTA)
 # biases, two buffers of rescale factors and per-warp flags, the epilogue's row factors, four
 # mbarriers, 1024 bytes to align.
 T64_SMEM_BYTES = 64 * 1024 + 2 * 64 * 1024 + 2 * 64 * 128 + 2 * 64 * 4 + 2 * 64 * 4 + 2 * 4 * 4 + 64 * 4 + 4 * 8 + 1024
+
+
+# v2's tokens-major kernel (mirror of its plan): Q in k-step order, one 64-record fp16 tile and one
+# P^T per warpgroup, per-warpgroup column maxima, 1024 bytes to align.
+TOKENS_SMEM_BYTES = 16 * 1024 + 2 * 64 * 1024 + 2 * 16 * 128 + 2 * 4 * 16 * 4 + 1024
+
+
+def kernel_for(variant: str, heads: int) -> tuple[str, int]:
+    """(kernel, records per tile) that runs ``heads`` heads per GPU in ``variant``: ``tokens``
+    (v2, <= 16 heads), ``narrow`` (<= 32), ``t64`` (v2) or ``wide`` (v1)."""
+    if variant == "v2" and heads <= TOKENS_MAX_HEADS:
+        return "tokens", 64
+    if heads <= NARROW_MAX_HEADS:
+        return "narrow", TILE
+    return ("t64", 64) if variant == "v2" else ("wide", TILE)
 
 
 def uses_cluster(variant: str, heads: int, cluster: bool | None = None) -> bool:
@@ -117,6 +134,8 @@ def _library_in(cache: Path) -> ctypes.CDLL:
     for fn, argtypes in (("v4_sparse_decode_sm90", [ctypes.POINTER(_Params), ctypes.c_void_p]),
                          ("v4_sparse_decode_narrow_sm90", [ctypes.POINTER(_Params), ctypes.c_void_p]),
                          ("v4_sparse_decode_t64_sm90", [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_void_p]),
+                         ("v4_sparse_decode_tokens_sm90", [ctypes.POINTER(_Params), ctypes.c_void_p]),
+                         ("v4_sparse_decode_tokens_sm90_smem_bytes", []),
                          ("v4_sparse_decode_sm90_params_bytes", []), ("v4_sparse_decode_sm90_smem_bytes", []),
                          ("v4_sparse_decode_t64_sm90_smem_bytes", []),
                          ("v4_sparse_decode_narrow_sm90_smem_bytes", [ctypes.c_int])):
@@ -204,8 +223,7 @@ def v4_sparse_decode_cuda(
         return out, lse
     from kernels.v4_sparse_decode_triton import _combine_kernel, num_sms
 
-    wide = heads > NARROW_MAX_HEADS
-    tile = VARIANT_TILE[variant] if wide else TILE
+    kernel, tile = kernel_for(variant, heads)
     v_desc = v_desc or (tile * 128, 1024)
     tiles = [-(-sc.indices.shape[-1] // tile) for sc in scopes]
     splits, per = plan_splits(bsz, s_q, heads, sum(tiles), num_sms(q.device))
@@ -235,15 +253,17 @@ def v4_sparse_decode_cuda(
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         lib = library()
-        if not wide:
+        if kernel == "tokens":
+            err = lib.v4_sparse_decode_tokens_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
+        elif kernel == "narrow":
             err = lib.v4_sparse_decode_narrow_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
-        elif variant == "v2":
+        elif kernel == "t64":
             err = lib.v4_sparse_decode_t64_sm90(ctypes.byref(p), int(uses_cluster(variant, heads, cluster)),
                                                 ctypes.c_void_p(stream))
         else:
             err = lib.v4_sparse_decode_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
     if err != 0:
-        raise RuntimeError(f"v4_sparse_decode_sm90 ({variant}): cudaError_t {err}")
+        raise RuntimeError(f"v4_sparse_decode_sm90 ({variant}, {kernel} kernel): cudaError_t {err}")
     if splits > 1:
         import triton
 
@@ -255,5 +275,5 @@ def v4_sparse_decode_cuda(
     return out, lse
 
 
-__all__ = ["HEADS_PER_CTA", "TILE", "VARIANTS", "build_library", "check_cuda_inputs", "library", "plan_splits",
-           "unsupported_reason", "uses_cluster", "v4_sparse_decode_cuda"]
+__all__ = ["HEADS_PER_CTA", "TILE", "VARIANTS", "build_library", "check_cuda_inputs", "kernel_for", "library",
+           "plan_splits", "unsupported_reason", "uses_cluster", "v4_sparse_decode_cuda"]

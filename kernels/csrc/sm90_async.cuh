@@ -207,10 +207,40 @@ __device__ __forceinline__ void wgmma_m64n256k16_f16_ss_tnspb(float (&d)[128], u
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
+// D[64 x 16] (+)= A[64 x 16] . B[16 x 16]^T, fp16, A from registers (four f16x2: rows g and g+8
+// of the warp's 16, k 2q4.. and 8 + 2q4..), B K-major in shared memory; 8 accumulators per thread
+// (rows 16 warp + g + 8i, columns 8j + 2q4 + e at d[4j + 2i + e]).
+__device__ __forceinline__ void wgmma_m64n16k16_f16_rs(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64 x 16] (+)= A[64 x 16] . B[16 x 16]^T, fp16, A M-major (transposed: its 64 rows contiguous,
+// the descriptor's stride steps 8 k) and B K-major, both from shared memory.
+__device__ __forceinline__ void wgmma_m64n16k16_f16_tnspa(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "%8, %9, p, 1, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
 // Four 8x8 16-bit matrices from registers to shared memory: register i of lane l holds row l / 4,
 // columns 2 (l % 4), +1 of matrix i; lanes 8i..8i+7 give the addresses of matrix i's rows.
 __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
+// The same, each matrix stored transposed: lanes 8i..8i+7 give the addresses of the rows of the
+// stored matrix i, whose row c column r is the fragment's row r column c.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
                ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
 }
 
