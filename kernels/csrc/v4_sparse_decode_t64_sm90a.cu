@@ -30,12 +30,12 @@ namespace {
 constexpr int kT = 64;               // records per tile
 constexpr int kRows = 64;            // query rows per CTA (wgmma M)
 constexpr int kT64Threads = 384;     // producer, lead consumer, P.V consumer
-// Registers per thread after the hand-over ((112 + 240 + 152) x 128 = 64512 of the 65536).
 // Registers per thread after the hand-over (producer, lead, P.V warpgroup; 3 x 168 per thread at
 // launch): the pair's producer also keeps the peer's addresses.
 template <int kCluster>
 struct T64Regs {
-  static constexpr int kProducer = kCluster > 1 ? 136 : 112, kLead = kCluster > 1 ? 208 : 224, kPv = 160 + 8 * (kCluster == 1);
+  static constexpr int kProducer = kCluster > 1 ? 136 : 112, kLead = kCluster > 1 ? 208 : 224;
+  static constexpr int kPv = kCluster > 1 ? 160 : 168;  // 168: no hand-over
   static_assert(kProducer + kLead + kPv == 3 * 168, "the registers handed over must add up to the launch pool");
 };
 constexpr int kBox = kT * 128;       // 8192: one 64-dim box of a tile (a 128-byte row per record)
@@ -459,7 +459,7 @@ __global__ void __launch_bounds__(kT64Threads, 1) v4_sparse_decode_t64_kernel(co
     setmaxnreg_inc<T64Regs<kCluster>::kLead>();
     lead_consumer<kCluster>(ctx);
   } else {
-    setmaxnreg_dec<T64Regs<kCluster>::kPv>();
+    if constexpr (T64Regs<kCluster>::kPv < 168) setmaxnreg_dec<T64Regs<kCluster>::kPv>();
     pv_consumer<kCluster>(ctx);
   }
 }
