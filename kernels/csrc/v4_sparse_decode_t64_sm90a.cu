@@ -76,6 +76,7 @@ __device__ __forceinline__ uint4 ld_nc_16(const uint8_t* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
+__device__ __forceinline__ void prefetch_l2(const uint8_t* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 __device__ __forceinline__ uint2 ld_nc_8(const uint8_t* p) {
   uint2 v;
   asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
@@ -83,7 +84,8 @@ __device__ __forceinline__ uint2 ld_nc_8(const uint8_t* p) {
 }
 
 // The producer warpgroup (tid 0..127). Unit u = half (u % 2) of tile u / 2, or with a cluster the
-// rank's half of tile u; a ring of two units in registers, loads issued two units ahead.
+// rank's half of tile u; a ring of two units in registers, loads issued two units ahead, L2
+// prefetches four units ahead.
 template <int kCluster>
 __device__ __forceinline__ void produce_t64(const SparseParams& p, const CtaTiles& tiles, int b, int tq, int tid,
                                             uint8_t* k_s, float* bias_s, uint32_t bar_full, uint32_t bar_empty,
@@ -171,18 +173,35 @@ __device__ __forceinline__ void produce_t64(const SparseParams& p, const CtaTile
       else mbar_arrive(bar_full + 8 * st);
     }
   };
+  // Unit u + 4's lines into L2 (two units beyond the registers' reach): the record's data lines
+  // by its four threads, its scale bytes by a fifth.
+  auto prefetch = [&](int u, int rec) {
+    if (rec < 0) return;
+    const int sc = tiles.tile0 + u / kUnitsPerTile < tiles0 ? 0 : 1;
+    const SparseScope& s = p.scope[sc];
+    const int page = sc ? div1(rec) : div0(rec), slot = rec - page * s.page_size;
+    const uint8_t* base = s.cache + page * s.page_stride;
+    const uint8_t* data = base + slot * kDataBytes;
+    prefetch_l2(data + 128 * part);
+    if (part == 0) prefetch_l2(data + 512);
+    if (part == 1) prefetch_l2(data + kDataBytes - 1);
+    if (part == 2) prefetch_l2(base + static_cast<long long>(s.page_size) * kDataBytes + slot * 8);
+  };
   Unit ra, rb;
   fetch(0, index_of(0), ra);
   fetch(1, index_of(1), rb);
-  int next = index_of(2);
+  // Record numbers of units u + 2 .. u + 5 while unit u converts.
+  int i2 = index_of(2), i3 = index_of(3), i4 = index_of(4), i5 = index_of(5);
   for (int u = 0; u < units; u += 2) {
     convert(u, ra);
-    if (u + 2 < units) fetch(u + 2, next, ra);
-    next = index_of(u + 3);
+    if (u + 2 < units) fetch(u + 2, i2, ra);
+    prefetch(u + 4, i4);
+    i2 = i4, i4 = index_of(u + 6);
     if (u + 1 < units) {
       convert(u + 1, rb);
-      if (u + 3 < units) fetch(u + 3, next, rb);
-      next = index_of(u + 4);
+      if (u + 3 < units) fetch(u + 3, i3, rb);
+      prefetch(u + 5, i5);
+      i3 = i5, i5 = index_of(u + 7);
     }
   }
 }
