@@ -70,19 +70,6 @@ struct Unit {
   bool valid;
 };
 
-__device__ __forceinline__ uint4 ld_nc_16(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ void prefetch_l2(const uint8_t* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
-__device__ __forceinline__ uint2 ld_nc_8(const uint8_t* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
 // The producer warpgroup (tid 0..127). Unit u = half (u % 2) of tile u / 2, or with a cluster the
 // rank's half of tile u; a ring of two units in registers, loads issued two units ahead, L2
 // prefetches four units ahead.
@@ -93,46 +80,15 @@ __device__ __forceinline__ void produce_t64(const SparseParams& p, const CtaTile
   constexpr int kUnitsPerTile = 2 / kCluster;
   const int n = tiles.n, units = n * kUnitsPerTile;
   const int r = tid >> 2, part = tid & 3;
-  const int tiles0 = p.scope[0].tiles;
-  // Per scope: the live length of its pick list and the list of this query token.
-  const SparseScope &s0 = p.scope[0], &s1 = p.scope[1];
-  const bool two = p.num_scopes > 1;
-  const int len0 = s0.lengths ? min(s0.k, s0.lengths[b]) : s0.k;
-  const int len1 = !two ? 0 : (s1.lengths ? min(s1.k, s1.lengths[b]) : s1.k);
-  const int* idx0 = s0.indices + b * s0.idx_sb + tq * s0.idx_ss;
-  const int* idx1 = two ? s1.indices + b * s1.idx_sb + tq * s1.idx_ss : idx0;
-  const FastDiv div0(s0.page_size), div1(two ? s1.page_size : 1);
+  const RecordPicker pick(p, tiles, b, tq);
   auto row_of = [&](int u) { return kUnitRecords * (kCluster > 1 ? static_cast<int>(rank) : u % kUnitsPerTile) + r; };
-  // The flat record number of this thread's record in unit u, or -1.
-  auto index_of = [&](int u) -> int {
-    if (u >= units) return -1;
-    const int g = tiles.tile0 + u / kUnitsPerTile;
-    const int sc = g < tiles0 ? 0 : 1;
-    const int pos = (g - (sc ? tiles0 : 0)) * kT + row_of(u);
-    return pos < (sc ? len1 : len0) ? (sc ? idx1 : idx0)[pos] : -1;
-  };
+  auto index_of = [&](int u) { return u < units ? pick.index(u / kUnitsPerTile, row_of(u), kT) : -1; };
   auto fetch = [&](int u, int rec, Unit& x) {
-    x.valid = rec >= 0;
+    const RecordAt at = pick.locate(u / kUnitsPerTile, rec);
+    x.valid = at.data != nullptr;
 #pragma unroll
-    for (int m = 0; m < 9; ++m) x.d[m] = make_uint4(0, 0, 0, 0);
-    x.ex = make_uint2(0, 0);
-    if (!x.valid) return;
-    const int sc = tiles.tile0 + u / kUnitsPerTile < tiles0 ? 0 : 1;
-    const SparseScope& s = p.scope[sc];
-    const int page = sc ? div1(rec) : div0(rec), slot = rec - page * s.page_size;
-    const uint8_t* base = s.cache + page * s.page_stride;
-    const uint8_t* data = base + slot * kDataBytes;
-    if (((s.page_stride | reinterpret_cast<uintptr_t>(s.cache)) & 15) == 0) {  // MODEL1 pages
-#pragma unroll
-      for (int m = 0; m < 9; ++m) x.d[m] = ld_nc_16(data + 16 * (part + 4 * m));
-    } else {  // one-record rows of 584 bytes (the V4 family's row pools): on 8 bytes only
-#pragma unroll
-      for (int m = 0; m < 9; ++m) {
-        const uint2 lo = ld_nc_8(data + 16 * (part + 4 * m)), hi = ld_nc_8(data + 16 * (part + 4 * m) + 8);
-        x.d[m] = make_uint4(lo.x, lo.y, hi.x, hi.y);
-      }
-    }
-    x.ex = ld_nc_8(base + static_cast<long long>(s.page_size) * kDataBytes + slot * 8);
+    for (int m = 0; m < 9; ++m) x.d[m] = record_bytes16(at, 16 * (part + 4 * m));
+    x.ex = record_scales(at);
   };
   // The peer's copies of our stages, biases and `full` mbarriers (the shared::cluster window of a
   // CTA is contiguous: one mapa per base).
@@ -160,7 +116,7 @@ __device__ __forceinline__ void produce_t64(const SparseParams& p, const CtaTile
     }
 #pragma unroll
     for (int m = 7; m < 9; ++m)  // RoPE chunk part + 4(m - 7) of box 7
-      put16(7 * kBox + swizzled(row, part + 4 * (m - 7)), rope_bf16x8_to_f16(x.d[m]), st);
+      put16(7 * kBox + swizzled(row, part + 4 * (m - 7)), bf16x8_to_f16(x.d[m]), st);
     if (part == 0) {
       const float bias = x.valid ? 0.f : -INFINITY;
       bias_s[st * kT + row] = bias;
@@ -176,16 +132,12 @@ __device__ __forceinline__ void produce_t64(const SparseParams& p, const CtaTile
   // Unit u + 4's lines into L2 (two units beyond the registers' reach): the record's data lines
   // by its four threads, its scale bytes by a fifth.
   auto prefetch = [&](int u, int rec) {
-    if (rec < 0) return;
-    const int sc = tiles.tile0 + u / kUnitsPerTile < tiles0 ? 0 : 1;
-    const SparseScope& s = p.scope[sc];
-    const int page = sc ? div1(rec) : div0(rec), slot = rec - page * s.page_size;
-    const uint8_t* base = s.cache + page * s.page_stride;
-    const uint8_t* data = base + slot * kDataBytes;
-    prefetch_l2(data + 128 * part);
-    if (part == 0) prefetch_l2(data + 512);
-    if (part == 1) prefetch_l2(data + kDataBytes - 1);
-    if (part == 2) prefetch_l2(base + static_cast<long long>(s.page_size) * kDataBytes + slot * 8);
+    const RecordAt at = pick.locate(u / kUnitsPerTile, rec);
+    if (at.data == nullptr) return;
+    prefetch_l2(at.data + 128 * part);
+    if (part == 0) prefetch_l2(at.data + 512);
+    if (part == 1) prefetch_l2(at.data + kDataBytes - 1);
+    if (part == 2) prefetch_l2(at.scales);
   };
   Unit ra, rb;
   fetch(0, index_of(0), ra);
@@ -233,29 +185,13 @@ __device__ __forceinline__ void wait_full(const ConsumerCtx& x, int t) {
   else mbar_wait(x.bar_full + 8 * (t & 1), (t >> 1) & 1);
 }
 
-// O[64 rows x dims 256c..256c+255] (the thread's rows 16 warp + g + 8i, dims 256c + 8j + 2q4 + e at
-// o[4j + 2i + e]) times the row factors, to out (bf16) or to the split's fp32 partial.
+// This warpgroup's half of O (dims 256c..) times the epilogue's row factors.
 __device__ __forceinline__ void store_half(const ConsumerCtx& x, const float (&o)[128], int c, int warp, int g,
                                            int q4) {
-  const SparseParams& p = x.p;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int row = 16 * warp + g + 8 * i, head = x.head_block * kRows + row;
-    if (head >= p.heads) continue;
-    const float factor = x.factor_s[row];
-    if (p.num_splits > 1) {
-      const long long flat = static_cast<long long>(x.bt) * p.num_splits + x.split;
-      float* dst = p.part_o + (flat * p.heads + head) * kDim + 256 * c + 2 * q4;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * i] * factor, o[4 * j + 2 * i + 1] * factor);
-    } else {
-      __nv_bfloat16* dst = p.out + x.b * p.o_sb + x.tq * p.o_ss + head * p.o_sh + 256 * c + 2 * q4;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
-            __floats2bfloat162_rn(o[4 * j + 2 * i] * factor, o[4 * j + 2 * i + 1] * factor);
-    }
+    if (head < x.p.heads) store_row(x.p, o, i, x.factor_s[row], head, c, q4, x.b, x.tq, x.bt, x.split);
   }
 }
 
@@ -264,7 +200,6 @@ template <int kCluster>
 __device__ __forceinline__ void lead_consumer(const ConsumerCtx& x) {
   const SparseParams& p = x.p;
   const int tw = x.tid & 127, warp = tw >> 5, lane = x.tid & 31, g = lane >> 2, q4 = lane & 3;
-  constexpr float kRescaleSlack = 8.f;  // log2 units: P <= 2^8, well inside fp16
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
@@ -287,73 +222,27 @@ __device__ __forceinline__ void lead_consumer(const ConsumerCtx& x) {
     wgmma_wait<0>();
     fence_regs(s);
     // Scores in log2 units; rows 16 warp + g + 8i, records 8j + 2q4 + e at s[4j + 2i + e].
-    const float* bias = x.bias_s + st * kT;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float2 bb = *reinterpret_cast<const float2*>(bias + 8 * j + 2 * q4);
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        s[4 * j + 2 * i] = fmaf(s[4 * j + 2 * i], p.scale_log2, bb.x);
-        s[4 * j + 2 * i + 1] = fmaf(s[4 * j + 2 * i + 1], p.scale_log2, bb.y);
-      }
-    }
     float mx[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) mx[i] = fmaxf(mx[i], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-    }
-    const bool move0 = mx[0] > m_ref[0] + kRescaleSlack, move1 = mx[1] > m_ref[1] + kRescaleSlack;
-    const bool warp_moves = __any_sync(0xffffffffu, move0 || move1);
+    scale_and_row_max<8>(s, x.bias_s + st * kT, p.scale_log2, q4, mx);
+    const bool move[2] = {mx[0] > m_ref[0] + kRescaleSlack, mx[1] > m_ref[1] + kRescaleSlack};
+    const bool warp_moves = __any_sync(0xffffffffu, move[0] || move[1]);
     if (t >= kStages) named_barrier_sync(kBarFree + pb, 256);  // warpgroup 2 is done with P buffer pb
     if (warp_moves) {  // O is not in flight here: its last P.V was waited for
       float alpha[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const bool move = i == 0 ? move0 : move1;
-        alpha[i] = move ? exp2f(m_ref[i] - mx[i]) : 1.f;  // 0 from -inf: O and l are 0 then
-        if (move) m_ref[i] = mx[i];
-        l_run[i] *= alpha[i];
-      }
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j] *= alpha[0];
-        o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1];
-        o[4 * j + 3] *= alpha[1];
-      }
+      move_reference(move, mx, m_ref, l_run, alpha);
+      scale_rows(o, alpha[0], alpha[1]);
       if (q4 == 0) {
         x.alpha_s[pb * kRows + 16 * warp + g] = alpha[0];
         x.alpha_s[pb * kRows + 16 * warp + g + 8] = alpha[1];
       }
     }
     if (lane == 0) x.flags_s[pb * 4 + warp] = warp_moves;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float m_use = m_ref[i] == -INFINITY ? 0.f : m_ref[i];
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        s[4 * j + 2 * i] = exp2f(s[4 * j + 2 * i] - m_use);
-        s[4 * j + 2 * i + 1] = exp2f(s[4 * j + 2 * i + 1] - m_use);
-        sum += s[4 * j + 2 * i] + s[4 * j + 2 * i + 1];
-      }
-      l_run[i] += sum;
-    }
-    // P as the A fragments of the four k-steps (records 16kk..16kk+15), and into buffer pb:
-    // fragment kk is the stmatrix of 8x8 matrices (rows 0-7 | 8-15) x (records 16kk.. | 16kk+8..).
     uint32_t a[4][4];
+    exp_sum_pack<8>(s, m_ref, l_run, a);
+    // P into buffer pb: fragment kk is the stmatrix of 8x8 matrices (rows 0-7 | 8-15) x (records
+    // 16kk.. | 16kk+8..).
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      a[kk][0] = pack_half2(s[8 * kk], s[8 * kk + 1]);
-      a[kk][1] = pack_half2(s[8 * kk + 2], s[8 * kk + 3]);
-      a[kk][2] = pack_half2(s[8 * kk + 4], s[8 * kk + 5]);
-      a[kk][3] = pack_half2(s[8 * kk + 6], s[8 * kk + 7]);
-      stmatrix_x4(x.p_base + pb * kPBytes + swizzled(prow, 2 * kk + (mi >> 1)), a[kk]);
-    }
+    for (int kk = 0; kk < 4; ++kk) stmatrix_x4(x.p_base + pb * kPBytes + swizzled(prow, 2 * kk + (mi >> 1)), a[kk]);
     fence_async_shared();  // P is read by warpgroup 2's wgmma
     named_barrier_arrive(kBarReady + pb, 256);
     wgmma_fence();
@@ -381,10 +270,7 @@ __device__ __forceinline__ void lead_consumer(const ConsumerCtx& x) {
     if (!split_kv && p.sinks != nullptr && !lonely && head < p.heads) factor /= 1.f + expf(p.sinks[head] - lse);
     if (q4 == 0) {
       x.factor_s[row] = factor;
-      if (head < p.heads) {
-        if (split_kv) p.part_l[(static_cast<long long>(x.bt) * p.num_splits + x.split) * p.heads + head] = lse;
-        else p.lse[x.b * p.l_sb + x.tq * p.l_ss + head * p.l_sh] = lonely ? INFINITY : lse;
-      }
+      if (head < p.heads) store_lse(p, head, lse, x.b, x.tq, x.bt, x.split);
     }
   }
   named_barrier_sync(kBarEpilogue, 256);
@@ -406,14 +292,7 @@ __device__ __forceinline__ void pv_consumer(const ConsumerCtx& x) {
     named_barrier_sync(kBarReady + pb, 256);
     wait_full<kCluster>(x, t);  // complete already (the lead waited for it); this warpgroup's own acquire
     if (x.flags_s[pb * 4 + warp]) {
-      const float a0 = x.alpha_s[pb * kRows + 16 * warp + g], a1 = x.alpha_s[pb * kRows + 16 * warp + g + 8];
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j] *= a0;
-        o[4 * j + 1] *= a0;
-        o[4 * j + 2] *= a1;
-        o[4 * j + 3] *= a1;
-      }
+      scale_rows(o, x.alpha_s[pb * kRows + 16 * warp + g], x.alpha_s[pb * kRows + 16 * warp + g + 8]);
     }
     wgmma_fence();
 #pragma unroll

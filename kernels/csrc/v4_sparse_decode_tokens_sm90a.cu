@@ -59,10 +59,8 @@ __device__ __forceinline__ void load_q_perm(const SparseParams& p, int b, int tq
     if (row < p.heads) {
       const __nv_bfloat16* src = p.q + b * p.q_sb + tq * p.q_ss + row * p.q_sh + 64 * blk;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {  // k indices 8 (ch & 1) + 2k, +1: adjacent physical dims
-        const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(src + perm_dim(i, 8 * (ch & 1) + 2 * k));
-        h[k] = pack_half2(__low2float(v), __high2float(v));
-      }
+      for (int k = 0; k < 4; ++k)  // k indices 8 (ch & 1) + 2k, +1: adjacent physical dims
+        h[k] = bf16x2_to_f16x2(*reinterpret_cast<const uint32_t*>(src + perm_dim(i, 8 * (ch & 1) + 2 * k)));
     }
     *reinterpret_cast<uint4*>(q_s + blk * kQBox16 + swizzled(row, ch)) = make_uint4(h[0], h[1], h[2], h[3]);
   }
@@ -75,22 +73,6 @@ struct TwoRecords {
   uint2 ex[2];
   bool valid[2];
 };
-
-__device__ __forceinline__ uint4 ld_nc_16b(const uint8_t* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint2 ld_nc_8b(const uint8_t* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w) {
-  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&w);
-  return pack_half2(__low2float(b), __high2float(b));
-}
 
 __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel(const __grid_constant__ SparseParams p) {
   extern __shared__ uint8_t smem_raw[];
@@ -111,45 +93,11 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
   const uint32_t q_base = smem_addr(smem + kSmQ), v_base = smem_addr(v_s), pt_base = smem_addr(smem + kSmPt + wg * kPtBytes);
   const int bar0 = 1 + 4 * wg;
 
-  // Where this thread's record `row` of tile t is: its flat record number (or -1), by scope.
-  const SparseScope &s0 = p.scope[0], &s1 = p.scope[1];
-  const bool two = p.num_scopes > 1;
-  const int tiles0 = s0.tiles;
-  const int len0 = s0.lengths ? min(s0.k, s0.lengths[b]) : s0.k;
-  const int len1 = !two ? 0 : (s1.lengths ? min(s1.k, s1.lengths[b]) : s1.k);
-  const int* idx0 = s0.indices + b * s0.idx_sb + tq * s0.idx_ss;
-  const int* idx1 = two ? s1.indices + b * s1.idx_sb + tq * s1.idx_ss : idx0;
-  const FastDiv div0(s0.page_size), div1(two ? s1.page_size : 1);
-  auto index_of = [&](int t, int row) -> int {
-    if (t >= n) return -1;
-    const int gt = tiles.tile0 + t, sc = gt < tiles0 ? 0 : 1;
-    const int pos = (gt - (sc ? tiles0 : 0)) * kTT + row;
-    return pos < (sc ? len1 : len0) ? (sc ? idx1 : idx0)[pos] : -1;
-  };
-  // The record's data row and scale bytes (null for -1), and whether 16-byte loads may be used.
-  struct Where {
-    const uint8_t* data;
-    const uint8_t* scales;
-    bool wide;
-  };
-  auto locate = [&](int t, int rec) -> Where {
-    if (rec < 0) return {nullptr, nullptr, false};
-    const int sc = tiles.tile0 + t < tiles0 ? 0 : 1;
-    const SparseScope& s = p.scope[sc];
-    const int page = sc ? div1(rec) : div0(rec), slot = rec - page * s.page_size;
-    const uint8_t* base = s.cache + page * s.page_stride;
-    return {base + slot * kDataBytes, base + static_cast<long long>(s.page_size) * kDataBytes + slot * 8,
-            ((s.page_stride | reinterpret_cast<uintptr_t>(s.cache)) & 15) == 0};
-  };
+  const RecordPicker pick(p, tiles, b, tq);
   // Piece m (< 9) of a record: e4m3 block m's 16 bytes at 16 q4, or RoPE bytes 448 + 32 q4 + 16 (m - 7).
-  auto load_piece = [&](const Where& w, int m) -> uint4 {
-    if (w.data == nullptr) return make_uint4(0, 0, 0, 0);
-    const uint8_t* src = w.data + (m < 7 ? 64 * m + 16 * q4 : 448 + 32 * q4 + 16 * (m - 7));
-    if (w.wide) return ld_nc_16b(src);
-    const uint2 lo = ld_nc_8b(src), hi = ld_nc_8b(src + 8);  // one-record rows of 584 bytes: on 8 bytes only
-    return make_uint4(lo.x, lo.y, hi.x, hi.y);
+  auto load_piece = [&](const RecordAt& at, int m) {
+    return record_bytes16(at, m < 7 ? 64 * m + 16 * q4 : 448 + 32 * q4 + 16 * (m - 7));
   };
-  auto load_scales = [&](const Where& w) { return w.data == nullptr ? make_uint2(0, 0) : ld_nc_8b(w.scales); };
 
   float o[8][8];  // O^T: dims 64 mb + 16 warp + g + 8i, heads 8j + 2q4 + e at o[mb][4j + 2i + e]
 #pragma unroll
@@ -164,19 +112,18 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
     const int t = wg;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const Where w = locate(t, index_of(t, row0 + 8 * r));
-      raw.valid[r] = w.data != nullptr;
+      const RecordAt at = pick.locate(t, pick.index(t, row0 + 8 * r, kTT));
+      raw.valid[r] = at.data != nullptr;
 #pragma unroll
-      for (int m = 0; m < 9; ++m) raw.d[r][m] = load_piece(w, m);
-      raw.ex[r] = load_scales(w);
+      for (int m = 0; m < 9; ++m) raw.d[r][m] = load_piece(at, m);
+      raw.ex[r] = record_scales(at);
     }
   }
-  int next_idx[2] = {index_of(wg + 2, row0), index_of(wg + 2, row0 + 8)};
-  constexpr float kRescaleSlack = 8.f;  // log2 units: P <= 2^8, well inside fp16
+  int next_idx[2] = {pick.index(wg + 2, row0, kTT), pick.index(wg + 2, row0 + 8, kTT)};
 
   for (int t = wg; t < n; t += 2) {
     if (t >= 2) named_barrier_sync(bar0, 128);  // every warp's last P.V has read the tile and P^T
-    const Where nw[2] = {locate(t + 2, next_idx[0]), locate(t + 2, next_idx[1])};
+    const RecordAt nw[2] = {pick.locate(t + 2, next_idx[0]), pick.locate(t + 2, next_idx[1])};
     const bool valid[2] = {raw.valid[0], raw.valid[1]};
     // ---- S^T = K.Q^T: block by block, the A fragments dequantized from the registers ---------
     float s[8];
@@ -193,10 +140,8 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
           dequant_e4m3x16(raw.d[r][blk], scale_exponent(raw.ex[r].x, raw.ex[r].y, blk), lo, hi);
           h[0] = lo.x, h[1] = lo.y, h[2] = lo.z, h[3] = lo.w, h[4] = hi.x, h[5] = hi.y, h[6] = hi.z, h[7] = hi.w;
         } else {
-          const uint4 x = raw.d[r][7], y = raw.d[r][8];
-          h[0] = bf16x2_to_f16x2(x.x), h[1] = bf16x2_to_f16x2(x.y), h[2] = bf16x2_to_f16x2(x.z);
-          h[3] = bf16x2_to_f16x2(x.w), h[4] = bf16x2_to_f16x2(y.x), h[5] = bf16x2_to_f16x2(y.y);
-          h[6] = bf16x2_to_f16x2(y.z), h[7] = bf16x2_to_f16x2(y.w);
+          const uint4 x = bf16x8_to_f16(raw.d[r][7]), y = bf16x8_to_f16(raw.d[r][8]);
+          h[0] = x.x, h[1] = x.y, h[2] = x.z, h[3] = x.w, h[4] = y.x, h[5] = y.y, h[6] = y.z, h[7] = y.w;
         }
 #pragma unroll
         for (int k = 0; k < 4; ++k) af[k][r] = h[2 * k], af[k][2 + r] = h[2 * k + 1];
@@ -211,7 +156,7 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
 #pragma unroll
         for (int r = 0; r < 2; ++r) raw.d[r][7] = load_piece(nw[r], 7), raw.d[r][8] = load_piece(nw[r], 8);
       }
-      if (blk == 6) raw.ex[0] = load_scales(nw[0]), raw.ex[1] = load_scales(nw[1]);
+      if (blk == 6) raw.ex[0] = record_scales(nw[0]), raw.ex[1] = record_scales(nw[1]);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -223,7 +168,7 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
     wgmma_wait<0>();
     fence_regs(s);
     raw.valid[0] = nw[0].data != nullptr, raw.valid[1] = nw[1].data != nullptr;
-    next_idx[0] = index_of(t + 4, row0), next_idx[1] = index_of(t + 4, row0 + 8);
+    next_idx[0] = pick.index(t + 4, row0, kTT), next_idx[1] = pick.index(t + 4, row0 + 8, kTT);
 
     // ---- softmax over this tile's records, per head (a column) -----------------------------
     // s[4j + 2i + e]: record row0 + 8i, head 8j + 2q4 + e.
@@ -362,10 +307,7 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
       float f = lonely ? 0.f : 1.f / l;
       if (!split_kv && p.sinks != nullptr && !lonely && head < p.heads) f /= 1.f + expf(p.sinks[head] - lse);
       factor[j][e] = f;
-      if (warp == 0 && g == 0 && head < p.heads) {
-        if (split_kv) p.part_l[(static_cast<long long>(bt) * p.num_splits + split) * p.heads + head] = lse;
-        else p.lse[b * p.l_sb + tq * p.l_ss + head * p.l_sh] = lonely ? INFINITY : lse;
-      }
+      if (warp == 0 && g == 0 && head < p.heads) store_lse(p, head, lse, b, tq, bt, split);
     }
   // O (heads x dims) through warpgroup 0's tile, then coalesced 16-byte rows out.
   float* stage = reinterpret_cast<float*>(v_s);

@@ -100,60 +100,72 @@ def test_registry_on_cpu_keeps_torch_and_names_the_flag():
 
 # ----------------------------------------------------------------------------- GPU
 
-GPU_CASES = [  # (B, s_q, H, top-k, page size of the entries): the wgmma kernel (64+), the narrow one
-    (4, 1, 64, 512, 64), (3, 2, 64, 2048, 61), (2, 1, 128, 2048, 64), (2, 2, 128, 512, 2), (2, 1, 48, 512, 64),
-    (4, 1, 8, 512, 64), (3, 2, 16, 2048, 64), (2, 2, 32, 512, 61), (2, 1, 24, 2048, 2),
+GPU_CASES = [  # (variant, B, s_q, H, top-k, page size of the entries, cluster)
+    # v1: the wgmma kernel (64+), the narrow one
+    ("v1", 4, 1, 64, 512, 64, None), ("v1", 3, 2, 64, 2048, 61, None), ("v1", 2, 1, 128, 2048, 64, None),
+    ("v1", 2, 2, 128, 512, 2, None), ("v1", 2, 1, 48, 512, 64, None), ("v1", 4, 1, 8, 512, 64, None),
+    ("v1", 3, 2, 16, 2048, 64, None), ("v1", 2, 2, 32, 512, 61, None), ("v1", 2, 1, 24, 2048, 2, None),
+    # v2: the tokens-major kernel (8, 16), the 64-record kernel (48, 64), the pair (128; 96: a
+    # half-empty second head block) and its independent CTAs; top-k off the 64-record tiles
+    ("v2", 4, 1, 8, 512, 64, None), ("v2", 3, 2, 16, 2048, 61, None), ("v2", 2, 1, 16, 300, 2, None),
+    ("v2", 4, 1, 64, 512, 64, None), ("v2", 3, 2, 64, 1000, 61, None), ("v2", 2, 1, 48, 700, 64, None),
+    ("v2", 2, 1, 128, 2048, 64, None), ("v2", 2, 2, 128, 300, 2, None), ("v2", 2, 1, 96, 512, 64, None),
+    ("v2", 2, 2, 128, 1000, 61, False),
 ]
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("bsz,s_q,heads,topk,page", GPU_CASES)
-def test_cuda_kernel_matches_float64(bsz, s_q, heads, topk, page):
-    """Window 128 + top-k entries with −1 picks and lengths, unreferenced records NaN; the
-    planned splits and one split (no combine) both within the bound."""
+@pytest.mark.parametrize("variant,bsz,s_q,heads,topk,page,cluster", GPU_CASES)
+def test_cuda_kernel_matches_float64(variant, bsz, s_q, heads, topk, page, cluster):
+    """Window 128 + top-k entries with −1 picks and lengths (partial last tiles), unreferenced
+    records NaN; the planned splits, one split (no combine) and three, all within the bound."""
     q, scopes, sinks = make_case(bsz, s_q, heads, [(128, "v4", 64, False), (topk, "v4", page, True)],
                                  seed=heads + topk + s_q, device="cuda")
     want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
-    for splits in (None, 1):
-        out, lse = v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, num_splits=splits)
-        assert not out.isnan().any(), splits
+    kw = dict(variant=variant, cluster=cluster)
+    for splits in (None, 1, 3):
+        out, lse = v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, num_splits=splits, **kw)
+        assert not out.isnan().any() and not lse.isnan().any(), splits
         assert (lse.double() - want_lse).abs().max().item() < LSE_TOL, splits  # Q·Kᵀ and the softmax sums
         err = rel_err(out, want)
         if err > REL_TOL:  # say whether V's N-major descriptor has its two offsets swapped
-            swapped, _ = v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, num_splits=splits,
-                                                   v_desc=v4c.V_DESC[::-1])
-            err_swapped = rel_err(swapped, want)
+            swapped = (1024, v4c.kernel_for(variant, heads)[1] * 128)
+            err_swapped = rel_err(v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, num_splits=splits,
+                                                            v_desc=swapped, **kw)[0], want)
         assert err <= REL_TOL, (splits, err, f"with V's descriptor offsets swapped: {err_swapped:.2e}")
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_cuda_kernel_scale_spread_one_scope_no_sinks():
+@pytest.mark.parametrize("variant,heads", [("v1", 64), ("v2", 16), ("v2", 64), ("v2", 128)])
+def test_cuda_kernel_scale_spread_one_scope_no_sinks(variant, heads):
     """Per-64-dim scales over 12 binades, a single scope, no sinks, forced 5 splits."""
-    q, scopes, _ = make_case(3, 2, 64, [(700, "v4", 64, True)], seed=5, device="cuda", block_spread=8)
+    q, scopes, _ = make_case(3, 2, heads, [(700, "v4", 64, True)], seed=5, device="cuda", block_spread=8)
     want, want_lse = v4_sparse_decode_reference(q, scopes, None, SCALE, compute_dtype=torch.float64)
-    out, lse = v4c.v4_sparse_decode_cuda(q, scopes, None, SCALE, num_splits=5)
+    out, lse = v4c.v4_sparse_decode_cuda(q, scopes, None, SCALE, num_splits=5, variant=variant)
     assert rel_err(out, want) <= REL_TOL
     assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_cuda_kernel_lonely_query_and_graph_replay():
+@pytest.mark.parametrize("variant,heads", [("v1", 128), ("v2", 128), ("v2", 16)])
+def test_cuda_kernel_lonely_query_and_graph_replay(variant, heads):
     """A request with no valid key gets out 0 and lse +inf; capture once, replay on new inputs
     written into the same buffers."""
-    q, scopes, sinks = make_case(3, 2, 128, [(128, "v4", 64, False), (512, "v4", 64, True)], seed=9, device="cuda")
+    specs = [(128, "v4", 64, False), (512, "v4", 64, True)]
+    q, scopes, sinks = make_case(3, 2, heads, specs, seed=9, device="cuda")
     for sc in scopes:
         sc.indices[1] = -1
-    out = torch.empty(3, 2, 128, 512, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(3, 2, 128, device="cuda")
-    v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse)  # build and configure outside
+    out = torch.empty(3, 2, heads, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(3, 2, heads, device="cuda")
+    v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse, variant=variant)  # build, configure
+    assert (out[1] == 0).all() and torch.isinf(lse[1]).all() and (lse[1] > 0).all()  # the lonely request
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse)
-    q2, scopes2, sinks2 = make_case(3, 2, 128, [(128, "v4", 64, False), (512, "v4", 64, True)], seed=10,
-                                    device="cuda")
+        v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse, variant=variant)
+    q2, scopes2, sinks2 = make_case(3, 2, heads, specs, seed=10, device="cuda")
     q.copy_(q2)
     sinks.copy_(sinks2)
     for sc, sc2 in zip(scopes, scopes2):
@@ -167,11 +179,6 @@ def test_cuda_kernel_lonely_query_and_graph_replay():
     want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
     assert rel_err(out, want) <= REL_TOL
     assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
-    # the lonely request of the eager call
-    for sc in scopes:
-        sc.indices[1] = -1
-    out, lse = v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE)
-    assert (out[1] == 0).all() and torch.isinf(lse[1]).all() and (lse[1] > 0).all()
 
 
 @pytest.mark.gpu
@@ -197,83 +204,6 @@ def test_registry_auto_picks_cuda_for_v4_records():
         shifted = buf[4:4 + rows.cache.numel()].view(rows.cache.shape).copy_(rows.cache)
         with pytest.raises(ValueError, match=r"scopes\[0\]\.cache: pages must start on 8 bytes"):
             backend.decode(q, [SparseKV(shifted, rows.indices, "v4")], sinks, SCALE)
-
-
-# v2: (B, s_q, H, top-k, page size of the entries, cluster): the tokens-major kernel (8, 16), the
-# 64-record kernel (48, 64), the pair (128; and 96: a half-empty second head block) and its
-# independent CTAs; top-k off the 64-record tiles (partial last tiles) and lengths in every case.
-V2_CASES = [
-    (4, 1, 8, 512, 64, None), (3, 2, 16, 2048, 61, None), (2, 1, 16, 300, 2, None),
-    (4, 1, 64, 512, 64, None), (3, 2, 64, 1000, 61, None), (2, 1, 48, 700, 64, None),
-    (2, 1, 128, 2048, 64, None), (2, 2, 128, 300, 2, None), (2, 1, 96, 512, 64, None),
-    (2, 2, 128, 1000, 61, False),
-]
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("bsz,s_q,heads,topk,page,cluster", V2_CASES)
-def test_cuda_v2_matches_float64(bsz, s_q, heads, topk, page, cluster):
-    """Window 128 + top-k entries with −1 picks and lengths, unreferenced records NaN; the planned
-    splits, one split (no combine) and three."""
-    q, scopes, sinks = make_case(bsz, s_q, heads, [(128, "v4", 64, False), (topk, "v4", page, True)],
-                                 seed=heads + topk + s_q + 1, device="cuda")
-    want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
-    for splits in (None, 1, 3):
-        out, lse = v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, num_splits=splits, variant="v2",
-                                             cluster=cluster)
-        assert not out.isnan().any() and not lse.isnan().any(), splits
-        assert (lse.double() - want_lse).abs().max().item() < LSE_TOL, splits
-        err = rel_err(out, want)
-        if err > REL_TOL:  # say whether V's N-major descriptor has its two offsets swapped
-            swapped, _ = v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, num_splits=splits, variant="v2",
-                                                   cluster=cluster, v_desc=(1024, 64 * 128))
-            err_swapped = rel_err(swapped, want)
-        assert err <= REL_TOL, (splits, err, f"with V's descriptor offsets swapped: {err_swapped:.2e}")
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("heads", [16, 64, 128])
-def test_cuda_v2_scale_spread_one_scope_no_sinks(heads):
-    """Per-64-dim scales over 12 binades, a single scope, no sinks, forced 5 splits."""
-    q, scopes, _ = make_case(3, 2, heads, [(700, "v4", 64, True)], seed=5 + heads, device="cuda", block_spread=8)
-    want, want_lse = v4_sparse_decode_reference(q, scopes, None, SCALE, compute_dtype=torch.float64)
-    out, lse = v4c.v4_sparse_decode_cuda(q, scopes, None, SCALE, num_splits=5, variant="v2")
-    assert rel_err(out, want) <= REL_TOL
-    assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("heads", [16, 128])
-def test_cuda_v2_lonely_query_and_graph_replay(heads):
-    """A request with no valid key gets out 0 and lse +inf; capture once, replay on new inputs."""
-    specs = [(128, "v4", 64, False), (512, "v4", 64, True)]
-    q, scopes, sinks = make_case(3, 2, heads, specs, seed=9, device="cuda")
-    for sc in scopes:
-        sc.indices[1] = -1
-    out = torch.empty(3, 2, heads, 512, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(3, 2, heads, device="cuda")
-    v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse, variant="v2")  # build, configure
-    assert (out[1] == 0).all() and torch.isinf(lse[1]).all() and (lse[1] > 0).all()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse, variant="v2")
-    q2, scopes2, sinks2 = make_case(3, 2, heads, specs, seed=10, device="cuda")
-    q.copy_(q2)
-    sinks.copy_(sinks2)
-    for sc, sc2 in zip(scopes, scopes2):
-        sc.cache.copy_(sc2.cache)
-        sc.indices.copy_(sc2.indices)
-        if sc.lengths is not None:
-            sc.lengths.copy_(sc2.lengths)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
-    assert rel_err(out, want) <= REL_TOL
-    assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
 
 
 @pytest.mark.gpu
