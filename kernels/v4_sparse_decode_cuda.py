@@ -82,12 +82,12 @@ TOKENS_SMEM_BYTES = 16 * 1024 + 2 * 64 * 1024 + 2 * 16 * 128 + 2 * 4 * 16 * 4 + 
 
 def kernel_for(variant: str, heads: int) -> tuple[str, int]:
     """(kernel, records per tile) that runs ``heads`` heads per GPU in ``variant``: ``tokens``
-    (v2, <= 16 heads), ``narrow`` (<= 32), ``t64`` (v2) or ``wide`` (v1)."""
+    (v2, <= 16 heads), ``narrow`` (<= 32), ``tile64`` (v2) or ``wide`` (v1)."""
     if variant == "v2" and heads <= TOKENS_MAX_HEADS:
         return "tokens", 64
     if heads <= NARROW_MAX_HEADS:
         return "narrow", TILE
-    return ("t64", 64) if variant == "v2" else ("wide", TILE)
+    return ("tile64", 64) if variant == "v2" else ("wide", TILE)
 
 
 def uses_cluster(variant: str, heads: int, cluster: bool | None = None) -> bool:
@@ -257,7 +257,7 @@ def v4_sparse_decode_cuda(
             err = lib.v4_sparse_decode_tokens_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
         elif kernel == "narrow":
             err = lib.v4_sparse_decode_narrow_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
-        elif kernel == "t64":
+        elif kernel == "tile64":
             err = lib.v4_sparse_decode_t64_sm90(ctypes.byref(p), int(uses_cluster(variant, heads, cluster)),
                                                 ctypes.c_void_p(stream))
         else:

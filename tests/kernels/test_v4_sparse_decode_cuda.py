@@ -23,6 +23,13 @@ LSE_TOL = 5e-3
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def kernel_id(variant: str, heads: int, cluster: bool | None = None) -> str:
+    """A test id naming the kernel that runs (v1-wide, v2-tokens, v2-tile64, v2-pair, ...), so that a
+    device run can take one kernel at a time (``-k pair``)."""
+    kernel = v4c.kernel_for(variant, heads)[0]
+    return f"{variant}-{'pair' if v4c.uses_cluster(variant, heads, cluster) else kernel}-H{heads}"
+
+
 # ----------------------------------------------------------------------------- CPU
 
 
@@ -49,7 +56,7 @@ def test_variants_pick_their_kernels():
     assert [v4c.kernel_for("v1", h) for h in (8, 16, 24, 64, 128)] == [
         ("narrow", 32), ("narrow", 32), ("narrow", 32), ("wide", 32), ("wide", 32)]
     assert [v4c.kernel_for("v2", h) for h in (8, 16, 24, 32, 48, 64, 128)] == [
-        ("tokens", 64), ("tokens", 64), ("narrow", 32), ("narrow", 32), ("t64", 64), ("t64", 64), ("t64", 64)]
+        ("tokens", 64), ("tokens", 64), ("narrow", 32), ("narrow", 32), ("tile64", 64), ("tile64", 64), ("tile64", 64)]
     assert [v4c.uses_cluster("v2", h) for h in (16, 64, 65, 96, 128)] == [False, False, True, True, True]
     assert not v4c.uses_cluster("v2", 128, cluster=False) and not v4c.uses_cluster("v1", 128)
     assert v4_registry.CUDA_VARIANT in v4c.VARIANTS
@@ -116,7 +123,8 @@ GPU_CASES = [  # (variant, B, s_q, H, top-k, page size of the entries, cluster)
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("variant,bsz,s_q,heads,topk,page,cluster", GPU_CASES)
+@pytest.mark.parametrize("variant,bsz,s_q,heads,topk,page,cluster", [
+    pytest.param(*c, id=f"{kernel_id(c[0], c[3], c[6])}-B{c[1]}-sq{c[2]}-k{c[4]}-page{c[5]}") for c in GPU_CASES])
 def test_cuda_kernel_matches_float64(variant, bsz, s_q, heads, topk, page, cluster):
     """Window 128 + top-k entries with −1 picks and lengths (partial last tiles), unreferenced
     records NaN; the planned splits, one split (no combine) and three, all within the bound."""
@@ -138,7 +146,8 @@ def test_cuda_kernel_matches_float64(variant, bsz, s_q, heads, topk, page, clust
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("variant,heads", [("v1", 64), ("v2", 16), ("v2", 64), ("v2", 128)])
+@pytest.mark.parametrize("variant,heads", [pytest.param(v, h, id=kernel_id(v, h))
+                                          for v, h in (("v1", 64), ("v2", 16), ("v2", 64), ("v2", 128))])
 def test_cuda_kernel_scale_spread_one_scope_no_sinks(variant, heads):
     """Per-64-dim scales over 12 binades, a single scope, no sinks, forced 5 splits."""
     q, scopes, _ = make_case(3, 2, heads, [(700, "v4", 64, True)], seed=5, device="cuda", block_spread=8)
@@ -150,7 +159,8 @@ def test_cuda_kernel_scale_spread_one_scope_no_sinks(variant, heads):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("variant,heads", [("v1", 128), ("v2", 128), ("v2", 16)])
+@pytest.mark.parametrize("variant,heads", [pytest.param(v, h, id=kernel_id(v, h))
+                                          for v, h in (("v1", 128), ("v2", 128), ("v2", 16))])
 def test_cuda_kernel_lonely_query_and_graph_replay(variant, heads):
     """A request with no valid key gets out 0 and lse +inf; capture once, replay on new inputs
     written into the same buffers."""
@@ -208,7 +218,7 @@ def test_registry_auto_picks_cuda_for_v4_records():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("heads", [8, 64, 128])
+@pytest.mark.parametrize("heads", [pytest.param(h, id=kernel_id("v2", h)) for h in (8, 64, 128)])
 def test_cuda_v2_on_row_records(heads):
     """One-record 584-byte rows (the serving pools: records on 8 bytes only)."""
     gen = torch.Generator().manual_seed(heads)
