@@ -4,7 +4,7 @@ on a preset's shape with random weights.
 
 Each scenario runs twice on the same engine: ``before`` with the fused glue kernels off
 (``kernels.fused_glue.unfused_glue``: the torch compositions of RMSNorm, RoPE, K/V assembly,
-SiLU·mul) and ``after`` with them on. Every CUDA kernel is put in one class by its name
+SiLU·mul, the MoE slot alignment) and ``after`` with them on. Every CUDA kernel is put in one class by its name
 (GEMM, attention, MoE experts, other = the memory-bound glue), and the last lines are a
 compact table of each class's time and launch count per decoder layer, before → after
 (per layer = the step's total over the layers; embedding, LM head and sampling land in it

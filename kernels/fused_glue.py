@@ -1,7 +1,7 @@
 """One switch for the fused Triton kernels that replace torch's elementwise glue around the
 GEMMs and attention: RMSNorm (with the residual add), the query RoPE in place, MLA's K/V
-assembly and SiLU·mul (``kernels/rmsnorm.py``, ``kernels/rope.py``, ``kernels/mla_prefill.py``,
-``kernels/activation.py``).
+assembly, SiLU·mul and the MoE slot alignment (``kernels/rmsnorm.py``, ``kernels/rope.py``,
+``kernels/mla_prefill.py``, ``kernels/activation.py``, ``kernels/moe_align.py``).
 
 Each of those dispatch functions takes its Triton kernel when ``glue_kernels_apply`` says so
 (Triton importable, a CUDA tensor, the switch on) and its own shape/dtype conditions hold;
