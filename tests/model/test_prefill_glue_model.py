@@ -5,7 +5,8 @@ then a decode plus a chunk after a cached prefix), bf16 and FP8 caches with NaN-
 unused pages. It also checks the fused model stays as close to HF's (fp32) as the reference.
 
 CPU (CI): the kernels run under TRITON_INTERPRET=1 in a subprocess, the dispatch forced onto
-them (on CPU tensors it would pick the references). GPU (``-m gpu``): the real dispatch.
+them (on CPU tensors it would pick the references), one cache dtype per model. GPU
+(``-m gpu``): the real dispatch, both cache dtypes.
 """
 
 from __future__ import annotations
@@ -74,28 +75,37 @@ def hf_log_softmax(hf, model) -> torch.Tensor:
         return torch.log_softmax(hf(a[None]).logits[0].float(), -1)
 
 
+def row_gaps(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(mean |Δ|, 90th percentile over rows of the row's max |Δ|). Robust to the rare token
+    whose bf16 routing flips an expert (a large gap on that row alone); a wrong kernel moves
+    every row."""
+    d = (a - b).abs()
+    return d.mean().item(), d.amax(-1).quantile(0.9).item()
+
+
 def compare(fused: list[torch.Tensor], ref: list[torch.Tensor], hf: torch.Tensor) -> float:
     """Fused vs reference logits, and both against HF's; returns the largest fused-vs-ref gap."""
     worst = 0.0
     for f, r in zip(fused, ref):
         assert f.shape == r.shape and torch.isfinite(f).all()
+        mean, p90 = row_gaps(f, r)
+        # bf16 activations: the fused kernels' one-ulp differences (norm sum order, exp) stay
+        # far below the gap to fp32 HF, which they must not widen.
+        assert mean < 0.01 and p90 < 0.05, (mean, p90)
         worst = max(worst, (f - r).abs().max().item())
-    # bf16 activations: the fused kernels' one-ulp differences (norm sum order, exp) stay far
-    # below the gap to fp32 HF, which they must not widen.
-    assert worst < 0.05, worst
-    # (The mean: a bf16 model's routing may flip an expert against fp32, a large but rare gap.)
-    gap_fused, gap_ref = ((x[0] - hf).abs().mean().item() for x in (fused, ref))
+    gap_fused, gap_ref = (row_gaps(x[0], hf)[0] for x in (fused, ref))
     assert gap_fused <= 1.25 * gap_ref + 0.01, (gap_fused, gap_ref)
     # The paged steps' rows of A agree with the cache-less prefill of A (same positions).
     for f in (fused, ref):
-        assert (f[1][:20] - f[0][:20]).abs().max().item() < 0.1
+        mean, p90 = row_gaps(f[1][:20], f[0][:20])
+        assert mean < 0.01 and p90 < 0.05, (mean, p90)
     return worst
 
 
-def check_model(name: str, out_dir: str, device: str) -> None:
+def check_model(name: str, out_dir: str, device: str, cache_dtypes=(torch.bfloat16, FP8_DTYPE)) -> None:
     hf, model = build_pair(name, out_dir, device)
     hf_out = hf_log_softmax(hf, model)
-    for cache_dtype in (torch.bfloat16, FP8_DTYPE):
+    for cache_dtype in cache_dtypes:
         fused = run_steps(model, cache_dtype, device)
         with unfused_glue():
             ref = run_steps(model, cache_dtype, device)
@@ -110,8 +120,8 @@ def test_reference_glue_model_runs_the_steps(tmp_path):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton): the kernels cannot be run")
-@pytest.mark.parametrize("name", ["tiny-v2", "tiny-v3"])
-def test_fused_glue_model_under_interpreter(name, tmp_path):
+@pytest.mark.parametrize("name,cache", [("tiny-v2", "torch.bfloat16"), ("tiny-v3", "torch.float8_e4m3fn")])
+def test_fused_glue_model_under_interpreter(name, cache, tmp_path):
     run_under_interpreter(textwrap.dedent(f"""
         import importlib, torch
         import kernels.fused_glue as switch
@@ -119,7 +129,7 @@ def test_fused_glue_model_under_interpreter(name, tmp_path):
             importlib.import_module(mod).glue_kernels_apply = lambda x: switch._enabled
         torch.set_num_threads(1)
         from tests.model.test_prefill_glue_model import check_model
-        check_model({name!r}, {str(tmp_path)!r}, "cpu")
+        check_model({name!r}, {str(tmp_path)!r}, "cpu", ({cache},))
         print("interpreter ok")
         """), timeout=600)
 
