@@ -112,15 +112,8 @@ def check_model(name: str, out_dir: str, device: str, cache_dtypes=(torch.bfloat
         print(name, cache_dtype, "fused vs reference max |Δ log p|:", compare(fused, ref, hf_out))
 
 
-def test_reference_glue_model_runs_the_steps(tmp_path):
-    """CPU sanity of the harness: the reference path itself is finite and self-consistent."""
-    hf, model = build_pair("tiny-v2", str(tmp_path))
-    ref = run_steps(model, torch.bfloat16)
-    compare(ref, ref, hf_log_softmax(hf, model))
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton): the kernels cannot be run")
-@pytest.mark.parametrize("name,cache", [("tiny-v2", "torch.bfloat16"), ("tiny-v3", "torch.float8_e4m3fn")])
+@pytest.mark.parametrize("name,cache", [("tiny-v3", "torch.float8_e4m3fn")])  # tiny-v2 bf16: the GPU test
 def test_fused_glue_model_under_interpreter(name, cache, tmp_path):
     run_under_interpreter(textwrap.dedent(f"""
         import importlib, torch
