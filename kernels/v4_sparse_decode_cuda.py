@@ -18,8 +18,9 @@ Up to 32 heads per GPU (memory-bound) one CTA holds all of a token's heads: v1's
 (``v4_sparse_decode_narrow_sm90a.cu``: 16 or 32 rows on mma.sync, v1's producer), and v2's up
 to 16 heads (``v4_sparse_decode_tokens_sm90a.cu``: records on wgmma's M side, loaded into
 registers as the Q·Kᵀ fragments, two warpgroups on alternate 64-record tiles; 17-32 heads keep
-the narrow kernel). 33-63 heads run a 64-head kernel padded. MODEL1 pages and one-record rows (the V4 family's 584-byte
-row pools) are both read. V4.1's window and entry records are not read here (Triton).
+the narrow kernel). 33-63 heads run a 64-head kernel padded. MODEL1 pages and one-record rows
+(the V4 family's 584-byte row pools) are both read. V4.1's window and entry records are not
+read here (Triton).
 
 Build: nvcc (sm_90a) at first use through ``kernels.mla_decode_cuda.build_library`` (same
 per-user cache, file lock and flags as the MLA decode kernels), called through ``ctypes``.
@@ -196,8 +197,8 @@ def v4_sparse_decode_cuda(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, s_q, H, 512] bf16, lse [B, s_q, H] float32); no host sync. A 16-bit or float32
     q that is not bf16 is cast once (the kernel converts bf16 to fp16 as it loads).
-    ``variant`` picks the design of the 33-128-head kernel (``VARIANTS``; the registry says which
-    one serves), ``cluster=False`` runs v2's 65-128 heads as independent CTAs.
+    ``variant`` picks the design (``VARIANTS``, ``kernel_for``; the registry's ``CUDA_VARIANT``
+    says which one serves), ``cluster=False`` runs v2's 65-128 heads as independent CTAs.
     ``num_splits`` overrides the plan (tests, benchmarks); ``v_desc`` (leading, stride bytes of
     V's N-major wgmma descriptor; default the variant's) exists for a device check that tells a
     swapped pair."""
