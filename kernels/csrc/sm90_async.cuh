@@ -268,14 +268,26 @@ __device__ __forceinline__ void st_async_b32(uint32_t remote, uint32_t v, uint32
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t remote_bar) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote_bar) : "memory");
 }
-// mbar_wait for phases that writes or arrivals from the peer CTA complete.
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+// mbar_wait for phases that writes or arrivals from the peer CTA (kCluster) complete, and that
+// gives up: a phase still open after 2^36 cycles (~40 s, where a tile takes microseconds) is a
+// protocol bug, and trapping turns the hang into a launch error.
+template <bool kCluster>
+__device__ __forceinline__ void mbar_wait_or_trap(uint32_t bar, uint32_t parity) {
   uint32_t done;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-  } while (!done);
+  long long start = 0;
+  for (;;) {
+    if (kCluster)
+      asm volatile(
+          "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    else
+      asm volatile(
+          "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+          : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    if (done) return;
+    if (start == 0) start = clock64();
+    else if (clock64() - start > (1ll << 36)) __trap();
+  }
 }
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");

@@ -104,8 +104,7 @@ __device__ __forceinline__ void produce_t64(const SparseParams& p, const CtaTile
     const int t = u / kUnitsPerTile, st = t & 1, row = row_of(u);
     const bool first = kCluster > 1 || u % kUnitsPerTile == 0, last = kCluster > 1 || u % kUnitsPerTile == 1;
     if (first && t >= kStages) {
-      if (kCluster > 1) mbar_wait_cluster(bar_empty + 8 * st, ((t / kStages) - 1) & 1);
-      else mbar_wait(bar_empty + 8 * st, ((t / kStages) - 1) & 1);
+      mbar_wait_or_trap<(kCluster > 1)>(bar_empty + 8 * st, ((t / kStages) - 1) & 1);
     }
 #pragma unroll
     for (int m = 0; m < 7; ++m) {  // e4m3 chunk part + 4m: dims 64m + 16part.., box m, slots 2part, +1
@@ -181,8 +180,7 @@ __device__ __forceinline__ void release_stage(const ConsumerCtx& x, int st, int 
 
 template <int kCluster>
 __device__ __forceinline__ void wait_full(const ConsumerCtx& x, int t) {
-  if (kCluster > 1) mbar_wait_cluster(x.bar_full + 8 * (t & 1), (t >> 1) & 1);
-  else mbar_wait(x.bar_full + 8 * (t & 1), (t >> 1) & 1);
+  mbar_wait_or_trap<(kCluster > 1)>(x.bar_full + 8 * (t & 1), (t >> 1) & 1);
 }
 
 // This warpgroup's half of O (dims 256c..) times the epilogue's row factors.
