@@ -24,6 +24,11 @@ yields ``(hf_name, value)`` one tensor at a time from memory-mapped files:
   unmultiplied: cast to the model dtype (the scale decoded from E8M0), or with
   ``keep_quantized`` in stored form (e4m3 values, E8M0 scale bytes).
 
+A model that keeps FP8 linears as stored lists each one's ``.scale`` as a tensor of its own
+(V4.1's MXFP8 linears, model/v41/fp8_linear.py) and so gets e4m3 values and E8M0 scales as
+stored, each cut by its weight's rule; :func:`stored_fp8_blocks` tells from the headers
+whether a checkpoint holds its linears that way.
+
 ``shard=ShardSpec(rank, world_size)`` cuts tensors by :mod:`model.v4_sharding`'s table;
 vocab-parallel rows (embed, head, engram tables) are read from disk only for this rank.
 MTP (V4 ``mtp.*``), DSpark (V4.1 ``mtp.*``) and vision tensors (``vision.*``, ``aligner.*``)

@@ -9,7 +9,9 @@ the top-k bias of their index source. Scores are ``q·kᵀ/√head_dim`` plus a 
 logit that only enlarges the softmax denominator; the output's RoPE tail is rotated back by
 the query position and projected by the grouped low-rank ``wo_a`` (heads in ``o_groups``
 contiguous groups) and ``wo_b``. The core, masks, grouped projection and RoPE are V4's
-(``model.v4``); what differs is the QAT rounding and the KV sharing.
+(``model.v4``); what differs is the QAT rounding and the KV sharing. With ``mxfp8`` the FP8
+projections keep the checkpoint's e4m3 + UE8M0 blocks and run as MXFP8, the output
+projection as one fused call (model/v41/fp8_linear.py).
 
 The roundings are the row codecs of the request's pools (model/v41/model.py): ``auto``
 fake-quantizes and stores the model dtype, ``fp8`` stores the packed FP8/FP4 records and

@@ -26,6 +26,9 @@ tensors (HF names ``experts.E.w1.weight`` …) go into the stacks through :meth:
 A MoE with per-expert modules switches to stacked MXFP4 with :meth:`MoE.use_mxfp4_experts` or
 :meth:`MoE.pack_experts_mxfp4` (then the stacks are extra, outside the state dict).
 
+The shared expert's FP8 weights can be held as stored and run as MXFP8 (``mxfp8_shared``,
+model/v41/fp8_linear.py).
+
 CUDA-graph capture: stacked MXFP4 experts run their kernel path, which has no host syncs;
 per-expert modules run :meth:`MoE.routed_every_expert` (every local expert on every row).
 """

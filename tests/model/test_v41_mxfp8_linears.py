@@ -19,9 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,7 +32,6 @@ from model.v41 import fp8_linear
 from model.v41.fp8_linear import MXFP8Linear, check_dequantized_linears, choose_mxfp8_linears, mxfp8_shape_problem
 from model.v41.model import load_deepseek_v41
 
-REPO = Path(__file__).resolve().parents[2]
 CPU_BOUND, GPU_BOUND = 0.35, 0.4
 
 
