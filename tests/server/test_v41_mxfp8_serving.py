@@ -22,7 +22,7 @@ from server.sampling_params import SamplingParams
 from tests.distributed.test_v4_model_parallel import exact_rounding
 from tests.model.test_v41_mxfp8_linears import mxfp8_checkpoint
 from tests.server import test_v4_serving as serving
-from tests.server.test_v4_cuda_graphs import EagerReplay
+from tests.server.test_v4_cuda_graphs import EagerReplay, capture_over_fixed_pools, replay_errors
 from tests.server.test_v4_serving import make_core, run, run_logprobs
 
 tokenizer_dir = serving.tokenizer_dir  # the fixtures' servable 320-token tokenizer (a pytest fixture)
@@ -88,34 +88,16 @@ def test_replay_equals_eager_decode_with_mxfp8_linears(tmp_path, monkeypatch):
     """float32, the QAT fake quantizers the identity (tests/distributed/test_v4_model_parallel.py):
     a replay of each captured size runs the same kernels on the same shapes as ``model.decode``,
     so only the page tables' padded widths differ (fp32 summation order); B = 3 also pads to 4."""
-    from model.v4.cache_pool import PoolPlan
     from model.v41.model import load_deepseek_v41
-    from server.v4_cuda_graphs import V4DecodeGraphs
 
     exact_rounding(monkeypatch.setattr)
     model = load_deepseek_v41(_gpu_checkpoint(tmp_path), torch.float32, "cuda")
     assert model.mxfp8_linears
-    model.cache_pools()
-    ratios = {r for _, r in model._paged}
-    model.configure_cache("auto", plan=PoolPlan(32, {(k, r): (256, 4) for k in ("entries", "keys") for r in ratios}))
-    graphs = V4DecodeGraphs(model, [1, 2, 4, 8], 256)
-    graphs.capture()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for b in (1, 3, 4, 8):
-            states = [model.new_state() for _ in range(b)]
-            for i, s in enumerate(states):
-                if i:
-                    model(torch.randint(2, 320, (5 * i + 2,), generator=g).cuda(), s)
-            copies = [s.clone() for s in states]
-            for _ in range(4):
-                ids = torch.randint(2, 320, (b,), generator=g).cuda()
-                eager = torch.log_softmax(model.decode(ids, copies), -1)
-                replay = torch.log_softmax(graphs.run(ids, states).clone(), -1)
-                assert (replay - eager).abs().max().item() < 1e-3, b
-            for s in states + copies:
-                s.release()
+    graphs = capture_over_fixed_pools(model)
+    errors = replay_errors(model, graphs, (1, 3, 4, 8))
+    assert all(e < 1e-3 for e in errors.values()), errors
     assert graphs.num_replays == 16
+    assert model.cache_pools().num_free() == {k: p.num_units - 1 for k, p in model.cache_pools().items()}
 
 
 @pytest.mark.gpu
