@@ -119,10 +119,11 @@ def old_attention(layer, md, tables, cache, q, kv_c, k_pe, k_scale):
 
 
 def new_attention(layer, ctx: ForwardContext, cache, q, kv_c, k_pe, k_scale):
-    """The layer's step-wide path; positions 0 (q's rope part is rotated there, as in ``rotated``)."""
+    """The layer's step-wide path; positions 0 (q's rope part is rotated there, as in ``rotated``).
+    The layer rotates q's rope part in place: at position 0 that is the identity for V2-Lite
+    (attention factor 1: cos 1, sin 0), so repeated calls see the same q."""
     positions = torch.zeros(TOKENS, dtype=torch.long, device=DEV)
-    out = layer._prefill_chunks(q[..., :128], q[..., 128:], positions, kv_c, k_pe, cache, ctx, k_scale)
-    return out.view(TOKENS, layer.num_local_heads, 128)
+    return layer._prefill_chunks(positions, q, kv_c, k_pe, cache, ctx, k_scale)
 
 
 def rotated(layer, q):

@@ -31,9 +31,23 @@ for arm in on off; do
   python3 -m server bench serve --port "$PORT" --ready-check-timeout-sec 600 --num-prompts "$n" \
     --random-prefix-len "$PREFIX" --random-input-len "$INPUT" --random-output-len "$OUTPUT" \
     --max-concurrency "$CONCURRENCY" --metric-percentiles 50,99 --percentile-metrics ttft,tpot,e2el \
-    --save-result --result-dir "$OUT" --result-filename "prefix_$arm.json" --disable-tqdm > "$OUT/bench_$arm.log" 2>&1
+    --save-result --save-detailed --result-dir "$OUT" --result-filename "prefix_$arm.json" --disable-tqdm \
+    > "$OUT/bench_$arm.log" 2>&1
   echo "prefix caching $arm: bench rc=$?"
+  python3 -c "import urllib.request as u; print(''.join(l for l in u.urlopen('http://localhost:$PORT/metrics').read().decode().splitlines(True) if l.startswith('vllm:prefix_cache')))" \
+    >> "$OUT/bench_$arm.log" 2>&1
   kill -INT $pid; wait $pid 2>/dev/null
 done
 echo "==== summary ($model, $n requests, shared prefix $PREFIX + $INPUT own tokens, $OUTPUT out, concurrency $CONCURRENCY, KV $KV)"
-for arm in on off; do echo "-- prefix caching $arm"; grep -E "TTFT|throughput|Successful" "$OUT/bench_$arm.log" || tail -5 "$OUT/bench_$arm.log"; done
+for arm in on off; do echo "-- prefix caching $arm"; grep -E "TTFT|throughput|Successful|prefix_cache" "$OUT/bench_$arm.log" || tail -5 "$OUT/bench_$arm.log"; done
+# TTFT of the first wave (the first CONCURRENCY requests to start: no prefix cached yet) vs the rest
+for arm in on off; do python3 - "$OUT/prefix_$arm.json" "$CONCURRENCY" "$arm" <<'PY'
+import json, statistics, sys
+d, wave, arm = json.load(open(sys.argv[1])), int(sys.argv[2]), sys.argv[3]
+order = sorted(range(len(d["ttfts"])), key=lambda i: d["start_times"][i])
+ms = [1000 * d["ttfts"][i] for i in order if d["ttfts"][i] is not None]
+first, rest = ms[:wave], ms[wave:]
+print(f"-- {arm}: TTFT p50 first wave {statistics.median(first):.0f} ms, later requests "
+      f"{statistics.median(rest) if rest else float('nan'):.0f} ms (max {max(rest) if rest else float('nan'):.0f})")
+PY
+done

@@ -1,15 +1,28 @@
 """MLA prefill attention (non-absorbed form) for one sequence: the torch reference and the GPU
-SDPA path (the prefill backends of ``kernels/attention/prefill.py`` wrap them).
+SDPA path (the prefill backends of ``kernels/attention/prefill.py`` wrap them), and the
+assembly of its keys/values from ``kv_b_proj``'s output.
 
 Keys/values are the up-projected latents: k = [k_nope ‖ k_pe] (k_pe shared by all heads),
 v per head. The query block holds the *last* ``Tq`` positions of a ``Tk``-long context
 (chunked prefill: earlier tokens come from the cache), so query i sees keys 0..Tk-Tq+i.
+
+``assemble_prefill_kv`` splits ``kv_b_proj``'s [Tk, H, nope + v] output into k (with the
+rotated k_pe broadcast over the heads) and v, optionally zero-padded to the width a backend
+wants (SDPA's fused kernels take v as wide as q/k). Unfused that is a ``torch.cat`` over an
+expanded k_pe and a pad (a fill plus a strided copy); the Triton kernel reads each row once
+and writes k and v in their final, contiguous layouts. Pure data movement: bit-exact.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.fused_glue import HAS_TRITON, glue_kernels_apply
+
+if HAS_TRITON:  # the GPU path needs Triton; the CPU reference does not
+    import triton
+    import triton.language as tl
 
 
 def causal_offset_mask(tq: int, tk: int, device) -> torch.Tensor:
@@ -54,3 +67,88 @@ def mla_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(tq, tk), scale=softmax_scale)
     return out[0].transpose(0, 1)[..., :dv]
+
+
+def _check_kv(kv: torch.Tensor, k_pe: torch.Tensor, nope_dim: int, v_width: int) -> int:
+    """Validate; returns v's width in ``kv``."""
+    if kv.dim() != 3 or k_pe.dim() != 2 or k_pe.shape[0] != kv.shape[0]:
+        raise ValueError(f"need kv [Tk, H, nope + v] and k_pe [Tk, rope]; got {tuple(kv.shape)}, {tuple(k_pe.shape)}")
+    if kv.dtype != k_pe.dtype:
+        raise TypeError(f"kv and k_pe must share a dtype, got {kv.dtype} and {k_pe.dtype}")
+    dv = kv.shape[-1] - nope_dim
+    if not 0 < nope_dim < kv.shape[-1] or v_width < dv:
+        raise ValueError(f"nope_dim {nope_dim} and v_width {v_width} do not fit kv's last dim {kv.shape[-1]}")
+    return dv
+
+
+def assemble_prefill_kv_reference(
+    kv: torch.Tensor, k_pe: torch.Tensor, nope_dim: int, v_width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv [Tk, H, nope + v] (kv_b_proj's output) and the rotated k_pe [Tk, rope] → k [Tk, H,
+    nope + rope] = [k_nope ‖ k_pe], v [Tk, H, v_width] = [v ‖ zeros] (a view of kv when
+    v_width is v's own width)."""
+    dv = _check_kv(kv, k_pe, nope_dim, v_width)
+    k_nope, v = kv.split([nope_dim, dv], dim=-1)
+    k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, kv.shape[1], -1)], dim=-1)
+    return k, (F.pad(v, (0, v_width - dv)) if v_width > dv else v)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _assemble_kv_kernel(
+        KV, PE, K, V, n_heads, stride_kvt, stride_kvh, stride_pe,
+        NOPE: tl.constexpr, ROPE: tl.constexpr, DV: tl.constexpr, V_WIDTH: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_V: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+        hmask = (heads < n_heads)[:, None]
+        src = KV + t * stride_kvt + heads[:, None] * stride_kvh
+        k_row = K + (t * n_heads + heads[:, None]) * (NOPE + ROPE)
+        v_row = V + (t * n_heads + heads[:, None]) * V_WIDTH
+        cn = tl.arange(0, BLOCK_NOPE)[None, :]
+        tl.store(k_row + cn, tl.load(src + cn, mask=hmask & (cn < NOPE)), mask=hmask & (cn < NOPE))
+        cr = tl.arange(0, BLOCK_ROPE)
+        pe = tl.load(PE + t * stride_pe + cr, mask=cr < ROPE)  # one row, broadcast over the heads
+        pe = tl.broadcast_to(pe[None, :], (BLOCK_H, BLOCK_ROPE))
+        tl.store(k_row + NOPE + cr[None, :], pe, mask=hmask & (cr[None, :] < ROPE))
+        cv = tl.arange(0, BLOCK_V)[None, :]
+        val = tl.load(src + NOPE + cv, mask=hmask & (cv < DV), other=0.0)  # zeros past v's width
+        tl.store(v_row + cv, val, mask=hmask & (cv < V_WIDTH))
+
+
+def assemble_prefill_kv_triton(
+    kv: torch.Tensor, k_pe: torch.Tensor, nope_dim: int, v_width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton pass (CUDA, or CPU under TRITON_INTERPRET=1): contiguous k and v, same values
+    as the reference. kv and k_pe need a unit stride along their last dim."""
+    if not HAS_TRITON:
+        raise RuntimeError("the K/V assembly kernel needs the triton package")
+    dv = _check_kv(kv, k_pe, nope_dim, v_width)
+    if kv.stride(-1) != 1 or k_pe.stride(-1) != 1:
+        raise ValueError("the K/V assembly kernel needs kv and k_pe with a unit stride along their last dim")
+    tk, h, _ = kv.shape
+    rope = k_pe.shape[1]
+    k = torch.empty(tk, h, nope_dim + rope, dtype=kv.dtype, device=kv.device)
+    v = torch.empty(tk, h, v_width, dtype=kv.dtype, device=kv.device)
+    if tk == 0 or h == 0:
+        return k, v
+    block_h = min(triton.next_power_of_2(h), 16)
+    _assemble_kv_kernel[(tk, triton.cdiv(h, block_h))](
+        kv, k_pe, k, v, h, kv.stride(0), kv.stride(1), k_pe.stride(0),
+        NOPE=nope_dim, ROPE=rope, DV=dv, V_WIDTH=v_width, BLOCK_H=block_h,
+        BLOCK_NOPE=triton.next_power_of_2(nope_dim), BLOCK_ROPE=triton.next_power_of_2(rope),
+        BLOCK_V=triton.next_power_of_2(v_width), num_warps=4,
+    )
+    return k, v
+
+
+def assemble_prefill_kv(
+    kv: torch.Tensor, k_pe: torch.Tensor, nope_dim: int, v_width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """k [Tk, H, nope + rope], v [Tk, H, v_width] from kv_b_proj's output and the rotated k_pe
+    (contract: ``assemble_prefill_kv_reference``): the Triton pass on CUDA, torch otherwise."""
+    if glue_kernels_apply(kv) and kv.stride(-1) == 1 and k_pe.stride(-1) == 1:
+        return assemble_prefill_kv_triton(kv, k_pe, nope_dim, v_width)
+    return assemble_prefill_kv_reference(kv, k_pe, nope_dim, v_width)

@@ -8,8 +8,8 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
+from kernels.activation import silu_and_mul, silu_and_mul_reference
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -63,12 +63,6 @@ def route(
     return route_reference(router_logits, cfg, correction_bias)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] (gate ‖ up) → silu(gate) * up."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def moe_experts_reference(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -90,7 +84,7 @@ def moe_experts_reference(
         if e < 0 or e >= n_local:
             continue
         token_idx, slot = torch.nonzero(local_ids == e, as_tuple=True)
-        h = silu_and_mul(x[token_idx] @ w13[e].t())
+        h = silu_and_mul_reference(x[token_idx] @ w13[e].t())
         y = h @ w2[e].t()
         out.index_add_(0, token_idx, y.float() * topk_weights[token_idx, slot, None])
     return out.to(x.dtype)

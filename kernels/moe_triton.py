@@ -3,11 +3,12 @@
 Same contract as ``kernels.moe.moe_experts_reference``; graph-safe (no host sync, every shape
 a function of T, k, E_local and the block sizes). Four steps:
 
-1. ``align_slots_to_blocks`` (torch ops on the device): the T·k token-slots are sorted by local
-   expert into a padded layout where each BLOCK_M-row block belongs to one expert. Its size is
-   bounded statically by ``T·k + min(E_local, T·k)·(BLOCK_M-1)`` rows (at most that many
-   experts are non-empty, each wastes < BLOCK_M rows); unused blocks are marked -1 and their
-   programs exit at once. Choices of other ranks' experts are left out of the layout.
+1. ``align_slots_to_blocks`` (``kernels/moe_align.py``: two small Triton launches on CUDA): the
+   T·k token-slots are sorted by local expert into a padded layout where each BLOCK_M-row
+   block belongs to one expert. Its size is bounded statically by
+   ``T·k + min(E_local, T·k)·(BLOCK_M-1)`` rows (at most that many experts are non-empty, each
+   wastes < BLOCK_M rows); unused blocks are marked -1 and their programs exit at once.
+   Choices of other ranks' experts are left out of the layout.
 2. gate_up GEMM fused with silu(gate)·up → the intermediate [padded rows, I] in x's dtype, or,
    for FP8, already quantized per row per 128 columns (e4m3 + fp32 scales) in the epilogue:
    each program owns exactly one 128-column group (BLOCK_N = 128), so the group amax is local
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.fp8 import FP8_DTYPE
+from kernels.moe_align import align_slots_to_blocks, padded_rows
 
 try:  # the kernels need Triton; the alignment (torch ops) does not
     import triton
@@ -91,47 +93,6 @@ def default_config(num_slots: int, n_local: int, fp8: bool) -> MoEConfig:
         if limit is None or rows <= limit:
             return fp8_cfg if fp8 else bf16_cfg
     raise AssertionError("unreachable")
-
-
-def padded_rows(num_slots: int, n_local: int, block_m: int) -> int:
-    """Static bound on the padded, expert-sorted layout (a multiple of block_m)."""
-    return _cdiv(num_slots + min(n_local, num_slots) * (block_m - 1), block_m) * block_m
-
-
-def align_slots_to_blocks(
-    topk_ids: torch.Tensor, n_local: int, expert_offset: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort the T·k slots (slot = token·k + j) by local expert into BLOCK_M-aligned segments.
-
-    Returns ``sorted_slots`` int32 [padded_rows] (slot ids; T·k marks padding) and
-    ``block_expert`` int32 [padded_rows / block_m] (the local expert of each block, -1 for
-    blocks past the used ones). Device ops only: no host synchronization.
-    """
-    if n_local < 1:
-        raise ValueError("need at least one local expert")
-    t, k = topk_ids.shape
-    n_slots = t * k
-    dev = topk_ids.device
-    rows = padded_rows(n_slots, n_local, block_m)
-    local = topk_ids.reshape(-1).long() - expert_offset
-    owned = (local >= 0) & (local < n_local)
-    group = torch.where(owned, local, n_local)  # foreign slots form a last, dropped group
-    counts = torch.zeros(n_local + 1, dtype=torch.long, device=dev)
-    counts.scatter_add_(0, group, torch.ones_like(group))
-    order = torch.argsort(group, stable=True)
-    g_sorted = group[order]
-    start = torch.cumsum(counts, 0) - counts  # unpadded start of each group in `order`
-    padded_counts = (counts[:n_local] + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded_counts, 0)
-    padded_start = torch.cat([padded_end - padded_counts, padded_end.new_full((1,), rows)])
-    rank = torch.arange(n_slots, device=dev) - start[g_sorted]
-    dest = torch.where(g_sorted < n_local, padded_start[g_sorted] + rank, rows)  # foreign → dump row
-    sorted_slots = torch.full((rows + 1,), n_slots, dtype=torch.int32, device=dev)
-    sorted_slots.scatter_(0, dest, order.to(torch.int32))
-    block_start = torch.arange(0, rows, block_m, device=dev)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_expert < n_local, block_expert, -1).to(torch.int32)
-    return sorted_slots[:rows], block_expert
 
 
 if triton is not None:

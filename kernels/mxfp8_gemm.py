@@ -22,14 +22,66 @@ rounds the fp32 tile to bf16, takes the amax of each 32 output columns and write
 UE8M0 bytes ([M, N/32]) with the same helpers as ``quantize_mxfp8_triton``, so the next
 MXFP8 GEMM reads bytes identical to quantizing the bf16 output separately. With split-K the
 reducing launch quantizes instead (:func:`split_sum`), by the same rules.
+
+:func:`choose_linear_backend` is the model's switch (``--linear-backend``): whether linears
+stored as e4m3 + 32×32 UE8M0 blocks run here as MXFP8 (:func:`mxfp8_linear`) or dequantized.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 
 from kernels.mxfp8_gemm_triton import default_config, mxfp8_gemm_triton, split_sum
 from kernels.mxfp8_operands import MX_BLOCK, check_operands, mxfp8_gemm_reference, split_k_for
+
+
+LINEAR_BACKENDS = ("auto", "mxfp8", "dequantized")
+MXFP8_DTYPES = (torch.bfloat16, torch.float32)  # activations the fused quantization and o-projection take
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def mxfp8_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why MXFP8 linears cannot run on ``device`` with ``dtype`` activations (None: they can):
+    bf16 or float32 activations, and on a GPU Triton and FP8 tensor cores (compute capability
+    8.9 or later: the CUDA C++ GEMM on SM90, the Triton kernel elsewhere). The CPU runs the
+    torch reference (:func:`mxfp8_linear`)."""
+    if dtype not in MXFP8_DTYPES:
+        return f"the MXFP8 kernels take bfloat16 or float32 activations, not {str(dtype).replace('torch.', '')}"
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        return f"the MXFP8 kernels run on CUDA GPUs (and as the torch reference on the CPU), not on {device.type}"
+    if not _HAS_TRITON:
+        return "the MXFP8 kernels need the triton package, which is not installed"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return f"the MXFP8 GEMM needs FP8 tensor cores (compute capability 8.9+), this GPU is {major}.{minor}"
+    return None
+
+
+def choose_linear_backend(backend: str, device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """(``mxfp8`` or ``dequantized``, why) for linears stored as FP8 with 32×32 UE8M0 blocks.
+
+    ``auto``: ``mxfp8`` on a CUDA GPU where :func:`mxfp8_unsupported` finds nothing, else
+    ``dequantized`` (weights multiplied out to ``dtype`` at load; what the CPU runs unless
+    ``mxfp8`` is asked for: then the torch reference of the MXFP8 numerics). An explicit
+    ``mxfp8`` that cannot run here raises one line naming ``--linear-backend``."""
+    if backend not in LINEAR_BACKENDS:
+        raise ValueError(f"--linear-backend: unknown backend {backend!r}; one of {', '.join(LINEAR_BACKENDS)}")
+    if backend == "dequantized":
+        return backend, "requested"
+    reason = mxfp8_unsupported(device, dtype)
+    if backend == "mxfp8":
+        if reason:
+            raise ValueError(f"--linear-backend mxfp8: {reason}")
+        return backend, "requested"
+    if reason:
+        return "dequantized", f"auto: {reason}"
+    if device.type != "cuda":
+        return "dequantized", "auto: the CPU runs the dequantized reference"
+    return "mxfp8", "auto: FP8 tensor cores on this GPU"
 
 
 def mxfp8_gemm(
@@ -61,23 +113,46 @@ def mxfp8_gemm(
     return mxfp8_gemm_triton(x8, xs, w8, ws, groups, out_dtype, quantize_out, config)
 
 
-def mxfp8_linear(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype | None = None,
-                 ) -> torch.Tensor:
-    """x [..., K] → [..., N]: the fused MXFP8 activation quantization, then the MXFP8 GEMM."""
-    from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
+def triton_interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    if not _HAS_TRITON:
+        return False
+    import triton
 
+    return bool(triton.knobs.runtime.interpret)
+
+
+def mxfp8_linear(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype | None = None,
+                 groups: int = 1) -> torch.Tensor:
+    """x [..., groups·K] → [..., N]: the fused MXFP8 activation quantization, then the MXFP8
+    GEMM (block-diagonal over ``groups``). CPU tensors take the torch reference of both
+    (``kernels.microscaling.quantize_mxfp8``, :func:`mxfp8_gemm_reference`; the same numerics)
+    unless Triton's interpreter is on."""
     lead, k = x.shape[:-1], x.shape[-1]
-    x8, xs = quantize_mxfp8_triton(x.reshape(-1, k))
-    return mxfp8_gemm(x8, xs, w8, ws, out_dtype=out_dtype or x.dtype).reshape(*lead, w8.shape[0])
+    x2, out_dtype = x.reshape(-1, k), out_dtype or x.dtype
+    if not x.is_cuda and not triton_interpreting():
+        from kernels.microscaling import quantize_mxfp8
+
+        y = mxfp8_gemm_reference(*quantize_mxfp8(x2), w8, ws, groups, out_dtype=out_dtype)
+    else:
+        from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
+
+        y = mxfp8_gemm(*quantize_mxfp8_triton(x2), w8, ws, groups, out_dtype=out_dtype)
+    return y.reshape(*lead, w8.shape[0])
 
 
 __all__ = [
+    "LINEAR_BACKENDS",
+    "MXFP8_DTYPES",
     "MX_BLOCK",
     "check_operands",
+    "choose_linear_backend",
     "default_config",
     "mxfp8_gemm",
     "mxfp8_gemm_reference",
     "mxfp8_linear",
+    "mxfp8_unsupported",
     "split_k_for",
     "split_sum",
+    "triton_interpreting",
 ]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from kernels.microscaling import quantize_mxfp8
-from kernels.mxfp8_gemm import mxfp8_gemm, mxfp8_gemm_reference
+from kernels.mxfp8_gemm import mxfp8_gemm, mxfp8_gemm_reference, triton_interpreting
 from kernels.rope import apply_rope_interleaved_reference
 
 MXFP8Weight = tuple[torch.Tensor, torch.Tensor]  # (e4m3 [N, K], UE8M0 bytes [N/32, K/32])
@@ -66,9 +66,12 @@ def o_proj_reference(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a
 def mxfp8_o_proj(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wo_a: MXFP8Weight, wo_b: MXFP8Weight,
                  groups: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """out [T, hidden] from the attention output o [T, H, D] (bf16/fp32) and the tokens' RoPE
-    tables cos, sin [T, rope/2]; CUDA, or CPU under TRITON_INTERPRET=1."""
+    tables cos, sin [T, rope/2]: the kernels on CUDA (and on the CPU under TRITON_INTERPRET=1),
+    else :func:`o_proj_reference`."""
     from kernels.mxfp8_quant_triton import inverse_rope_quantize_mxfp8_triton
 
+    if not o.is_cuda and not triton_interpreting():
+        return o_proj_reference(o, cos, sin, wo_a, wo_b, groups, out_dtype)
     _check(o, wo_a, wo_b, groups)
     o8, os_ = inverse_rope_quantize_mxfp8_triton(o, cos, sin)
     z8, zs = mxfp8_gemm(o8, os_, *wo_a, groups=groups, quantize_out=True)

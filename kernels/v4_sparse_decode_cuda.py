@@ -1,15 +1,26 @@
-"""Our CUDA C++ sparse decode for DeepSeek-V4 on Hopper (``kernels/csrc/v4_sparse_decode_sm90a.cu``).
+"""Our CUDA C++ sparse decode for DeepSeek-V4 on Hopper (``kernels/csrc/v4_sparse_decode*_sm90a.cu``).
 
 Same contract as ``kernels.v4_sparse_decode.v4_sparse_decode_reference`` for V4 MODEL1 records
-(FlashMLA's pages: the layout its sparse decode reads). One CTA = one query token x 64 heads x
-one split of the token's 32-record tiles; a producer warpgroup gathers and dequantizes each
-record once into fp16 shared memory, two consumer warpgroups run Q·Kᵀ and P·V on fp16 wgmma,
-each with half of the 512 output dims (design and budget: benchmarks/KERNEL_NOTES.md).
+(FlashMLA's pages: the layout its sparse decode reads). Two designs, picked by ``variant``
+(design, budget and measurements: benchmarks/KERNEL_NOTES.md):
 
-MODEL1 pages and one-record rows (the V4 family's 584-byte row pools) are both read.
-Up to 32 heads per GPU a second kernel (``v4_sparse_decode_narrow_sm90a.cu``, memory-bound) holds
-all of a token's heads (16 or 32 rows) in one CTA on mma.sync, with the same producer; 33-63
-heads run the 64-head kernel padded. V4.1's window and entry records are not read here (Triton).
+- ``v1`` (``v4_sparse_decode_sm90a.cu``): one CTA = one query token x 64 heads x one split of
+  the token's 32-record tiles; a producer warpgroup gathers (cp.async) and dequantizes each
+  record into fp16 shared memory, two consumer warpgroups each compute the scores over half of
+  the dims (exchanged through shared memory) and half of the 512 output dims. 128 heads are two
+  independent CTAs that each dequantize every record.
+- ``v2`` (``v4_sparse_decode_t64_sm90a.cu``): 64-record tiles; the producer loads records
+  straight into registers, one consumer warpgroup computes all of Q·Kᵀ and the softmax and hands
+  P to the other; 65-128 heads run as 2-CTA clusters whose producers each dequantize half of
+  every tile into both CTAs' shared memory (``cluster=False`` runs them as independent CTAs).
+
+Up to 32 heads per GPU (memory-bound) one CTA holds all of a token's heads: v1's narrow kernel
+(``v4_sparse_decode_narrow_sm90a.cu``: 16 or 32 rows on mma.sync, v1's producer), and v2's up
+to 16 heads (``v4_sparse_decode_tokens_sm90a.cu``: records on wgmma's M side, loaded into
+registers as the Q·Kᵀ fragments, two warpgroups on alternate 64-record tiles; 17-32 heads keep
+the narrow kernel). 33-63 heads run a 64-head kernel padded. MODEL1 pages and one-record rows
+(the V4 family's 584-byte row pools) are both read. V4.1's window and entry records are not
+read here (Triton).
 
 Build: nvcc (sm_90a) at first use through ``kernels.mla_decode_cuda.build_library`` (same
 per-user cache, file lock and flags as the MLA decode kernels), called through ``ctypes``.
@@ -30,13 +41,16 @@ from kernels import mla_decode_cuda as mdc
 from kernels.v4_cache_formats import V4_DATA_BYTES, V4_ROPE_DIMS
 from kernels.v4_sparse_decode import HEAD_DIM, MAX_SCOPES, SparseKV, check_inputs
 
-SOURCES = (mdc.CSRC / "v4_sparse_decode_sm90a.cu", mdc.CSRC / "v4_sparse_decode_narrow_sm90a.cu")
+SOURCES = (mdc.CSRC / "v4_sparse_decode_sm90a.cu", mdc.CSRC / "v4_sparse_decode_narrow_sm90a.cu",
+           mdc.CSRC / "v4_sparse_decode_t64_sm90a.cu", mdc.CSRC / "v4_sparse_decode_tokens_sm90a.cu")
 HEADERS = (mdc.CSRC / "v4_sparse_decode_common.cuh", mdc.CSRC / "mla_decode_common.cuh",
            mdc.CSRC / "sm90_async.cuh")
 LIBRARY_NAME = "v4_sparse_decode_sm90a"
 HEADS_PER_CTA = 64  # the wgmma kernel
 NARROW_MAX_HEADS = 32  # up to this many heads: the mma.sync kernel, all heads in one CTA
-TILE = 32  # records per tile
+TOKENS_MAX_HEADS = 16  # up to this many heads v2 runs the tokens-major kernel
+TILE = 32  # records per tile (v1 and the narrow kernel)
+VARIANTS = ("v1", "v2")
 MAX_SPLITS = 32
 V_DESC = (TILE * 128, 1024)  # V read N-major: bytes between 64-dim boxes, between 8-record groups
 LOG2E = 1.4426950408889634
@@ -56,6 +70,31 @@ def cta_rows(heads: int) -> int:
 
 
 SMEM_BYTES = smem_bytes(HEADS_PER_CTA)
+# v2 (mirror of the .cu plan): fp16 Q, two 64-record fp16 stages, two P buffers, the stages'
+# biases, two buffers of rescale factors and per-warp flags, the epilogue's row factors, four
+# mbarriers, 1024 bytes to align.
+T64_SMEM_BYTES = 64 * 1024 + 2 * 64 * 1024 + 2 * 64 * 128 + 2 * 64 * 4 + 2 * 64 * 4 + 2 * 4 * 4 + 64 * 4 + 4 * 8 + 1024
+
+
+# v2's tokens-major kernel (mirror of its plan): Q in k-step order, one 64-record fp16 tile and one
+# P^T per warpgroup, per-warpgroup column maxima, 1024 bytes to align.
+TOKENS_SMEM_BYTES = 16 * 1024 + 2 * 64 * 1024 + 2 * 16 * 128 + 2 * 4 * 16 * 4 + 1024
+
+
+def kernel_for(variant: str, heads: int) -> tuple[str, int]:
+    """(kernel, records per tile) that runs ``heads`` heads per GPU in ``variant``: ``tokens``
+    (v2, <= 16 heads), ``narrow`` (<= 32), ``tile64`` (v2) or ``wide`` (v1)."""
+    if variant == "v2" and heads <= TOKENS_MAX_HEADS:
+        return "tokens", 64
+    if heads <= NARROW_MAX_HEADS:
+        return "narrow", TILE
+    return ("tile64", 64) if variant == "v2" else ("wide", TILE)
+
+
+def uses_cluster(variant: str, heads: int, cluster: bool | None = None) -> bool:
+    """Whether the 2-CTA cluster runs: v2 at 65-128 heads (two 64-head blocks), unless ``cluster``
+    is False."""
+    return variant == "v2" and heads > NARROW_MAX_HEADS and -(-heads // HEADS_PER_CTA) == 2 and cluster is not False
 
 
 class _Scope(ctypes.Structure):
@@ -95,7 +134,11 @@ def _library_in(cache: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(out_dir=cache)))
     for fn, argtypes in (("v4_sparse_decode_sm90", [ctypes.POINTER(_Params), ctypes.c_void_p]),
                          ("v4_sparse_decode_narrow_sm90", [ctypes.POINTER(_Params), ctypes.c_void_p]),
+                         ("v4_sparse_decode_t64_sm90", [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_void_p]),
+                         ("v4_sparse_decode_tokens_sm90", [ctypes.POINTER(_Params), ctypes.c_void_p]),
+                         ("v4_sparse_decode_tokens_sm90_smem_bytes", []),
                          ("v4_sparse_decode_sm90_params_bytes", []), ("v4_sparse_decode_sm90_smem_bytes", []),
+                         ("v4_sparse_decode_t64_sm90_smem_bytes", []),
                          ("v4_sparse_decode_narrow_sm90_smem_bytes", [ctypes.c_int])):
         getattr(lib, fn).argtypes, getattr(lib, fn).restype = argtypes, ctypes.c_int
     if lib.v4_sparse_decode_sm90_params_bytes() != ctypes.sizeof(_Params):
@@ -150,12 +193,17 @@ def check_cuda_inputs(q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.
 def v4_sparse_decode_cuda(
     q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.Tensor | None, softmax_scale: float,
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None, num_splits: int | None = None,
-    v_desc: tuple[int, int] = V_DESC,
+    v_desc: tuple[int, int] | None = None, variant: str = "v1", cluster: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, s_q, H, 512] bf16, lse [B, s_q, H] float32); no host sync. A 16-bit or float32
     q that is not bf16 is cast once (the kernel converts bf16 to fp16 as it loads).
+    ``variant`` picks the design (``VARIANTS``, ``kernel_for``; the registry's ``CUDA_VARIANT``
+    says which one serves), ``cluster=False`` runs v2's 65-128 heads as independent CTAs.
     ``num_splits`` overrides the plan (tests, benchmarks); ``v_desc`` (leading, stride bytes of
-    V's N-major wgmma descriptor) exists for a device check that tells a swapped pair."""
+    V's N-major wgmma descriptor; default the variant's) exists for a device check that tells a
+    swapped pair."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if q.dtype != torch.bfloat16 and q.is_floating_point():
         q = q.to(torch.bfloat16)
     if q.stride(-1) != 1 or q.data_ptr() % 16 or any(st % 8 for st in q.stride()[:3]):
@@ -176,7 +224,9 @@ def v4_sparse_decode_cuda(
         return out, lse
     from kernels.v4_sparse_decode_triton import _combine_kernel, num_sms
 
-    tiles = [-(-sc.indices.shape[-1] // TILE) for sc in scopes]
+    kernel, tile = kernel_for(variant, heads)
+    v_desc = v_desc or (tile * 128, 1024)
+    tiles = [-(-sc.indices.shape[-1] // tile) for sc in scopes]
     splits, per = plan_splits(bsz, s_q, heads, sum(tiles), num_sms(q.device))
     if num_splits is not None:  # a benchmark's or test's override
         per = -(-sum(tiles) // max(1, min(num_splits, sum(tiles))))
@@ -204,10 +254,17 @@ def v4_sparse_decode_cuda(
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         lib = library()
-        launch = lib.v4_sparse_decode_narrow_sm90 if heads <= NARROW_MAX_HEADS else lib.v4_sparse_decode_sm90
-        err = launch(ctypes.byref(p), ctypes.c_void_p(stream))
+        if kernel == "tokens":
+            err = lib.v4_sparse_decode_tokens_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
+        elif kernel == "narrow":
+            err = lib.v4_sparse_decode_narrow_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
+        elif kernel == "tile64":
+            err = lib.v4_sparse_decode_t64_sm90(ctypes.byref(p), int(uses_cluster(variant, heads, cluster)),
+                                                ctypes.c_void_p(stream))
+        else:
+            err = lib.v4_sparse_decode_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
     if err != 0:
-        raise RuntimeError(f"v4_sparse_decode_sm90: cudaError_t {err}")
+        raise RuntimeError(f"v4_sparse_decode_sm90 ({variant}, {kernel} kernel): cudaError_t {err}")
     if splits > 1:
         import triton
 
@@ -219,5 +276,5 @@ def v4_sparse_decode_cuda(
     return out, lse
 
 
-__all__ = ["HEADS_PER_CTA", "TILE", "build_library", "check_cuda_inputs", "library", "plan_splits",
-           "unsupported_reason", "v4_sparse_decode_cuda"]
+__all__ = ["HEADS_PER_CTA", "TILE", "VARIANTS", "build_library", "check_cuda_inputs", "kernel_for", "library",
+           "plan_splits", "unsupported_reason", "uses_cluster", "v4_sparse_decode_cuda"]

@@ -48,11 +48,10 @@ class DecoderLayer(nn.Module):
         """``hidden``/``residual`` hold this rank's rows (all rows unless sequence parallel);
         ``rows``: the step's layout (see ``ParallelContext.step_rows``), used by the MoE."""
         par = self.par
-        residual = hidden if residual is None else hidden + residual
-        h = par.gather_rows(self.input_layernorm(residual))
-        h = par.scatter_partial_rows(self.self_attn(positions, h))
-        residual = h + residual
-        h = par.gather_rows(self.post_attention_layernorm(residual))
+        h, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        h = par.scatter_partial_rows(self.self_attn(positions, par.gather_rows(h)))
+        h, residual = self.post_attention_layernorm.add_and_norm(h, residual)
+        h = par.gather_rows(h)
         h = par.scatter_partial_rows(self.mlp(h, rows) if self.is_moe else self.mlp(h))
         return h, residual
 
@@ -155,7 +154,7 @@ class DeepseekForCausalLM(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, rows)
-        out = par.gather_rows(self.norm(hidden + residual))
+        out = par.gather_rows(self.norm.add_and_norm(hidden, residual)[0])
         return out[:n]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

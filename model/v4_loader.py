@@ -24,6 +24,11 @@ yields ``(hf_name, value)`` one tensor at a time from memory-mapped files:
   unmultiplied: cast to the model dtype (the scale decoded from E8M0), or with
   ``keep_quantized`` in stored form (e4m3 values, E8M0 scale bytes).
 
+A model that keeps FP8 linears as stored lists each one's ``.scale`` as a tensor of its own
+(V4.1's MXFP8 linears, model/v41/fp8_linear.py) and so gets e4m3 values and E8M0 scales as
+stored, each cut by its weight's rule; :func:`stored_fp8_blocks` tells from the headers
+whether a checkpoint holds its linears that way.
+
 ``shard=ShardSpec(rank, world_size)`` cuts tensors by :mod:`model.v4_sharding`'s table;
 vocab-parallel rows (embed, head, engram tables) are read from disk only for this rank.
 MTP (V4 ``mtp.*``), DSpark (V4.1 ``mtp.*``) and vision tensors (``vision.*``, ``aligner.*``)
@@ -36,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -53,6 +59,7 @@ from model.loader import CheckpointError, CheckpointFiles
 from model.v4_layout import LayoutError, architecture, quantization_block
 from model.v4_names import (
     V4,
+    V41,
     HFRef,
     UnknownTensorName,
     is_mtp_name,
@@ -400,6 +407,27 @@ def stored_mxfp4_experts(model_dir: str) -> bool:
     finally:
         files.close()
     return False
+
+
+def stored_fp8_blocks(model_dir: str, weights: re.Pattern, block: tuple[int, int]) -> bool:
+    """Whether every checkpoint tensor whose released name ``weights`` matches is stored as e4m3
+    with a ``.scale`` of one scale per ``block`` (and there is at least one), from the headers."""
+    files = CheckpointFiles(model_dir)
+    try:
+        found = False
+        for key in files.files:
+            if not weights.search(to_released(key, V41)):
+                continue
+            scale = key[: -len("weight")] + "scale"
+            if files.slice(key).get_dtype() != "F8_E4M3" or scale not in files.files:
+                return False
+            n, k = files.slice(key).get_shape()
+            if tuple(files.slice(scale).get_shape()) != (-(-n // block[0]), -(-k // block[1])):
+                return False
+            found = True
+        return found
+    finally:
+        files.close()
 
 
 def _materialize(plan: V4CheckpointPlan, files: CheckpointFiles, t: _Target, keep_quantized: bool):

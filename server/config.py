@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from kernels.attention import DECODE_BACKENDS, PREFILL_BACKENDS, V4_PREFILL_BACKENDS
+from kernels.mxfp8_gemm import LINEAR_BACKENDS
 from server.errors import InvalidRequestError
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
@@ -61,6 +62,7 @@ class EngineConfig:
     max_cudagraph_capture_size: int | None = None
     attention_backend: str = "auto"
     prefill_attention_backend: str = "auto"
+    linear_backend: str = "auto"  # DeepSeek-V4.1's FP8 linears: auto | mxfp8 | dequantized (model/v41/fp8_linear.py)
     # parallelism
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -128,6 +130,8 @@ class EngineConfig:
         if self.prefill_attention_backend not in PREFILL_ATTENTION_BACKENDS:
             bad("--prefill-attention-backend", f"must be one of {', '.join(PREFILL_ATTENTION_BACKENDS)}, "
                 f"got {self.prefill_attention_backend!r}")
+        if self.linear_backend not in LINEAR_BACKENDS:
+            bad("--linear-backend", f"must be one of {', '.join(LINEAR_BACKENDS)}, got {self.linear_backend!r}")
         if self.tensor_parallel_size < 1:
             bad("--tensor-parallel-size", f"must be at least 1, got {self.tensor_parallel_size}")
         if self.data_parallel_size < 1:

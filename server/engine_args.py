@@ -21,7 +21,14 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
-from server.config import ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREFILL_ATTENTION_BACKENDS, EngineConfig
+from server.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LINEAR_BACKENDS,
+    PREFILL_ATTENTION_BACKENDS,
+    EngineConfig,
+)
 
 
 class CLIError(ValueError):
@@ -150,6 +157,10 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
           help="the prompt-chunk attention (auto: sdpa on CUDA, torch on CPU; flashinfer: FlashInfer's ragged "
                "fa3 on Hopper, opt-in; DeepSeek-V4/V4.1: auto = triton, the sparse prefill kernel, on Hopper, "
                "torch elsewhere)"),
+    _flag("--linear-backend", group="execution", choices=LINEAR_BACKENDS,
+          help="DeepSeek-V4.1's FP8 linears (e4m3 with 32x32 UE8M0 blocks): auto (mxfp8 on a GPU with FP8 tensor "
+               "cores, else dequantized), mxfp8 (kept as stored; activations quantized to MXFP8, the CUDA C++ GEMM "
+               "on Hopper, Triton elsewhere), dequantized (multiplied out to --dtype at load)"),
     # parallelism
     _flag("--tensor-parallel-size", "-tp", group="parallelism", type=int),
     _flag("--data-parallel-size", "-dp", group="parallelism", type=int),

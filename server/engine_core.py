@@ -225,7 +225,7 @@ class EngineCore:
 
     def _note_first_scheduling(self, out: SchedulerOutput) -> None:
         now = None
-        for entry in out.scheduled:
+        for entry in out.prefills:  # a first scheduling is an admission: a prefill chunk
             state = self._requests.get(entry.seq.request_id)
             if state is not None and state.queue_time is None:
                 now = now or time.monotonic()
@@ -272,25 +272,28 @@ class EngineCore:
                 for j, e in enumerate(entries):
                     if first + j < len(state.prompt_logprobs):
                         state.prompt_logprobs[first + j] = e
+        requests, logprobs = self._requests, result.logprobs
+        num_tokens = 0
         for seq in self.scheduler.update_after_step(out, result.sampled):
-            state = self._requests.get(seq.request_id)
+            state = requests.get(seq.request_id)
             if state is None:
                 continue
             token = seq.output_token_ids[-1]
-            self.generation_tokens_total += 1
+            num_tokens += 1
             detok = state.detoks[seq.index]
             # A stopping EOS / stop token is kept in token_ids but not in the text (as vLLM).
             reason = self._token_stop_reason(seq, token)
             stop_str = None
             if reason is None:
-                text, stop_str = detok.add_tokens([token])
+                text, stop_str = detok.add_tokens((token,))
                 reason = self._text_stop_reason(seq, stop_str)
             else:
                 text = ""
             sd = SeqDelta(seq.index, text, [token])
-            lp = result.logprobs.get(seq.seq_id)
-            if lp is not None:
-                sd.logprobs = [lp]
+            if logprobs:
+                lp = logprobs.get(seq.seq_id)
+                if lp is not None:
+                    sd.logprobs = [lp]
             if reason is not None:
                 sd.finish_reason, sd.stop_reason = reason
                 if stop_str is None:
@@ -298,14 +301,17 @@ class EngineCore:
                 self.scheduler.finish_seq(seq, sd.finish_reason)
                 self.runner.release([seq.seq_id])
                 state.num_unfinished -= 1
-            delta_for(state).seqs.append(sd)
-        for state in list(self._requests.values()):
-            if state.prompt_logprobs is not None and not state.prompt_logprobs_sent and state.request_id in touched:
+            d = touched.get(state.request_id)
+            (d if d is not None else delta_for(state)).seqs.append(sd)
+        self.generation_tokens_total += num_tokens
+        for request_id, d in touched.items():  # only a request that changed can have finished
+            state = requests[request_id]
+            if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
                 state.prompt_logprobs_sent = True
-                touched[state.request_id].prompt_logprobs = state.prompt_logprobs
+                d.prompt_logprobs = state.prompt_logprobs
             if state.num_unfinished == 0:
-                delta_for(state).finished = True
-                del self._requests[state.request_id]
+                d.finished = True
+                del requests[request_id]
         return list(touched.values())
 
     def _state_of(self, out: SchedulerOutput, seq_id: int) -> _RequestState | None:

@@ -421,6 +421,11 @@ class BlockManager:
             pool.release(table[i])
             table[i] = NULL_BLOCK
 
+    @property
+    def pages_die(self) -> bool:
+        """Whether some group's pages die as a sequence grows (``release_dead_blocks`` has work)."""
+        return self._pages_die
+
     def release_dead_blocks(self, seq: Sequence) -> None:
         """Return the pages the specs declare dead (e.g. behind a sliding window) now, not at the
         sequence's next allocation: a request that waits for budget mid-prefill then holds only

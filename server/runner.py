@@ -13,19 +13,21 @@ import functools
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kernels.fp8 import FP8_DTYPE
 from kernels.attention import AttentionSpec, select_decode_backend, select_prefill_backend
 from model.config import ModelConfig
 from model.deepseek import DeepseekForCausalLM
-from model.forward_context import ForwardContext, build_attention_metadata, forward_context
-from model.upload import to_device
+from model.forward_context import ForwardContext, attention_arrays, build_attention_metadata, forward_context
+from model.upload import to_device, upload_arrays
 from server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from server.kv_cache_spec import FullAttentionSpec, KVCacheSpec, max_num_blocks, plan_groups
 from server.outputs import TokenLogprob
 from server.sampler import Sampler, SamplingRow, compute_prompt_logprobs, make_request_generator
 from server.scheduler import SchedulerOutput
+from server.step_inputs import BlockTableRows
 from server.step_profile import StepProfiler, classify_step, graphs_off_reason
 from server.sequence import Sequence
 
@@ -34,19 +36,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StepPlan:
-    """One step's inputs in plain python lists; rank 0 sends it to its TP workers."""
+    """One step's inputs in plain python values and one int32 array; rank 0 sends it to its TP
+    workers (``to_wire``: lists only). Positions follow from the context and query lengths."""
 
     input_ids: list[int]
-    positions: list[int]
-    block_tables: list[list[int]]
+    block_tables: np.ndarray | list[list[int]]  # [B, width] int32, zero-padded (lists from the wire)
     context_lens: list[int]
     query_lens: list[int]
     num_decodes: int
     logit_rows: list[int]
+    all_rows_logits: bool = False  # logit_rows is every row of the step (pure decode, all sampled)
 
     def to_wire(self) -> list:
-        return [self.input_ids, self.positions, self.block_tables, self.context_lens, self.query_lens,
-                self.num_decodes, self.logit_rows]
+        tables = self.block_tables.tolist() if isinstance(self.block_tables, np.ndarray) else self.block_tables
+        return [self.input_ids, tables, self.context_lens, self.query_lens, self.num_decodes, self.logit_rows,
+                self.all_rows_logits]
 
     @classmethod
     def from_wire(cls, w: list) -> "StepPlan":
@@ -77,6 +81,18 @@ class PendingStep:
     @functools.cached_property
     def row_of_seq(self) -> dict[int, int]:
         return {sid: i for i, sid in enumerate(self.seq_ids)}
+
+
+def _shifted_fill(fills, pending: PendingStep | None) -> int | None:
+    """Where ``pending``'s whole token tensor lands when the fills are its rows 0..n-1 at
+    consecutive inputs (steady decode: the same sequences in the same order), else None."""
+    if not fills or len(fills) != pending.token_ids.shape[0]:
+        return None
+    at = fills[0][0]
+    for j, (i, row) in enumerate(fills):
+        if row != j or i != at + j:
+            return None
+    return at
 
 
 def kv_cache_dtype(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
@@ -153,6 +169,7 @@ def determine_num_blocks(
 
 class ModelRunner:
     plan_class = StepPlan  # what the TP workers decode the engine's plans into
+    append_only_block_tables = True  # full attention: a table only ever grows (BlockTableRows)
 
     def __init__(self, model: DeepseekForCausalLM, config: EngineConfig, num_blocks: int, device: torch.device) -> None:
         self._init_step_state(model, config, num_blocks, device)
@@ -180,6 +197,7 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator | None] = {}
         # Tokens sampled by the previous step, for placeholder inputs (async scheduling).
         self._last_sampled: dict[int, int] = {}
+        self.block_rows = BlockTableRows(self.append_only_block_tables)
         # Set when TP workers follow this runner: called with each step's plan before it runs.
         self.plan_broadcaster = None
         self.decode_graphs = None  # server.cuda_graphs.DecodeGraphs, once captured
@@ -216,40 +234,50 @@ class ModelRunner:
         for sid in seq_ids:
             self._generators.pop(sid, None)
             self._last_sampled.pop(sid, None)
+        self.block_rows.release(seq_ids)
 
     # ---- step -------------------------------------------------------------------------------
     def plan(self, out: SchedulerOutput, pending: PendingStep | None = None
              ) -> tuple["StepPlan", list[tuple[int, int]]]:
-        """The step's inputs as plain lists: what TP workers receive (no tensors, no pickle),
-        and the fills: a placeholder whose token is still in flight in ``pending`` gets a 0 in
-        the plan and an entry (input index, row of ``pending.token_ids``), copied on the device."""
+        """The step's inputs (what TP workers receive: no tensors, no pickle) and the fills: a
+        placeholder whose token is still in flight in ``pending`` gets a 0 in the plan and an
+        entry (input index, row of ``pending.token_ids``), copied on the device."""
         fills: list[tuple[int, int]] = []
         in_flight = pending.row_of_seq if pending is not None and pending.result is None else {}
         ids: list[int] = []
-        positions: list[int] = []
-        tables, ctx_lens, q_lens, logit_rows = [], [], [], []
+        ctx_lens, q_lens, logit_rows = [], [], []
         offset = 0
+        prompt_rows = False
         for entry in out.scheduled:
             seq = entry.seq
-            known = entry.num_new_tokens - entry.num_placeholder_tokens
-            ids.extend(seq.all_token_ids[entry.start_pos : entry.start_pos + known])
+            start, q = entry.start_pos, entry.num_new_tokens
+            known = q - entry.num_placeholder_tokens
+            if known == 1:
+                ids.append(seq.all_token_ids[start])
+            elif known:
+                ids.extend(seq.all_token_ids[start : start + known])
             if entry.num_placeholder_tokens:
-                if seq.seq_id in in_flight:
-                    fills.append((len(ids), in_flight[seq.seq_id]))
+                row = in_flight.get(seq.seq_id)
+                if row is not None:
+                    fills.append((len(ids), row))
                     ids.append(0)
                 else:
                     ids.append(self._last_sampled[seq.seq_id])
-            positions.extend(range(entry.start_pos, entry.start_pos + entry.num_new_tokens))
-            tables.append(seq.block_table)
-            ctx_lens.append(entry.start_pos)
-            q_lens.append(entry.num_new_tokens)
+            ctx_lens.append(start)
+            q_lens.append(q)
             # Rows whose logits are needed: prompt-logprob positions, then the sampled row.
-            for row in self._prompt_logprob_rows(entry):
-                logit_rows.append(offset + row)
+            if seq.sampling_params.prompt_logprobs is not None:
+                for row in self._prompt_logprob_rows(entry):
+                    logit_rows.append(offset + row)
+                    prompt_rows = True
             if entry.sample:
-                logit_rows.append(offset + entry.num_new_tokens - 1)
-            offset += entry.num_new_tokens
-        return StepPlan(ids, positions, tables, ctx_lens, q_lens, out.num_decodes, sorted(set(logit_rows))), fills
+                logit_rows.append(offset + q - 1)
+            offset += q
+        if prompt_rows:
+            logit_rows = sorted(set(logit_rows))
+        tables = self.block_rows.gather([e.seq for e in out.scheduled])
+        return StepPlan(ids, tables, ctx_lens, q_lens, out.num_decodes, logit_rows,
+                        all_rows_logits=len(logit_rows) == offset), fills
 
     @staticmethod
     def _prompt_logprob_rows(entry) -> range:
@@ -263,13 +291,22 @@ class ModelRunner:
     def run_plan(self, plan: "StepPlan", profile=None, fills=None, pending: PendingStep | None = None) -> torch.Tensor:
         """Forward the step and return float32 logits of ``plan.logit_rows`` (every TP rank).
         ``profile``: the step's StepRecord when profiling; the ``plan`` phase ends here.
-        ``fills``: placeholder inputs to take from ``pending.token_ids`` on the device."""
-        md = build_attention_metadata(
-            plan.block_tables, plan.context_lens, plan.query_lens, self.block_size,
-            num_decode_seqs=plan.num_decodes, device=self.device,
-        )
-        input_ids = self._input_ids(plan, fills, pending)
-        pos = to_device(plan.positions, torch.long, self.device)
+        ``fills``: placeholder inputs to take from ``pending.token_ids`` on the device.
+        Every host input of the step reaches the device in one copy (``upload_arrays``)."""
+        arrays = attention_arrays(plan.block_tables, plan.context_lens, plan.query_lens, self.block_size)
+        host = [*arrays.device_arrays(), np.array(plan.input_ids, dtype=np.int64), arrays.positions]
+        if not plan.all_rows_logits:
+            host.append(np.array(plan.logit_rows, dtype=np.int64))
+        shifted = _shifted_fill(fills, pending)
+        if fills and shifted is None:
+            host += [np.array(f, dtype=np.int64) for f in zip(*fills)]
+        dev = upload_arrays(host, self.device)
+        md = arrays.metadata(dev[:4], num_decode_seqs=plan.num_decodes)
+        input_ids, pos = dev[4], dev[5]
+        if shifted is not None:  # the previous step's tokens, in order: one device copy
+            input_ids[shifted : shifted + pending.token_ids.shape[0]] = pending.token_ids
+        elif fills:
+            input_ids[dev[-2]] = pending.token_ids[dev[-1]]
         ctx = self.forward_context(md)
         if profile is not None:
             self.step_profiler.mark(profile, "plan")
@@ -277,8 +314,7 @@ class ModelRunner:
             hidden = self._forward_decode(input_ids, pos, ctx)
         else:
             hidden = self._forward_mixed(input_ids, pos, ctx)
-        rows = to_device(plan.logit_rows, torch.long, self.device)
-        return self.model.compute_logits(hidden[rows])
+        return self.model.compute_logits(hidden if plan.all_rows_logits else hidden[dev[6]])
 
     def _input_ids(self, plan: "StepPlan", fills, pending: PendingStep | None) -> torch.Tensor:
         """The plan's token ids on the device, placeholders filled from ``pending.token_ids``."""
@@ -292,6 +328,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         self.release(out.finished_seq_ids)
+        self.block_rows.release(out.preempted_seq_ids)
         result = StepResult()
         if out.is_empty:
             return result
@@ -306,9 +343,9 @@ class ModelRunner:
         logits = self.run_plan(plan, prof)
         if prof is not None:
             self.step_profiler.mark(prof, "forward")
-        row_of = {r: i for i, r in enumerate(plan.logit_rows)}
-        self._sample(out, logits, row_of, result)
-        self._prompt_logprobs(out, logits, row_of, result)
+        self._sample(out, logits, plan, result)
+        if any(e.seq.sampling_params.prompt_logprobs is not None for e in out.scheduled):
+            self._prompt_logprobs(out, logits, {r: i for i, r in enumerate(plan.logit_rows)}, result)
         self._last_sampled.update(result.sampled)
         if prof is not None:
             self.step_profiler.end_runner_step(prof, "sample")
@@ -342,15 +379,15 @@ class ModelRunner:
                 self.collect(pending)
             return PendingStep(result=self.execute(out))
         self.release(out.finished_seq_ids)
+        self.block_rows.release(out.preempted_seq_ids)
         plan, fills = self.plan(out, pending)
         logits = self.run_plan(plan, fills=fills, pending=pending)
-        # Placeholders count as -1: overlapped steps use only the number of outputs (min_tokens).
-        rows, idx, seqs = self._sampling_rows(out, {r: i for i, r in enumerate(plan.logit_rows)}, in_flight=True)
+        rows, idx, seqs = self._sampling_rows(out, plan, in_flight=True)
         step = PendingStep(seq_ids=[seq.seq_id for seq in seqs])
         if not rows:
             step.result = StepResult()
             return step
-        step.token_ids = self.sampler.sample_tokens(logits[to_device(idx, torch.long, logits.device)], rows)
+        step.token_ids = self.sampler.sample_tokens(self._select(logits, idx), rows)
         if step.token_ids.is_cuda:
             step.host_ids = torch.empty(step.token_ids.shape, dtype=step.token_ids.dtype, pin_memory=True)
             step.host_ids.copy_(step.token_ids, non_blocking=True)
@@ -401,34 +438,41 @@ class ModelRunner:
         with forward_context(ctx):
             return self.model(input_ids, positions)
 
-    def _sampling_rows(self, out: SchedulerOutput, row_of: dict, in_flight: bool = False):
-        """(SamplingRow per sampled sequence, its logits row, the sequence). A placeholder's
-        token is the last sampled one, or -1 when it is still ``in_flight`` on the device."""
+    def _sampling_rows(self, out: SchedulerOutput, plan: StepPlan, in_flight: bool = False):
+        """(SamplingRow per sampled sequence, the logits rows they read or None when every logits
+        row is a sampled one in order, the sequences). A placeholder's token is the last sampled
+        one, or still ``in_flight`` on the device (then only counted: min_tokens)."""
         rows, idx, seqs = [], [], []
         offset = 0
+        eos = self.eos_token_ids
         for entry in out.scheduled:
             if entry.sample:
                 seq = entry.seq
-                outputs = seq.output_token_ids
+                outputs, pending = seq.output_token_ids, 0
                 if entry.num_placeholder_tokens:
-                    outputs = outputs + [-1 if in_flight else self._last_sampled[seq.seq_id]]
-                rows.append(SamplingRow(
-                    params=seq.sampling_params,
-                    prompt_token_ids=seq.prompt_token_ids,
-                    output_token_ids=outputs,
-                    generator=self._generator(seq),
-                    eos_token_ids=self.eos_token_ids,
-                ))
-                idx.append(row_of[offset + entry.num_new_tokens - 1])
+                    if in_flight:
+                        pending = 1
+                    else:
+                        outputs = outputs + [self._last_sampled[seq.seq_id]]
+                rows.append(SamplingRow(seq.sampling_params, seq.prompt_token_ids, outputs, self._generator(seq), eos,
+                                        pending))
+                idx.append(offset + entry.num_new_tokens - 1)
                 seqs.append(seq)
             offset += entry.num_new_tokens
-        return rows, idx, seqs
+        if len(rows) == len(plan.logit_rows):
+            return rows, None, seqs
+        row_of = {r: i for i, r in enumerate(plan.logit_rows)}
+        return rows, [row_of[r] for r in idx], seqs
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, row_of: dict, result: StepResult) -> None:
-        rows, idx, seqs = self._sampling_rows(out, row_of)
+    @staticmethod
+    def _select(logits: torch.Tensor, idx: list[int] | None) -> torch.Tensor:
+        return logits if idx is None else logits[to_device(idx, torch.long, logits.device)]
+
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, plan: StepPlan, result: StepResult) -> None:
+        rows, idx, seqs = self._sampling_rows(out, plan)
         if not rows:
             return
-        res = self.sampler(logits[to_device(idx, torch.long, logits.device)], rows)
+        res = self.sampler(self._select(logits, idx), rows)
         for seq, tok, lp in zip(seqs, res.token_ids, res.logprobs):
             result.sampled[seq.seq_id] = tok
             if lp is not None:

@@ -20,6 +20,7 @@ from model.loader import DTYPE_NAMES, CheckpointError, load_model
 from model.parallel import ParallelContext
 from model.v4_family import V4_FAMILY_MODEL_TYPES, load_v4_family, random_v4_family
 from model.v4_loader import read_v4_config
+from model.v41.fp8_linear import check_dequantized_linears, mxfp8_shape_problem
 from server import envs
 from server.config import EngineConfig
 from server.cuda_graphs import maybe_capture
@@ -94,6 +95,7 @@ def build_runner(config: EngineConfig, model_dir: str, device: torch.device, par
     mla_decode_cuda.set_cache_dir(envs.MLASERVE_KERNEL_CACHE)
     if is_v4_family(model_dir):
         return build_v4_family_runner(config, model_dir, device, par, agree_num_blocks)
+    check_dequantized_linears(config.linear_backend, "this checkpoint (not DeepSeek-V4.1)")
     model = load_model(model_dir, dtype=config.dtype, device=device, par=par, progress=progress,
                        load_format=config.load_format, seed=config.seed)
     max_model_len = resolve_max_model_len(config, model.config)
@@ -120,8 +122,12 @@ def check_v4_family_parallel(config: EngineConfig, model_dir: str) -> None:
     """A V4-family checkpoint must split evenly over the parallel layout (checked before any
     worker starts); an uneven split is one line naming the flag."""
     if config.world_size > 1 and is_v4_family(model_dir):
-        problem = v4_layout_problem(read_v4_config(model_dir, V4_FAMILY_MODEL_TYPES), config.tensor_parallel_size,
-                                    config.data_parallel_size, config.enable_expert_parallel)
+        c = read_v4_config(model_dir, V4_FAMILY_MODEL_TYPES)
+        problem = v4_layout_problem(c, config.tensor_parallel_size, config.data_parallel_size,
+                                    config.enable_expert_parallel)
+        if problem is None and config.linear_backend == "mxfp8" and c.model_type != "deepseek_v4":
+            shapes = mxfp8_shape_problem(c, config.tensor_parallel_size)  # auto falls back (logged) instead
+            problem = f"--linear-backend mxfp8: {shapes}" if shapes else None
         if problem:
             raise CheckpointError(problem)
 
@@ -158,7 +164,8 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
     by state snapshots (server/v4_prefix_cache.py), row pools sized once from the plan, decode
     graphs (server/v4_cuda_graphs.py); ``--attention-backend`` picks the sparse decode backend
     for fp8 records, ``--prefill-attention-backend`` the chunks' sparse prefill backend
-    (model/v4/sparse_attention.py)."""
+    (model/v4/sparse_attention.py); ``--linear-backend`` whether V4.1's FP8 linears run as
+    MXFP8 (model/v41/fp8_linear.py)."""
     if par is not None:
         check_v4_family_parallel(config, model_dir)
     if config.dtype == "auto":
@@ -167,9 +174,9 @@ def build_v4_family_runner(config: EngineConfig, model_dir: str, device: torch.d
         dtype = DTYPE_NAMES[config.dtype]
     mxfp4_experts = not envs.MLASERVE_V41_DEQUANTIZE_EXPERTS
     if config.load_format == "dummy":
-        model = random_v4_family(model_dir, dtype, device, config.seed, par, mxfp4_experts)
+        model = random_v4_family(model_dir, dtype, device, config.seed, par, mxfp4_experts, config.linear_backend)
     else:
-        model = load_v4_family(model_dir, dtype, device, par, mxfp4_experts)
+        model = load_v4_family(model_dir, dtype, device, par, mxfp4_experts, config.linear_backend)
     try:
         model.configure_cache(config.kv_cache_dtype, page_rows=config.block_size,
                               attention_backend=config.attention_backend,

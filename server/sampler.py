@@ -15,27 +15,32 @@ Draws use the exponential-race trick: token = argmax(p / E) with E ~ Exp(1) i.i.
 selects token i with probability p_i. A seeded row draws its E from its own generator over
 exactly its own vocab row, so its token depends only on its logits and its seed, never on
 which other requests share the batch. Everything else is vectorized over the batch.
+
+Choosing tokens never reads the device (no sync), so async scheduling can launch the next step
+before these tokens are known: every branch depends on the requests' parameters only. A
+top-k row (with or without top-p) is cut among its row's ``max top_k`` best logits (``topk``);
+a top-p row without top-k among its fully sorted row (a cut among a few candidates would need a
+host-side check that they hold the top-p mass). The parameters' device tensors are built once
+per batch composition (:class:`_BatchParams`), in one upload.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from model.upload import to_device
+from model.upload import to_device, upload_arrays
 from server.outputs import TokenLogprob
 from server.sampling_params import SamplingParams
 
 # Smallest exponential noise we let through: E == 0 would turn p / E into inf or nan.
 _MIN_NOISE = 1e-20
-# How many of a row's most likely tokens top-k/top-p look at before sorting the whole row.
-_TOP_CANDIDATES = 256
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     """One sequence of the batch."""
 
@@ -44,6 +49,11 @@ class SamplingRow:
     output_token_ids: list[int]  # generated so far (penalties, min_tokens)
     generator: torch.Generator | None = None  # per-request seeded generator; None: global
     eos_token_ids: list[int] | tuple[int, ...] = ()
+    num_pending_outputs: int = 0  # outputs still in flight on the device (async): counted, not known
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_outputs
 
 
 @dataclass
@@ -146,7 +156,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     idx_rows, idx_toks = [], []
     vocab = logits.shape[1]
     for i, row in enumerate(rows):
-        if len(row.output_token_ids) < row.params.min_tokens:
+        if row.num_outputs < row.params.min_tokens:
             for t in (*row.eos_token_ids, *row.params.stop_token_ids):
                 if 0 <= t < vocab:
                     idx_rows.append(i)
@@ -188,59 +198,145 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow],
     logits[idx] = sub
 
 
+class _Uploads:
+    """Host arrays collected under names, then copied to the device together (one upload)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.arrays: list[np.ndarray] = []
+
+    def add(self, name: str, values, dtype) -> None:
+        self.names.append(name)
+        self.arrays.append(np.asarray(values, dtype=dtype))
+
+    def upload(self, device) -> dict[str, torch.Tensor]:
+        return dict(zip(self.names, upload_arrays(self.arrays, device)))
+
+
+@dataclass
+class _Filters:
+    """min_p, then top-k, then top-p of R rows: which rows take which path (host lists, from the
+    parameters) and, in ``t`` once uploaded, their values on the device."""
+
+    num_rows: int
+    use_min_p: bool
+    topk: list[int]  # rows with top-k (< vocab): cut among their ``topk_max`` best logits
+    topk_max: int
+    topk_has_p: bool  # some top-k row also has top-p
+    sort: list[int]  # rows with top-p only: cut over the whole sorted row
+    t: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def plan(cls, uploads: _Uploads, min_p: list[float], top_k: list[int], top_p: list[float],
+             vocab: int) -> "_Filters":
+        n = len(min_p)
+        k = [x if 0 < x < vocab else vocab for x in top_k]
+        topk = [i for i in range(n) if k[i] < vocab]
+        sort = [i for i in range(n) if k[i] >= vocab and top_p[i] < 1.0]
+        f = cls(n, any(m > 0 for m in min_p), topk, max((k[i] for i in topk), default=0),
+                any(top_p[i] < 1.0 for i in topk), sort)
+        if f.use_min_p:
+            uploads.add("min_p", min_p, np.float32)
+        if topk:
+            if len(topk) < n:
+                uploads.add("topk_idx", topk, np.int64)
+            uploads.add("topk_k", [k[i] for i in topk], np.int64)
+            if f.topk_has_p:
+                uploads.add("topk_p", [top_p[i] for i in topk], np.float32)
+        if sort:
+            if len(sort) < n:
+                uploads.add("sort_idx", sort, np.int64)
+            uploads.add("sort_p", [top_p[i] for i in sort], np.float32)
+        return f
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Mask (to -inf) what the filters exclude; ``logits`` [R, V] is left as it was."""
+        t = self.t
+        if self.use_min_p:
+            probs = torch.softmax(logits, dim=-1)
+            threshold = t["min_p"].view(-1, 1) * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        cuts = []
+        if self.topk:
+            sub = logits if len(self.topk) == self.num_rows else logits[t["topk_idx"]]
+            best = sub.topk(self.topk_max, dim=-1).values
+            cuts.append(("topk_idx", _cut(best, t["topk_k"].view(-1, 1), t["topk_p"].view(-1, 1)
+                                          if self.topk_has_p else None)))
+        if self.sort:
+            sub = logits if len(self.sort) == self.num_rows else logits[t["sort_idx"]]
+            cuts.append(("sort_idx", _cut(sub.sort(dim=-1, descending=True).values, None, t["sort_p"].view(-1, 1))))
+        if not cuts:
+            return logits
+        if len(cuts) == 1 and cuts[0][0] not in t:  # one path covers every row
+            threshold = cuts[0][1]
+        else:
+            threshold = torch.full((self.num_rows, 1), float("-inf"), device=logits.device, dtype=logits.dtype)
+            for name, cut in cuts:
+                threshold[t[name]] = cut
+        return logits.masked_fill(logits < threshold, float("-inf"))
+
+
 def filter_logits(logits: torch.Tensor, min_p: list[float], top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask (to -inf) what min_p, then top_k, then top_p exclude, per row of ``logits`` [R, V]
     (already divided by temperature). ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0 disable.
 
     Ties at a top-k or top-p boundary are kept (each cut is a logit threshold)."""
-    dev, vocab = logits.device, logits.shape[1]
-    if any(m > 0 for m in min_p):
-        probs = torch.softmax(logits, dim=-1)
-        threshold = to_device(min_p, torch.float32, dev).view(-1, 1) * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    k = [top_k[i] if 0 < top_k[i] < vocab else vocab for i in range(len(top_k))]
-    filtered = [i for i in range(len(k)) if k[i] < vocab or top_p[i] < 1.0]
-    if not filtered:
-        return logits
-    idx = to_device(filtered, torch.long, dev)
-    sub = logits[idx]
-    k_t = to_device([k[i] for i in filtered], torch.long, dev).view(-1, 1)
-    p_t = to_device([top_p[i] for i in filtered], torch.float32, dev).view(-1, 1)
-    lse = torch.logsumexp(sub, dim=-1, keepdim=True)
-    # Most rows' cut lies among their few hundred most likely tokens: look there first (topk
-    # is much cheaper than a full sort) and sort whole rows only where that falls short.
-    num_candidates = min(vocab, max([_TOP_CANDIDATES] + [k[i] for i in filtered if k[i] < vocab]))
-    threshold, short = _cut(sub.topk(num_candidates, dim=-1).values, lse, k_t, p_t)
-    if num_candidates < vocab:
-        redo = short.nonzero().view(-1)
-        if redo.numel():
-            full_sorted = sub[redo].sort(dim=-1, descending=True).values
-            threshold[redo] = _cut(full_sorted, lse[redo], k_t[redo], p_t[redo])[0]
-    row_threshold = torch.full((logits.shape[0], 1), float("-inf"), device=dev, dtype=logits.dtype)
-    row_threshold[idx] = threshold
-    return logits.masked_fill(logits < row_threshold, float("-inf"))
+    uploads = _Uploads()
+    f = _Filters.plan(uploads, min_p, top_k, top_p, logits.shape[1])
+    f.t = uploads.upload(logits.device)
+    return f.apply(logits)
 
 
-def _cut(sorted_vals: torch.Tensor, full_lse: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor):
-    """Per-row logit threshold for top-k then top-p, from the row's C best logits (sorted
-    descending) and the log-sum-exp of its whole row. Also says which rows need more than
-    the C candidates. Callers pick C >= k wherever k < vocab, so a top-k set always lies
-    within the candidates and its mass can be summed there."""
-    num = sorted_vals.shape[1]
-    positions = torch.arange(num, device=sorted_vals.device).view(1, -1)
-    in_k = positions < k
-    topk_lse = torch.logsumexp(sorted_vals.masked_fill(~in_k, float("-inf")), dim=-1, keepdim=True)
-    lse = torch.where(k <= num, topk_lse, full_lse)
-    probs = torch.exp(sorted_vals - lse).masked_fill(~in_k, 0.0)  # renormalized over the top-k
+def _cut(sorted_vals: torch.Tensor, k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Per-row logit threshold for top-k then top-p, from the row's best logits sorted
+    descending: all of them (``k`` None) or at least its top-k."""
+    if top_p is None:  # top-k alone: the k-th best logit
+        return sorted_vals.gather(1, k - 1)
+    vals = sorted_vals
+    if k is not None:
+        in_k = torch.arange(sorted_vals.shape[1], device=sorted_vals.device).view(1, -1) < k
+        vals = sorted_vals.masked_fill(~in_k, float("-inf"))
+    probs = torch.exp(vals - torch.logsumexp(vals, dim=-1, keepdim=True))  # renormalized over the top-k
     # The top-p set is the shortest prefix whose mass reaches top_p: position j stays while
     # the mass strictly before it is below top_p.
     mass_before = probs.cumsum(dim=-1) - probs
-    keep = in_k & ((mass_before < top_p) | (top_p >= 1.0))
+    keep = (mass_before < top_p) | (top_p >= 1.0)
+    if k is not None:
+        keep &= in_k
     keep[:, 0] = True
-    num_kept = keep.sum(dim=-1, keepdim=True)
-    threshold = sorted_vals.gather(1, num_kept - 1)
-    short = (num_kept == num) & (k > num)
-    return threshold, short.view(-1)
+    return sorted_vals.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+
+
+@dataclass
+class _BatchParams:
+    """What a batch's sampling parameters decide (one per batch composition): which rows
+    draw, their temperatures and filters on the device, and whether any row needs the
+    logits-modifying processors (logit bias, min_tokens, penalties)."""
+
+    params: list[SamplingParams]  # the key: equal parameters in the same order share it
+    vocab: int
+    device: torch.device
+    random: list[int]  # rows that draw (the others are greedy)
+    modifies: bool
+    filters: _Filters | None = None
+    t: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], vocab: int, device: torch.device) -> "_BatchParams":
+        random = [i for i, p in enumerate(params) if not p.greedy]
+        modifies = any(p.logit_bias or p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0
+                       or p.presence_penalty != 0.0 for p in params)
+        bp = cls(params, vocab, device, random, modifies)
+        if random:
+            uploads = _Uploads()
+            if len(random) < len(params):
+                uploads.add("random_idx", random, np.int64)
+            drawn = [params[i] for i in random]
+            uploads.add("temperature", [p.temperature for p in drawn], np.float32)
+            bp.filters = _Filters.plan(uploads, [p.min_p for p in drawn], [p.top_k for p in drawn],
+                                       [p.top_p for p in drawn], vocab)
+            bp.t = bp.filters.t = uploads.upload(device)
+        return bp
 
 
 class Sampler:
@@ -250,6 +346,7 @@ class Sampler:
         self.global_seed = global_seed
         self._generators: dict[torch.device, torch.Generator] = {}
         self._prompt_cache = PromptTokenCache()
+        self._last_batch: _BatchParams | None = None
 
     def _global_generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -273,29 +370,40 @@ class Sampler:
                 logprobs[i] = entry
         return SampleResult(token_ids=token_ids.tolist(), logprobs=logprobs)
 
+    def _batch_params(self, rows: list[SamplingRow], vocab: int, device: torch.device) -> _BatchParams:
+        params = [r.params for r in rows]
+        bp = self._last_batch
+        if bp is None or bp.vocab != vocab or bp.device != device or bp.params != params:
+            bp = self._last_batch = _BatchParams.build(params, vocab, device)
+        return bp
+
     def sample_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The chosen token of every row, as a tensor on the logits' device. Reads nothing back
-        to the host (except where top-k/top-p rows need a full sort), so the next step can be
-        launched before these tokens are known (async scheduling)."""
+        to the host, so the next step can be launched before these tokens are known (async
+        scheduling); ``logits`` is left as it was."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}")
-        logits = logits.float().clone()
-        apply_logit_bias(logits, rows)
-        apply_min_tokens(logits, rows)
-        apply_penalties(logits, rows, self._prompt_cache)
+        bp = self._batch_params(rows, logits.shape[1], logits.device)
+        logits = logits.float()
+        if bp.modifies:
+            logits = logits.clone()
+            apply_logit_bias(logits, rows)
+            apply_min_tokens(logits, rows)
+            apply_penalties(logits, rows, self._prompt_cache)
+        if not bp.random:
+            return logits.argmax(dim=-1)
+        drawn = self._sample(logits, rows, bp)
+        if "random_idx" not in bp.t:
+            return drawn
         token_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if random_rows:
-            token_ids[to_device(random_rows, torch.long, logits.device)] = self._sample(logits, rows, random_rows)
+        token_ids[bp.t["random_idx"]] = drawn
         return token_ids
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], sel: list[int]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], bp: _BatchParams) -> torch.Tensor:
         dev = logits.device
-        params = [rows[i].params for i in sel]
-        x = logits[to_device(sel, torch.long, dev)]
-        x /= to_device([p.temperature for p in params], torch.float32, dev).view(-1, 1)
-        x = filter_logits(x, min_p=[p.min_p for p in params], top_k=[p.top_k for p in params],
-                          top_p=[p.top_p for p in params])
+        sel = bp.random
+        x = logits[bp.t["random_idx"]] if "random_idx" in bp.t else logits
+        x = bp.filters.apply(x / bp.t["temperature"].view(-1, 1))
         probs = torch.softmax(x, dim=-1)
         noise = torch.empty_like(probs)
         unseeded = [j for j, i in enumerate(sel) if rows[i].generator is None]

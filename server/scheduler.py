@@ -342,8 +342,9 @@ class Scheduler:
         scheduled: set[int] = set()
         num_preempted_before = self.num_preemptions
         running = list(self.running.values())
-        for seq in running:
-            self.block_manager.release_dead_blocks(seq)
+        if self.block_manager.pages_die:
+            for seq in running:
+                self.block_manager.release_dead_blocks(seq)
 
         for seq in running:
             if budget == 0:

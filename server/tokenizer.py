@@ -70,6 +70,7 @@ class Tokenizer:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
         ) | {i for i in (self.bos_token_id, self.eos_token_id) if i is not None}
         self._token_text: dict[int, str] = {}
+        self._one_token: dict[tuple[int, bool], str] = {}  # decode([id]), memoized
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "Tokenizer":
@@ -118,6 +119,12 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if len(ids) == 1:  # the incremental detokenizer's usual prefix window: one token
+            key = (int(ids[0]), skip_special_tokens)
+            text = self._one_token.get(key)
+            if text is None:
+                text = self._one_token[key] = self._tok.decode([key[0]], skip_special_tokens=skip_special_tokens)
+            return text
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, ids) -> list[str]:
@@ -246,6 +253,8 @@ class IncrementalDetokenizer:
         for token_id in new_token_ids:
             self._ids.append(int(token_id))
             self._full += self._decode_next()
+        if not self.stop:
+            return self._emit(final=False), None
         hit = self._check_stop(old_len)
         return self._emit(final=hit is not None), hit
 

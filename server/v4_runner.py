@@ -134,6 +134,7 @@ def v4_num_blocks(config: EngineConfig, specs: list[KVCacheSpec], device: torch.
 
 class V4FamilyRunner(ModelRunner):
     plan_class = V4StepPlan
+    append_only_block_tables = False  # window / compressed groups release dead pages in place
 
     def __init__(self, model, config: EngineConfig, num_blocks: int, device: torch.device,
                  kv_cache_specs: list[KVCacheSpec]) -> None:

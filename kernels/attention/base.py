@@ -262,6 +262,12 @@ class PrefillBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
         raise NotImplementedError
 
+    def value_width(self, qk_head_dim: int, v_head_dim: int) -> int:
+        """How wide the caller should build v: its own width, or wider with zero columns for a
+        backend whose kernels want v as wide as q/k (the output then has that width too, and
+        the caller keeps its first ``v_head_dim`` columns)."""
+        return v_head_dim
+
     def plan(self, metadata: PrefillMetadata) -> PrefillMetadata:
         return metadata
 

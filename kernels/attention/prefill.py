@@ -29,3 +29,8 @@ class SdpaPrefill(PrefillBackend):
 
     def forward(self, q, k, v, softmax_scale):
         return mla_prefill_sdpa(q, k, v, softmax_scale)
+
+    def value_width(self, qk_head_dim, v_head_dim):
+        # The fused kernels take equal head dims: v arrives zero-padded, built so by the layer
+        # in the same pass as k, instead of padded here with a fill and a copy.
+        return max(qk_head_dim, v_head_dim)

@@ -10,7 +10,9 @@ per-request picks, not a block table over one latent cache).
     cuda    our CUDA C++ kernels (kernels/v4_sparse_decode_cuda.py); SM90, V4 MODEL1 records,
             8..128 heads per GPU (records dequantized once per CTA of 64 heads, or of all
             heads up to 32), CUDA graphs, MODEL1 pages and one-record row pools; a cache
-            not on 8 bytes goes to the Triton kernel
+            not on 8 bytes goes to the Triton kernel. ``CUDA_VARIANT`` says which of its
+            designs serves (v1, or v2: 64-record tiles, the 2-CTA cluster at 65-128 heads,
+            the tokens-major kernel up to 16 heads)
 
 ``auto`` (:func:`select_v4_decode_backend`): cuda where it runs (one log line says why not),
 then triton, then torch.
@@ -30,6 +32,9 @@ from kernels.v4_sparse_decode import RECORD_BYTES
 
 logger = logging.getLogger(__name__)
 V4_CACHE_DTYPE = torch.uint8  # records are bytes; ``record_formats`` says which layout
+# The design the cuda backend runs (kernels.v4_sparse_decode_cuda.VARIANTS). v2 is checked by
+# the GPU tests; it serves once the device bench shows it faster than v1 on every shape.
+CUDA_VARIANT = "v1"
 
 
 class V4SparseDecodeBackend:
@@ -114,7 +119,7 @@ class CudaV4SparseDecode(TritonV4SparseDecode):
 
         if unsupported_reason(scopes) is not None:
             return super().decode(q, scopes, sinks, softmax_scale, out=out, lse=lse)
-        return v4_sparse_decode_cuda(q, scopes, sinks, softmax_scale, out=out, lse=lse)
+        return v4_sparse_decode_cuda(q, scopes, sinks, softmax_scale, out=out, lse=lse, variant=CUDA_VARIANT)
 
 
 V4_DECODE_BACKENDS: dict[str, type[V4SparseDecodeBackend]] = {

@@ -1,7 +1,8 @@
-// What the V4 sparse decode kernels share (v4_sparse_decode_sm90a.cu: 64 heads per CTA on wgmma,
-// v4_sparse_decode_narrow_sm90a.cu: up to 32 heads on mma.sync): the launch parameters, the
-// fp16 tile layout, the dequantization of MODEL1 records and the producer warpgroup that
-// gathers and dequantizes a CTA's tiles.
+// What the V4 sparse decode kernels share (v4_sparse_decode_sm90a.cu and
+// v4_sparse_decode_t64_sm90a.cu: 64 heads per CTA on wgmma; v4_sparse_decode_narrow_sm90a.cu and
+// v4_sparse_decode_tokens_sm90a.cu: up to 32 / 16 heads): the launch parameters, the fp16 tile
+// layout, the dequantization of MODEL1 records, the record lookup and loads of the kernels that
+// gather into registers, the m64n256 output rows, and v1's 32-record producer warpgroup.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -71,39 +72,67 @@ __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
+// 16 e4m3 values (a 16-byte raw chunk) times 2^(e - 127) as 16 fp16 values: one cvt per pair
+// and one packed multiply by the power-of-two scale.
+__device__ __forceinline__ void dequant_e4m3x16(uint4 x, uint32_t e, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  const __half s = __float2half_rn(__uint_as_float(e << 23));
+  const __half2 s2 = __halves2half2(s, s);
+  uint32_t h[8];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const __half2_raw a = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[k] & 0xFFFF), __NV_E4M3);
+    const __half2_raw c = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[k] >> 16), __NV_E4M3);
+    const __half2 a2 = __hmul2(__half2(a), s2), c2 = __hmul2(__half2(c), s2);
+    h[2 * k] = *reinterpret_cast<const uint32_t*>(&a2);
+    h[2 * k + 1] = *reinterpret_cast<const uint32_t*>(&c2);
+  }
+  lo = make_uint4(h[0], h[1], h[2], h[3]);
+  hi = make_uint4(h[4], h[5], h[6], h[7]);
+}
+
+// bf16 pairs as fp16 pairs (RoPE dims and q): one value pair, or the 8 values of 16 bytes.
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t w) {
+  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&w);
+  return pack_half2(__low2float(b), __high2float(b));
+}
+__device__ __forceinline__ uint4 bf16x8_to_f16(uint4 x) {
+  return make_uint4(bf16x2_to_f16x2(x.x), bf16x2_to_f16x2(x.y), bf16x2_to_f16x2(x.z), bf16x2_to_f16x2(x.w));
+}
+
+// The UE8M0 exponent of 64-dim block `blk` (< 7) from a record's 8 scale bytes.
+__device__ __forceinline__ uint32_t scale_exponent(uint32_t lo, uint32_t hi, int blk) {
+  return (blk < 4 ? lo >> (8 * blk) : hi >> (8 * (blk - 4))) & 0xFF;
+}
+
 // Dequantize one 16-byte raw chunk c (< 36) of a record into the fp16 K stage at `kt`, row r:
 // chunks below 28 are 16 e4m3 values (dims 16c..) times 2^(e - 127), the rest 8 bf16 RoPE values
 // (dims 448 + 8 (c - 28)..).
 __device__ __forceinline__ void convert_chunk(uint8_t* kt, int r, int c, uint4 x, uint32_t exps_lo, uint32_t exps_hi) {
-  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
   if (c < kE4m3Chunks) {
-    const int si = c >> 2;
-    const uint32_t e = ((si < 4 ? exps_lo >> (8 * si) : exps_hi >> (8 * (si - 4)))) & 0xFF;
-    const __half s = __float2half_rn(__uint_as_float(e << 23));
-    const __half2 s2 = __halves2half2(s, s);
-    uint32_t h[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const __half2_raw lo = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[k] & 0xFFFF), __NV_E4M3);
-      const __half2_raw hi = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[k] >> 16), __NV_E4M3);
-      const __half2 a = __hmul2(__half2(lo), s2), b = __hmul2(__half2(hi), s2);
-      h[2 * k] = *reinterpret_cast<const uint32_t*>(&a);
-      h[2 * k + 1] = *reinterpret_cast<const uint32_t*>(&b);
-    }
+    uint4 lo, hi;
+    dequant_e4m3x16(x, scale_exponent(exps_lo, exps_hi, c >> 2), lo, hi);
     uint8_t* box = kt + (c >> 2) * kKBox;
     const int j = (c & 3) * 2;
-    *reinterpret_cast<uint4*>(box + swizzled(r, j)) = make_uint4(h[0], h[1], h[2], h[3]);
-    *reinterpret_cast<uint4*>(box + swizzled(r, j + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+    *reinterpret_cast<uint4*>(box + swizzled(r, j)) = lo;
+    *reinterpret_cast<uint4*>(box + swizzled(r, j + 1)) = hi;
   } else {
-    uint32_t h[4];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&w[k]);
-      h[k] = pack_half2(__low2float(b), __high2float(b));
-    }
-    *reinterpret_cast<uint4*>(kt + 7 * kKBox + swizzled(r, c - kE4m3Chunks)) = make_uint4(h[0], h[1], h[2], h[3]);
+    *reinterpret_cast<uint4*>(kt + 7 * kKBox + swizzled(r, c - kE4m3Chunks)) = bf16x8_to_f16(x);
   }
 }
+
+// n / d without a division (a run-time division is a MUFU reciprocal): for 0 <= n < 2^31 and
+// d >= 1, with l = ceil(log2 d) and m = floor(2^32 (2^l - d) / d) + 1, n / d = (umulhi(m, n) + n) >> l.
+struct FastDiv {
+  uint32_t m, l;
+  __device__ explicit FastDiv(int d) {
+    l = 32 - __clz(static_cast<uint32_t>(d - 1));
+    m = static_cast<uint32_t>((((1ull << l) - d) << 32) / d + 1);
+  }
+  __device__ __forceinline__ int operator()(int n) const {
+    return static_cast<int>((__umulhi(m, static_cast<uint32_t>(n)) + static_cast<uint32_t>(n)) >> l);
+  }
+};
 
 // Tiles [tile0, tile0 + n) of the token's [window tiles | entry tiles] belong to this split.
 struct CtaTiles {
@@ -115,6 +144,177 @@ struct CtaTiles {
   }
 };
 
+// Read-only global loads of record bytes (no L1 allocation for the data; the scale bytes are
+// shared by a record's threads) and an L2 prefetch.
+__device__ __forceinline__ uint4 ld_nc_16(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::128B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ld_nc_8(const uint8_t* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void prefetch_l2(const uint8_t* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
+// Where a record is: its 576-byte data row and its 8 scale bytes (null: no record), and whether
+// the cache allows 16-byte loads (MODEL1 pages; one-record rows of 584 bytes are on 8 only).
+struct RecordAt {
+  const uint8_t* data;
+  const uint8_t* scales;
+  bool wide;
+};
+// 16 bytes of a record at byte `off` of its data row (zeros for no record).
+__device__ __forceinline__ uint4 record_bytes16(const RecordAt& at, int off) {
+  if (at.data == nullptr) return make_uint4(0, 0, 0, 0);
+  if (at.wide) return ld_nc_16(at.data + off);
+  const uint2 lo = ld_nc_8(at.data + off), hi = ld_nc_8(at.data + off + 8);
+  return make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ uint2 record_scales(const RecordAt& at) {
+  return at.data == nullptr ? make_uint2(0, 0) : ld_nc_8(at.scales);
+}
+
+// A CTA's view of token (b, tq)'s pick lists, for the kernels that gather by themselves: the flat
+// record number at row `row` of its tile t (tiles of `tile` records; -1 past a list's length or
+// the CTA's tiles), and where a record number points.
+struct RecordPicker {
+  const SparseParams& p;
+  int tile0, n, tiles0, len0, len1;
+  const int* idx0;
+  const int* idx1;
+  FastDiv div0, div1;
+  __device__ RecordPicker(const SparseParams& p_, const CtaTiles& t, int b, int tq)
+      : p(p_), tile0(t.tile0), n(t.n), tiles0(p_.scope[0].tiles),
+        div0(p_.scope[0].page_size), div1(p_.num_scopes > 1 ? p_.scope[1].page_size : 1) {
+    const SparseScope &s0 = p.scope[0], &s1 = p.scope[1];
+    const bool two = p.num_scopes > 1;
+    len0 = s0.lengths ? min(s0.k, s0.lengths[b]) : s0.k;
+    len1 = !two ? 0 : (s1.lengths ? min(s1.k, s1.lengths[b]) : s1.k);
+    idx0 = s0.indices + b * s0.idx_sb + tq * s0.idx_ss;
+    idx1 = two ? s1.indices + b * s1.idx_sb + tq * s1.idx_ss : idx0;
+  }
+  __device__ __forceinline__ int index(int t, int row, int tile) const {
+    if (t >= n) return -1;
+    const int g = tile0 + t, sc = g < tiles0 ? 0 : 1;
+    const int pos = (g - (sc ? tiles0 : 0)) * tile + row;
+    return pos < (sc ? len1 : len0) ? (sc ? idx1 : idx0)[pos] : -1;
+  }
+  __device__ __forceinline__ RecordAt locate(int t, int rec) const {
+    if (rec < 0) return {nullptr, nullptr, false};
+    const int sc = tile0 + t < tiles0 ? 0 : 1;
+    const SparseScope& s = p.scope[sc];
+    const int page = sc ? div1(rec) : div0(rec), slot = rec - page * s.page_size;
+    const uint8_t* base = s.cache + page * s.page_stride;
+    return {base + slot * kDataBytes, base + static_cast<long long>(s.page_size) * kDataBytes + slot * 8,
+            ((s.page_stride | reinterpret_cast<uintptr_t>(s.cache)) & 15) == 0};
+  }
+};
+
+// The m64n256 accumulators of one warpgroup (rows 16 warp + g + 8i, dims 8j + 2q4 + e of its 256
+// at o[4j + 2i + e]): both rows times a factor, and row i times `factor` to out (bf16) or to the
+// split's fp32 partial (head `head`, dims 256c..).
+__device__ __forceinline__ void scale_rows(float (&o)[128], float a0, float a1) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    o[4 * j] *= a0;
+    o[4 * j + 1] *= a0;
+    o[4 * j + 2] *= a1;
+    o[4 * j + 3] *= a1;
+  }
+}
+__device__ __forceinline__ void store_row(const SparseParams& p, const float (&o)[128], int i, float factor, int head,
+                                          int c, int q4, int b, int tq, int bt, int split) {
+  if (p.num_splits > 1) {
+    const long long flat = static_cast<long long>(bt) * p.num_splits + split;
+    float* dst = p.part_o + (flat * p.heads + head) * kDim + 256 * c + 2 * q4;
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * i] * factor, o[4 * j + 2 * i + 1] * factor);
+  } else {
+    __nv_bfloat16* dst = p.out + b * p.o_sb + tq * p.o_ss + head * p.o_sh + 256 * c + 2 * q4;
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
+          __floats2bfloat162_rn(o[4 * j + 2 * i] * factor, o[4 * j + 2 * i + 1] * factor);
+  }
+}
+
+// The online softmax of the 64-row wgmma kernels, on the m64nN score accumulators (rows 16 warp
+// + g + 8i, records 8j + 2q4 + e at s[4j + 2i + e], j < J = N / 8), in log2 units with a lazy
+// reference maximum m_ref per row (it moves only when a score passes it by kRescaleSlack: P <= 2^8).
+constexpr float kRescaleSlack = 8.f;
+
+// Scores times scale_log2 plus the records' biases (0 or -inf), and each row's maximum.
+template <int J>
+__device__ __forceinline__ void scale_and_row_max(float (&s)[4 * J], const float* bias, float scale_log2, int q4,
+                                                  float (&mx)[2]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const float2 bb = *reinterpret_cast<const float2*>(bias + 8 * j + 2 * q4);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      s[4 * j + 2 * i] = fmaf(s[4 * j + 2 * i], scale_log2, bb.x);
+      s[4 * j + 2 * i + 1] = fmaf(s[4 * j + 2 * i + 1], scale_log2, bb.y);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    mx[i] = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < J; ++j) mx[i] = fmaxf(mx[i], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+    mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+  }
+}
+
+// Moves the reference of the rows whose maximum passed it; alpha = the factor for O and l (1 for
+// a row that stays; 0 from -inf, when O and l are 0).
+__device__ __forceinline__ void move_reference(const bool (&move)[2], const float (&mx)[2], float (&m_ref)[2],
+                                               float (&l)[2], float (&alpha)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    alpha[i] = move[i] ? exp2f(m_ref[i] - mx[i]) : 1.f;
+    if (move[i]) m_ref[i] = mx[i];
+    l[i] *= alpha[i];
+  }
+}
+
+// P = 2^(s - m_ref) in place, the row sums added to l, and P as the A fragments of the J / 2 P.V
+// k-steps (records 16kk..16kk+15).
+template <int J>
+__device__ __forceinline__ void exp_sum_pack(float (&s)[4 * J], const float (&m_ref)[2], float (&l)[2],
+                                             uint32_t (&a)[J / 2][4]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float m_use = m_ref[i] == -INFINITY ? 0.f : m_ref[i];
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      s[4 * j + 2 * i] = exp2f(s[4 * j + 2 * i] - m_use);
+      s[4 * j + 2 * i + 1] = exp2f(s[4 * j + 2 * i + 1] - m_use);
+      sum += s[4 * j + 2 * i] + s[4 * j + 2 * i + 1];
+    }
+    l[i] += sum;
+  }
+#pragma unroll
+  for (int kk = 0; kk < J / 2; ++kk) {
+    a[kk][0] = pack_half2(s[8 * kk], s[8 * kk + 1]);
+    a[kk][1] = pack_half2(s[8 * kk + 2], s[8 * kk + 3]);
+    a[kk][2] = pack_half2(s[8 * kk + 4], s[8 * kk + 5]);
+    a[kk][3] = pack_half2(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+
+// A head's natural-log LSE (without the sink; -inf for no valid key) to the split's partial, or
+// to lse (+inf for no valid key) when there is one split.
+__device__ __forceinline__ void store_lse(const SparseParams& p, int head, float lse, int b, int tq, int bt, int split) {
+  if (p.num_splits > 1) p.part_l[(static_cast<long long>(bt) * p.num_splits + split) * p.heads + head] = lse;
+  else p.lse[b * p.l_sb + tq * p.l_ss + head * p.l_sh] = lse == -INFINITY ? INFINITY : lse;
+}
+
 // The CTA's Q rows [row0, row0 + kRows) of token (b, tq), bf16 -> fp16 (heads past p.heads
 // zero), into the swizzled tile at q_s (boxes of kRows x 128 bytes), by `threads` threads.
 template <int kRows>
@@ -123,17 +323,8 @@ __device__ __forceinline__ void load_q_tile(const SparseParams& p, int b, int tq
   for (int i = tid; i < kRows * 64; i += threads) {
     const int row = i >> 6, ch = i & 63, head = row0 + row;
     uint4 v = make_uint4(0, 0, 0, 0);
-    if (head < p.heads) {
-      const uint4 x = *reinterpret_cast<const uint4*>(p.q + b * p.q_sb + tq * p.q_ss + head * p.q_sh + 8 * ch);
-      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-      uint32_t h[4];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const __nv_bfloat162 bb = *reinterpret_cast<const __nv_bfloat162*>(&w[k]);
-        h[k] = pack_half2(__low2float(bb), __high2float(bb));
-      }
-      v = make_uint4(h[0], h[1], h[2], h[3]);
-    }
+    if (head < p.heads)
+      v = bf16x8_to_f16(*reinterpret_cast<const uint4*>(p.q + b * p.q_sb + tq * p.q_ss + head * p.q_sh + 8 * ch));
     *reinterpret_cast<uint4*>(q_s + (ch >> 3) * (kRows * 128) + swizzled(row, ch & 7)) = v;
   }
 }

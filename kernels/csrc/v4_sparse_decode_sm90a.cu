@@ -120,7 +120,6 @@ __global__ void __launch_bounds__(kThreads, 1) v4_sparse_decode_kernel(const __g
   // kRescaleSlack (log2 units; P <= 2^8 then, well inside fp16), decided for both consumers at
   // once. (O may change while the next scores are in flight: they do not touch it. A wait inside
   // the rare branch instead makes ptxas serialize the pipeline.)
-  constexpr float kRescaleSlack = 8.f;
   float s_next[16];
   if (n > 0) {
     issue_qk(0, s_next);
@@ -147,66 +146,18 @@ __global__ void __launch_bounds__(kThreads, 1) v4_sparse_decode_kernel(const __g
       s[4 * v + 3] += x.w;
     }
     // Scores in log2 units; rows 16 warp + g + 8i, records 8j + 2q4 + e at s[4j + 2i + e].
-    const float* bias = bias_s + ks * kRec;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 bb = *reinterpret_cast<const float2*>(bias + 8 * j + 2 * q4);
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        s[4 * j + 2 * i] = fmaf(s[4 * j + 2 * i], p.scale_log2, bb.x);
-        s[4 * j + 2 * i + 1] = fmaf(s[4 * j + 2 * i + 1], p.scale_log2, bb.y);
-      }
-    }
     float mx[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mx[i] = fmaxf(mx[i], fmaxf(s[4 * j + 2 * i], s[4 * j + 2 * i + 1]));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
-    }
-    const bool move0 = mx[0] > m_run[0] + kRescaleSlack, move1 = mx[1] > m_run[1] + kRescaleSlack;
+    scale_and_row_max<4>(s, bias_s + ks * kRec, p.scale_log2, q4, mx);
+    const bool move[2] = {mx[0] > m_run[0] + kRescaleSlack, mx[1] > m_run[1] + kRescaleSlack};
     // Both consumers have read the partials (the buffers may be written again) and agree on
     // whether any row moves (they hold the same scores).
-    if (named_barrier_any(kBarConsumersB, 256, move0 || move1)) {
+    if (named_barrier_any(kBarConsumersB, 256, move[0] || move[1])) {
       float alpha[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const bool move = i == 0 ? move0 : move1;
-        alpha[i] = move ? exp2f(m_run[i] - mx[i]) : 1.f;  // 0 from -inf: O and l are 0 then
-        if (move) m_run[i] = mx[i];
-        l_run[i] *= alpha[i];
-      }
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j] *= alpha[0];
-        o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1];
-        o[4 * j + 3] *= alpha[1];
-      }
+      move_reference(move, mx, m_run, l_run, alpha);
+      scale_rows(o, alpha[0], alpha[1]);
     }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float m_use = m_run[i] == -INFINITY ? 0.f : m_run[i];
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        s[4 * j + 2 * i] = exp2f(s[4 * j + 2 * i] - m_use);
-        s[4 * j + 2 * i + 1] = exp2f(s[4 * j + 2 * i + 1] - m_use);
-        sum += s[4 * j + 2 * i] + s[4 * j + 2 * i + 1];
-      }
-      l_run[i] += sum;
-    }
-    // P as the A fragments of the two k-steps (records 16kk..16kk+15).
     uint32_t a[2][4];
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      a[kk][0] = pack_half2(s[8 * kk], s[8 * kk + 1]);
-      a[kk][1] = pack_half2(s[8 * kk + 2], s[8 * kk + 3]);
-      a[kk][2] = pack_half2(s[8 * kk + 4], s[8 * kk + 5]);
-      a[kk][3] = pack_half2(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    exp_sum_pack<4>(s, m_run, l_run, a);
     // O[64 x this consumer's 256 dims] += P . V: V rows of 16 records, 4 boxes of 64 dims.
     const uint32_t kt = k_base + ks * kKBytes;
     wgmma_fence();
@@ -236,21 +187,8 @@ __global__ void __launch_bounds__(kThreads, 1) v4_sparse_decode_kernel(const __g
     float factor = lonely ? 0.f : 1.f / l;
     if (!split_kv && p.sinks != nullptr && !lonely && head < p.heads) factor /= 1.f + expf(p.sinks[head] - lse);
     if (head >= p.heads) continue;
-    if (split_kv) {
-      const long long flat = static_cast<long long>(bt) * p.num_splits + split;
-      float* dst = p.part_o + (flat * p.heads + head) * kDim + 256 * c + 2 * q4;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * i] * factor, o[4 * j + 2 * i + 1] * factor);
-      if (c == 0 && q4 == 0) p.part_l[flat * p.heads + head] = lse;
-    } else {
-      __nv_bfloat16* dst = p.out + b * p.o_sb + tq * p.o_ss + head * p.o_sh + 256 * c + 2 * q4;
-#pragma unroll
-      for (int j = 0; j < 32; ++j)
-        *reinterpret_cast<__nv_bfloat162*>(dst + 8 * j) =
-            __floats2bfloat162_rn(o[4 * j + 2 * i] * factor, o[4 * j + 2 * i + 1] * factor);
-      if (c == 0 && q4 == 0) p.lse[b * p.l_sb + tq * p.l_ss + head * p.l_sh] = lonely ? INFINITY : lse;
-    }
+    store_row(p, o, i, factor, head, c, q4, b, tq, bt, split);
+    if (c == 0 && q4 == 0) store_lse(p, head, lse, b, tq, bt, split);
   }
 }
 

@@ -21,6 +21,7 @@ import torch.nn as nn
 from kernels.attention import default_prefill_backend
 from kernels.fp8 import FP8_DTYPE, dequantize_per_tensor, dequantize_weight_blocks
 from kernels.mla_kv_write import write_kv_cache
+from kernels.mla_prefill import assemble_prefill_kv
 from kernels.mla_query_stage import stage_query
 from model.config import ModelConfig
 from model.forward_context import AttentionMetadata, get_forward_context
@@ -91,20 +92,19 @@ class MLAAttention(nn.Module):
             q = self.q_proj(x)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(t, self.num_local_heads, self.qk_dim)
-        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)  # q_pe not rotated yet
+        q = q.view(t, self.num_local_heads, self.qk_dim)  # [q_nope ‖ q_pe], q_pe not rotated yet
         kv = self.kv_a_proj_with_mqa(x)
 
         ctx = get_forward_context()
         if ctx is None or ctx.attn is None:
             kv_c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
             k_pe = self.rotary(positions, kv[:, self.kv_lora_rank :].unsqueeze(1)).squeeze(1)
-            out = self._prefill_one(q_nope, self.rotary(positions, q_pe), kv_c, k_pe)
+            out = self._prefill_one(positions, q, kv_c, k_pe)
         else:
-            out = self._forward_paged(positions, q_nope, q_pe, kv, ctx)
+            out = self._forward_paged(positions, q, kv, ctx)
         return self.o_proj(out.reshape(t, self.num_local_heads * self.v_dim))
 
-    def _forward_paged(self, positions, q_nope, q_pe, kv, ctx) -> torch.Tensor:
+    def _forward_paged(self, positions, q, kv, ctx) -> torch.Tensor:
         attn: AttentionMetadata = ctx.attn
         cache = ctx.kv_caches[self.layer_idx]
         # The per-layer scale only means something for an FP8 cache.
@@ -113,49 +113,54 @@ class MLAAttention(nn.Module):
         # rows past len(slot_mapping), i.e. TP padding, write nothing real).
         kv_c, k_pe = write_kv_cache(kv, self.kv_a_layernorm.weight, self.eps, positions,
                                     self.rotary.cos_sin_cache, cache, attn.slot_mapping, k_scale)
-        out = q_nope.new_zeros(q_nope.shape[0], self.num_local_heads, self.v_dim)
-        nd = attn.num_decode_tokens
+        t, nd, pm = q.shape[0], attn.num_decode_tokens, ctx.prefill_metadata
+        # Rows no path writes (TP padding) must be zeros; when decodes and prefill chunks cover
+        # every row, the buffer needs no fill.
+        covered = nd + (0 if pm is None else pm.row_end - pm.row_start) == t and (pm is None or pm.row_start == nd)
+        out = (q.new_empty if covered else q.new_zeros)(t, self.num_local_heads, self.v_dim)
         if nd:
-            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], positions[:nd], cache, ctx, k_scale)
-        pm = ctx.prefill_metadata
+            out[:nd] = self._decode(q[:nd, :, : self.nope_dim], q[:nd, :, self.nope_dim :], positions[:nd], cache,
+                                    ctx, k_scale)
         if pm is not None:
-            out[pm.row_start : pm.row_end] = self._prefill_chunks(q_nope, q_pe, positions, kv_c, k_pe, cache, ctx,
-                                                                  k_scale)
+            out[pm.row_start : pm.row_end] = self._prefill_chunks(positions, q, kv_c, k_pe, cache, ctx, k_scale)
         return out
 
-    def _prefill_chunks(self, q_nope, q_pe, positions, kv_c, k_pe, cache, ctx, k_scale: float) -> torch.Tensor:
+    def _prefill_chunks(self, positions, q, kv_c, k_pe, cache, ctx, k_scale: float) -> torch.Tensor:
         """Every prefill chunk of the step at once: one gather of all chunks' cached latents,
         one ``kv_b_proj`` over [prefixes ‖ chunks] laid out ragged (chunk after chunk, see
-        ``PrefillMetadata``), one call of the step's prefill backend."""
+        ``PrefillMetadata``), one call of the step's prefill backend. The chunks' rows of q
+        (q_pe un-rotated) are rotated in place: q's own buffer is the attention input."""
         pm = ctx.prefill_metadata
+        backend = ctx.prefill_backend
         s, e = pm.row_start, pm.row_end
-        q = torch.cat([q_nope[s:e], self.rotary(positions[s:e], q_pe[s:e])], dim=-1)
-        latent = torch.cat([kv_c[s:e], k_pe[s:e]], dim=-1)
+        q = self.rotary.rotate_trailing_(positions[s:e], q[s:e])
+        kv_c, k_pe = kv_c[s:e], k_pe[s:e]
         if pm.prefix_slots is not None:
             rows = cache.view(-1, cache.shape[-1])
             if rows.dtype == FP8_DTYPE:  # gather the bytes, then widen only the rows read
                 prefix = rows.view(torch.uint8).index_select(0, pm.prefix_slots).view(FP8_DTYPE)
-                prefix = dequantize_per_tensor(prefix, k_scale, latent.dtype)
+                prefix = dequantize_per_tensor(prefix, k_scale, kv_c.dtype)
             else:
                 prefix = rows.index_select(0, pm.prefix_slots)
-            latent = torch.cat([prefix.to(latent.dtype), latent]).index_select(0, pm.kv_order)
-        k, v = self._up_project(latent[:, : self.kv_lora_rank], latent[:, self.kv_lora_rank :])
-        return ctx.prefill_backend.forward_varlen(q, k, v, pm, self.softmax_scale)
+            latent = torch.cat([prefix.to(kv_c.dtype), torch.cat([kv_c, k_pe], dim=-1)]).index_select(0, pm.kv_order)
+            kv_c, k_pe = latent[:, : self.kv_lora_rank], latent[:, self.kv_lora_rank :]
+        k, v = self._up_project(kv_c, k_pe, backend.value_width(self.qk_dim, self.v_dim))
+        return backend.forward_varlen(q, k, v, pm, self.softmax_scale)[..., : self.v_dim]
 
-    def _up_project(self, kv_c, k_pe) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latents [T, kv_lora] and rotated k_pe [T, rope] → per-head k [T, H, nope + rope], v [T, H, v]."""
+    def _up_project(self, kv_c, k_pe, v_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latents [T, kv_lora] and rotated k_pe [T, rope] → per-head k [T, H, nope + rope] and
+        v [T, H, v_width] (v_dim, or zero-padded wider for a backend that wants it so)."""
         tk = kv_c.shape[0]
         kv = self.kv_b_proj(kv_c).view(tk, self.num_local_heads, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.num_local_heads, -1)], dim=-1)
-        return k, v
+        return assemble_prefill_kv(kv, k_pe, self.nope_dim, v_width or self.v_dim)
 
-    def _prefill_one(self, q_nope, q_pe, kv_c, k_pe) -> torch.Tensor:
+    def _prefill_one(self, positions, q, kv_c, k_pe) -> torch.Tensor:
         """Causal attention of a whole sequence without a cache (no forward context), on the
         device's default prefill backend."""
-        k, v = self._up_project(kv_c, k_pe)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        return default_prefill_backend(q.device.type).forward(q, k, v, self.softmax_scale)
+        backend = default_prefill_backend(q.device.type)
+        q = self.rotary.rotate_trailing_(positions, q)
+        k, v = self._up_project(kv_c, k_pe, backend.value_width(self.qk_dim, self.v_dim))
+        return backend.forward(q, k, v, self.softmax_scale)[..., : self.v_dim]
 
     def _decode(self, q_nope, q_pe, positions, cache, ctx, k_scale: float) -> torch.Tensor:
         """Absorbed decode on the step's backend and metadata (built once for all layers)."""

@@ -16,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.fp8 import FP8_DTYPE, dequantize_weight_blocks
-from kernels.moe import RoutingConfig, fp8_experts_backend, moe_experts, moe_experts_fp8, route, silu_and_mul
+from kernels.activation import silu_and_mul
+from kernels.moe import RoutingConfig, fp8_experts_backend, moe_experts, moe_experts_fp8, route
 from model.config import ModelConfig
 from model.layers.linear import MergedColumnParallelLinear, RowParallelLinear, divide
 from model.parallel import ParallelContext, StepRows
@@ -177,9 +178,12 @@ class MoE(nn.Module):
         """
         n = x.shape[0] if rows is None else min(rows.num_valid, x.shape[0])
         start, stop = (0, n) if rows is None else rows.routed
-        out = torch.zeros_like(x)
-        if self.shared_experts is not None:
-            out[:n] = self.shared_experts(x[:n])
+        if self.shared_experts is not None and n == x.shape[0]:
+            out = self.shared_experts(x)  # a fresh buffer: the routed sum is added into it
+        else:  # rows past n (TP padding) stay 0
+            out = torch.zeros_like(x)
+            if self.shared_experts is not None:
+                out[:n] = self.shared_experts(x[:n])
         xr = x[start:stop]
         weights, ids = self.select_experts(xr)
         if self.par.dispatch_moe:

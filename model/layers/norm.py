@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.rmsnorm import rms_norm, rms_norm_after_cast_reference
+from kernels.rmsnorm import add_rms_norm, rms_norm, rms_norm_after_cast_reference
 
 
 class RMSNorm(nn.Module):
@@ -27,3 +27,11 @@ class RMSNorm(nn.Module):
         if self.weight_after_cast:
             return rms_norm_after_cast_reference(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one fused pass where the kernels allow; with no
+        residual, (norm(x), x)."""
+        if self.weight_after_cast:
+            s = x if residual is None else x + residual
+            return rms_norm_after_cast_reference(s, self.weight, self.eps), s
+        return add_rms_norm(x, residual, self.weight, self.eps)

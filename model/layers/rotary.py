@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from kernels.rope import apply_rope, build_cos_sin_cache, yarn_attention_factor, yarn_inv_freq
+from kernels.rope import apply_rope, apply_rope_inplace, build_cos_sin_cache, yarn_attention_factor, yarn_inv_freq
 from model.config import ModelConfig
 
 
@@ -24,3 +24,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return apply_rope(x, positions, self.cos_sin_cache)
+
+    def rotate_trailing_(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate the last ``rot_dim`` dims of x [T, H, D] in place (MLA's q_pe inside q); returns x."""
+        return apply_rope_inplace(x, positions, self.cos_sin_cache)

@@ -9,7 +9,9 @@ the top-k bias of their index source. Scores are ``q·kᵀ/√head_dim`` plus a 
 logit that only enlarges the softmax denominator; the output's RoPE tail is rotated back by
 the query position and projected by the grouped low-rank ``wo_a`` (heads in ``o_groups``
 contiguous groups) and ``wo_b``. The core, masks, grouped projection and RoPE are V4's
-(``model.v4``); what differs is the QAT rounding and the KV sharing.
+(``model.v4``); what differs is the QAT rounding and the KV sharing. With ``mxfp8`` the FP8
+projections keep the checkpoint's e4m3 + UE8M0 blocks and run as MXFP8, the output
+projection as one fused call (model/v41/fp8_linear.py).
 
 The roundings are the row codecs of the request's pools (model/v41/model.py): ``auto``
 fake-quantizes and stores the model dtype, ``fp8`` stores the packed FP8/FP4 records and
@@ -27,6 +29,7 @@ from torch import nn
 
 from kernels.attention import V4SparseDecodeBackend, V4SparsePrefillBackend
 from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
+from kernels.mxfp8_o_proj import mxfp8_o_proj
 from kernels.attention.v4_kv_write import compress_step, write_rows
 from kernels.v4_kv_write import RowNorm, RowStore, RowTarget, norm_rope_rows
 from kernels.v4_sparse_prefill import PrefillEntries, PrefillWindow
@@ -39,15 +42,19 @@ from model.v4.rope import RotaryTable, apply_trailing_rope
 from model.v4.sparse_attention import entry_scope, sparse_attend, stored_rows, window_scope, write_window_row
 from model.v41.compressor import Compressor
 from model.v41.config import V41Config
+from model.v41.fp8_linear import MXFP8Linear, fp8_linear
 from model.v41.indexer import QUERY_BLOCK, Indexer
 from model.v41.state import RequestState
 from model.v4_parallel import local_heads_and_groups
 
 
 class Attention(nn.Module):
-    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype, tp_size: int = 1) -> None:
-        """``tp_size`` > 1: this rank's heads and output groups (the output is a partial sum)."""
+    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype, tp_size: int = 1,
+                 mxfp8: bool = False) -> None:
+        """``tp_size`` > 1: this rank's heads and output groups (the output is a partial sum).
+        ``mxfp8``: the FP8 projections are held as stored and run as MXFP8 (model/v41/fp8_linear.py)."""
         super().__init__()
+        self.mxfp8 = mxfp8
         c = config
         self.layer_idx = layer_idx
         self.ratio = c.compress_ratios[layer_idx]
@@ -59,17 +66,18 @@ class Attention(nn.Module):
         self.index_source = c.index_source_of(layer_idx)
         self.source_ratio = c.compress_ratios[self.kv_source] if self.ratio else 0
         self.source_pools = f"src{self.kv_source}."  # this layer's KV source's pools
-        self.wq_a = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False, dtype=dtype)
+        self.wq_a = fp8_linear(c.hidden_size, c.q_lora_rank, dtype, mxfp8)
         self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, dtype, weight_after_cast=True)
-        self.wq_b = nn.Linear(c.q_lora_rank, self.num_heads * self.head_dim, bias=False, dtype=dtype)
-        self.wkv = nn.Linear(c.hidden_size, self.head_dim, bias=False, dtype=dtype)
+        self.wq_b = fp8_linear(c.q_lora_rank, self.num_heads * self.head_dim, dtype, mxfp8)
+        self.wkv = fp8_linear(c.hidden_size, self.head_dim, dtype, mxfp8)
         self.kv_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype, weight_after_cast=True)
-        self.wo_a = GroupedLinear(c.num_attention_heads * self.head_dim // c.o_groups, c.o_lora_rank, self.o_groups,
-                                  dtype)
-        self.wo_b = nn.Linear(self.o_groups * c.o_lora_rank, c.hidden_size, bias=False, dtype=dtype)
+        per_group = c.num_attention_heads * self.head_dim // c.o_groups
+        self.wo_a = (MXFP8Linear(per_group, self.o_groups * c.o_lora_rank, self.o_groups) if mxfp8
+                     else GroupedLinear(per_group, c.o_lora_rank, self.o_groups, dtype))
+        self.wo_b = fp8_linear(self.o_groups * c.o_lora_rank, c.hidden_size, dtype, mxfp8)
         self.attn_sink = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32))
         self.compressor = Compressor(c, layer_idx, dtype) if self.kv_source == layer_idx else None
-        self.indexer = Indexer(c, layer_idx, dtype) if self.index_source == layer_idx else None
+        self.indexer = Indexer(c, layer_idx, dtype, mxfp8) if self.index_source == layer_idx else None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(q_res [N, q_lora_rank], q [N, heads, head_dim], window K=V rows [N, head_dim]) of
@@ -98,7 +106,9 @@ class Attention(nn.Module):
 
     def output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """[N, hidden] from the attention output [N, heads, head_dim]: undo the RoPE, then the
-        grouped low-rank projection."""
+        grouped low-rank projection (with ``mxfp8`` one fused call, kernels/mxfp8_o_proj.py)."""
+        if self.mxfp8:
+            return mxfp8_o_proj(out, cos, sin, self.wo_a.operands, self.wo_b.operands, self.o_groups)
         out = apply_trailing_rope(out, cos, sin, inverse=True)
         return self.wo_b(self.wo_a(out.reshape(out.shape[0], self.o_groups, -1)).flatten(1))
 

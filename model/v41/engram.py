@@ -28,6 +28,7 @@ from torch import nn
 
 from model.parallel import ParallelContext
 from model.v41.config import V41Config
+from model.v41.fp8_linear import fp8_linear
 from model.v41.state import DEAD
 from model.v4_parallel import first_rows, owned_lookup, vocab_rows
 
@@ -239,7 +240,8 @@ class EngramEmbedding(nn.Module):
 
 class Engram(nn.Module):
     def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype,
-                 par: ParallelContext | None = None) -> None:
+                 par: ParallelContext | None = None, mxfp8: bool = False) -> None:
+        """``mxfp8``: ``wkv`` (FP8 in the checkpoint) as stored, run as MXFP8 (model/v41/fp8_linear.py)."""
         super().__init__()
         c = config
         self.par = par = par or ParallelContext()
@@ -249,7 +251,8 @@ class Engram(nn.Module):
         self.eps = c.rms_norm_eps
         cols = (c.engram_max_ngram_size - 1) * c.engram_n_heads
         self.embed = EngramEmbedding(c.engram_num_embeddings[self.table_index], c.engram_head_dim, dtype, par=par)
-        self.wkv = nn.Linear(cols * c.engram_head_dim, c.hidden_size * (c.hc_mult + 1), bias=False, dtype=dtype)
+        self.dtype = dtype
+        self.wkv = fp8_linear(cols * c.engram_head_dim, c.hidden_size * (c.hc_mult + 1), dtype, mxfp8)
         self.q_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size, dtype=dtype))
         self.k_weight = nn.Parameter(torch.ones(c.hc_mult, c.hidden_size, dtype=dtype))
 
@@ -260,7 +263,7 @@ class Engram(nn.Module):
         rows = self.embed(hash_ids)
         if self.par.tp_size > 1:
             rows = first_rows(self.par, hash_ids.shape[0])(rows)
-        kv = self.wkv(rows.flatten(-2).to(self.wkv.weight.dtype))
+        kv = self.wkv(rows.flatten(-2).to(self.dtype))
         key, value = kv.split([self.hc * self.hidden, self.hidden], dim=-1)
         key = key.float().unflatten(-1, (self.hc, self.hidden))
         weight = self.q_weight.float() * self.k_weight.float()

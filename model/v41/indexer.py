@@ -34,13 +34,15 @@ from kernels.v4_indexer import blocks_to_entries, score_values, select_candidate
 from model.layers.norm import RMSNorm
 from model.v4.rope import apply_trailing_rope
 from model.v41.config import V41Config
+from model.v41.fp8_linear import fp8_linear
 
 # Queries scored per block: bounds the transient [block, heads, entries] score tensor.
 QUERY_BLOCK = 256
 
 
 class Indexer(nn.Module):
-    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype, mxfp8: bool = False) -> None:
+        """``mxfp8``: ``wq_b`` (FP8 in the checkpoint) as stored, run as MXFP8 (model/v41/fp8_linear.py)."""
         super().__init__()
         self.ratio = config.compress_ratios[layer_idx]
         self.owns_keys = layer_idx in config.kv_source_layer_ids
@@ -54,7 +56,7 @@ class Indexer(nn.Module):
         self.head_dim = config.index_head_dim
         self.index_topk = config.index_topk
         self.backend: IndexerBackend | None = None  # scores packed key records (set by configure_cache)
-        self.wq_b = nn.Linear(config.q_lora_rank, self.num_heads * self.head_dim, bias=False, dtype=dtype)
+        self.wq_b = fp8_linear(config.q_lora_rank, self.num_heads * self.head_dim, dtype, mxfp8)
         self.weights_proj = nn.Linear(config.hidden_size, self.num_heads, bias=False, dtype=dtype)
         if self.owns_keys:
             self.wk = nn.Linear(config.head_dim, self.head_dim, bias=False, dtype=dtype)

@@ -37,12 +37,14 @@ import torch
 from torch import nn
 
 from kernels.microscaling import fake_quant_fp4, fake_quant_fp8_ue8m0
+from kernels.weight_formats import E8M0_DTYPE, FP8_DTYPE
 from kernels.attention.v4_indexer import choose_indexer
 from model.layers.norm import RMSNorm
 from model.v4.rope import RotaryTable
-from model.v4_loader import CheckpointError, iter_v4_weights, read_v4_config, stored_mxfp4_experts
+from model.v4_loader import CheckpointError, iter_v4_weights, read_v4_config, stored_fp8_blocks, stored_mxfp4_experts
 from model.v41.attention import Attention
 from model.v41.config import V41Config
+from model.v41.fp8_linear import FP8_LINEAR_WEIGHTS, MXFP8_WEIGHT_BLOCK, choose_mxfp8_linears
 from model.v41.engram import Engram, EngramHasher, build_compressed_token_map, synthetic_compressed_token_map
 from model.v41.mhc import (
     collapse_streams,
@@ -82,17 +84,17 @@ def split_unused_weights(names) -> tuple[list[str], list[str]]:
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: V41Config, layer_idx: int, dtype: torch.dtype,
-                 par: ParallelContext | None = None, mxfp4_experts: bool = False) -> None:
+                 par: ParallelContext | None = None, mxfp4_experts: bool = False, mxfp8_linears: bool = False) -> None:
         super().__init__()
         c = config
         self.layer_idx = layer_idx
         self.par = par = par or ParallelContext()
         self.norm_eps, self.hc_eps, self.sinkhorn_iters = c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters
-        self.attn = Attention(c, layer_idx, dtype, par.tp_size)
-        self.ffn = MoE(c, dtype, par, mxfp4_experts)
+        self.attn = Attention(c, layer_idx, dtype, par.tp_size, mxfp8_linears)
+        self.ffn = MoE(c, dtype, par, mxfp4_experts, mxfp8_linears)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
-        self.engram = Engram(c, layer_idx, dtype, par) if layer_idx in c.engram_layer_ids else None
+        self.engram = Engram(c, layer_idx, dtype, par, mxfp8_linears) if layer_idx in c.engram_layer_ids else None
         mix, width = (2 + c.hc_mult) * c.hc_mult, c.hc_mult * c.hidden_size
         for site in ("attn", "ffn"):
             setattr(self, f"hc_{site}_fn", nn.Parameter(torch.empty(mix, width, dtype=torch.float32)))
@@ -128,11 +130,12 @@ class DecoderLayer(nn.Module):
 
 class TextModel(nn.Module):
     def __init__(self, config: V41Config, dtype: torch.dtype, par: ParallelContext,
-                 mxfp4_experts: bool = False) -> None:
+                 mxfp4_experts: bool = False, mxfp8_linears: bool = False) -> None:
         super().__init__()
         c = config
         self.embed = vocab_embedding(c.vocab_size, c.hidden_size, par, dtype)
-        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, par, mxfp4_experts) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i, dtype, par, mxfp4_experts, mxfp8_linears)
+                                    for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, weight_after_cast=True)
         self.main_rope = RotaryTable(c.qk_rope_head_dim, c.main_rope)
         self.compress_rope = RotaryTable(c.qk_rope_head_dim, c.compress_rope)
@@ -140,14 +143,16 @@ class TextModel(nn.Module):
 
 class DeepseekV41ForCausalLM(nn.Module):
     def __init__(self, config: V41Config, dtype: torch.dtype = torch.bfloat16,
-                 par: ParallelContext | None = None, mxfp4_experts: bool = False) -> None:
+                 par: ParallelContext | None = None, mxfp4_experts: bool = False, mxfp8_linears: bool = False) -> None:
         """``par``: this rank's place in TP / DP / EP (model/v4_parallel.py); None: one device.
-        ``mxfp4_experts``: the routed experts are held as stacked MXFP4 only (model/v41/moe.py)."""
+        ``mxfp4_experts``: the routed experts are held as stacked MXFP4 only (model/v41/moe.py);
+        ``mxfp8_linears``: the FP8 linears are held as stored and run as MXFP8 (model/v41/fp8_linear.py)."""
         super().__init__()
         self.config = config
         self.par = par = par or ParallelContext()
         self.mxfp4_experts = mxfp4_experts
-        self.model = TextModel(config, dtype, par, mxfp4_experts)
+        self.mxfp8_linears = mxfp8_linears
+        self.model = TextModel(config, dtype, par, mxfp4_experts, mxfp8_linears)
         self.lm_head = nn.Linear(config.hidden_size, -(-config.vocab_size // par.tp_size), bias=False, dtype=dtype)
         self.hasher: EngramHasher | None = None
         self.sparse_decode: V4SparseDecodeBackend | None = None  # see configure_cache
@@ -186,13 +191,17 @@ class DeepseekV41ForCausalLM(nn.Module):
     @torch.no_grad()
     def load_tensor(self, name: str, value, state: Mapping[str, torch.Tensor] | None = None) -> None:
         """Copy one :meth:`checkpoint_tensors` tensor in (plain values are cast; per-expert
-        tensors of stacked MXFP4 experts are placed in the stacks, quantized if given plain)."""
+        tensors of stacked MXFP4 experts are placed in the stacks, quantized if given plain;
+        MXFP8 linears take the stored e4m3 values and UE8M0 scales only)."""
         expert = self.stacked_expert(name)
         if expert is not None:
             expert[0].load_expert(expert[1], value)
-        else:
-            dst = (state if state is not None else self.state_dict(keep_vars=True))[name]
-            dst.copy_(value.to(dst.dtype))
+            return
+        dst = (state if state is not None else self.state_dict(keep_vars=True))[name]
+        if dst.dtype in (FP8_DTYPE, E8M0_DTYPE) and value.dtype != dst.dtype:
+            raise ValueError(f"tensor {name}: this MXFP8 model takes the checkpoint's {dst.dtype} tensor as stored, "
+                             f"got {value.dtype}")
+        dst.copy_(value.to(dst.dtype))
 
     @torch.no_grad()
     def load_weights(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -391,22 +400,26 @@ def v41_row_codecs(config: V41Config, kv_cache_dtype: str, dtype: torch.dtype):
 
 def load_deepseek_v41(checkpoint_dir: str, dtype: torch.dtype = torch.bfloat16,
                       device: str | torch.device = "cpu", par: ParallelContext | None = None,
-                      mxfp4_experts: bool = True) -> DeepseekV41ForCausalLM:
+                      mxfp4_experts: bool = True, linear_backend: str = "auto") -> DeepseekV41ForCausalLM:
     """Build the text model ``config.json`` describes on ``device``, stream its weights in
-    (FP8 dequantized on the CPU to ``dtype``; engram tables keep their scale tensor) and,
-    when it has engram layers, bind the checkpoint's ``tokenizer.json``. Routed experts
-    stored as MXFP4 stay packed in stacked MXFP4 tensors on the device (model/v41/moe.py)
-    unless ``mxfp4_experts`` is False (then, as other experts, per-expert modules in
-    ``dtype``). Errors are one :class:`model.loader.CheckpointError` line. ``par``: load this
-    rank's shard (model/v4_parallel.py)."""
+    (engram tables keep their scale tensor) and, when it has engram layers, bind the
+    checkpoint's ``tokenizer.json``. FP8 linears stay e4m3 + UE8M0 and run as MXFP8 where
+    ``linear_backend`` (``--linear-backend``: auto, mxfp8, dequantized) picks it, else they are
+    dequantized to ``dtype`` (model/v41/fp8_linear.py). Routed experts stored as MXFP4 stay
+    packed in stacked MXFP4 tensors on the device (model/v41/moe.py) unless ``mxfp4_experts``
+    is False (then, as other experts, per-expert modules in ``dtype``). Errors are one
+    :class:`model.loader.CheckpointError` line. ``par``: load this rank's shard
+    (model/v4_parallel.py)."""
     config = read_v4_config(checkpoint_dir, ("deepseek_v41", "deepseek_v41_text"))
     par = par or ParallelContext()
     tokenizer = os.path.join(checkpoint_dir, "tokenizer.json")
     if config.engram_layer_ids and not os.path.isfile(tokenizer):
         raise CheckpointError(f"{checkpoint_dir!r} has engram layers but no tokenizer.json to hash tokens with")
     stacked = mxfp4_experts and stored_mxfp4_experts(checkpoint_dir) and choose_stacked_mxfp4(config, par)
+    stored_fp8 = stored_fp8_blocks(checkpoint_dir, FP8_LINEAR_WEIGHTS, MXFP8_WEIGHT_BLOCK)
+    mxfp8 = choose_mxfp8_linears(config, linear_backend, device, dtype, par, stored_fp8)
     with torch.device(device):
-        model = DeepseekV41ForCausalLM(config, dtype, par, stacked)
+        model = DeepseekV41ForCausalLM(config, dtype, par, stacked, mxfp8)
     state = model.state_dict(keep_vars=True)
     for name, value in iter_v4_weights(checkpoint_dir, model.checkpoint_tensors(), device=device,
                                        shard_spec=shard_spec(par),

@@ -26,6 +26,9 @@ tensors (HF names ``experts.E.w1.weight`` …) go into the stacks through :meth:
 A MoE with per-expert modules switches to stacked MXFP4 with :meth:`MoE.use_mxfp4_experts` or
 :meth:`MoE.pack_experts_mxfp4` (then the stacks are extra, outside the state dict).
 
+The shared expert's FP8 weights can be held as stored and run as MXFP8 (``mxfp8_shared``,
+model/v41/fp8_linear.py).
+
 CUDA-graph capture: stacked MXFP4 experts run their kernel path, which has no host syncs;
 per-expert modules run :meth:`MoE.routed_every_expert` (every local expert on every row).
 """
@@ -42,6 +45,7 @@ from model.v4.moe import clamped_swiglu, normalize_routing_weights, sqrt_softplu
 from model.layers.linear import divide
 from model.parallel import ParallelContext, StepRows
 from model.v41.config import V41Config
+from model.v41.fp8_linear import fp8_linear
 from model.v4_parallel import local_experts, routed_experts
 
 
@@ -69,12 +73,13 @@ class Router(nn.Module):
 
 
 class Expert(nn.Module):
-    def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype) -> None:
+    def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype, mxfp8: bool = False) -> None:
+        """``mxfp8``: the weights as stored (FP8, the shared expert's), run as MXFP8 (model/v41/fp8_linear.py)."""
         super().__init__()
         self.limit = limit
-        self.w1 = nn.Linear(hidden, inter, bias=False, dtype=dtype)
-        self.w2 = nn.Linear(inter, hidden, bias=False, dtype=dtype)
-        self.w3 = nn.Linear(hidden, inter, bias=False, dtype=dtype)
+        self.w1 = fp8_linear(hidden, inter, dtype, mxfp8)
+        self.w2 = fp8_linear(inter, hidden, dtype, mxfp8)
+        self.w3 = fp8_linear(hidden, inter, dtype, mxfp8)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = self.w1(x).float(), self.w3(x).float()
@@ -100,8 +105,9 @@ def stacked_mxfp4_unsupported(config: V41Config, par: ParallelContext | None = N
 
 class MoE(nn.Module):
     def __init__(self, config: V41Config, dtype: torch.dtype, par: ParallelContext | None = None,
-                 mxfp4_experts: bool = False) -> None:
-        """``mxfp4_experts``: hold the routed experts as stacked MXFP4 only (module doc)."""
+                 mxfp4_experts: bool = False, mxfp8_shared: bool = False) -> None:
+        """``mxfp4_experts``: hold the routed experts as stacked MXFP4 only (module doc);
+        ``mxfp8_shared``: the shared expert's FP8 weights as stored, run as MXFP8."""
         super().__init__()
         c = config
         self.par = par = par or ParallelContext()
@@ -116,7 +122,7 @@ class MoE(nn.Module):
             for e in range(c.n_routed_experts)
         )
         shared = divide(c.moe_intermediate_size * c.n_shared_experts, par.tp_size, "shared expert intermediate size")
-        self.shared_experts = Expert(c.hidden_size, shared, c.swiglu_limit, dtype)
+        self.shared_experts = Expert(c.hidden_size, shared, c.swiglu_limit, dtype, mxfp8_shared)
         self.limit = c.swiglu_limit
         self.mxfp4_backend = "auto"
         self.mxfp4_path: str | None = None  # the MXFP4 path the last routed call took

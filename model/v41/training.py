@@ -169,6 +169,8 @@ def prepare_for_training(model: DeepseekV41ForCausalLM, seed: int, std: float = 
     """Fresh initial weights (normal ``std`` for projections and mHC mixing weights, unit
     normal token and engram embeddings, ones for norms and engram gates, zeros for sinks,
     mHC bases and router biases) and ``requires_grad`` on every trained parameter."""
+    if model.mxfp8_linears:
+        raise ValueError("training updates the linears' values: load the model with linear_backend='dequantized'")
     g = torch.Generator().manual_seed(seed)
 
     def normal(p, s):

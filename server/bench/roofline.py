@@ -109,6 +109,14 @@ def expert_format(model: nn.Module) -> str:
     return "none"
 
 
+def linear_format(model: nn.Module) -> str:
+    """How the dense linears ran: ``mxfp8`` for V4.1's FP8 linears held as stored (model/v41/fp8_linear.py),
+    else the model's weight dtype."""
+    if getattr(model, "mxfp8_linears", False):
+        return "mxfp8"
+    return str(next(model.parameters()).dtype).replace("torch.", "")
+
+
 def decode_roofline(model: nn.Module, step_profile: dict, kv_bytes_per_request: float,
                     bandwidth: float = H200_HBM_BYTES_PER_S) -> dict | None:
     """The roofline at the measured mean decode batch of ``step_profile`` (StepProfiler.summary())
@@ -128,12 +136,13 @@ def decode_roofline(model: nn.Module, step_profile: dict, kv_bytes_per_request: 
             "roofline_ms": 1e3 * roofline_s, "measured_mean_ms": 1e3 * measured_s,
             "fraction_of_roofline": roofline_s / measured_s if measured_s > 0 else 0.0,
             "weights_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-            "expert_format": expert_format(model)}
+            "expert_format": expert_format(model), "linear_format": linear_format(model)}
 
 
 def format_roofline(r: dict) -> str:
     return (f"Decode HBM roofline: {r['total_bytes'] / 1e9:.4g} GB per step at mean batch "
             f"{r['mean_decode_batch']:.1f} ({r['expected_experts_per_layer']:.1f} of {r['weights']['num_experts']} "
-            f"experts per layer, routed experts {r.get('expert_format', '?')}) -> {r['roofline_ms']:.4g} ms "
+            f"experts per layer, routed experts {r.get('expert_format', '?')}, linears {r.get('linear_format', '?')}) "
+            f"-> {r['roofline_ms']:.4g} ms "
             f"at {r['hbm_bytes_per_s'] / 1e12:.1f} TB/s; measured "
             f"{r['measured_mean_ms']:.4g} ms per decode step ({100 * r['fraction_of_roofline']:.3g}% of roofline)")

@@ -1,7 +1,7 @@
 """The CUDA C++ V4 sparse decode (kernels/v4_sparse_decode_cuda.py): host-side logic on the CPU
-(build and ctypes mirror, split planning, input checks, the registry), the kernel on the GPU
-against the float64 reference on fresh random inputs (poisoned unreferenced records, −1 picks,
-lengths; CUDA-graph capture and replay)."""
+(build and ctypes mirror, split planning, variant dispatch, input checks, the registry), both
+designs' kernels on the GPU against the float64 reference on fresh random inputs (poisoned
+unreferenced records, −1 picks, lengths and partial tiles; CUDA-graph capture and replay)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from kernels import mla_decode_cuda as mdc
 from kernels import v4_sparse_decode_cuda as v4c
 from kernels.attention import AttentionSpec, BackendUnavailable, CudaV4SparseDecode, select_v4_decode_backend
+from kernels.attention import v4_sparse_decode as v4_registry
 from kernels.v4_sparse_decode import SparseKV, v4_sparse_decode_reference
 from tests.kernels.test_v4_sparse_decode import SCALE, make_case, rel_err, row_record_case
 
@@ -20,6 +21,13 @@ REL_TOL = 2e-2  # fp16 products, fp32 softmax: the issue's bound vs float64
 LSE_TOL = 5e-3
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def kernel_id(variant: str, heads: int, cluster: bool | None = None) -> str:
+    """A test id naming the kernel that runs (v1-wide, v2-tokens, v2-tile64, v2-pair, ...), so that a
+    device run can take one kernel at a time (``-k pair``)."""
+    kernel = v4c.kernel_for(variant, heads)[0]
+    return f"{variant}-{'pair' if v4c.uses_cluster(variant, heads, cluster) else kernel}-H{heads}"
 
 
 # ----------------------------------------------------------------------------- CPU
@@ -36,6 +44,25 @@ def test_library_builds_and_matches_the_ctypes_mirror(tmp_path):
     for heads in (8, 16, 24, 32):
         assert lib.v4_sparse_decode_narrow_sm90_smem_bytes(heads) == v4c.smem_bytes(v4c.cta_rows(heads))
     assert lib.v4_sparse_decode_narrow_sm90_smem_bytes(64) == -1
+    for fn, mirror in (("v4_sparse_decode_t64_sm90_smem_bytes", v4c.T64_SMEM_BYTES),
+                       ("v4_sparse_decode_tokens_sm90_smem_bytes", v4c.TOKENS_SMEM_BYTES)):  # v2
+        assert getattr(lib, fn)() == mirror, fn
+        assert mirror + mdc.SMEM_RESERVED_PER_CTA <= mdc.SMEM_PER_SM, fn
+
+
+def test_variants_pick_their_kernels():
+    """v1 keeps the first kernels; v2 takes the tokens-major kernel up to 16 heads, the narrow one
+    at 17-32, the 64-record kernel above, clustered at 65-128 heads unless told not to."""
+    assert [v4c.kernel_for("v1", h) for h in (8, 16, 24, 64, 128)] == [
+        ("narrow", 32), ("narrow", 32), ("narrow", 32), ("wide", 32), ("wide", 32)]
+    assert [v4c.kernel_for("v2", h) for h in (8, 16, 24, 32, 48, 64, 128)] == [
+        ("tokens", 64), ("tokens", 64), ("narrow", 32), ("narrow", 32), ("tile64", 64), ("tile64", 64), ("tile64", 64)]
+    assert [v4c.uses_cluster("v2", h) for h in (16, 64, 65, 96, 128)] == [False, False, True, True, True]
+    assert not v4c.uses_cluster("v2", 128, cluster=False) and not v4c.uses_cluster("v1", 128)
+    assert v4_registry.CUDA_VARIANT in v4c.VARIANTS
+    q, scopes, sinks = make_case(1, 1, 4, [(8, "v4", 4, False)], seed=1)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, variant="v3")
 
 
 def test_split_planning_fills_the_gpu_from_shapes_only():
@@ -80,60 +107,75 @@ def test_registry_on_cpu_keeps_torch_and_names_the_flag():
 
 # ----------------------------------------------------------------------------- GPU
 
-GPU_CASES = [  # (B, s_q, H, top-k, page size of the entries): the wgmma kernel (64+), the narrow one
-    (4, 1, 64, 512, 64), (3, 2, 64, 2048, 61), (2, 1, 128, 2048, 64), (2, 2, 128, 512, 2), (2, 1, 48, 512, 64),
-    (4, 1, 8, 512, 64), (3, 2, 16, 2048, 64), (2, 2, 32, 512, 61), (2, 1, 24, 2048, 2),
+GPU_CASES = [  # (variant, B, s_q, H, top-k, page size of the entries, cluster)
+    # v1: the wgmma kernel (64+), the narrow one
+    ("v1", 4, 1, 64, 512, 64, None), ("v1", 3, 2, 64, 2048, 61, None), ("v1", 2, 1, 128, 2048, 64, None),
+    ("v1", 2, 2, 128, 512, 2, None), ("v1", 2, 1, 48, 512, 64, None), ("v1", 4, 1, 8, 512, 64, None),
+    ("v1", 3, 2, 16, 2048, 64, None), ("v1", 2, 2, 32, 512, 61, None), ("v1", 2, 1, 24, 2048, 2, None),
+    # v2: the tokens-major kernel (8, 16), the 64-record kernel (48, 64), the pair (128; 96: a
+    # half-empty second head block) and its independent CTAs; top-k off the 64-record tiles
+    ("v2", 4, 1, 8, 512, 64, None), ("v2", 3, 2, 16, 2048, 61, None), ("v2", 2, 1, 16, 300, 2, None),
+    ("v2", 4, 1, 64, 512, 64, None), ("v2", 3, 2, 64, 1000, 61, None), ("v2", 2, 1, 48, 700, 64, None),
+    ("v2", 2, 1, 128, 2048, 64, None), ("v2", 2, 2, 128, 300, 2, None), ("v2", 2, 1, 96, 512, 64, None),
+    ("v2", 2, 2, 128, 1000, 61, False),
 ]
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("bsz,s_q,heads,topk,page", GPU_CASES)
-def test_cuda_kernel_matches_float64(bsz, s_q, heads, topk, page):
-    """Window 128 + top-k entries with −1 picks and lengths, unreferenced records NaN; the
-    planned splits and one split (no combine) both within the bound."""
+@pytest.mark.parametrize("variant,bsz,s_q,heads,topk,page,cluster", [
+    pytest.param(*c, id=f"{kernel_id(c[0], c[3], c[6])}-B{c[1]}-sq{c[2]}-k{c[4]}-page{c[5]}") for c in GPU_CASES])
+def test_cuda_kernel_matches_float64(variant, bsz, s_q, heads, topk, page, cluster):
+    """Window 128 + top-k entries with −1 picks and lengths (partial last tiles), unreferenced
+    records NaN; the planned splits, one split (no combine) and three, all within the bound."""
     q, scopes, sinks = make_case(bsz, s_q, heads, [(128, "v4", 64, False), (topk, "v4", page, True)],
                                  seed=heads + topk + s_q, device="cuda")
     want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
-    for splits in (None, 1):
-        out, lse = v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, num_splits=splits)
-        assert not out.isnan().any(), splits
+    kw = dict(variant=variant, cluster=cluster)
+    for splits in (None, 1, 3):
+        out, lse = v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, num_splits=splits, **kw)
+        assert not out.isnan().any() and not lse.isnan().any(), splits
         assert (lse.double() - want_lse).abs().max().item() < LSE_TOL, splits  # Q·Kᵀ and the softmax sums
         err = rel_err(out, want)
         if err > REL_TOL:  # say whether V's N-major descriptor has its two offsets swapped
-            swapped, _ = v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, num_splits=splits,
-                                                   v_desc=v4c.V_DESC[::-1])
-            err_swapped = rel_err(swapped, want)
+            swapped = (1024, v4c.kernel_for(variant, heads)[1] * 128)
+            err_swapped = rel_err(v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, num_splits=splits,
+                                                            v_desc=swapped, **kw)[0], want)
         assert err <= REL_TOL, (splits, err, f"with V's descriptor offsets swapped: {err_swapped:.2e}")
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_cuda_kernel_scale_spread_one_scope_no_sinks():
+@pytest.mark.parametrize("variant,heads", [pytest.param(v, h, id=kernel_id(v, h))
+                                          for v, h in (("v1", 64), ("v2", 16), ("v2", 64), ("v2", 128))])
+def test_cuda_kernel_scale_spread_one_scope_no_sinks(variant, heads):
     """Per-64-dim scales over 12 binades, a single scope, no sinks, forced 5 splits."""
-    q, scopes, _ = make_case(3, 2, 64, [(700, "v4", 64, True)], seed=5, device="cuda", block_spread=8)
+    q, scopes, _ = make_case(3, 2, heads, [(700, "v4", 64, True)], seed=5, device="cuda", block_spread=8)
     want, want_lse = v4_sparse_decode_reference(q, scopes, None, SCALE, compute_dtype=torch.float64)
-    out, lse = v4c.v4_sparse_decode_cuda(q, scopes, None, SCALE, num_splits=5)
+    out, lse = v4c.v4_sparse_decode_cuda(q, scopes, None, SCALE, num_splits=5, variant=variant)
     assert rel_err(out, want) <= REL_TOL
     assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_cuda_kernel_lonely_query_and_graph_replay():
+@pytest.mark.parametrize("variant,heads", [pytest.param(v, h, id=kernel_id(v, h))
+                                          for v, h in (("v1", 128), ("v2", 128), ("v2", 16))])
+def test_cuda_kernel_lonely_query_and_graph_replay(variant, heads):
     """A request with no valid key gets out 0 and lse +inf; capture once, replay on new inputs
     written into the same buffers."""
-    q, scopes, sinks = make_case(3, 2, 128, [(128, "v4", 64, False), (512, "v4", 64, True)], seed=9, device="cuda")
+    specs = [(128, "v4", 64, False), (512, "v4", 64, True)]
+    q, scopes, sinks = make_case(3, 2, heads, specs, seed=9, device="cuda")
     for sc in scopes:
         sc.indices[1] = -1
-    out = torch.empty(3, 2, 128, 512, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(3, 2, 128, device="cuda")
-    v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse)  # build and configure outside
+    out = torch.empty(3, 2, heads, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(3, 2, heads, device="cuda")
+    v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse, variant=variant)  # build, configure
+    assert (out[1] == 0).all() and torch.isinf(lse[1]).all() and (lse[1] > 0).all()  # the lonely request
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse)
-    q2, scopes2, sinks2 = make_case(3, 2, 128, [(128, "v4", 64, False), (512, "v4", 64, True)], seed=10,
-                                    device="cuda")
+        v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse, variant=variant)
+    q2, scopes2, sinks2 = make_case(3, 2, heads, specs, seed=10, device="cuda")
     q.copy_(q2)
     sinks.copy_(sinks2)
     for sc, sc2 in zip(scopes, scopes2):
@@ -147,11 +189,6 @@ def test_cuda_kernel_lonely_query_and_graph_replay():
     want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
     assert rel_err(out, want) <= REL_TOL
     assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
-    # the lonely request of the eager call
-    for sc in scopes:
-        sc.indices[1] = -1
-    out, lse = v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE)
-    assert (out[1] == 0).all() and torch.isinf(lse[1]).all() and (lse[1] > 0).all()
 
 
 @pytest.mark.gpu
@@ -177,3 +214,17 @@ def test_registry_auto_picks_cuda_for_v4_records():
         shifted = buf[4:4 + rows.cache.numel()].view(rows.cache.shape).copy_(rows.cache)
         with pytest.raises(ValueError, match=r"scopes\[0\]\.cache: pages must start on 8 bytes"):
             backend.decode(q, [SparseKV(shifted, rows.indices, "v4")], sinks, SCALE)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("heads", [pytest.param(h, id=kernel_id("v2", h)) for h in (8, 64, 128)])
+def test_cuda_v2_on_row_records(heads):
+    """One-record 584-byte rows (the serving pools: records on 8 bytes only)."""
+    gen = torch.Generator().manual_seed(heads)
+    q, rows, _ = row_record_case(3, heads, 200, "v4", gen, device="cuda")
+    sinks = torch.randn(heads, generator=gen).cuda()
+    want, want_lse = v4_sparse_decode_reference(q, [rows], sinks, SCALE, compute_dtype=torch.float64)
+    out, lse = v4c.v4_sparse_decode_cuda(q, [rows], sinks, SCALE, variant="v2")
+    assert rel_err(out, want) <= REL_TOL
+    assert (lse.double() - want_lse).abs().max().item() < LSE_TOL

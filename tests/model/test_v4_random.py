@@ -129,3 +129,30 @@ def test_a_ranks_shard_gets_values_and_its_replicated_tensors_match_the_other_ra
     routed = [sum(p.numel() for n, p in m.named_parameters() if ".experts." in n) for m in (ranks[0], full_model)]
     assert 2 * routed[0] == routed[1]
 
+
+
+def test_random_fp8_preset_gets_mxfp8_linears_in_the_stored_format(tmp_path):
+    """An FP8 V4.1 config (32×32 blocks) with ``--linear-backend mxfp8``: random e4m3 values and
+    E8M0 block scales whose weights have about the initializer's std, made in place; the model
+    runs, and the roofline counts the linears' one byte per weight."""
+    from model.v41.fp8_linear import MXFP8Linear
+    from server.bench.roofline import decode_weights, linear_format
+
+    cfg = load_config_dict("tiny-v41")
+    cfg["text_config"]["o_lora_rank"] = 32  # whole 32-row output groups
+    write_checkpoint_metadata(cfg, str(tmp_path))
+    model = random_v4_family(str(tmp_path), torch.float32, "cpu", seed=0, linear_backend="mxfp8")
+    plain = random_v4_family(str(tmp_path), torch.float32, "cpu", seed=0)  # auto on the CPU: dequantized
+    linears = [m for m in model.modules() if isinstance(m, MXFP8Linear)]
+    assert linears and not any(isinstance(m, MXFP8Linear) for m in plain.modules())
+    for m in linears:
+        w = m.dequantized()
+        assert torch.isfinite(w).all() and 0.01 < w.std().item() < 0.04
+        assert len(set(m.scale.view(torch.uint8).flatten().tolist())) <= 2  # 2^(b-1) or 2^b
+    again = random_v4_family(str(tmp_path), torch.float32, "cpu", seed=0, linear_backend="mxfp8").state_dict()
+    raw = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731 (fp8 has no torch.equal)
+    assert all(torch.equal(raw(v), raw(again[k])) for k, v in model.state_dict().items())
+    logits = model(torch.arange(1, 21), model.new_state())
+    assert torch.isfinite(logits).all() and logits.std() > 0
+    assert linear_format(model) == "mxfp8" and linear_format(plain) == "float32"
+    assert decode_weights(model).dense_bytes < decode_weights(plain).dense_bytes

@@ -1,0 +1,358 @@
+// DeepSeek-V4 sparse decode for up to 16 heads per GPU (TP8 of V4, MTP drafts), the "v2" variant's
+// narrow kernel: records on wgmma's M side (tokens-major), so 16 query rows cost no 64-row
+// padding, and the records go from registers straight into the Q.K^T product. Same contract,
+// records and split-KV partials as the other V4 sparse decode kernels; the Python side is
+// kernels/v4_sparse_decode_cuda.py, the design and its budget benchmarks/KERNEL_NOTES.md.
+//
+// - A CTA = one query token x its heads (16 rows; fewer heads are zero rows) x one split of the
+//   token's 64-record tiles, two warpgroups taking alternate tiles, each with its own softmax
+//   state (merged at the end as two partial softmaxes). No producer warpgroup, no mbarriers.
+// - Thread (warp w, g, q4) of a warpgroup owns records 16w + g and 16w + g + 8 of each of its
+//   tiles, and of every 64-dim block the 16 values at 16 q4.. (e4m3 bytes, or bf16 RoPE values):
+//   one 16-byte load per block (two for RoPE), issued one tile ahead into registers. Dequantized
+//   (e4m3 pair -> f16x2 times the power-of-two scale), those 16 values are exactly the thread's
+//   A fragments of four k-steps of S^T = K.Q^T (m64n16k16, A from registers) when the 16 dims of
+//   k-step i are read in the order {16q + 4i + e}: Q is stored in that order (once per CTA), so
+//   each record is converted once and never read back for the scores.
+// - The same fp16 values are stored once, in natural order, into the warpgroup's fp16 tile in
+//   wgmma's 128-byte-swizzled layout; O^T[512 x 16] += V^T.P^T (m64n16k16, V^T = that tile read
+//   M-major, P^T stored by stmatrix.trans) keeps all 512 dims of the 16 rows in 64 registers.
+// - Softmax over records per head (a column of S^T): lane-group shuffles, and a lazy reference
+//   maximum that moves only past 2^8 (one bar.red.or per tile; maxima exchanged only then).
+
+#include "v4_sparse_decode_common.cuh"
+
+namespace {
+
+constexpr int kTT = 64;                   // records per tile (wgmma M)
+constexpr int kHeadRows = 16;             // query rows (wgmma N)
+constexpr int kTokThreads = 256;          // two warpgroups on alternate tiles
+constexpr int kTBox = kTT * 128;          // 8192: one 64-dim box of a tile
+constexpr int kTTile = 8 * kTBox;         // 65536
+constexpr int kQBox16 = kHeadRows * 128;  // 2048
+constexpr int kPtBytes = kHeadRows * 128;  // P^T: 16 heads x 64 records fp16, one swizzled box
+constexpr int kStageRow = 516;            // floats per head row of the epilogue's staging (bank spread)
+
+constexpr int kSmQ = 0;
+constexpr int kSmV = kSmQ + 8 * kQBox16;       // one fp16 tile per warpgroup
+constexpr int kSmPt = kSmV + 2 * kTTile;       // one P^T per warpgroup
+constexpr int kSmX = kSmPt + 2 * kPtBytes;     // per warpgroup and warp: 16 column maxima; the row sums
+constexpr int kSmTokBytes = kSmX + 2 * 4 * kHeadRows * 4 + 1024;
+static_assert(kSmTokBytes <= 227 * 1024, "shared memory plan exceeds the SM's 227 KB");
+static_assert(kHeadRows * kStageRow * 4 <= kTTile, "the epilogue's staging must fit in a tile");
+
+// Named barriers: per warpgroup w (128 threads) 1 + 4w: top of an iteration (everyone's last P.V
+// done), + 1: any reference maximum moves, + 2: maxima exchanged, + 3: P^T and the tile stored;
+// 9: both warpgroups (the merge), 10: warpgroup 0's epilogue.
+constexpr int kBarMerge = 9, kBarEpi = 10;
+
+// The physical dim (within a 64-dim block) of k index kk of k-step i: the A fragment of lane q4
+// holds k 2q4, 2q4+1, 2q4+8, 2q4+9 = physical 16 q4 + 4i + {0, 1, 2, 3}.
+__device__ __forceinline__ int perm_dim(int i, int kk) { return 16 * ((kk & 7) >> 1) + 4 * i + 2 * (kk >> 3) + (kk & 1); }
+
+// Q rows 0..15 of token (b, tq), bf16 -> fp16 (heads past p.heads zero), each 64-dim block's k-step
+// i in perm_dim order, into 8 boxes of 16 rows x 128 bytes (128-byte swizzle).
+__device__ __forceinline__ void load_q_perm(const SparseParams& p, int b, int tq, uint8_t* q_s, int tid) {
+  for (int c = tid; c < kHeadRows * 64; c += kTokThreads) {  // c = row, block, 16-byte chunk
+    const int row = c >> 6, blk = (c >> 3) & 7, ch = c & 7, i = ch >> 1;
+    uint32_t h[4] = {0, 0, 0, 0};
+    if (row < p.heads) {
+      const __nv_bfloat16* src = p.q + b * p.q_sb + tq * p.q_ss + row * p.q_sh + 64 * blk;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)  // k indices 8 (ch & 1) + 2k, +1: adjacent physical dims
+        h[k] = bf16x2_to_f16x2(*reinterpret_cast<const uint32_t*>(src + perm_dim(i, 8 * (ch & 1) + 2 * k)));
+    }
+    *reinterpret_cast<uint4*>(q_s + blk * kQBox16 + swizzled(row, ch)) = make_uint4(h[0], h[1], h[2], h[3]);
+  }
+}
+
+// A thread's two records of one tile: 16-byte pieces (blocks 0-6, then the two RoPE halves), the
+// scale bytes, whether the indices pick them.
+struct TwoRecords {
+  uint4 d[2][9];
+  uint2 ex[2];
+  bool valid[2];
+};
+
+__global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel(const __grid_constant__ SparseParams p) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const int tid = threadIdx.x;
+  const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+  const int tw = tid & 127, warp = tw >> 5, lane = tid & 31, g = lane >> 2, q4 = lane & 3;
+  const int bt = blockIdx.y, split = blockIdx.z;
+  const int b = bt / p.s_q, tq = bt % p.s_q;
+  const CtaTiles tiles(p, split);
+  const int n = tiles.n;
+  load_q_perm(p, b, tq, smem + kSmQ, tid);
+  fence_async_shared();
+  __syncthreads();
+
+  uint8_t* v_s = smem + kSmV + wg * kTTile;
+  float* xchg = reinterpret_cast<float*>(smem + kSmX) + wg * 4 * kHeadRows;
+  const uint32_t q_base = smem_addr(smem + kSmQ), v_base = smem_addr(v_s), pt_base = smem_addr(smem + kSmPt + wg * kPtBytes);
+  const int bar0 = 1 + 4 * wg;
+
+  const RecordPicker pick(p, tiles, b, tq);
+  // Piece m (< 9) of a record: e4m3 block m's 16 bytes at 16 q4, or RoPE bytes 448 + 32 q4 + 16 (m - 7).
+  auto load_piece = [&](const RecordAt& at, int m) {
+    return record_bytes16(at, m < 7 ? 64 * m + 16 * q4 : 448 + 32 * q4 + 16 * (m - 7));
+  };
+
+  float o[8][8];  // O^T: dims 64 mb + 16 warp + g + 8i, heads 8j + 2q4 + e at o[mb][4j + 2i + e]
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) o[mb][k] = 0.f;
+  float m_ref[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}}, l_part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
+  const int row0 = 16 * warp + g;  // this thread's records row0, row0 + 8
+
+  TwoRecords raw;
+  {
+    const int t = wg;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const RecordAt at = pick.locate(t, pick.index(t, row0 + 8 * r, kTT));
+      raw.valid[r] = at.data != nullptr;
+#pragma unroll
+      for (int m = 0; m < 9; ++m) raw.d[r][m] = load_piece(at, m);
+      raw.ex[r] = record_scales(at);
+    }
+  }
+  int next_idx[2] = {pick.index(wg + 2, row0, kTT), pick.index(wg + 2, row0 + 8, kTT)};
+
+  for (int t = wg; t < n; t += 2) {
+    if (t >= 2) named_barrier_sync(bar0, 128);  // every warp's last P.V has read the tile and P^T
+    const RecordAt nw[2] = {pick.locate(t + 2, next_idx[0]), pick.locate(t + 2, next_idx[1])};
+    const bool valid[2] = {raw.valid[0], raw.valid[1]};
+    // ---- S^T = K.Q^T: block by block, the A fragments dequantized from the registers ---------
+    float s[8];
+    uint32_t a[2][4][4];  // two blocks' fragments in flight: [block & 1][k-step][fragment]
+#pragma unroll
+    for (int blk = 0; blk < 8; ++blk) {
+      if (blk >= 2) wgmma_wait<1>();  // block blk - 2's products have read their fragments
+      uint32_t(&af)[4][4] = a[blk & 1];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        uint32_t h[8];  // the 16 values in natural order: h[2k] = physical 4k, 4k+1; h[2k+1] = 4k+2, 4k+3
+        if (blk < 7) {
+          uint4 lo, hi;
+          dequant_e4m3x16(raw.d[r][blk], scale_exponent(raw.ex[r].x, raw.ex[r].y, blk), lo, hi);
+          h[0] = lo.x, h[1] = lo.y, h[2] = lo.z, h[3] = lo.w, h[4] = hi.x, h[5] = hi.y, h[6] = hi.z, h[7] = hi.w;
+        } else {
+          const uint4 x = bf16x8_to_f16(raw.d[r][7]), y = bf16x8_to_f16(raw.d[r][8]);
+          h[0] = x.x, h[1] = x.y, h[2] = x.z, h[3] = x.w, h[4] = y.x, h[5] = y.y, h[6] = y.z, h[7] = y.w;
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) af[k][r] = h[2 * k], af[k][2 + r] = h[2 * k + 1];
+        const int row = row0 + 8 * r;
+        *reinterpret_cast<uint4*>(v_s + blk * kTBox + swizzled(row, 2 * q4)) = make_uint4(h[0], h[1], h[2], h[3]);
+        *reinterpret_cast<uint4*>(v_s + blk * kTBox + swizzled(row, 2 * q4 + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
+      }
+      // This block's pieces of the next tile, into the registers just read.
+      if (blk < 7) {
+        raw.d[0][blk] = load_piece(nw[0], blk), raw.d[1][blk] = load_piece(nw[1], blk);
+      } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) raw.d[r][7] = load_piece(nw[r], 7), raw.d[r][8] = load_piece(nw[r], 8);
+      }
+      if (blk == 6) raw.ex[0] = record_scales(nw[0]), raw.ex[1] = record_scales(nw[1]);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint64_t dq = make_desc(desc_lo(q_base + blk * kQBox16 + 32 * k, 16), 1024, kSwizzle128);
+        wgmma_m64n16k16_f16_rs(s, af[k], dq, blk | k);
+      }
+      wgmma_commit();
+    }
+    wgmma_wait<0>();
+    fence_regs(s);
+    raw.valid[0] = nw[0].data != nullptr, raw.valid[1] = nw[1].data != nullptr;
+    next_idx[0] = pick.index(t + 4, row0, kTT), next_idx[1] = pick.index(t + 4, row0 + 8, kTT);
+
+    // ---- softmax over this tile's records, per head (a column) -----------------------------
+    // s[4j + 2i + e]: record row0 + 8i, head 8j + 2q4 + e.
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s[k] = valid[(k >> 1) & 1] ? s[k] * p.scale_log2 : -INFINITY;
+    float mw[2][2];
+    bool pred = false;
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float m = fmaxf(s[4 * j + e], s[4 * j + 2 + e]);
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+        mw[j][e] = m;
+        pred |= m > m_ref[j][e] + kRescaleSlack;
+      }
+    if (named_barrier_any(bar0 + 1, 128, pred)) {  // rare: the warps' maxima, then the common move
+      if (g == 0)
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) xchg[warp * kHeadRows + 8 * j + 2 * q4 + e] = mw[j][e];
+      named_barrier_sync(bar0 + 2, 128);
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int head = 8 * j + 2 * q4 + e;
+          const float m = fmaxf(fmaxf(xchg[head], xchg[kHeadRows + head]),
+                                fmaxf(xchg[2 * kHeadRows + head], xchg[3 * kHeadRows + head]));
+          if (m > m_ref[j][e] + kRescaleSlack) {
+            const float alpha = exp2f(m_ref[j][e] - m);  // 0 from -inf: O and l are 0 then
+            m_ref[j][e] = m;
+            l_part[j][e] *= alpha;
+#pragma unroll
+            for (int mb = 0; mb < 8; ++mb) o[mb][4 * j + e] *= alpha, o[mb][4 * j + 2 + e] *= alpha;
+          }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float m_use = m_ref[j][e] == -INFINITY ? 0.f : m_ref[j][e];
+        s[4 * j + e] = exp2f(s[4 * j + e] - m_use);
+        s[4 * j + 2 + e] = exp2f(s[4 * j + 2 + e] - m_use);
+        l_part[j][e] += s[4 * j + e] + s[4 * j + 2 + e];
+      }
+    // P^T (heads x records) by stmatrix.trans: matrix mm = 2j + i is records row0 - g + 8i.. x heads 8j..
+    {
+      const uint32_t pr[4] = {pack_half2(s[0], s[1]), pack_half2(s[2], s[3]), pack_half2(s[4], s[5]),
+                              pack_half2(s[6], s[7])};
+      const int mm = lane >> 3;
+      stmatrix_x4_trans(pt_base + swizzled(8 * (mm >> 1) + (lane & 7), 2 * warp + (mm & 1)), pr);
+    }
+    fence_async_shared();  // the tile and P^T are read by wgmma
+    named_barrier_sync(bar0 + 3, 128);
+    // ---- O^T += V^T.P^T: 8 blocks of 64 dims x 4 k-steps of 16 records ----------------------
+    wgmma_fence();
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const uint64_t dv = make_desc(desc_lo(v_base + mb * kTBox + kk * 16 * 128, p.v_desc_lead), p.v_desc_stride,
+                                      kSwizzle128);
+        const uint64_t dp = make_desc(desc_lo(pt_base + 32 * kk, 16), 1024, kSwizzle128);
+        wgmma_m64n16k16_f16_tnspa(o[mb], dv, dp, 1);
+      }
+    wgmma_commit();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb) fence_regs(o[mb]);
+  }
+
+  // ---- merge warpgroup 1 into warpgroup 0 (two partial softmaxes), then the epilogue ----------
+  float* dump = reinterpret_cast<float*>(smem + kSmV + kTTile);  // warpgroup 1's tile, free now
+  if (wg == 1) {
+    named_barrier_sync(bar0, 128);  // every warp's last P.V is done with the tile
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+      for (int k = 0; k < 8; ++k) dump[(8 * mb + k) * 128 + tw] = o[mb][k];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      dump[(64 + k) * 128 + tw] = m_ref[k >> 1][k & 1];
+      dump[(68 + k) * 128 + tw] = l_part[k >> 1][k & 1];
+    }
+    named_barrier_sync(kBarMerge, 256);
+    return;
+  }
+  named_barrier_sync(kBarMerge, 256);
+  float factor_in[2][2];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int j = k >> 1, e = k & 1;
+    const float m1 = dump[(64 + k) * 128 + tw], l1 = dump[(68 + k) * 128 + tw];
+    const float m = fmaxf(m_ref[j][e], m1);
+    const float f0 = m == -INFINITY ? 0.f : exp2f(m_ref[j][e] - m), f1 = m == -INFINITY ? 0.f : exp2f(m1 - m);
+    m_ref[j][e] = m;
+    l_part[j][e] = l_part[j][e] * f0 + l1 * f1;
+    factor_in[j][e] = f1;
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) o[mb][4 * j + 2 * i + e] *= f0;
+  }
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) o[mb][k] += dump[(8 * mb + k) * 128 + tw] * factor_in[k >> 2][k & 1];
+  // Row sums: the 8 lane groups, then the 4 warps (through shared memory).
+  float* sums = reinterpret_cast<float*>(smem + kSmX) + 4 * kHeadRows;  // warpgroup 1's maxima slot
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float l = l_part[j][e];
+      l += __shfl_xor_sync(0xffffffffu, l, 4);
+      l += __shfl_xor_sync(0xffffffffu, l, 8);
+      l += __shfl_xor_sync(0xffffffffu, l, 16);
+      if (g == 0) sums[warp * kHeadRows + 8 * j + 2 * q4 + e] = l;
+    }
+  named_barrier_sync(kBarEpi, 128);  // also: every warp of warpgroup 0 is done with its tile
+  const bool split_kv = p.num_splits > 1;
+  float factor[2][2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int head = 8 * j + 2 * q4 + e;
+      const float l = sums[head] + sums[kHeadRows + head] + sums[2 * kHeadRows + head] + sums[3 * kHeadRows + head];
+      const bool lonely = !(l > 0.f);
+      const float lse = lonely ? -INFINITY : (m_ref[j][e] + log2f(l)) * kLn2;
+      float f = lonely ? 0.f : 1.f / l;
+      if (!split_kv && p.sinks != nullptr && !lonely && head < p.heads) f /= 1.f + expf(p.sinks[head] - lse);
+      factor[j][e] = f;
+      if (warp == 0 && g == 0 && head < p.heads) store_lse(p, head, lse, b, tq, bt, split);
+    }
+  // O (heads x dims) through warpgroup 0's tile, then coalesced 16-byte rows out.
+  float* stage = reinterpret_cast<float*>(v_s);
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int j = k >> 2, i = (k >> 1) & 1, e = k & 1;
+      stage[(8 * j + 2 * q4 + e) * kStageRow + 64 * mb + row0 + 8 * i] = o[mb][k] * factor[j][e];
+    }
+  named_barrier_sync(kBarEpi, 128);
+  for (int c = tw; c < kHeadRows * 128; c += 128) {  // c = head, 4-dim group
+    const int head = c >> 7, d4 = (c & 127) * 4;
+    if (head >= p.heads) continue;
+    const float4 v = *reinterpret_cast<const float4*>(stage + head * kStageRow + d4);
+    if (split_kv) {
+      const long long flat = static_cast<long long>(bt) * p.num_splits + split;
+      *reinterpret_cast<float4*>(p.part_o + (flat * p.heads + head) * kDim + d4) = v;
+    } else {
+      __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(p.out + b * p.o_sb + tq * p.o_ss + head * p.o_sh + d4);
+      dst[0] = __floats2bfloat162_rn(v.x, v.y);  // out's contract: 4-byte aligned pairs
+      dst[1] = __floats2bfloat162_rn(v.z, v.w);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Up to 16 heads. Returns a cudaError_t (0 = success), or -1 for more heads.
+int v4_sparse_decode_tokens_sm90(const SparseParams* p, void* stream) {
+  if (p->heads > kHeadRows) return -1;
+  static bool configured = false;
+  if (!configured) {
+    const cudaError_t err = cudaFuncSetAttribute(v4_sparse_decode_tokens_kernel,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmTokBytes);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    configured = true;
+  }
+  const dim3 grid(1, p->batch * p->s_q, p->num_splits);
+  v4_sparse_decode_tokens_kernel<<<grid, kTokThreads, kSmTokBytes, static_cast<cudaStream_t>(stream)>>>(*p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+int v4_sparse_decode_tokens_sm90_smem_bytes() { return kSmTokBytes; }
+
+}  // extern "C"
