@@ -11,8 +11,9 @@ per-request picks, not a block table over one latent cache).
             8..128 heads per GPU (records dequantized once per CTA of 64 heads, or of all
             heads up to 32), CUDA graphs, MODEL1 pages and one-record row pools; a cache
             not on 8 bytes goes to the Triton kernel. ``CUDA_VARIANT`` says which of its
-            designs serves (v1, or v2: 64-record tiles, the 2-CTA cluster at 65-128 heads,
-            the tokens-major kernel up to 16 heads)
+            designs serves (v2: 64-record tiles with 65-128 heads as two independent 64-head
+            CTAs, the tokens-major kernel up to 16 heads; v1 and v2's 2-CTA cluster stay
+            selectable for the bench)
 
 ``auto`` (:func:`select_v4_decode_backend`): cuda where it runs (one log line says why not),
 then triton, then torch.
@@ -32,9 +33,11 @@ from kernels.v4_sparse_decode import RECORD_BYTES
 
 logger = logging.getLogger(__name__)
 V4_CACHE_DTYPE = torch.uint8  # records are bytes; ``record_formats`` says which layout
-# The design the cuda backend runs (kernels.v4_sparse_decode_cuda.VARIANTS). v2 is checked by
-# the GPU tests; it serves once the device bench shows it faster than v1 on every shape.
-CUDA_VARIANT = "v1"
+# The design the cuda backend runs (kernels.v4_sparse_decode_cuda.VARIANTS) and whether v2 runs
+# 65-128 heads as a 2-CTA cluster: v2 without the cluster was the fastest on every benched shape
+# (benchmarks/RESULTS.md: B = 128, 8-128 heads, top-k 512/2048).
+CUDA_VARIANT = "v2"
+CUDA_CLUSTER = False
 
 
 class V4SparseDecodeBackend:
@@ -119,7 +122,8 @@ class CudaV4SparseDecode(TritonV4SparseDecode):
 
         if unsupported_reason(scopes) is not None:
             return super().decode(q, scopes, sinks, softmax_scale, out=out, lse=lse)
-        return v4_sparse_decode_cuda(q, scopes, sinks, softmax_scale, out=out, lse=lse, variant=CUDA_VARIANT)
+        return v4_sparse_decode_cuda(q, scopes, sinks, softmax_scale, out=out, lse=lse, variant=CUDA_VARIANT,
+                                     cluster=CUDA_CLUSTER)
 
 
 V4_DECODE_BACKENDS: dict[str, type[V4SparseDecodeBackend]] = {
