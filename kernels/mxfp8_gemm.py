@@ -122,23 +122,35 @@ def triton_interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+def quantize_activation(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] → MXFP8 (e4m3 [M, K], UE8M0 bytes [M, K/32]): the fused Triton launch, or on CPU
+    tensors (Triton's interpreter off) the torch reference ``kernels.microscaling.quantize_mxfp8``."""
+    if not x2.is_cuda and not triton_interpreting():
+        from kernels.microscaling import quantize_mxfp8
+
+        return quantize_mxfp8(x2)
+    from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
+
+    return quantize_mxfp8_triton(x2)
+
+
+def mxfp8_linears(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor]],
+                  out_dtype: torch.dtype | None = None, groups: int = 1) -> list[torch.Tensor]:
+    """x [..., groups·K] times each (w8, ws) of ``weights`` → [..., N_i]: x quantized to MXFP8
+    once (:func:`quantize_activation`), then one MXFP8 GEMM per weight (block-diagonal over
+    ``groups``); CPU tensors take the torch references (the same numerics)."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    x8, xs = quantize_activation(x.reshape(-1, k))
+    out_dtype = out_dtype or x.dtype
+    gemm = mxfp8_gemm if x.is_cuda or triton_interpreting() else mxfp8_gemm_reference
+    return [gemm(x8, xs, w8, ws, groups, out_dtype=out_dtype).reshape(*lead, w8.shape[0]) for w8, ws in weights]
+
+
 def mxfp8_linear(x: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, out_dtype: torch.dtype | None = None,
                  groups: int = 1) -> torch.Tensor:
     """x [..., groups·K] → [..., N]: the fused MXFP8 activation quantization, then the MXFP8
-    GEMM (block-diagonal over ``groups``). CPU tensors take the torch reference of both
-    (``kernels.microscaling.quantize_mxfp8``, :func:`mxfp8_gemm_reference`; the same numerics)
-    unless Triton's interpreter is on."""
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2, out_dtype = x.reshape(-1, k), out_dtype or x.dtype
-    if not x.is_cuda and not triton_interpreting():
-        from kernels.microscaling import quantize_mxfp8
-
-        y = mxfp8_gemm_reference(*quantize_mxfp8(x2), w8, ws, groups, out_dtype=out_dtype)
-    else:
-        from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
-
-        y = mxfp8_gemm(*quantize_mxfp8_triton(x2), w8, ws, groups, out_dtype=out_dtype)
-    return y.reshape(*lead, w8.shape[0])
+    GEMM (:func:`mxfp8_linears` with one weight)."""
+    return mxfp8_linears(x, [(w8, ws)], out_dtype, groups)[0]
 
 
 __all__ = [
@@ -151,7 +163,9 @@ __all__ = [
     "mxfp8_gemm",
     "mxfp8_gemm_reference",
     "mxfp8_linear",
+    "mxfp8_linears",
     "mxfp8_unsupported",
+    "quantize_activation",
     "split_k_for",
     "split_sum",
     "triton_interpreting",

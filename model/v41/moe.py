@@ -40,12 +40,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.mxfp4_experts import BACKENDS, moe_experts_mxfp4, mxfp4_backend
+from kernels.mxfp8_gemm import mxfp8_linears
 from kernels.weight_formats import E8M0_DTYPE, MXFP4, MXFP4_GROUP, QuantizedWeight, quantize
 from model.v4.moe import clamped_swiglu, normalize_routing_weights, sqrt_softplus
 from model.layers.linear import divide
 from model.parallel import ParallelContext, StepRows
 from model.v41.config import V41Config
-from model.v41.fp8_linear import fp8_linear
+from model.v41.fp8_linear import MXFP8Linear, fp8_linear
 from model.v4_parallel import local_experts, routed_experts
 
 
@@ -82,7 +83,10 @@ class Expert(nn.Module):
         self.w3 = fp8_linear(hidden, inter, dtype, mxfp8)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.w1(x).float(), self.w3(x).float()
+        if isinstance(self.w1, MXFP8Linear):  # one MXFP8 quantization of x for both
+            gate, up = (y.float() for y in mxfp8_linears(x, [self.w1.operands, self.w3.operands]))
+        else:
+            gate, up = self.w1(x).float(), self.w3(x).float()
         h = clamped_swiglu(gate, up, self.limit) if self.limit > 0 else F.silu(gate) * up
         if weight is not None:
             h = weight * h
