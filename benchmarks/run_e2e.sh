@@ -3,7 +3,8 @@
 # out) on a random-weight DeepSeek-V2-Lite-shaped model, bf16 and FP8 KV cache, each with
 # synchronous and with overlapping (--async-scheduling) steps. ~100 s per run on an H200.
 #   source .device-wheels/install.sh && bash benchmarks/run_e2e.sh [NUM_PROMPTS] [extra bench flags]
-# KVS="fp8" (env) runs only the listed KV-cache dtypes (default "auto fp8").
+# KVS="fp8" (env) runs only the listed KV-cache dtypes (default "auto fp8"); MODES="async" only the
+# listed step modes (default "sync async").
 # e.g. `bash benchmarks/run_e2e.sh 100 --step-profile` for the per-step breakdown (it
 # synchronizes at phase boundaries, so it also turns the async overlap off).
 # GPU tests and decode-graph timings are in run_device.sh. Logs land in $OUT; summary last.
@@ -18,7 +19,7 @@ git rev-parse --short HEAD 2>/dev/null > "$OUT/commit.txt"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/env.txt"
 
 extra=("$@")
-for mode in sync async; do
+for mode in ${MODES:-sync async}; do
   for kv in ${KVS:-auto fp8}; do
     flags=(); [ "$mode" = async ] && flags=(--async-scheduling)
     tag="${kv}_${mode}"

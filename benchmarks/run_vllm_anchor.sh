@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # vLLM and mlaserve on the same workload in one device call: random 8192 in / 1024 out, 100
-# prompts, random-weight V2-Lite shape (vLLM's --load-format dummy over our config and tokenizer).
-#   VLLM_SITE=/dir/with/vllm bash benchmarks/run_vllm_anchor.sh [KV ...]     # KV: fp8, auto
+# prompts, random-weight V2-Lite shape (vLLM's --load-format dummy over our config and tokenizer);
+# ours is run_e2e.sh's --async-scheduling arm.
+#   VLLM_SITE=/dir/with/vllm bash benchmarks/run_vllm_anchor.sh [KV ...]     # KV: fp8 (default), auto
 # VLLM_SITE is a pip --target folder holding vLLM and its dependencies beside the device's torch.
 # vLLM's FlashInfer sampler is turned off: on a fresh machine its JIT build takes minutes, longer
-# than the benchmark. Run ours after a warm-up run when the kernel caches are cold (first-call
-# compiles land inside the timed region). Logs land in $OUT; throughput lines printed last.
+# than the benchmark. Ours is timed with whatever kernel caches the machine has (on a cold one the
+# first compiles land inside the timed region). Logs land in $OUT; throughput lines printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mlaserve-anchor}
@@ -22,9 +23,6 @@ for kv in "${kvs[@]}"; do
     --dataset-name random --random-input-len 8192 --random-output-len 1024 --num-prompts 100 \
     --kv-cache-dtype "$kv" --max-model-len 9280 > "$OUT/vllm_$kv.log" 2>&1
   echo "vllm $kv rc=$?"
-  timeout 200 python3 -m server bench throughput --model deepseek-v2-lite --device cuda --kv-cache-dtype "$kv" \
-    --input-len 8192 --output-len 1024 --num-prompts 100 --max-model-len 9280 --disable-tqdm \
-    --async-scheduling --output-json "$OUT/ours_$kv.json" > "$OUT/ours_$kv.log" 2>&1
-  echo "ours $kv rc=$?"
 done
-for f in "$OUT"/vllm_*.log "$OUT"/ours_*.log; do echo "-- $(basename "$f" .log)"; grep -E "^Throughput" "$f" || tail -3 "$f"; done
+KVS="${kvs[*]}" MODES=async OUT="$OUT" bash benchmarks/run_e2e.sh 100
+for f in "$OUT"/vllm_*.log; do echo "-- $(basename "$f" .log)"; grep -E "^Throughput" "$f" || tail -3 "$f"; done
