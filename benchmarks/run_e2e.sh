@@ -4,7 +4,7 @@
 # synchronous and with overlapping (--async-scheduling) steps. ~100 s per run on an H200.
 #   source .device-wheels/install.sh && bash benchmarks/run_e2e.sh [NUM_PROMPTS] [extra bench flags]
 # KVS="fp8" (env) runs only the listed KV-cache dtypes (default "auto fp8"); MODES="async" only the
-# listed step modes (default "sync async").
+# listed step modes (default "sync async"); E2E_TIMEOUT the seconds each run may take (default 140).
 # e.g. `bash benchmarks/run_e2e.sh 100 --step-profile` for the per-step breakdown (it
 # synchronizes at phase boundaries, so it also turns the async overlap off).
 # GPU tests and decode-graph timings are in run_device.sh. Logs land in $OUT; summary last.
@@ -23,7 +23,7 @@ for mode in ${MODES:-sync async}; do
   for kv in ${KVS:-auto fp8}; do
     flags=(); [ "$mode" = async ] && flags=(--async-scheduling)
     tag="${kv}_${mode}"
-    timeout 140 python3 -m server bench throughput --model deepseek-v2-lite --device cuda --kv-cache-dtype "$kv" \
+    timeout "${E2E_TIMEOUT:-140}" python3 -m server bench throughput --model deepseek-v2-lite --device cuda --kv-cache-dtype "$kv" \
       --input-len 8192 --output-len 1024 --num-prompts "$n" --max-model-len 9280 --disable-tqdm \
       "${flags[@]}" "${extra[@]}" --output-json "$OUT/e2e_$tag.json" > "$OUT/e2e_$tag.log" 2>&1
     echo "e2e $tag rc=$?"

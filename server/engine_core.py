@@ -30,6 +30,7 @@ from server.scheduler import Scheduler, SchedulerOutput
 from server.sequence import Sequence
 from server.tokenizer import IncrementalDetokenizer, Tokenizer
 from server.tp_worker import start_tp_workers
+from server.warmup import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,7 @@ class EngineCore:
         self.generation_tokens_total = 0
         logger.info("KV cache: %d blocks of %d tokens (%s): %s", num_blocks, config.block_size, config.kv_cache_dtype,
                     self.block_manager.describe())
+        warm_up(self)
 
     def _join_parallel_group(self, model_dir: str, dp_rank: int):
         """Start this DP group's TP workers, join the process groups, return the model's view."""

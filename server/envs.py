@@ -64,6 +64,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
            "seconds a rank waits at the torch.distributed rendezvous for its peers"),
     EnvVar("MLASERVE_STEP_PROFILE", False, _flag,
            "1: time every engine step in phases (plan, forward, sample, sched); reported in stats"),
+    EnvVar("MLASERVE_SKIP_WARMUP", False, _flag,
+           "1: the engine serves without its start-up warm-up steps (which compile the GPU kernels' "
+           "step shapes before the first request)"),
     EnvVar("OPENAI_API_KEY", None, str,
            "mlaserve bench serve: sent as 'Authorization: Bearer KEY' (as vLLM's benchmark client)"),
     EnvVar("MLASERVE_V4_PREFIX_SNAPSHOT_INTERVAL", 4096, _nonnegative_int,
