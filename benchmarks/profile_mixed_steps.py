@@ -37,6 +37,14 @@ def step_signature(out) -> dict:
                 chunks=[(e.start_pos, e.num_new_tokens) for e in out.prefills])
 
 
+def host_table(prof, n: int = 12) -> list[tuple[str, float, int]]:
+    """(op, self CPU ms, calls) of the host ops that took the most CPU time themselves: where a
+    step whose wall time exceeds its GPU time spends it (a sync shows as a long self time)."""
+    rows = [(evt.key[:90], evt.self_cpu_time_total / 1e3, int(evt.count)) for evt in prof.key_averages()
+            if evt.self_cpu_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])[:n]
+
+
 def kernel_table(prof) -> list[tuple[str, str, float, int]]:
     """(class, name, µs, launches) of every device kernel, heaviest first."""
     from torch.autograd import DeviceType
@@ -62,12 +70,22 @@ class StepRecorder:
         self.profiles: dict[str, dict] = {}
         runner.execute = self
 
+    def allocator_counts(self) -> dict[str, int]:
+        """The caching allocator's retries (it freed its cache to satisfy a request: a device
+        sync) and its cudaMalloc / cudaFree calls, so far."""
+        if self.runner.device.type != "cuda":
+            return dict(alloc_retries=0, device_mallocs=0, device_frees=0)
+        st = torch.cuda.memory_stats(self.runner.device)
+        return dict(alloc_retries=st.get("num_alloc_retries", 0), device_mallocs=st.get("num_device_alloc", 0),
+                    device_frees=st.get("num_device_free", 0))
+
     def __call__(self, out):
         if out.is_empty:
             return self.inner(out)
         sig = step_signature(out)
         label = self.want(sig, self.profiles)
         self.sync()
+        before = self.allocator_counts()
         t0 = time.perf_counter()
         if label is None:
             result = self.inner(out)
@@ -79,13 +97,15 @@ class StepRecorder:
                 result = self.inner(out)
                 self.sync()
         sig["wall_ms"] = (time.perf_counter() - t0) * 1e3
+        sig.update({k: v - before[k] for k, v in self.allocator_counts().items()})
         if label is not None:
             table = kernel_table(prof)
             by_class = defaultdict(float)
             for cls, _, us, _ in table:
                 by_class[cls] += us
             self.profiles[label] = dict(sig, gpu_ms=sum(r[2] for r in table) / 1e3,
-                                        by_class_ms={c: v / 1e3 for c, v in by_class.items()}, kernels=table[:40])
+                                        by_class_ms={c: v / 1e3 for c, v in by_class.items()}, kernels=table[:40],
+                                        host=host_table(prof))
         self.steps.append(sig)
         return result
 
@@ -126,6 +146,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtype", default="fp8")
     ap.add_argument("--top", type=int, default=12, help="kernels listed per profiled step")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="the step budget (engine default: 8192)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (CPU ops, no kernels)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -135,7 +156,8 @@ def main() -> None:
         llm = LLM(model_dir, device=args.device, kv_cache_dtype=args.kv_cache_dtype,
                   max_model_len=args.input_len + args.output_len + 64, load_format="dummy",
                   enable_prefix_caching=False, max_num_seqs=max(8, args.prompts),
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  gpu_memory_utilization=args.gpu_memory_utilization)
         vocab = llm.engine.vocab_size
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
         warm = [torch.randint(0, vocab, (args.input_len,), generator=g).tolist() for _ in range(2)]
@@ -143,18 +165,22 @@ def main() -> None:
         rec = StepRecorder(llm.engine.runner, chooser(args.prompts))
         prompts = [torch.randint(0, vocab, (args.input_len,), generator=g).tolist() for _ in range(args.prompts)]
         llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    print("| step | decodes | chunks (start:tokens) | wall ms |")
-    print("|---:|---:|---|---:|")
+    print("| step | decodes | chunks (start:tokens) | wall ms | allocator retries | cudaMalloc | cudaFree |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
     for i, s in enumerate(rec.steps):
         if s["chunks"] or i % 4 == 0:
             chunks = " ".join(f"{a}:{n}" for a, n in s["chunks"])
-            print(f"| {i} | {s['decodes']} | {chunks} | {s['wall_ms']:.1f} |")
+            print(f"| {i} | {s['decodes']} | {chunks} | {s['wall_ms']:.1f} | {s['alloc_retries']} | "
+                  f"{s['device_mallocs']} | {s['device_frees']} |")
     for label, p in rec.profiles.items():
         cls = ", ".join(f"{c} {v:.1f}" for c, v in sorted(p["by_class_ms"].items()))
         print(f"\n#### {label}: decodes {p['decodes']}, chunks {p['chunks']}, wall {p['wall_ms']:.1f} ms, "
               f"GPU {p['gpu_ms']:.1f} ms ({cls})")
         for cls_name, name, us, n in p["kernels"][: args.top]:
             print(f"  {us / 1e3:8.2f} ms  {n:5d}x  {cls_name:9s} {name}")
+        print("  host ops by self CPU time:")
+        for name, ms, n in p["host"]:
+            print(f"  {ms:8.2f} ms  {n:5d}x  {name}")
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "profile_mixed_steps.json"), "w") as f:

@@ -69,6 +69,30 @@ def mla_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_
     return out[0].transpose(0, 1)[..., :dv]
 
 
+def mla_prefill_flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                             cu_k: torch.Tensor, max_q: int, max_k: int, softmax_scale: float) -> torch.Tensor:
+    """Chunks after cached context on the GPU: torch's flash kernel in its varlen form, q and
+    k/v ragged by the device int32 offsets ``cu_q`` / ``cu_k`` (its causal mask is aligned to
+    the bottom right, the contract above). SDPA's own route to that mask (``causal_lower_right``)
+    synchronizes the host with the device on every call (measured on the H200: host time =
+    device time per call), which in a layer loop leaves the GPU idle while the next layer's
+    kernels are launched; this call does not. v must be as wide as q/k (callers pad it)."""
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                  scale=softmax_scale)[0]
+    return out[..., : v.shape[-1]]
+
+
+def flash_varlen_unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why torch's varlen flash kernel cannot run these heads (None: it can)."""
+    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return "this torch build has no flash attention"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash attention needs fp16/bf16, got {dtype}"
+    if head_dim > 256 or head_dim % 8:
+        return f"flash attention needs a head dim <= 256 and a multiple of 8, got {head_dim}"
+    return None
+
+
 def _check_kv(kv: torch.Tensor, k_pe: torch.Tensor, nope_dim: int, v_width: int) -> int:
     """Validate; returns v's width in ``kv``."""
     if kv.dim() != 3 or k_pe.dim() != 2 or k_pe.shape[0] != kv.shape[0]:

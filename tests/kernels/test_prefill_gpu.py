@@ -1,6 +1,6 @@
 """GPU checks of the prefill-sized paths against their torch references: FlashInfer's ragged
-fa3 prefill (q/k 192, v 128; several chunks, with and without cached prefixes) against the
-per-chunk float32 reference, and the grouped-GEMM MoE at prefill sizes against the per-expert
+fa3 prefill and the SDPA backend (q/k 192, v 128; several chunks, with and without cached
+prefixes) against the per-chunk float32 reference, and the grouped-GEMM MoE at prefill sizes against the per-expert
 reference (``auto`` picking it there)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from kernels.attention import AttentionSpec, FlashInferPrefill, PrefillMetadata, TorchPrefill
+from kernels.attention import AttentionSpec, FlashInferPrefill, PrefillMetadata, SdpaPrefill, TorchPrefill
 from kernels.moe import bf16_experts_backend, moe_experts, moe_experts_grouped, moe_experts_reference
 
 pytestmark = pytest.mark.gpu
@@ -46,6 +46,34 @@ def test_flashinfer_ragged_prefill_matches_reference(q_lens, c_lens):
     q, k, v, md = _ragged(q_lens, c_lens, heads, torch.Generator(device="cuda").manual_seed(0))
     got = backend.forward_varlen(q, k, v, backend.plan(md), spec.softmax_scale)
     want = TorchPrefill().forward_varlen(q, k, v, md, spec.softmax_scale)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("q_lens,c_lens", [([8192], [0]), ([56, 8125], [8136, 0]),
+                                           ([1000, 17, 2048, 1], [0, 300, 4096, 77]), ([512] * 4, [4096] * 4),
+                                           ([300], [812])])
+def test_sdpa_backend_steps_match_reference_without_host_syncs(q_lens, c_lens):
+    """The SDPA backend over a step's chunks (chunks from 0 on SDPA's causal form, chunks after
+    cached context on the varlen flash kernel) equals the float32 reference, and launches
+    without synchronizing the host (a sync in the layer loop idles the GPU while the next
+    layer's kernels are launched)."""
+    _needs_cuda()
+    heads = 16
+    q, k, v, md = _ragged(q_lens, c_lens, heads, torch.Generator(device="cuda").manual_seed(2))
+    v = torch.nn.functional.pad(v, (0, 64))  # SdpaPrefill.value_width: v as wide as q/k, zero columns
+    backend = SdpaPrefill()
+    assert backend.value_width(192, 128) == 192
+    backend.forward_varlen(q, k, v, md, 192 ** -0.5)  # first call: kernel selection, allocations
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = backend.forward_varlen(q, k, v, md, 192 ** -0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = TorchPrefill().forward_varlen(q, k, v[..., :128], md, 192 ** -0.5)
+    got = got[..., :128]
     assert got.shape == want.shape and torch.isfinite(got).all()
     err = ((got.float() - want.float()).norm() / want.float().norm()).item()
     assert err < 1e-2, err
