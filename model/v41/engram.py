@@ -150,18 +150,19 @@ class EngramHasher:
         self._device_tables: dict = {}
 
     def __call__(self, input_ids: torch.Tensor, history: list[int]) -> tuple[torch.Tensor, list[int]]:
-        """input_ids [T] -> (hash ids [T, engram layers, (N-1)*heads], new history)."""
-        new = self.token_map[input_ids.cpu()].tolist()
-        seq = history + new
-        start = len(history)
-        tokens = torch.full((len(new), self.max_ngram), self.pad_id, dtype=torch.long)
-        for i in range(len(new)):
-            for shift in range(self.max_ngram):
-                j = start + i - shift
-                if j < 0 or seq[j] == DEAD:
-                    break
-                tokens[i, shift] = seq[j]
-        return self._hash(tokens).to(input_ids.device), seq[-(self.max_ngram - 1):] if self.max_ngram > 1 else []
+        """input_ids [T] -> (hash ids [T, engram layers, (N-1)*heads], new history).
+
+        The look-back ids are gathered on the host in one array pass (a prefill chunk is
+        thousands of tokens: a per-element tensor write costs ~30 µs each)."""
+        new = self.token_map[input_ids.cpu()].numpy()
+        seq = np.concatenate([np.asarray(history, dtype=np.int64), new])
+        idx = len(history) + np.arange(len(new))[:, None] - np.arange(self.max_ngram)[None, :]  # [T, N]
+        ids = seq[np.maximum(idx, 0)]
+        # A look-back stops at the sequence start or a DEAD slot: that shift and all longer are pad.
+        stopped = np.logical_or.accumulate((idx < 0) | (ids == DEAD), axis=1)
+        tokens = torch.from_numpy(np.where(stopped, self.pad_id, ids))
+        tail = seq[-(self.max_ngram - 1):].tolist() if self.max_ngram > 1 else []
+        return self._hash(tokens).to(input_ids.device), tail
 
     def decode_rows(self, input_ids: torch.Tensor, histories: list[list[int]]) -> tuple[torch.Tensor, list[list[int]]]:
         """One new token per request: input_ids [B], each request's history -> (hash ids

@@ -169,6 +169,30 @@ def test_engram_hashing_state_matches_hf():
     assert torch.equal(torch.cat(parts), one_shot)
 
 
+def test_engram_look_back_stops_at_dead_slots_and_the_start():
+    """The chunk hasher's array look-back equals the per-position rule: ids at look-back
+    0..N-1, pad from the first one that passes the start or a DEAD slot."""
+    from model.v41.state import DEAD
+
+    cfg = _model("dev-v41-s0").config
+    hasher = EngramHasher(cfg, list(range(cfg.engram_compressed_vocab_size)))
+    n = hasher.max_ngram
+    g = torch.Generator().manual_seed(4)
+    for history in ([], [DEAD], [5, DEAD, 7][-(n - 1):], [3, 9, 11][-(n - 1):]):
+        ids = torch.randint(0, cfg.engram_compressed_vocab_size, (17,), generator=g)
+        seq = history + ids.tolist()
+        want = torch.full((len(ids), n), hasher.pad_id, dtype=torch.long)
+        for i in range(len(ids)):
+            for shift in range(n):
+                j = len(history) + i - shift
+                if j < 0 or seq[j] == DEAD:
+                    break
+                want[i, shift] = seq[j]
+        got, tail = hasher(ids, history)
+        assert torch.equal(got, hasher._hash(want))
+        assert tail == seq[-(n - 1):]
+
+
 def test_wrong_tokenizer_vocab_is_a_clear_error():
     cfg = _model("dev-v41-s0").config
     with pytest.raises(ValueError, match="engram_compressed_vocab_size"):
