@@ -31,7 +31,7 @@ from kernels.mxfp8_gemm_triton import split_sum
 from kernels.mxfp8_operands import MX_BLOCK, check_operands, scale_bytes, sm_count, split_k_for
 
 SOURCES = (CSRC / "mxfp8_gemm_sm90a.cu",)
-HEADERS = (CSRC / "sm90_async.cuh", CSRC / "mxfp8_rounding.cuh")
+HEADERS = (CSRC / "sm90_async.cuh", CSRC / "mxfp8_rounding.cuh", CSRC / "mxfp8_gemm_common.cuh")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC")
 BLOCK_N = 128
 BLOCK_K = 128
