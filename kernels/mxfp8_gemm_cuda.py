@@ -3,9 +3,14 @@ contract as :func:`kernels.mxfp8_gemm.mxfp8_gemm` (activations e4m3 + UE8M0 per 
 weights e4m3 + UE8M0 per 32×32 block, grouped wo_a, bf16/fp32 output or an MXFP8 epilogue).
 
 Why C++: the per-32 promotion (an FMA of each 32-wide K slice's fp32 partial into the
-accumulator) has to overlap the next slice's wgmma; the kernel issues slice j+1 before it
-promotes slice j, from two partial register sets (design notes in the .cu file and
-benchmarks/KERNEL_NOTES.md, "MXFP8 GEMM in CUDA C++").
+accumulator) has to overlap the next slice's wgmma; the kernels issue slice j+1 before they
+promote slice j, from two partial register sets (design notes in the .cu files and
+benchmarks/KERNEL_NOTES.md, "MXFP8 GEMM in CUDA C++" and "MXFP8 GEMM v2").
+
+Two kernels, the same numbers bit for bit (``config["kernel"]``): ``"v2"`` (the default,
+kernels/csrc/mxfp8_gemm_v2_sm90a.cu: scale products computed once per quad, wgmmas in flight
+across stages, clusters with TMA multicast) and ``"v1"`` (kernels/csrc/mxfp8_gemm_sm90a.cu), kept
+so that the benchmark times both in one process.
 
 Persistent CTAs (one per SM) walk the output tiles, 64 × 128 (one consumer warpgroup, M ≤ 64)
 or 128 × 128 (two), K in 128-byte TMA stages. Where the tiles leave SMs idle, K is split:
@@ -30,13 +35,15 @@ from kernels.mla_decode_cuda import CSRC, CudaKernelUnavailable, build_library, 
 from kernels.mxfp8_gemm_triton import split_sum
 from kernels.mxfp8_operands import MX_BLOCK, check_operands, scale_bytes, sm_count, split_k_for
 
-SOURCES = (CSRC / "mxfp8_gemm_sm90a.cu",)
+SOURCES = (CSRC / "mxfp8_gemm_sm90a.cu", CSRC / "mxfp8_gemm_v2_sm90a.cu")
 HEADERS = (CSRC / "sm90_async.cuh", CSRC / "mxfp8_rounding.cuh", CSRC / "mxfp8_gemm_common.cuh")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC")
 BLOCK_N = 128
 BLOCK_K = 128
 ROWS_PER_CONSUMER = 64
 MODES = {"bf16": 0, "fp32": 1, "split": 2, "quant": 3}
+KERNELS = ("v2", "v1")
+CLUSTERS = ((1, 1), (2, 1), (1, 2), (2, 2))  # v2's CTA clusters (along M, along N) with 128-row tiles
 
 
 class _GemmParams(ctypes.Structure):
@@ -60,6 +67,10 @@ def _library() -> ctypes.CDLL:
                                     ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
                                     ctypes.c_void_p]
     lib.mxfp8_gemm_sm90.restype = ctypes.c_int
+    lib.mxfp8_gemm_sm90_v2.argtypes = [ctypes.POINTER(_GemmParams), ctypes.c_void_p, ctypes.c_longlong,
+                                       ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
+                                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.mxfp8_gemm_sm90_v2.restype = ctypes.c_int
     lib.mxfp8_gemm_sm90_params_bytes.restype = ctypes.c_int
     if lib.mxfp8_gemm_sm90_params_bytes() != ctypes.sizeof(_GemmParams):
         raise CudaKernelUnavailable("GemmParams layout of the built library differs from kernels/mxfp8_gemm_cuda.py")
@@ -115,12 +126,32 @@ def default_cuda_config(m: int, n: int, kg: int, sms: int = 132) -> dict:
     return {"consumers": consumers, "SPLIT_K": split_for(tiles, -(-kg // BLOCK_K), m, n, kg, sms)}
 
 
+def default_cluster(m: int, n: int, kg: int, groups: int, consumers: int, aligned_scales: bool) -> tuple[int, int]:
+    """v2's CTA cluster (along M, along N): pairs along M share B's tile (each CTA loads half and
+    multicasts it) where there are 128-row tiles to pair without leaving many CTAs on an empty
+    tile (an even count, or ≥ 8); 1 × 1 for 64-row tiles and unaligned scale rows (not built)."""
+    tiles_m = -(-m // (ROWS_PER_CONSUMER * consumers))
+    if consumers != 2 or not aligned_scales or tiles_m < 2 or (tiles_m % 2 and tiles_m < 8):
+        return (1, 1)
+    return (2, 1)
+
+
+def cluster_fits(cluster: tuple[int, int], n: int, groups: int) -> bool:
+    """A cluster along N shares A's tile between two column tiles: they must be in one group."""
+    return cluster[1] == 1 or (n // groups) % (2 * BLOCK_N) == 0
+
+
 def mxfp8_gemm_cuda(
     x8: torch.Tensor, xs: torch.Tensor, w8: torch.Tensor, ws: torch.Tensor, groups: int = 1,
     out_dtype: torch.dtype = torch.bfloat16, quantize_out: bool = False, config: dict | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kernels.mxfp8_gemm.mxfp8_gemm` on the CUDA C++ kernel (``config``: ``consumers``
-    1 or 2, ``SPLIT_K``); raises :class:`CudaKernelUnavailable` naming what does not fit."""
+    """:func:`kernels.mxfp8_gemm.mxfp8_gemm` on the CUDA C++ kernels; raises
+    :class:`CudaKernelUnavailable` naming what does not fit.
+
+    ``config``: ``consumers`` 1 or 2 and ``SPLIT_K`` (default :func:`default_cuda_config`),
+    ``kernel`` ``"v2"`` (default) or ``"v1"``, and for v2 ``cluster`` (along M, along N; default
+    :func:`default_cluster`) and ``promote``: False is the benchmark's diagnostic, the same
+    pipeline without the per-32 scales (wrong numbers: its time is the pipeline's ceiling)."""
     m, n, kg = check_operands(x8, xs, w8, ws, groups)
     if quantize_out and n % MX_BLOCK:
         raise ValueError(f"quantize_out needs N ({n}) to be a multiple of {MX_BLOCK}")
@@ -132,11 +163,12 @@ def mxfp8_gemm_cuda(
     if not quantize_out and out_dtype not in (torch.bfloat16, torch.float32):
         raise CudaKernelUnavailable(f"the CUDA MXFP8 GEMM writes bf16 or fp32, not {out_dtype}")
     xs, ws = scale_bytes(xs), scale_bytes(ws)
-    cfg = config or default_cuda_config(m, n, kg, sm_count(x8.device.index or 0))
-    consumers, split = cfg["consumers"], cfg.get("SPLIT_K", 1)
+    cfg = dict(default_cuda_config(m, n, kg, sm_count(x8.device.index or 0)), **(config or {}))
+    consumers, split, kernel = cfg["consumers"], cfg.get("SPLIT_K", 1), cfg.get("kernel", "v2")
     k_stages = -(-kg // BLOCK_K)
-    if consumers not in (1, 2) or split < 1 or k_stages % split:
-        raise ValueError(f"bad CUDA GEMM config {cfg}: consumers 1 or 2, SPLIT_K dividing the {k_stages} K stages")
+    if consumers not in (1, 2) or split < 1 or k_stages % split or kernel not in KERNELS:
+        raise ValueError(f"bad CUDA GEMM config {cfg}: consumers 1 or 2, SPLIT_K dividing the {k_stages} K stages, "
+                         f"kernel one of {KERNELS}")
     dev = x8.device
     if quantize_out:
         out = torch.empty(m, n, dtype=torch.uint8, device=dev)
@@ -154,6 +186,15 @@ def mxfp8_gemm_cuda(
         dst, mode = out, MODES["bf16" if out_dtype == torch.bfloat16 else "fp32"]
     aligned = (kg % BLOCK_K == 0 and xs.stride(0) % 4 == 0 and ws.stride(0) % 4 == 0
                and xs.data_ptr() % 4 == 0 and ws.data_ptr() % 4 == 0)
+    cluster = tuple(cfg.get("cluster") or default_cluster(m, n, kg, groups, consumers, aligned))
+    promote = bool(cfg.get("promote", True))
+    if kernel == "v2" and (cluster not in CLUSTERS or (cluster != (1, 1) and (consumers != 2 or not aligned))
+                           or not cluster_fits(cluster, n, groups)):
+        raise ValueError(f"bad CUDA GEMM config {cfg}: cluster {cluster} needs 128-row tiles, scale rows of whole "
+                         "stages and, along N, column tiles of one group")
+    if not promote and (kernel != "v2" or consumers != 2 or not aligned or cluster not in ((1, 1), (2, 1))):
+        raise ValueError(f"bad CUDA GEMM config {cfg}: the no-promotion diagnostic is built for v2 with 128-row "
+                         "tiles, aligned scale rows and clusters 1 x 1 or 2 x 1")
     p = _GemmParams(
         xs.data_ptr(), ws.data_ptr(), dst.data_ptr(), scales.data_ptr() if mode == MODES["quant"] else None,
         xs.stride(0), ws.stride(0), dst.stride(-2), scales.stride(0) if scales is not None else 0,
@@ -162,11 +203,17 @@ def mxfp8_gemm_cuda(
     )
     with torch.cuda.device(dev):
         stream = torch.cuda.current_stream(dev).cuda_stream
-        err = _library().mxfp8_gemm_sm90(ctypes.byref(p), x8.data_ptr(), x8.stride(0), x8.shape[1], w8.data_ptr(),
-                                         w8.stride(0), consumers, ctypes.c_void_p(stream))
+        if kernel == "v1":
+            err = _library().mxfp8_gemm_sm90(ctypes.byref(p), x8.data_ptr(), x8.stride(0), x8.shape[1],
+                                             w8.data_ptr(), w8.stride(0), consumers, ctypes.c_void_p(stream))
+        else:
+            err = _library().mxfp8_gemm_sm90_v2(ctypes.byref(p), x8.data_ptr(), x8.stride(0), x8.shape[1],
+                                                w8.data_ptr(), w8.stride(0), consumers, cluster[0], cluster[1],
+                                                int(promote), ctypes.c_void_p(stream))
     if err != 0:
-        reasons = {-1: "bad argument", -2: "the driver refused an operand's TMA tensor map"}
-        raise RuntimeError(f"mxfp8_gemm_sm90: {reasons.get(err, f'cudaError_t {err}')}")
+        reasons = {-1: "bad argument", -2: "the driver refused an operand's TMA tensor map",
+                   -3: f"no {cluster[0]} x {cluster[1]} cluster fits on this GPU"}
+        raise RuntimeError(f"mxfp8_gemm_sm90 ({kernel}): {reasons.get(err, f'cudaError_t {err}')}")
     if split > 1:
         split_sum(dst, out, scales)
     if quantize_out:
@@ -174,4 +221,5 @@ def mxfp8_gemm_cuda(
     return out
 
 
-__all__ = ["cuda_gemm_available", "default_cuda_config", "mxfp8_gemm_cuda", "split_for", "unsupported_reason"]
+__all__ = ["CLUSTERS", "KERNELS", "cluster_fits", "cuda_gemm_available", "default_cluster", "default_cuda_config",
+           "mxfp8_gemm_cuda", "split_for", "unsupported_reason"]
