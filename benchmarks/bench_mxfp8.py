@@ -1,17 +1,23 @@
-"""MXFP8 GEMMs on one GPU: our CUDA C++ kernel (kernels/mxfp8_gemm_cuda.py) and our Triton
-kernel (both promote per 32 of K) against cuBLAS' blockwise ``torch._scaled_mm`` (1×128
-activations, 128×128 weights: the R1 path), at
+"""MXFP8 GEMMs on one GPU: our CUDA C++ kernels (kernels/mxfp8_gemm_cuda.py: v1 and v2, the
+default) and our Triton kernel (all promote per 32 of K) against cuBLAS' blockwise
+``torch._scaled_mm`` (1×128 activations, 128×128 weights: the R1 path), at
 DeepSeek-V4.1-Flash shapes, and the output projection (inverse RoPE → wo_a → wo_b) fused,
 unfused and as HF's bf16 path, at TP1 and TP8 shard shapes.
 
     python3 -m benchmarks.bench_mxfp8                  # from the repo root (~4 min on an H200)
     python3 -m benchmarks.bench_mxfp8 --m 1 128 --o-proj-tokens --sweep --json out.json
+    python3 -m benchmarks.bench_mxfp8 --m 1024 8192 --o-proj-tokens --skip-triton --cuda-variants
+
+``--cuda-variants`` also times v2 in every CTA-cluster shape that fits (pairs along M share B's
+tile, along N A's, by TMA multicast) and v2's no-promotion diagnostic (the same pipeline without
+the per-32 scales: wrong numbers, its time is the pipeline's ceiling), in a second table.
 
 Correctness is checked first (first 256 rows against the float32 references on the same
 quantized operands). Each call is a CUDA-graph replay with the L2 emptied before it (a 256 MB
 read), median over ~40 ms of replays (benchmarks/bench_mla_decode.py's ``time_call``), and
-the median of three such rounds. "ours" is the default backend (CUDA on Hopper), "triton" the
-Triton kernel at its default tiles (or the best of ``--sweep``).
+the median of three such rounds. "v2" is the default backend (the CUDA kernel v2 on Hopper), "v1"
+the first CUDA kernel at the same tiles and K split, "triton" the Triton kernel at its default
+tiles (or the best of ``--sweep``).
 "GEMM" columns time the GEMM alone on pre-quantized inputs; "+quant" adds each path's
 activation quantization (ours: MXFP8 per 32; scaled_mm: 1×128 per token, M padded to 16).
 TFLOP/s = 2·M·N·K / time. The markdown tables come last.
@@ -35,7 +41,7 @@ from kernels.mxfp8_gemm import (
     mxfp8_gemm_reference,
     mxfp8_linear,
 )
-from kernels.mxfp8_gemm_cuda import cuda_gemm_available, default_cuda_config
+from kernels.mxfp8_gemm_cuda import CLUSTERS, cluster_fits, cuda_gemm_available, default_cuda_config
 from kernels.mxfp8_o_proj import inverse_rope_reference, mxfp8_o_proj, o_proj_reference
 from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
 from kernels.weight_formats import dequantize_fp8_blocks, quantize_fp8_blocks
@@ -76,7 +82,26 @@ def sweep_configs(m: int, n: int, k: int) -> list[dict]:
     return out
 
 
-def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool) -> dict:
+def cuda_variants(x8, xs, w8, ws, m: int, n: int, k: int) -> dict:
+    """v2's time (µs) in each cluster shape that fits, and without promotion (``nopromote``), at
+    the default tiles and K split; a shape that fails prints why and is left out."""
+    base = default_cuda_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
+    out = {}
+    if base["consumers"] != 2:
+        return out
+    cases = [(f"v2 {cm}x{cn}", {"cluster": (cm, cn)}) for cm, cn in CLUSTERS if cluster_fits((cm, cn), n, 1)]
+    cases += [(f"nopromote {cm}x{cn}", {"cluster": (cm, cn), "promote": False}) for cm, cn in ((1, 1), (2, 1))]
+    for name, extra in cases:
+        cfg = dict(base, kernel="v2", **extra)
+        try:
+            out[name] = timed(lambda cfg=cfg: mxfp8_gemm(x8, xs, w8, ws, config=cfg, backend="cuda")) * 1e6
+        except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
+            print(f"  M={m} N={n} K={k} {name} FAILED: {exc!r}", flush=True)
+    return out
+
+
+def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool, skip_triton: bool = False,
+                 variants: bool = False) -> dict:
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
@@ -91,14 +116,20 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool) -> dict:
     row = {"layer": layer, "M": m, "N": n, "K": k}
 
     ref = mxfp8_gemm_reference(x8[:r], xs[:r], w8, ws, out_dtype=torch.float32)
+    cuda = cuda_gemm_available()
     row["err_ours"] = rel_err(mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32)[:r], ref)
-    row["err_triton"] = rel_err(mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, backend="triton")[:r], ref)
+    if cuda:
+        y1 = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, config={"kernel": "v1"}, backend="cuda")
+        row["err_v1"] = rel_err(y1[:r], ref)
+        row["v2_equals_v1"] = bool(torch.equal(y1, mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32)))
+    if not skip_triton:
+        row["err_triton"] = rel_err(mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, backend="triton")[:r], ref)
     row["err_ours_vs_x"] = rel_err(mxfp8_linear(x[:r], w8, ws), x[:r].float() @ w.t())
     y_mm = fp8_block_linear(x, w8r, wsr, backend="scaled_mm")
     row["err_scaled_mm_vs_x"] = rel_err(y_mm[:r], x[:r].float() @ w.t())
 
-    configs = sweep_configs(m, n, k) if sweep else [default_config(m, n, k)]
-    best = None
+    configs = [] if skip_triton else sweep_configs(m, n, k) if sweep else [default_config(m, n, k)]
+    best = (float("nan"), None)
     for cfg in configs:
         try:
             t = timed(lambda cfg=cfg: mxfp8_gemm(x8, xs, w8, ws, config=cfg, backend="triton"))
@@ -109,10 +140,14 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool) -> dict:
             continue
         if sweep:
             print(f"  {layer} M={m} {cfg} {t * 1e6:.1f} us", flush=True)
-        if best is None or t < best[0]:
+        if best[1] is None or t < best[0]:
             best = (t, cfg)
     row["triton_us"], row["triton_config"] = best[0] * 1e6, best[1]
     row["ours_us"] = timed(lambda: mxfp8_gemm(x8, xs, w8, ws)) * 1e6
+    row["v1_us"] = timed(lambda: mxfp8_gemm(x8, xs, w8, ws, config={"kernel": "v1"}, backend="cuda")) * 1e6 \
+        if cuda else float("nan")
+    if variants and cuda:
+        row["variants_us"] = cuda_variants(x8, xs, w8, ws, m, n, k)
     if sweep and cuda_gemm_available():  # the CUDA kernel's tile heights and K splits
         base = default_cuda_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
         stages = -(-k // 128)
@@ -128,9 +163,11 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool) -> dict:
     row["mm_quant_us"] = timed(lambda: fp8_block_linear(x, w8r, wsr, backend="scaled_mm")) * 1e6
     flops = 2.0 * m * n * k
     row["ours_tflops"] = flops / row["ours_us"] / 1e6
+    row["v1_tflops"] = flops / row["v1_us"] / 1e6
     row["mm_tflops"] = flops / row["mm_us"] / 1e6
     row["triton_tflops"] = flops / row["triton_us"] / 1e6
     row["ratio"] = row["ours_tflops"] / row["mm_tflops"]
+    row["v2_over_v1"] = row["v1_us"] / row["ours_us"]
     print(json.dumps(row), flush=True)
     return row
 
@@ -177,13 +214,26 @@ def bench_o_proj(tp: str, t: int) -> dict:
 
 def markdown(rows: list[dict], o_rows: list[dict]) -> str:
     lines = [f"MXFP8 GEMM vs blockwise _scaled_mm on {torch.cuda.get_device_name()} (CUDA-graph replays, cold L2)",
-             "", ("| layer | M | N | K | ours µs | triton µs | scaled_mm µs | ours TFLOP/s | triton TFLOP/s |"
-             " scaled_mm TFLOP/s | ours/scaled_mm | ours+quant µs | scaled_mm+quant µs | rel. err |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", ("| layer | M | N | K | v1 µs | v2 µs | triton µs | scaled_mm µs | v1 TFLOP/s | v2 TFLOP/s |"
+             " triton TFLOP/s | scaled_mm TFLOP/s | v2/scaled_mm | v2/v1 | v2+quant µs | scaled_mm+quant µs |"
+             " rel. err | v2 = v1 |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['layer']} | {r['M']} | {r['N']} | {r['K']} | {r['ours_us']:.1f} | {r['triton_us']:.1f} | "
-                     f"{r['mm_us']:.1f} | {r['ours_tflops']:.0f} | {r['triton_tflops']:.0f} | {r['mm_tflops']:.0f} | "
-                     f"{r['ratio']:.2f} | {r['ours_quant_us']:.1f} | {r['mm_quant_us']:.1f} | {r['err_ours']:.1e} |")
+        lines.append(f"| {r['layer']} | {r['M']} | {r['N']} | {r['K']} | {r['v1_us']:.1f} | {r['ours_us']:.1f} | "
+                     f"{r['triton_us']:.1f} | {r['mm_us']:.1f} | {r['v1_tflops']:.0f} | {r['ours_tflops']:.0f} | "
+                     f"{r['triton_tflops']:.0f} | {r['mm_tflops']:.0f} | {r['ratio']:.2f} | {r['v2_over_v1']:.2f} | "
+                     f"{r['ours_quant_us']:.1f} | {r['mm_quant_us']:.1f} | {r['err_ours']:.1e} | "
+                     f"{r.get('v2_equals_v1', '-')} |")
+    with_variants = [r for r in rows if r.get("variants_us")]
+    if with_variants:
+        names = sorted({name for r in with_variants for name in r["variants_us"]})
+        lines += ["", "v2 by CTA cluster (along M x along N; TMA multicast of the shared operand) and without "
+                  "promotion (the pipeline's ceiling), TFLOP/s; scaled_mm for reference", "",
+                  "| layer | M | " + " | ".join(names) + " | scaled_mm |", "|---|---|" + "---|" * (len(names) + 1)]
+        for r in with_variants:
+            flops = 2.0 * r["M"] * r["N"] * r["K"]
+            cells = [f"{flops / r['variants_us'][n] / 1e6:.0f}" if n in r["variants_us"] else "-" for n in names]
+            lines.append(f"| {r['layer']} | {r['M']} | " + " | ".join(cells) + f" | {r['mm_tflops']:.0f} |")
     if o_rows:
         lines += ["", ("o_proj (inverse RoPE → wo_a → wo_b, V4.1-Flash, one rank): fused MXFP8 vs unfused MXFP8 "
                   "vs HF's bf16 path"), "", "| TP | T | fused µs | unfused µs | speedup | bf16 µs | fused err |",
@@ -197,8 +247,8 @@ def markdown(rows: list[dict], o_rows: list[dict]) -> str:
     prefill = [r for r in rows if r["M"] >= 1024]
     if prefill:
         worst = min(prefill, key=lambda r: r["ratio"])
-        lines.append(f"\nprefill (M ≥ 1024): lowest ours/scaled_mm {worst['ratio']:.2f} "
-                     f"({worst['layer']} M={worst['M']})")
+        lines.append(f"\nprefill (M ≥ 1024): lowest v2/scaled_mm {worst['ratio']:.2f} "
+                     f"({worst['layer']} M={worst['M']}; target ≥ 0.85)")
     return "\n".join(lines) + "\n"
 
 
@@ -210,13 +260,16 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true",
                     help="also time ~20 Triton tile configs and the CUDA kernel's tile heights and K splits per "
                          "shape (minutes: pair with a short --m)")
+    ap.add_argument("--skip-triton", action="store_true", help="leave the Triton GEMM out (saves its compiles)")
+    ap.add_argument("--cuda-variants", action="store_true",
+                    help="also time v2 in each CTA-cluster shape and without promotion (128-row tiles)")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows, o_rows = [], []
     for layer, n, k in SHAPES:
         for m in args.m:
             try:
-                rows.append(bench_linear(layer, m, n, k, args.sweep))
+                rows.append(bench_linear(layer, m, n, k, args.sweep, args.skip_triton, args.cuda_variants))
             except Exception as exc:  # noqa: BLE001 - one failing shape must not hide the others
                 print(f"{layer} M={m} FAILED: {exc!r}", flush=True)
     for tp in args.tp:

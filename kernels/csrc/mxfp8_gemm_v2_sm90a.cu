@@ -12,9 +12,9 @@
 // - wgmmas in flight across stages. A stage's four slices run promote 0, issue 2, promote 1,
 //   issue 3, promote 2, then the next stage's slice 0 goes in before this stage's slice 3 is
 //   promoted and its slice 1 right after (wgmma.wait_group 1 throughout, 0 only at a tile's last
-//   stage, whose epilogue then runs from the registers). The barrier waits and arrivals inside
-//   this window are single asm blocks (a spin loop or a predicated arrival): a C++ branch there
-//   reads to ptxas as a divergent path and it serializes every wgmma.
+//   stage, whose epilogue then runs from the registers). ptxas keeps them in flight (no C7510-
+//   C7518 serialization) given two things: the promotions' FMAs pinned before the next wgmma on
+//   their partial (fence_regs(acc)), and an explicit wgmma.wait_group 0 after the loop.
 // - Clusters of CM x CN CTAs (1 or 2 each) with TMA multicast: the CTAs of a cluster that share
 //   B (same columns, CM = 2) or A (same rows, CN = 2) each load half of that tile and multicast
 //   it to both, cutting the L2 -> SM bytes per output by 25 % (one pair) or 50 % (2 x 2). A stage
@@ -96,29 +96,10 @@ __device__ __forceinline__ void wgmma_m64n128k32_acc(float (&d)[64], uint64_t de
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }
 
-// Waits for the mbarrier phase `parity` in one asm block: the spin loop is no branch of the
-// program, so ptxas keeps the wgmmas in flight around it (a C++ loop around try_wait reads as a
-// divergent path and serializes them). A phase still open after 2^28 tries (seconds, where a
-// stage takes microseconds) is a protocol bug: trap, turning a hang into a launch error.
-template <bool kCluster>
-__device__ __forceinline__ void mbar_wait_inline(uint32_t bar, uint32_t parity) {
-  if (kCluster)
-    asm volatile(
-        "{\n.reg .pred p;\n.reg .u32 n;\nmov.u32 n, 0;\n"
-        "WAIT_%=:\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n@p bra.uni DONE_%=;\n"
-        "add.u32 n, n, 1;\nsetp.lt.u32 p, n, 268435456;\n@p bra.uni WAIT_%=;\ntrap;\nDONE_%=:\n}\n"
-        ::"r"(bar), "r"(parity) : "memory");
-  else
-    asm volatile(
-        "{\n.reg .pred p;\n.reg .u32 n;\nmov.u32 n, 0;\n"
-        "WAIT_%=:\nmbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n@p bra.uni DONE_%=;\n"
-        "add.u32 n, n, 1;\nsetp.lt.u32 p, n, 268435456;\n@p bra.uni WAIT_%=;\ntrap;\nDONE_%=:\n}\n"
-        ::"r"(bar), "r"(parity) : "memory");
-}
 // An arrival on a local (`remote` = false) or a cluster peer's mbarrier by the threads with
-// `pred`, predicated inside the asm (no divergent branch in the wgmma window). Release at CTA
-// scope, as CUTLASS's cluster barriers do: what it orders are this warp's wgmma reads of the stage,
-// complete at wgmma.wait_group; .release.cluster would add a GPU-wide MEMBAR to every stage.
+// `pred`. Release at CTA scope, as CUTLASS's cluster barriers do: what it orders are this warp's
+// wgmma reads of the stage, complete at wgmma.wait_group (mbar_arrive_remote's .release.cluster
+// puts a GPU-wide MEMBAR before every arrival).
 template <bool kRemote>
 __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
   if (kRemote)
@@ -238,7 +219,7 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
         const int ka0 = (w.n0_cluster / p.n_group) * p.k_group;  // this cluster's group's first K column of A
         for (int it = w.split * kps, end = it + kps; it < end; ++it, ++g) {
           const int s = g % P::kStages, round = g / P::kStages;
-          if (round > 0) mbar_wait_inline<false>(empty0 + 8 * s, (round - 1) & 1);
+          if (round > 0) mbar_wait_or_trap<false>(empty0 + 8 * s, (round - 1) & 1);
           const uint32_t bar = full0 + 8 * s;
           mbar_arm(bar, P::kStageBytes);  // both operands whole, whichever CTA of the cluster loads each half
           const uint32_t a_dst = ring + s * P::kStageBytes, b_dst = a_dst + P::kABytes;
@@ -257,7 +238,7 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
         const int ka0 = (w.n0_cluster / p.n_group) * p.k_group;
         for (int it = w.split * kps, end = it + kps; it < end; ++it, ++g) {
           const int s = g % P::kStages, round = g / P::kStages;
-          if (round > 0) mbar_wait_inline<false>(empty0 + 8 * s, (round - 1) & 1);
+          if (round > 0) mbar_wait_or_trap<false>(empty0 + 8 * s, (round - 1) & 1);
           const uint32_t bar = full0 + 8 * s;
           uint32_t* words = words_g + s * P::kScaleWords;
           const int kb = it * (kBlockK / 32);  // the stage's first slice
@@ -317,7 +298,7 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
     if (!kPromote) {  // diagnostic: the tensor cores accumulate the four slices, no scales
       for (int i = 0; i < total; ++i) {
         const int s = i % P::kStages;
-        mbar_wait_inline<false>(full0 + 8 * s, (i / P::kStages) & 1);
+        mbar_wait_or_trap<false>(full0 + 8 * s, (i / P::kStages) & 1);
         wgmma_fence();
 #pragma unroll
         for (int j = 0; j < 4; ++j)
@@ -341,7 +322,7 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
       uint32_t buf = scratch, buf1 = scratch + P::kScratchBytesPerWarp / 2;  // this stage's products, the next one's
       // a unit's first stage: wait for it, its products, slices 0 and 1 in flight
       auto begin_stage = [&]() {
-        mbar_wait_inline<false>(full0 + 8 * s, phase);
+        mbar_wait_or_trap<false>(full0 + 8 * s, phase);
         stage_products<P::kBlockM>(words0 + 4 * s * P::kScaleWords, row_local, buf, lane);
         __syncwarp();
         const uint32_t a_lo = a_lo0 + s * kStageDesc, b_lo = b_lo0 + s * kStageDesc;
@@ -361,7 +342,7 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
         fence_regs(part0);
         promote_slice(acc, part0, buf, 0, lane);
         if (unit_goes_on) {  // the next stage's products, while part0 is free (fewest live registers)
-          mbar_wait_inline<false>(full0 + 8 * s1, phase1);
+          mbar_wait_or_trap<false>(full0 + 8 * s1, phase1);
           stage_products<P::kBlockM>(words0 + 4 * s1 * P::kScaleWords, row_local, buf1, lane);
           __syncwarp();
         }
