@@ -341,14 +341,14 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
         wgmma_wait<1>();
         fence_regs(part0);
         promote_slice(acc, part0, buf, 0, lane);
-        if (unit_goes_on) {  // the next stage's products, while part0 is free (fewest live registers)
+        wgmma_fence();
+        wgmma_m64n128k32_set(part0, desc(a_lo + 4), desc(b_lo + 4));
+        wgmma_commit();
+        if (unit_goes_on) {  // the next stage's products, under slices 1 and 2
           mbar_wait_or_trap<false>(full0 + 8 * s1, phase1);
           stage_products<P::kBlockM>(words0 + 4 * s1 * P::kScaleWords, row_local, buf1, lane);
           __syncwarp();
         }
-        wgmma_fence();
-        wgmma_m64n128k32_set(part0, desc(a_lo + 4), desc(b_lo + 4));
-        wgmma_commit();
         wgmma_wait<1>();
         fence_regs(part1);
         promote_slice(acc, part1, buf, 1, lane);
