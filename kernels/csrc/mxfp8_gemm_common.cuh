@@ -78,6 +78,23 @@ __device__ __forceinline__ uint32_t scale_word_bytes(const uint8_t* row, int val
   return w;
 }
 
+// The bf16 output of a consumer thread's tile accumulators (epilogue's MODE_BF16 alone: few live
+// registers, for a kernel that keeps wgmmas in flight meanwhile).
+__device__ __forceinline__ void epilogue_bf16(const GemmParams& p, const float (&acc)[64], int r0, int n0, int t) {
+  const int col0 = n0 + 2 * (t % 4);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r0 + 8 * r;
+    if (row >= p.m) continue;
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + static_cast<long long>(row) * p.ldc + col0;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if (col0 + 8 * i >= p.n) continue;  // n is even: both columns or neither
+      *reinterpret_cast<__nv_bfloat162*>(out + 8 * i) = __floats2bfloat162_rn(acc[4 * i + 2 * r], acc[4 * i + 2 * r + 1]);
+    }
+  }
+}
+
 // Writes a consumer thread's tile accumulators: 4i + 2r + e is (row r0 + 8r, column
 // n0 + 8i + 2(t % 4) + e), t the thread's index in its warpgroup.
 __device__ __forceinline__ void epilogue(const GemmParams& p, float (&acc)[64], int r0, int n0, int split, int t) {

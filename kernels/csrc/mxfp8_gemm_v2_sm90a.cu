@@ -320,11 +320,9 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
       int s = 0, s1 = P::kStages > 1 ? 1 : 0;
       uint32_t phase = 0, phase1 = P::kStages > 1 ? 0 : 1;
       uint32_t buf = scratch, buf1 = scratch + P::kScratchBytesPerWarp / 2;  // this stage's products, the next one's
-      // a unit's first stage: wait for it, its products, slices 0 and 1 in flight
+      // a unit's first stage: wait for it, slices 0 and 1 in flight, and (separately) its products
       auto begin_stage = [&]() {
         mbar_wait_or_trap<false>(full0 + 8 * s, phase);
-        stage_products<P::kBlockM>(words0 + 4 * s * P::kScaleWords, row_local, buf, lane);
-        __syncwarp();
         const uint32_t a_lo = a_lo0 + s * kStageDesc, b_lo = b_lo0 + s * kStageDesc;
         wgmma_fence();
         wgmma_m64n128k32_set(part0, desc(a_lo), desc(b_lo));
@@ -332,7 +330,12 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
         wgmma_m64n128k32_set(part1, desc(a_lo + 2), desc(b_lo + 2));
         wgmma_commit();
       };
+      auto begin_products = [&]() {
+        stage_products<P::kBlockM>(words0 + 4 * s * P::kScaleWords, row_local, buf, lane);
+        __syncwarp();
+      };
       begin_stage();
+      begin_products();
       for (int i = 0; i < total; ++i) {
         // slices 0 and 1 of stage i (ring slot s) are in flight; its products are in `buf`
         const bool unit_goes_on = in_unit + 1 < kps;
@@ -383,11 +386,17 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
           ++in_unit;
         } else {  // the unit's tile is complete
           const ClusterUnit w = consumer_unit<P::kBlockM, CM, CN>(p, units_done++);
-          epilogue(p, acc, w.m0 + row_local, w.n0, w.split, t);
+          if (p.mode == MODE_BF16 && i + 1 < total) {  // the next tile's first slices run under this one's stores
+            begin_stage();
+            epilogue_bf16(p, acc, w.m0 + row_local, w.n0, t);
+          } else {
+            epilogue(p, acc, w.m0 + row_local, w.n0, w.split, t);
+            if (i + 1 < total) begin_stage();
+          }
 #pragma unroll
           for (int e = 0; e < 64; ++e) acc[e] = 0.f;
+          if (i + 1 < total) begin_products();
           in_unit = 0;
-          if (i + 1 < total) begin_stage();
         }
       }
       wgmma_wait<0>();  // nothing is in flight here (the last stage waited for all): said for ptxas's sake
