@@ -435,7 +435,7 @@ int launch_v2(const GemmParams* p, const void* a, long long lda, long long a_col
   cfg.dynamicSmemBytes = P::kSmemBytes;
   cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = kCluster > 1 ? 1 : 0;  // a plain launch without clusters
   // persistent: as many clusters as can be resident at once (GPCs may not hold a multiple of the cluster size)
   static int resident[16] = {};
   int clusters = sms / kCluster;
