@@ -217,6 +217,9 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
       for (int u = cluster_id; u < cluster_units; u += clusters) {
         const ClusterUnit w = ClusterUnit::make<P::kBlockM, CM, CN>(u, tiles_m, tiles_n, cm, cn);
         const int ka0 = (w.n0_cluster / p.n_group) * p.k_group;  // this cluster's group's first K column of A
+        // a cluster's tile past M (or N) still runs, its rows unscaled (scale words 0) and unwritten:
+        // it loads rows that exist rather than a box wholly outside the tensor
+        const int m0 = w.m0 < p.m ? w.m0 : 0, n0 = w.n0 < p.n ? w.n0 : 0;
         for (int it = w.split * kps, end = it + kps; it < end; ++it, ++g) {
           const int s = g % P::kStages, round = g / P::kStages;
           if (round > 0) mbar_wait_or_trap<false>(empty0 + 8 * s, (round - 1) & 1);
@@ -224,10 +227,10 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
           mbar_arm(bar, P::kStageBytes);  // both operands whole, whichever CTA of the cluster loads each half
           const uint32_t a_dst = ring + s * P::kStageBytes, b_dst = a_dst + P::kABytes;
           const int k = ka0 + it * kBlockK;
-          if (CN == 1) tma_load_2d(a_dst, &map_a, k, w.m0, bar);
-          else tma_load_2d_multicast(a_dst + cn * (P::kABytes / 2), &map_a, k, w.m0 + cn * (P::kBlockM / 2), bar, mask_a);
-          if (CM == 1) tma_load_2d(b_dst, &map_b, it * kBlockK, w.n0, bar);
-          else tma_load_2d_multicast(b_dst + cm * (P::kBBytes / 2), &map_b, it * kBlockK, w.n0 + cm * (kBlockN / 2), bar,
+          if (CN == 1) tma_load_2d(a_dst, &map_a, k, m0, bar);
+          else tma_load_2d_multicast(a_dst + cn * (P::kABytes / 2), &map_a, k, m0 + cn * (P::kBlockM / 2), bar, mask_a);
+          if (CM == 1) tma_load_2d(b_dst, &map_b, it * kBlockK, n0, bar);
+          else tma_load_2d_multicast(b_dst + cm * (P::kBBytes / 2), &map_b, it * kBlockK, n0 + cm * (kBlockN / 2), bar,
                                      mask_b);
         }
       }
