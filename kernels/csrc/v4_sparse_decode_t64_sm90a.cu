@@ -301,7 +301,8 @@ __device__ __forceinline__ void lead_consumer(const ConsumerCtx& x) {
     wgmma_wait<0>();
     fence_regs(s);
     // Scores in log2 units; rows 16 warp + g + 8i, records 8j + 2q4 + e at s[4j + 2i + e].
-    const bool entry = (F0 == F1 ? F0 : (x.tile0 + t < p.scope[0].tiles ? F0 : F1)) == kFmtEntry;
+    constexpr bool kEntries = F0 == kFmtEntry || F1 == kFmtEntry;
+    const bool entry = kEntries && (F0 == F1 ? F0 : (x.tile0 + t < p.scope[0].tiles ? F0 : F1)) == kFmtEntry;
     float mx[2];
     scale_and_row_max<8>(s, x.bias_s + st * kT, entry ? p.scale_log2 * kEntryScoreScale : p.scale_log2, q4, mx);
     const bool move[2] = {mx[0] > m_ref[0] + kRescaleSlack, mx[1] > m_ref[1] + kRescaleSlack};
