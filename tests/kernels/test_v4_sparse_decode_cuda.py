@@ -241,7 +241,7 @@ def test_registry_auto_picks_cuda_for_v4_records():
     spec = AttentionSpec(dev, torch.uint8, 64, 512, 64, 64, SCALE, torch.bfloat16, 2)
     backend = select_v4_decode_backend("auto", spec, ("v4",))
     assert backend.name == "cuda"
-    assert select_v4_decode_backend("auto", spec, ("v4", "v41_entry")).name == "triton"
+    assert select_v4_decode_backend("auto", spec, ("v4", "bf16")).name == "triton"  # bf16 rows: Triton
     small = AttentionSpec(dev, torch.uint8, 16, 512, 64, 64, SCALE, torch.bfloat16, 2)
     assert select_v4_decode_backend("auto", small, ("v4",)).name == "cuda"
     # one-record row caches (the serving pools), both kernels; a cache on 4 bytes is refused
