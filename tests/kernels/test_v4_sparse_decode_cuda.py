@@ -148,6 +148,41 @@ def test_registry_routes_v41_records_to_the_cuda_kernels(monkeypatch):
     assert calls[0][1]["variant"] == "v2" and calls[0][1]["cluster"] is False
 
 
+def _e2m1_words_as_f16(w: torch.Tensor) -> torch.Tensor:
+    """Mirror of ``e2m1x8_to_f16_biased`` (kernels/csrc/v4_sparse_decode_common.cuh) on int64 words
+    [n]: [n, 8] fp16 values, each e2m1 code's value times 2^-14."""
+    m32, sign = 0xFFFFFFFF, 0x80808080
+
+    def mux(x, y):  # lop3 0xCA with the sign mask
+        return ((x & sign) | (y & ~sign)) & m32
+
+    a, b = mux(w << 4, w << 1), mux(w, w >> 3)
+    out = []
+    for k in range(4):  # __byte_perm(a, b, k | k << 4 | k << 8 | (4 + k) << 12) & 0x8E008E00
+        h = ((((a >> (8 * k)) & 0xFF) << 8) | (((b >> (8 * k)) & 0xFF) << 24)) & 0x8E008E00
+        out += [h & 0xFFFF, h >> 16]
+    return torch.stack(out, -1).to(torch.int16).view(torch.float16)
+
+
+def test_v41_entry_dequantization_is_exact_in_fp16():
+    """The kernels' e2m1 placement gives every code of every position (value x 2^-14, the subnormal
+    code included), and every code times every finite e4m3 scale x 2^7 is exact in fp16: entry tiles
+    hold K x 2^-7 without rounding (the issue's error budget is then V4's: fp16 P, bf16 out)."""
+    from kernels.microscaling import fp4_codes_to_float
+
+    gen = torch.Generator().manual_seed(0)
+    words = torch.cat([torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64),
+                       torch.arange(16).repeat_interleave(8) << (4 * torch.arange(8).repeat(16))])
+    codes = (words.unsqueeze(-1) >> (4 * torch.arange(8))) & 0xF
+    want = fp4_codes_to_float(codes.to(torch.uint8)).double() * 2.0**-14
+    assert torch.equal(_e2m1_words_as_f16(words).double(), want)
+    scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float16)
+    scales = scales[torch.isfinite(scales) & (scales >= 0)] * 128  # exact: at most 448 * 128
+    values = _e2m1_words_as_f16(torch.arange(16) * 0x11111111)[:, 0]  # the 16 codes, x 2^-14
+    got = (values.view(-1, 1) * scales.view(1, -1)).double()  # fp16 products, as HMUL2
+    assert torch.equal(got, values.double().view(-1, 1) * scales.double().view(1, -1))
+
+
 # ----------------------------------------------------------------------------- GPU
 
 GPU_CASES = [  # (variant, B, s_q, H, top-k, page size of the entries, cluster)
