@@ -121,21 +121,22 @@ __host__ __device__ constexpr int v41_value_bytes(int f) { return f == kFmtWindo
 // An entry tile holds K * 2^-kEntryShift in fp16, which makes every e2m1 value times its e4m3 scale
 // exact there (at most 6 * 448 * 2^-7 = 21, bits down to 2^-1 * 2^-9 * 2^-7 = 2^-17; at K's own
 // scale, 2^14 * value * scale would not fit): its consumers scale the scores by 2^7 and P by 2^7
-// (P <= 2^8 by the lazy maximum, so P * 2^7 <= 2^15 fits fp16 too), and the row sums by nothing.
+// (P <= 2^8 by the lazy maximum, so P * 2^7 <= 2^15 fits fp16 too), and the row sums, taken from
+// that P, by 2^-7.
 constexpr float kEntryShift = 7.f;
 constexpr float kEntryScoreScale = 128.f, kEntrySumScale = 1.f / 128.f;
 
-// 8 e2m1 codes (a word, code 2k in the low nibble of byte k) as 4 fp16 pairs in natural order, each
-// value times 2^-14: the code's sign, exponent and mantissa bits placed at fp16's bits 15, 10-11 and
-// 9 (exact, the subnormal code 0.5 included). Bytes a / b hold each pair's even / odd code at bit 7
-// (sign) and bits 1-3 (magnitude); the permute puts them in the high bytes of the two halves. 13
-// integer ops per 8 codes, no conversion unit, no branch.
 // (x & 0x80808080) | (y & 0x7F7F7F7F) in one LOP3 (the compiler splits it in two).
 __device__ __forceinline__ uint32_t sign_bits_from(uint32_t x, uint32_t y) {
   uint32_t d;
   asm("lop3.b32 %0, %1, %2, %3, 0xCA;\n" : "=r"(d) : "n"(0x80808080u), "r"(x), "r"(y));
   return d;
 }
+// 8 e2m1 codes (a word, code 2k in the low nibble of byte k) as 4 fp16 pairs in natural order, each
+// value times 2^-14: the code's sign, exponent and mantissa bits placed at fp16's bits 15, 10-11 and
+// 9 (exact, the subnormal code 0.5 included). Bytes a / b hold each pair's even / odd code at bit 7
+// (sign) and bits 1-3 (magnitude); the permute puts them in the high bytes of the two halves. 13
+// integer ops per 8 codes, no conversion unit, no branch.
 __device__ __forceinline__ void e2m1x8_to_f16_biased(uint32_t w, uint32_t (&h)[4]) {
   const uint32_t a = sign_bits_from(w << 4, w << 1), b = sign_bits_from(w, w >> 3);
 #pragma unroll

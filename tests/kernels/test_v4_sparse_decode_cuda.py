@@ -329,40 +329,6 @@ def pages_on_8_bytes(scope: SparseKV) -> SparseKV:
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("bsz,s_q,heads,wpage,topk,epage", [
-    pytest.param(*c, id=f"v41-{kernel_id('v2', c[2], family='v41')}-B{c[0]}-sq{c[1]}-k{c[4]}-pages{c[3]}/{c[5]}")
-    for c in V41_CASES])
-def test_cuda_v41_matches_float64(bsz, s_q, heads, wpage, topk, epage):
-    """Window 128 rows + top-k entries (lengths, partial tiles, −1 picks), unreferenced records NaN:
-    the planned splits, one split and three; the scopes in the other order; pages on 8 bytes."""
-    q, scopes, sinks = make_case(bsz, s_q, heads, [(128, "v41_window", wpage, False), (topk, "v41_entry", epage, True)],
-                                 seed=heads + topk + s_q, device="cuda")
-    want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
-    runs = [(scopes, splits) for splits in (None, 1, 3)]
-    runs += [(scopes[::-1], None), ([pages_on_8_bytes(sc) for sc in scopes], 3)]
-    for i, (sc, splits) in enumerate(runs):
-        out, lse = v4c.v4_sparse_decode_cuda(q, sc, sinks, SCALE, num_splits=splits, variant="v2")
-        assert not out.isnan().any() and not lse.isnan().any(), i
-        assert (lse.double() - want_lse).abs().max().item() < LSE_TOL, i
-        assert rel_err(out, want) <= REL_TOL, (i, rel_err(out, want))
-
-
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("heads", [pytest.param(h, id=f"v41-{kernel_id('v2', h, family='v41')}") for h in (8, 64)])
-@pytest.mark.parametrize("record", ["v41_window", "v41_entry"])
-def test_cuda_v41_one_scope_scale_spread(record, heads):
-    """One scope of one format (a window-only layer; entries alone), per-64-dim blocks over 12
-    binades, no sinks, forced 5 splits."""
-    q, scopes, _ = make_case(3, 2, heads, [(700, record, 64, True)], seed=5, device="cuda", block_spread=8)
-    want, want_lse = v4_sparse_decode_reference(q, scopes, None, SCALE, compute_dtype=torch.float64)
-    out, lse = v4c.v4_sparse_decode_cuda(q, scopes, None, SCALE, num_splits=5, variant="v2")
-    assert rel_err(out, want) <= REL_TOL
-    assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
-
-
-@pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("heads", [pytest.param(h, id=f"v41-{kernel_id('v2', h, family='v41')}") for h in (8, 64)])
 def test_cuda_v41_dequantizes_exactly(heads):
     """One valid pick per query token and no sink: out is that record, so every dequantized value
@@ -395,6 +361,40 @@ def test_cuda_v41_dequantizes_exactly(heads):
                           unpack_records(entries.cpu(), "v41_entry")[:, 0]])  # [2, n, 512]
     want = values[(~in_window).long(), pick].bfloat16()  # [B, s_q, 512]
     assert torch.equal(out.cpu(), want.unsqueeze(2).expand_as(out))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("bsz,s_q,heads,wpage,topk,epage", [
+    pytest.param(*c, id=f"v41-{kernel_id('v2', c[2], family='v41')}-B{c[0]}-sq{c[1]}-k{c[4]}-pages{c[3]}/{c[5]}")
+    for c in V41_CASES])
+def test_cuda_v41_matches_float64(bsz, s_q, heads, wpage, topk, epage):
+    """Window 128 rows + top-k entries (lengths, partial tiles, −1 picks), unreferenced records NaN:
+    the planned splits, one split and three; the scopes in the other order; pages on 8 bytes."""
+    q, scopes, sinks = make_case(bsz, s_q, heads, [(128, "v41_window", wpage, False), (topk, "v41_entry", epage, True)],
+                                 seed=heads + topk + s_q, device="cuda")
+    want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
+    runs = [(scopes, splits) for splits in (None, 1, 3)]
+    runs += [(scopes[::-1], None), ([pages_on_8_bytes(sc) for sc in scopes], 3)]
+    for i, (sc, splits) in enumerate(runs):
+        out, lse = v4c.v4_sparse_decode_cuda(q, sc, sinks, SCALE, num_splits=splits, variant="v2")
+        assert not out.isnan().any() and not lse.isnan().any(), i
+        assert (lse.double() - want_lse).abs().max().item() < LSE_TOL, i
+        assert rel_err(out, want) <= REL_TOL, (i, rel_err(out, want))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("heads", [pytest.param(h, id=f"v41-{kernel_id('v2', h, family='v41')}") for h in (8, 64)])
+@pytest.mark.parametrize("record", ["v41_window", "v41_entry"])
+def test_cuda_v41_one_scope_scale_spread(record, heads):
+    """One scope of one format (a window-only layer; entries alone), per-64-dim blocks over 12
+    binades, no sinks, forced 5 splits."""
+    q, scopes, _ = make_case(3, 2, heads, [(700, record, 64, True)], seed=5, device="cuda", block_spread=8)
+    want, want_lse = v4_sparse_decode_reference(q, scopes, None, SCALE, compute_dtype=torch.float64)
+    out, lse = v4c.v4_sparse_decode_cuda(q, scopes, None, SCALE, num_splits=5, variant="v2")
+    assert rel_err(out, want) <= REL_TOL
+    assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
 
 
 @pytest.mark.gpu
