@@ -1,5 +1,5 @@
-"""V4 sparse FP8 decode: our Triton and CUDA C++ kernels vs FlashMLA's SM90 sparse decode on the
-same MODEL1 tensors, in one process.
+"""V4 / V4.1 sparse FP8 decode: our Triton and CUDA C++ kernels vs FlashMLA's SM90 sparse decode on
+the same MODEL1 tensors, and on V4.1's records (``--records v41``), in one process.
 
 Each case: B requests x s_q query tokens x H heads; per query token 128 window rows (a cache
 of 64-record pages) plus top-k compressed entries picked at random from 4096 per request (a
@@ -12,13 +12,19 @@ server would pay). FlashMLA is used when its build is at ``.flashmla/`` (``--fla
 else skipped.
 
     python3 benchmarks/bench_v4_sparse_decode.py [--quick] [--sweep] [--reps 30] [--heads 8 16]
-        [--topk 512 2048] [--s-q 1] [--variants triton cuda cuda_v2]
+        [--topk 512 2048] [--s-q 1] [--variants triton cuda cuda_v2] [--records v4 v41]
 
 ``--variants`` picks our kernels (default all): ``triton`` (its default config, and the sweep),
 ``cuda`` (kernels/v4_sparse_decode_cuda.py, variant v1), ``cuda_v2`` (variant v2; at 65-128
 heads also ``cuda_v2_nocluster``, its two head blocks as independent CTAs) — each checked, then
 timed, like the others. Targets (the last column): at 64+ heads ≥ 1.2× FlashMLA's TFLOP/s, at up
 to 16 heads ≤ 1/3 of its time and ≥ 80 % of the HBM roofline for the bytes read.
+
+``--records v41``: the same cases on V4.1's records (window rows 528 B: e4m3 with a UE8M0 scale per 32
+dims; entries 288 B: e2m1 with an e4m3 scale per 16 dims) in pages of 64, for ``triton`` and
+``cuda_v2`` (v1 and FlashMLA read MODEL1 records only: FlashMLA's V4.1 record formats are its SM100
+kernels'), with bytes = 128 · 528 + top-k · 288 per query token; its own table, whose last column is
+the time over that of V4 records on the same shape (``cuda_v2``, when both ran in the process).
 
 The main columns are the default config (what ``auto`` runs); with ``--sweep`` every variant of
 ``SWEEP`` and the kernel's first shapes (``legacy``) are timed too, the table shows legacy and the
@@ -36,8 +42,8 @@ import os
 import torch
 
 from benchmarks.bench_mla_decode import import_flashmla, time_call
-from kernels.v4_cache_formats import V4_RECORD_BYTES
-from kernels.v4_sparse_decode import SparseKV, pack_v4_cache, v4_sparse_decode_reference
+from kernels.v4_cache_formats import pack_v41_entries, pack_v41_window_rows
+from kernels.v4_sparse_decode import RECORD_BYTES, SparseKV, pack_v4_cache, v4_sparse_decode_reference
 from kernels.v4_sparse_decode_cuda import uses_cluster, v4_sparse_decode_cuda
 from kernels.v4_sparse_decode_triton import (SparseDecodeConfig, default_config, resolve_config,
                                              v4_sparse_decode_triton)
@@ -74,20 +80,26 @@ def sweep_configs(heads: int, sweep: bool) -> dict[str, SparseDecodeConfig]:
     return cfgs
 
 
-def build_case(bsz: int, s_q: int, heads: int, topk: int, seed: int = 0):
+# (window record, entry record, packer of each) per record family
+FAMILIES = {"v4": ("v4", "v4", pack_v4_cache, pack_v4_cache),
+            "v41": ("v41_window", "v41_entry", pack_v41_window_rows, pack_v41_entries)}
+
+
+def build_case(bsz: int, s_q: int, heads: int, topk: int, seed: int = 0, records: str = "v4"):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dev = "cuda"
+    w_rec, e_rec, w_pack, e_pack = FAMILIES[records]
     w_pages = -(-bsz * WINDOW // PAGE)
     e_pages = -(-bsz * ENTRIES_PER_REQUEST // PAGE)
-    window = pack_v4_cache(torch.randn(w_pages, PAGE, 512, device=dev, generator=gen))
-    entries = pack_v4_cache(torch.randn(e_pages, PAGE, 512, device=dev, generator=gen))
+    window = w_pack(torch.randn(w_pages, PAGE, 512, device=dev, generator=gen))
+    entries = e_pack(torch.randn(e_pages, PAGE, 512, device=dev, generator=gen))
     w_idx = (torch.arange(bsz, device=dev).view(-1, 1, 1) * WINDOW + torch.arange(WINDOW, device=dev)).expand(
         bsz, s_q, WINDOW).to(torch.int32).contiguous()
     picks = torch.rand(bsz, s_q, ENTRIES_PER_REQUEST, device=dev, generator=gen).argsort(-1)[..., :topk]
     e_idx = (torch.arange(bsz, device=dev).view(-1, 1, 1) * ENTRIES_PER_REQUEST + picks).to(torch.int32).contiguous()
     q = torch.randn(bsz, s_q, heads, 512, device=dev, generator=gen).to(torch.bfloat16)
     sinks = torch.randn(heads, device=dev, generator=gen)
-    return q, [SparseKV(window, w_idx, "v4"), SparseKV(entries, e_idx, "v4")], sinks
+    return q, [SparseKV(window, w_idx, w_rec), SparseKV(entries, e_idx, e_rec)], sinks
 
 
 def flashmla_call(flash_mla, q, scopes, sinks):
@@ -129,15 +141,20 @@ CUDA_ARMS = {"cuda": {"variant": "v1"}, "cuda_v2": {"variant": "v2"},
              "cuda_v2_nocluster": {"variant": "v2", "cluster": False}}
 
 
-def bench_case(bsz, s_q, heads, topk, flash_mla, sweep: bool, reps: int, variants=("triton", "cuda")) -> dict:
-    q, scopes, sinks = build_case(bsz, s_q, heads, topk, seed=bsz + s_q + heads + topk)
+def bench_case(bsz, s_q, heads, topk, flash_mla, sweep: bool, reps: int, variants=("triton", "cuda"),
+               records: str = "v4") -> dict:
+    q, scopes, sinks = build_case(bsz, s_q, heads, topk, seed=bsz + s_q + heads + topk, records=records)
     n = REF_REQUESTS
     sub = [SparseKV(s.cache, s.indices[:n], s.record) for s in scopes]
     want, want_lse = v4_sparse_decode_reference(q[:n], sub, sinks, SCALE, compute_dtype=torch.float64)
     keys = WINDOW + topk
     flops = 2 * bsz * s_q * heads * keys * 1024
-    nbytes = bsz * s_q * keys * V4_RECORD_BYTES + q.numel() * 2 * 2
-    row = {"B": bsz, "s_q": s_q, "H": heads, "topk": topk, "ours": []}
+    record_bytes = WINDOW * RECORD_BYTES[scopes[0].record] + topk * RECORD_BYTES[scopes[1].record]
+    nbytes = bsz * s_q * record_bytes + q.numel() * 2 * 2
+    row = {"B": bsz, "s_q": s_q, "H": heads, "topk": topk, "records": records, "ours": []}
+    if records != "v4":  # v1 and FlashMLA read MODEL1 records only
+        variants = tuple(v for v in variants if v in ("triton", "cuda_v2"))
+        flash_mla = None
     out = torch.empty(bsz, s_q, heads, 512, dtype=torch.bfloat16, device="cuda")
     lse = torch.empty(bsz, s_q, heads, device="cuda")
     for name, cfg in (sweep_configs(heads, sweep) if "triton" in variants else {}).items():
@@ -164,7 +181,7 @@ def bench_case(bsz, s_q, heads, topk, flash_mla, sweep: bool, reps: int, variant
                    legacy_us=legacy["us"] if legacy else None)
     for arm, kwargs in CUDA_ARMS.items():
         wanted = arm in variants or (arm == "cuda_v2_nocluster" and "cuda_v2" in variants)
-        if wanted and (arm != "cuda_v2_nocluster" or uses_cluster("v2", heads)):
+        if wanted and (arm != "cuda_v2_nocluster" or (records == "v4" and uses_cluster("v2", heads))):
             row[arm] = cuda_arm(q, scopes, sinks, out, lse, want, want_lse, flops, nbytes, reps, **kwargs)
     if flash_mla is not None:
         fm = flashmla_call(flash_mla, q, scopes, sinks)
@@ -204,6 +221,7 @@ def cuda_arm(q, scopes, sinks, out, lse, want, want_lse, flops, nbytes, reps, **
 
 
 def cases(quick: bool, topks=None, s_qs=None):
+    """(B, s_q, H, top-k) of a run: 64 and 128 heads, then 8 and 16."""
     for heads in (64, 128):
         for topk in topks or ((512, 2048) if quick else (512, 1024, 2048)):
             for bsz in ((128,) if quick else (64, 128)):
@@ -238,6 +256,25 @@ def fmt(r: dict) -> str:
     return f"{r['H']:4d} {r['topk']:5d} {r['B']:4d} {r['s_q']:3d} | {tri} | {' | '.join(cu_s)} | {fm_s}"
 
 
+def error_line(r: dict) -> str:
+    return f"{r['H']:4d} {r['topk']:5d} {r['B']:4d} {r['s_q']:3d} | {r['error']}"
+
+
+def fmt_v41(r: dict, v4_rows: list[dict]) -> str:
+    """A V4.1 row: Triton, CUDA v2, their ratio, and CUDA v2's time over its time on V4 records."""
+    tri = f"{r['us']:9.1f} {r['hbm_pct']:5.1f}% {r['rel_err']:.1e}" if "us" in r else f"{'-':>9} {'-':>6} {'-':>7}"
+    cu = r.get("cuda_v2", {})
+    if "us" in cu:
+        cu_s = f"{cu['us']:10.1f} {cu['tflops']:7.1f} {cu['hbm_pct']:5.1f}% {cu['rel_err']:.1e}"
+        speed = f"{r['us'] / cu['us']:10.2f}x" if "us" in r else f"{'-':>11}"
+    else:
+        cu_s, speed = f"{cu.get('error', '-')[:36]:>36}", f"{'-':>11}"
+    same = next((v for v in v4_rows if (v["H"], v["topk"], v["B"], v["s_q"]) == (r["H"], r["topk"], r["B"], r["s_q"])
+                 and "us" in v.get("cuda_v2", {})), None)
+    vs_v4 = f"{cu['us'] / same['cuda_v2']['us']:6.2f}" if same is not None and "us" in cu else "     -"
+    return f"{r['H']:4d} {r['topk']:5d} {r['B']:4d} {r['s_q']:3d} | {tri} | {cu_s} | {speed} | {vs_v4}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="B=128 and top-k 512/2048 only")
@@ -250,27 +287,41 @@ def main() -> None:
     ap.add_argument("--s-q", type=int, nargs="*", help="only these query tokens per request (default 1 2)")
     ours = ("triton", "cuda", "cuda_v2")
     ap.add_argument("--variants", nargs="+", choices=ours, default=ours, help="which of our kernels to check and time")
+    ap.add_argument("--records", nargs="+", choices=tuple(FAMILIES), default=("v4",),
+                    help="record family of the caches: v4 (MODEL1, all arms), v41 (window rows + entries)")
     args = ap.parse_args()
-    flash_mla = None if args.no_flashmla else import_flashmla(args.flashmla)
+    flash_mla = None if args.no_flashmla or args.records == ["v41"] else import_flashmla(args.flashmla)
     rows = []
     for bsz, s_q, heads, topk in cases(args.quick, args.topk, args.s_q):
         if args.heads and heads not in args.heads:
             continue
-        try:
-            rows.append(bench_case(bsz, s_q, heads, topk, flash_mla, args.sweep, args.reps, tuple(args.variants)))
-        except Exception as exc:  # noqa: BLE001 — one failing case must not lose the others
-            rows.append({"B": bsz, "s_q": s_q, "H": heads, "topk": topk, "error": f"{type(exc).__name__}: {exc}"})
-            print("case failed:", rows[-1], flush=True)
-            continue
-        print(json.dumps(rows[-1]), flush=True)
+        for records in args.records:
+            try:
+                rows.append(bench_case(bsz, s_q, heads, topk, flash_mla, args.sweep, args.reps, tuple(args.variants),
+                                       records))
+            except Exception as exc:  # noqa: BLE001 — one failing case must not lose the others
+                rows.append({"B": bsz, "s_q": s_q, "H": heads, "topk": topk, "records": records,
+                             "error": f"{type(exc).__name__}: {exc}"})
+                print("case failed:", rows[-1], flush=True)
+                continue
+            print(json.dumps(rows[-1]), flush=True)
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "bench_v4_sparse_decode.json"), "w") as f:
             json.dump(rows, f, indent=1)
-    arm_head = " | ".join(f"{arm[:8]:>8} µs TFLOP/s  HBM%  rel.err speedup" for arm in CUDA_ARMS)
-    print("\n   H  topk    B s_q | triton µs TFLOP/s  HBM%  rel.err  lse.err |   legacy  best µs    best cfg | "
-          f"{arm_head} | FlashMLA µs TFLOP/s rel.err  speedup (triton)   (* = target met)")
-    for r in rows:
-        print(fmt(r) if "error" not in r else f"{r['H']:4d} {r['topk']:5d} {r['B']:4d} {r['s_q']:3d} | {r['error']}")
+    v4_rows = [r for r in rows if r.get("records", "v4") == "v4"]
+    if v4_rows:
+        arm_head = " | ".join(f"{arm[:8]:>8} µs TFLOP/s  HBM%  rel.err speedup" for arm in CUDA_ARMS)
+        print("\n   H  topk    B s_q | triton µs TFLOP/s  HBM%  rel.err  lse.err |   legacy  best µs    best cfg | "
+              f"{arm_head} | FlashMLA µs TFLOP/s rel.err  speedup (triton)   (* = target met)")
+        for r in v4_rows:
+            print(fmt(r) if "error" not in r else error_line(r))
+    v41_rows = [r for r in rows if r.get("records") == "v41"]
+    if v41_rows:
+        print("\nV4.1 records (window 528 B + entries 288 B; FlashMLA's SM90 kernel cannot read them)")
+        print("   H  topk    B s_q | triton µs  HBM%  rel.err | cuda_v2 µs TFLOP/s  HBM%  rel.err | cuda/triton "
+              "| µs / V4 records' (cuda_v2)")
+        for r in v41_rows:
+            print(fmt_v41(r, v4_rows) if "error" not in r else error_line(r))
 
 
 if __name__ == "__main__":

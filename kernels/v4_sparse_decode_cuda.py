@@ -1,8 +1,10 @@
-"""Our CUDA C++ sparse decode for DeepSeek-V4 on Hopper (``kernels/csrc/v4_sparse_decode*_sm90a.cu``).
+"""Our CUDA C++ sparse decode for DeepSeek-V4 / V4.1 on Hopper (``kernels/csrc/v4_sparse_decode*_sm90a.cu``).
 
 Same contract as ``kernels.v4_sparse_decode.v4_sparse_decode_reference`` for V4 MODEL1 records
-(FlashMLA's pages: the layout its sparse decode reads). Two designs, picked by ``variant``
-(design, budget and measurements: benchmarks/KERNEL_NOTES.md):
+(FlashMLA's pages: the layout its sparse decode reads) and, in ``v2``, V4.1's window rows and
+compressed entries (``FORMAT_CODES``; each scope its own format, a template argument of the
+kernels). Two designs, picked by ``variant`` (design, budget and measurements:
+benchmarks/KERNEL_NOTES.md):
 
 - ``v1`` (``v4_sparse_decode_sm90a.cu``): one CTA = one query token x 64 heads x one split of
   the token's 32-record tiles; a producer warpgroup gathers (cp.async) and dequantizes each
@@ -19,8 +21,12 @@ Up to 32 heads per GPU (memory-bound) one CTA holds all of a token's heads: v1's
 to 16 heads (``v4_sparse_decode_tokens_sm90a.cu``: records on wgmma's M side, loaded into
 registers as the Q·Kᵀ fragments, two warpgroups on alternate 64-record tiles; 17-32 heads keep
 the narrow kernel). 33-63 heads run a 64-head kernel padded. MODEL1 pages and one-record rows
-(the V4 family's 584-byte row pools) are both read. V4.1's window and entry records are not
-read here (Triton).
+(the V4 family's 584-byte row pools) are both read.
+
+V4.1 records (``v2`` only; pages of whole 528- or 288-byte records, the row pools included):
+the tokens-major kernel up to 16 heads, the 64-record kernel above, padded to 64 heads at 17-63
+(the narrow kernel's cp.async producer reads MODEL1 records only). A call reads one family: V4
+records, or V4.1 records in any mix of the two formats.
 
 Build: nvcc (sm_90a) at first use through ``kernels.mla_decode_cuda.build_library`` (same
 per-user cache, file lock and flags as the MLA decode kernels), called through ``ctypes``.
@@ -51,6 +57,8 @@ NARROW_MAX_HEADS = 32  # up to this many heads: the mma.sync kernel, all heads i
 TOKENS_MAX_HEADS = 16  # up to this many heads v2 runs the tokens-major kernel
 TILE = 32  # records per tile (v1 and the narrow kernel)
 VARIANTS = ("v1", "v2")
+# Record formats the v2 kernels read (kFmt* in kernels/csrc/v4_sparse_decode_common.cuh).
+FORMAT_CODES = {"v4": 0, "v41_window": 1, "v41_entry": 2}
 MAX_SPLITS = 32
 V_DESC = (TILE * 128, 1024)  # V read N-major: bytes between 64-dim boxes, between 8-record groups
 LOG2E = 1.4426950408889634
@@ -81,20 +89,27 @@ T64_SMEM_BYTES = 64 * 1024 + 2 * 64 * 1024 + 2 * 64 * 128 + 2 * 64 * 4 + 2 * 64 
 TOKENS_SMEM_BYTES = 16 * 1024 + 2 * 64 * 1024 + 2 * 16 * 128 + 2 * 4 * 16 * 4 + 1024
 
 
-def kernel_for(variant: str, heads: int) -> tuple[str, int]:
-    """(kernel, records per tile) that runs ``heads`` heads per GPU in ``variant``: ``tokens``
-    (v2, <= 16 heads), ``narrow`` (<= 32), ``tile64`` (v2) or ``wide`` (v1)."""
+def kernel_for(variant: str, heads: int, family: str = "v4") -> tuple[str, int]:
+    """(kernel, records per tile) that runs ``heads`` heads per GPU in ``variant`` for records of
+    ``family`` (``record_family``): ``tokens`` (v2, <= 16 heads), ``narrow`` (<= 32, V4 records),
+    ``tile64`` (v2) or ``wide`` (v1)."""
     if variant == "v2" and heads <= TOKENS_MAX_HEADS:
         return "tokens", 64
-    if heads <= NARROW_MAX_HEADS:
+    if heads <= NARROW_MAX_HEADS and family == "v4":
         return "narrow", TILE
     return ("tile64", 64) if variant == "v2" else ("wide", TILE)
 
 
-def uses_cluster(variant: str, heads: int, cluster: bool | None = None) -> bool:
-    """Whether the 2-CTA cluster runs: v2 at 65-128 heads (two 64-head blocks), unless ``cluster``
-    is False."""
-    return variant == "v2" and heads > NARROW_MAX_HEADS and -(-heads // HEADS_PER_CTA) == 2 and cluster is not False
+def uses_cluster(variant: str, heads: int, cluster: bool | None = None, family: str = "v4") -> bool:
+    """Whether the 2-CTA cluster runs: v2 at 65-128 heads (two 64-head blocks) of V4 records,
+    unless ``cluster`` is False."""
+    return (variant == "v2" and family == "v4" and heads > NARROW_MAX_HEADS and -(-heads // HEADS_PER_CTA) == 2
+            and cluster is not False)
+
+
+def record_family(scopes: Sequence[SparseKV]) -> str:
+    """``v4`` (MODEL1 records) or ``v41`` (window rows and entries) for scopes of one family."""
+    return "v4" if scopes[0].record == "v4" else "v41"
 
 
 class _Scope(ctypes.Structure):
@@ -134,8 +149,10 @@ def _library_in(cache: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build_library(out_dir=cache)))
     for fn, argtypes in (("v4_sparse_decode_sm90", [ctypes.POINTER(_Params), ctypes.c_void_p]),
                          ("v4_sparse_decode_narrow_sm90", [ctypes.POINTER(_Params), ctypes.c_void_p]),
-                         ("v4_sparse_decode_t64_sm90", [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_void_p]),
-                         ("v4_sparse_decode_tokens_sm90", [ctypes.POINTER(_Params), ctypes.c_void_p]),
+                         ("v4_sparse_decode_t64_sm90", [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int,
+                                                        ctypes.c_int, ctypes.c_void_p]),
+                         ("v4_sparse_decode_tokens_sm90", [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int,
+                                                           ctypes.c_void_p]),
                          ("v4_sparse_decode_tokens_sm90_smem_bytes", []),
                          ("v4_sparse_decode_sm90_params_bytes", []), ("v4_sparse_decode_sm90_smem_bytes", []),
                          ("v4_sparse_decode_t64_sm90_smem_bytes", []),
@@ -153,10 +170,16 @@ def library() -> ctypes.CDLL:
 
 
 def unsupported_reason(scopes: Sequence[SparseKV]) -> str | None:
-    """Why these scopes' caches are not what the kernel reads (None: they are)."""
+    """Why these scopes' caches are not what the kernels read (None: they are): V4 MODEL1 records
+    (64 RoPE dims), or V4.1 window rows / entries, one family per call, pages on 8 bytes."""
     for i, sc in enumerate(scopes):
-        if sc.record != "v4" or sc.rope_dims != V4_ROPE_DIMS:
-            return f"scopes[{i}]: the cuda kernel reads V4 MODEL1 records only, not {sc.record!r}"
+        if sc.record not in FORMAT_CODES:
+            return f"scopes[{i}]: the cuda kernels read {', '.join(FORMAT_CODES)} records, not {sc.record!r}"
+        if (sc.record == "v4") != (scopes[0].record == "v4"):
+            return (f"scopes[{i}]: the cuda kernels read V4 or V4.1 records in one call, not {sc.record!r} beside "
+                    f"{scopes[0].record!r}")
+        if sc.record == "v4" and sc.rope_dims != V4_ROPE_DIMS:
+            return f"scopes[{i}]: the cuda kernels read V4 records with {V4_ROPE_DIMS} RoPE dims, not {sc.rope_dims}"
         if sc.cache.data_ptr() % 8 or sc.cache.stride(0) % 8:
             return (f"scopes[{i}].cache: pages must start on 8 bytes (at {sc.cache.data_ptr() % 16} mod 16, "
                     f"stride {sc.cache.stride(0)})")
@@ -198,7 +221,8 @@ def v4_sparse_decode_cuda(
     """(out [B, s_q, H, 512] bf16, lse [B, s_q, H] float32); no host sync. A 16-bit or float32
     q that is not bf16 is cast once (the kernel converts bf16 to fp16 as it loads).
     ``variant`` picks the design (``VARIANTS``, ``kernel_for``; the registry's ``CUDA_VARIANT``
-    says which one serves), ``cluster=False`` runs v2's 65-128 heads as independent CTAs.
+    says which one serves; V4.1 records need v2), ``cluster=False`` runs v2's 65-128 heads of V4
+    records as independent CTAs (V4.1 records always run so).
     ``num_splits`` overrides the plan (tests, benchmarks); ``v_desc`` (leading, stride bytes of
     V's N-major wgmma descriptor; default the variant's) exists for a device check that tells a
     swapped pair."""
@@ -209,6 +233,9 @@ def v4_sparse_decode_cuda(
     if q.stride(-1) != 1 or q.data_ptr() % 16 or any(st % 8 for st in q.stride()[:3]):
         q = q.contiguous()
     check_cuda_inputs(q, scopes, sinks)
+    family = record_family(scopes)
+    if family != "v4" and variant != "v2":
+        raise ValueError(f"variant {variant!r} reads V4 records only; V4.1 records need v2")
     bsz, s_q, heads, _ = q.shape
     if out is None:
         out = torch.empty(bsz, s_q, heads, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
@@ -224,7 +251,7 @@ def v4_sparse_decode_cuda(
         return out, lse
     from kernels.v4_sparse_decode_triton import _combine_kernel, num_sms
 
-    kernel, tile = kernel_for(variant, heads)
+    kernel, tile = kernel_for(variant, heads, family)
     v_desc = v_desc or (tile * 128, 1024)
     tiles = [-(-sc.indices.shape[-1] // tile) for sc in scopes]
     splits, per = plan_splits(bsz, s_q, heads, sum(tiles), num_sms(q.device))
@@ -251,16 +278,18 @@ def v4_sparse_decode_cuda(
         part_o.data_ptr() if part_o is not None else None, part_l.data_ptr() if part_l is not None else None,
         len(scopes), bsz, s_q, heads, splits, per, float(softmax_scale) * LOG2E, *v_desc,
     )
+    formats = [FORMAT_CODES[sc.record] for sc in scopes]
+    formats += formats[-1:] * (MAX_SCOPES - len(formats))  # one scope: its format twice
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         lib = library()
         if kernel == "tokens":
-            err = lib.v4_sparse_decode_tokens_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
+            err = lib.v4_sparse_decode_tokens_sm90(ctypes.byref(p), *formats, ctypes.c_void_p(stream))
         elif kernel == "narrow":
             err = lib.v4_sparse_decode_narrow_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
         elif kernel == "tile64":
-            err = lib.v4_sparse_decode_t64_sm90(ctypes.byref(p), int(uses_cluster(variant, heads, cluster)),
-                                                ctypes.c_void_p(stream))
+            err = lib.v4_sparse_decode_t64_sm90(ctypes.byref(p), int(uses_cluster(variant, heads, cluster, family)),
+                                                *formats, ctypes.c_void_p(stream))
         else:
             err = lib.v4_sparse_decode_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
     if err != 0:
@@ -276,5 +305,5 @@ def v4_sparse_decode_cuda(
     return out, lse
 
 
-__all__ = ["HEADS_PER_CTA", "TILE", "VARIANTS", "build_library", "check_cuda_inputs", "kernel_for", "library",
-           "plan_splits", "unsupported_reason", "uses_cluster", "v4_sparse_decode_cuda"]
+__all__ = ["FORMAT_CODES", "HEADS_PER_CTA", "TILE", "VARIANTS", "build_library", "check_cuda_inputs", "kernel_for",
+           "library", "plan_splits", "record_family", "unsupported_reason", "uses_cluster", "v4_sparse_decode_cuda"]

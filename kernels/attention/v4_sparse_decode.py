@@ -7,13 +7,16 @@ per-request picks, not a block table over one latent cache).
     triton  our Triton kernel (kernels/v4_sparse_decode_triton.py); SM90, every record format
             at 512 dims (V4: 64 RoPE dims), 8..128 heads per GPU, CUDA graphs; a float32 q is
             taken as bf16
-    cuda    our CUDA C++ kernels (kernels/v4_sparse_decode_cuda.py); SM90, V4 MODEL1 records,
+    cuda    our CUDA C++ kernels (kernels/v4_sparse_decode_cuda.py); SM90, V4 MODEL1 records
+            and V4.1 window rows / entries (one family per call, each scope its own format),
             8..128 heads per GPU (records dequantized once per CTA of 64 heads, or of all
-            heads up to 32), CUDA graphs, MODEL1 pages and one-record row pools; a cache
-            not on 8 bytes goes to the Triton kernel. ``CUDA_VARIANT`` says which of its
-            designs serves (v2: 64-record tiles with 65-128 heads as two independent 64-head
-            CTAs, the tokens-major kernel up to 16 heads; v1 and v2's 2-CTA cluster stay
-            selectable for the bench)
+            heads up to 16 (32 for V4)), CUDA graphs, paged caches and one-record row pools;
+            a call it does not read (bf16 rows, V4 beside V4.1 records, a cache not on 8
+            bytes) goes to the Triton kernel. ``CUDA_VARIANT`` says which of its designs
+            serves (v2: 64-record tiles with 65-128 heads as two independent 64-head CTAs, the
+            tokens-major kernel up to 16 heads; V4.1 records at 17-63 heads run the 64-record
+            kernel padded to 64, as the narrow kernel of 17-32 reads MODEL1 records only; v1
+            and v2's 2-CTA cluster stay selectable for the bench, for V4 records)
 
 ``auto`` (:func:`select_v4_decode_backend`): cuda where it runs (one log line says why not),
 then triton, then torch.
@@ -97,12 +100,13 @@ class TritonV4SparseDecode(V4SparseDecodeBackend):
 
 
 class CudaV4SparseDecode(TritonV4SparseDecode):
-    """The CUDA C++ kernels for V4 records; a call whose records they do not read (V4.1's) runs
-    the Triton kernel instead (which, like them, refuses pages not on 8 bytes). The library is built in
-    ``unsupported_reason``, so a failed build is a start-up fallback, not a first-step error."""
+    """The CUDA C++ kernels for V4 and V4.1 records; a call whose records they do not read (bf16
+    rows, V4 beside V4.1 records) runs the Triton kernel instead (which, like them, refuses pages
+    not on 8 bytes). The library is built in ``unsupported_reason``, so a failed build is a
+    start-up fallback, not a first-step error."""
 
     name = "cuda"
-    record_formats = ("v4",)
+    record_formats = ("v4", "v41_window", "v41_entry")
 
     @classmethod
     def unsupported_reason(cls, spec, formats=()):

@@ -1,8 +1,9 @@
 // What the V4 sparse decode kernels share (v4_sparse_decode_sm90a.cu and
 // v4_sparse_decode_t64_sm90a.cu: 64 heads per CTA on wgmma; v4_sparse_decode_narrow_sm90a.cu and
 // v4_sparse_decode_tokens_sm90a.cu: up to 32 / 16 heads): the launch parameters, the fp16 tile
-// layout, the dequantization of MODEL1 records, the record lookup and loads of the kernels that
-// gather into registers, the m64n256 output rows, and v1's 32-record producer warpgroup.
+// layout, the dequantization of MODEL1 records and of V4.1's window rows and entries, the record
+// lookup and loads of the kernels that gather into registers, the m64n256 output rows, and v1's
+// 32-record producer warpgroup.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,8 +18,11 @@
 
 // Mirrored by kernels/v4_sparse_decode_cuda.py (same order and types).
 struct SparseScope {
-  const uint8_t* cache;   // MODEL1 pages: page_size 576-byte data rows, then 8-byte scale rows
-  long long page_stride;  // bytes, a multiple of 8 (16: MODEL1 pages; 584: one-record rows)
+  // MODEL1 pages: page_size 576-byte data rows, then 8-byte scale rows; V4.1 pages: page_size
+  // whole records (values, then scales) of 528 (window) or 288 (entry) bytes. The record format
+  // is a template argument of the v2 kernels (kFmt*), not a field.
+  const uint8_t* cache;
+  long long page_stride;  // bytes, a multiple of 8 (16: MODEL1 pages; 584: V4 one-record rows)
   const int* indices;     // [B, s_q, k]: page * page_size + slot, -1 = none
   long long idx_sb, idx_ss;
   const int* lengths;     // [B] or null: only indices[b, :, :lengths[b]] count
@@ -105,6 +109,61 @@ __device__ __forceinline__ uint32_t scale_exponent(uint32_t lo, uint32_t hi, int
   return (blk < 4 ? lo >> (8 * blk) : hi >> (8 * (blk - 4))) & 0xFF;
 }
 
+// ---- V4.1 records (kernels/v4_cache_formats.py), read by the v2 kernels -----------------------
+// Record formats, a template argument per scope (mirrored by FORMAT_CODES in
+// kernels/v4_sparse_decode_cuda.py): V4's MODEL1 record, V4.1's window row (512 e4m3, then 16
+// UE8M0 bytes, one per 32 dims), V4.1's compressed entry (512 e2m1 in pairs, even index in the low
+// nibble, then 32 e4m3 scales, one per 16 dims).
+constexpr int kFmtV4 = 0, kFmtWindow = 1, kFmtEntry = 2;
+__host__ __device__ constexpr int v41_record_bytes(int f) { return f == kFmtWindow ? 528 : 288; }
+__host__ __device__ constexpr int v41_value_bytes(int f) { return f == kFmtWindow ? 512 : 256; }
+
+// An entry tile holds K * 2^-kEntryShift in fp16, which makes every e2m1 value times its e4m3 scale
+// exact there (at most 6 * 448 * 2^-7 = 21, bits down to 2^-1 * 2^-9 * 2^-7 = 2^-17; at K's own
+// scale, 2^14 * value * scale would not fit): its consumers scale the scores by 2^7 and P by 2^7
+// (P <= 2^8 by the lazy maximum, so P * 2^7 <= 2^15 fits fp16 too), and the row sums, taken from
+// that P, by 2^-7.
+constexpr float kEntryShift = 7.f;
+constexpr float kEntryScoreScale = 128.f, kEntrySumScale = 1.f / 128.f;
+
+// (x & 0x80808080) | (y & 0x7F7F7F7F) in one LOP3 (the compiler splits it in two).
+__device__ __forceinline__ uint32_t sign_bits_from(uint32_t x, uint32_t y) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xCA;\n" : "=r"(d) : "n"(0x80808080u), "r"(x), "r"(y));
+  return d;
+}
+// 8 e2m1 codes (a word, code 2k in the low nibble of byte k) as 4 fp16 pairs in natural order, each
+// value times 2^-14: the code's sign, exponent and mantissa bits placed at fp16's bits 15, 10-11 and
+// 9 (exact, the subnormal code 0.5 included). Bytes a / b hold each pair's even / odd code at bit 7
+// (sign) and bits 1-3 (magnitude); the permute puts them in the high bytes of the two halves. 13
+// integer ops per 8 codes, no conversion unit, no branch.
+__device__ __forceinline__ void e2m1x8_to_f16_biased(uint32_t w, uint32_t (&h)[4]) {
+  const uint32_t a = sign_bits_from(w << 4, w << 1), b = sign_bits_from(w, w >> 3);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) h[k] = __byte_perm(a, b, k | (k << 4) | (k << 8) | ((4 + k) << 12)) & 0x8E008E00u;
+}
+
+// Two e4m3 scale bytes (the low 16 bits) as an fp16 pair times 2^7 (exact: at most 448 * 128).
+__device__ __forceinline__ __half2 e4m3x2_scale_x128(uint32_t pair) {
+  const __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xFFFF), __NV_E4M3);
+  return __hmul2(__half2(r), __float2half2_rn(128.f));
+}
+
+// 16 e2m1 codes (8 bytes) of one 16-dim block times its scale (s2: the e4m3 scale * 2^7 in both
+// halves) as 16 fp16 values of K * 2^-kEntryShift, in natural order.
+__device__ __forceinline__ void dequant_e2m1x16(uint32_t w0, uint32_t w1, __half2 s2, uint4& lo, uint4& hi) {
+  uint32_t h[8];
+  e2m1x8_to_f16_biased(w0, *reinterpret_cast<uint32_t(*)[4]>(h));
+  e2m1x8_to_f16_biased(w1, *reinterpret_cast<uint32_t(*)[4]>(h + 4));
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&h[k]), s2);
+    h[k] = *reinterpret_cast<const uint32_t*>(&v);
+  }
+  lo = make_uint4(h[0], h[1], h[2], h[3]);
+  hi = make_uint4(h[4], h[5], h[6], h[7]);
+}
+
 // Dequantize one 16-byte raw chunk c (< 36) of a record into the fp16 K stage at `kt`, row r:
 // chunks below 28 are 16 e4m3 values (dims 16c..) times 2^(e - 127), the rest 8 bf16 RoPE values
 // (dims 448 + 8 (c - 28)..).
@@ -157,10 +216,16 @@ __device__ __forceinline__ uint2 ld_nc_8(const uint8_t* p) {
   asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
+__device__ __forceinline__ uint2 ld_nc_8_no_l1(const uint8_t* p) {
+  uint2 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
 __device__ __forceinline__ void prefetch_l2(const uint8_t* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 
-// Where a record is: its 576-byte data row and its 8 scale bytes (null: no record), and whether
-// the cache allows 16-byte loads (MODEL1 pages; one-record rows of 584 bytes are on 8 only).
+// Where a record is: its data row (V4: the 576 data bytes; V4.1: the whole record) and its scale
+// bytes (null: no record), and whether the cache allows 16-byte loads (MODEL1 pages, V4.1 pages on
+// 16 bytes; V4's one-record rows of 584 bytes are on 8 only).
 struct RecordAt {
   const uint8_t* data;
   const uint8_t* scales;
@@ -176,10 +241,20 @@ __device__ __forceinline__ uint4 record_bytes16(const RecordAt& at, int off) {
 __device__ __forceinline__ uint2 record_scales(const RecordAt& at) {
   return at.data == nullptr ? make_uint2(0, 0) : ld_nc_8(at.scales);
 }
+// The record `off` bytes further on (no record stays none): a thread's base for loads at constant
+// offsets.
+__device__ __forceinline__ RecordAt record_plus(const RecordAt& at, int off) {
+  return {at.data == nullptr ? nullptr : at.data + off, at.scales, at.wide};
+}
+// 8 bytes of a record's values at byte `off` (zeros for no record), not kept in L1.
+__device__ __forceinline__ uint2 record_bytes8(const RecordAt& at, int off) {
+  return at.data == nullptr ? make_uint2(0, 0) : ld_nc_8_no_l1(at.data + off);
+}
 
 // A CTA's view of token (b, tq)'s pick lists, for the kernels that gather by themselves: the flat
 // record number at row `row` of its tile t (tiles of `tile` records; -1 past a list's length or
-// the CTA's tiles), and where a record number points.
+// the CTA's tiles), the record format of tile t (scope 0's F0 or scope 1's F1), and where a
+// record number points.
 struct RecordPicker {
   const SparseParams& p;
   int tile0, n, tiles0, len0, len1;
@@ -202,14 +277,26 @@ struct RecordPicker {
     const int pos = (g - (sc ? tiles0 : 0)) * tile + row;
     return pos < (sc ? len1 : len0) ? (sc ? idx1 : idx0)[pos] : -1;
   }
+  template <int F0, int F1>
+  __device__ __forceinline__ int format(int t) const {
+    return F0 == F1 ? F0 : (tile0 + t < tiles0 ? F0 : F1);
+  }
+  template <int F0 = kFmtV4, int F1 = F0>
   __device__ __forceinline__ RecordAt locate(int t, int rec) const {
     if (rec < 0) return {nullptr, nullptr, false};
     const int sc = tile0 + t < tiles0 ? 0 : 1;
     const SparseScope& s = p.scope[sc];
     const int page = sc ? div1(rec) : div0(rec), slot = rec - page * s.page_size;
     const uint8_t* base = s.cache + page * s.page_stride;
-    return {base + slot * kDataBytes, base + static_cast<long long>(s.page_size) * kDataBytes + slot * 8,
-            ((s.page_stride | reinterpret_cast<uintptr_t>(s.cache)) & 15) == 0};
+    if constexpr (F0 == kFmtV4) {
+      static_assert(F1 == kFmtV4, "a call reads V4 records or V4.1 records, not both");
+      return {base + slot * kDataBytes, base + static_cast<long long>(s.page_size) * kDataBytes + slot * 8,
+              ((s.page_stride | reinterpret_cast<uintptr_t>(s.cache)) & 15) == 0};
+    } else {
+      const int f = format<F0, F1>(t);
+      const uint8_t* data = base + slot * v41_record_bytes(f);
+      return {data, data + v41_value_bytes(f), ((s.page_stride | reinterpret_cast<uintptr_t>(s.cache)) & 15) == 0};
+    }
   }
 };
 
@@ -282,14 +369,15 @@ __device__ __forceinline__ void move_reference(const bool (&move)[2], const floa
   }
 }
 
-// P = 2^(s - m_ref) in place, the row sums added to l, and P as the A fragments of the J / 2 P.V
-// k-steps (records 16kk..16kk+15).
+// P = 2^(s - m_ref + shift) in place, the row sums times sum_scale (2^-shift) added to l, and P as
+// the A fragments of the J / 2 P.V k-steps (records 16kk..16kk+15). shift: 0, or kEntryShift for a
+// tile of V4.1 entries (P * 2^7 against their K * 2^-7).
 template <int J>
 __device__ __forceinline__ void exp_sum_pack(float (&s)[4 * J], const float (&m_ref)[2], float (&l)[2],
-                                             uint32_t (&a)[J / 2][4]) {
+                                             uint32_t (&a)[J / 2][4], float shift = 0.f, float sum_scale = 1.f) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const float m_use = m_ref[i] == -INFINITY ? 0.f : m_ref[i];
+    const float m_use = (m_ref[i] == -INFINITY ? 0.f : m_ref[i]) - shift;
     float sum = 0.f;
 #pragma unroll
     for (int j = 0; j < J; ++j) {
@@ -297,7 +385,7 @@ __device__ __forceinline__ void exp_sum_pack(float (&s)[4 * J], const float (&m_
       s[4 * j + 2 * i + 1] = exp2f(s[4 * j + 2 * i + 1] - m_use);
       sum += s[4 * j + 2 * i] + s[4 * j + 2 * i + 1];
     }
-    l[i] += sum;
+    l[i] += sum * sum_scale;
   }
 #pragma unroll
   for (int kk = 0; kk < J / 2; ++kk) {

@@ -62,18 +62,77 @@ static_assert(kSmemT64Bytes <= 227 * 1024, "shared memory plan exceeds the SM's 
 // the epilogue's factors written.
 constexpr int kBarReady = 1, kBarFree = 3, kBarEpilogue = 5;
 
-// A producer thread's share of 32 records: 16-byte chunks (tid & 3) + 4m, m < 9, of record tid / 4,
-// its 8 scale bytes, and whether the indices pick it.
+// A producer thread's share of 32 records: the 16-byte chunks (tid & 3) + 4m of record tid / 4 and
+// its scale bytes, and whether the indices pick it. V4: chunks m < 9 in d[m], the 8 scale bytes in
+// ex; V4.1 window: value chunks m < 8 in d[m], the 16 scale bytes in d[8]; V4.1 entry: the 8-byte
+// pieces (tid & 3) + 4m, m < 8 (dims 64m + 16 (tid & 3).., the same fp16 slots as a window chunk m)
+// in the halves of d[m / 2], the 32 scale bytes in d[4], d[5].
 struct Unit {
   uint4 d[9];
   uint2 ex;
   bool valid;
 };
 
+// Loads a producer thread's share of a V4.1 record of format F (`part` = tid & 3).
+template <int F>
+__device__ __forceinline__ void fetch_share(const RecordAt& at, int part, Unit& x) {
+  x.valid = at.data != nullptr;
+  if constexpr (F == kFmtWindow) {
+    const RecordAt mine = record_plus(at, 16 * part);
+#pragma unroll
+    for (int m = 0; m < 8; ++m) x.d[m] = record_bytes16(mine, 64 * m);
+    x.d[8] = record_bytes16(at, 512);
+  } else {
+    const RecordAt mine = record_plus(at, 8 * part);
+#pragma unroll
+    for (int m = 0; m < 8; m += 2) {
+      const uint2 a = record_bytes8(mine, 32 * m), b = record_bytes8(mine, 32 * (m + 1));
+      x.d[m / 2] = make_uint4(a.x, a.y, b.x, b.y);
+    }
+    x.d[4] = record_bytes16(at, 256);
+    x.d[5] = record_bytes16(at, 272);
+  }
+}
+
+// Dequantizes a producer thread's share of a V4.1 record of format F into fp16 row `row` of stage st
+// through put16(offset in the stage, 16 bytes, st).
+template <int F, class Put>
+__device__ __forceinline__ void convert_share(const Unit& x, int row, int part, int st, Put& put16) {
+  if constexpr (F == kFmtWindow) {
+    // Chunk part + 4m = dims 64m + 16part.. (box m, slots 2part, +1) under scale byte 2m + part / 2:
+    // the thread's 8 scale bytes gathered into (lo, hi) as V4's per-64 exponents.
+    const uint32_t sel = 0x6420u + 0x1111u * static_cast<uint32_t>(part >> 1);
+    const uint32_t lo_ex = __byte_perm(x.d[8].x, x.d[8].y, sel), hi_ex = __byte_perm(x.d[8].z, x.d[8].w, sel);
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+      uint4 lo, hi;
+      dequant_e4m3x16(x.d[m], scale_exponent(lo_ex, hi_ex, m), lo, hi);
+      put16(m * kBox + swizzled(row, 2 * part), lo, st);
+      put16(m * kBox + swizzled(row, 2 * part + 1), hi, st);
+    }
+  } else {
+    // Piece m = 16 codes, dims 64m + 16part.. (box m, slots 2part, +1) under scale byte 4m + part:
+    // byte `part` of scale words m and m + 1 for a pair of pieces.
+    const uint32_t sw[8] = {x.d[4].x, x.d[4].y, x.d[4].z, x.d[4].w, x.d[5].x, x.d[5].y, x.d[5].z, x.d[5].w};
+    const uint32_t sel = static_cast<uint32_t>(part) | static_cast<uint32_t>(4 + part) << 4;
+#pragma unroll
+    for (int m = 0; m < 8; m += 2) {
+      const __half2 s2 = e4m3x2_scale_x128(__byte_perm(sw[m], sw[m + 1], sel));
+      uint4 lo, hi;
+      dequant_e2m1x16(x.d[m / 2].x, x.d[m / 2].y, __low2half2(s2), lo, hi);
+      put16(m * kBox + swizzled(row, 2 * part), lo, st);
+      put16(m * kBox + swizzled(row, 2 * part + 1), hi, st);
+      dequant_e2m1x16(x.d[m / 2].z, x.d[m / 2].w, __high2half2(s2), lo, hi);
+      put16((m + 1) * kBox + swizzled(row, 2 * part), lo, st);
+      put16((m + 1) * kBox + swizzled(row, 2 * part + 1), hi, st);
+    }
+  }
+}
+
 // The producer warpgroup (tid 0..127). Unit u = half (u % 2) of tile u / 2, or with a cluster the
 // rank's half of tile u; a ring of two units in registers, loads issued two units ahead, L2
-// prefetches four units ahead.
-template <int kCluster>
+// prefetches four units ahead. F0 / F1: the record formats of the two scopes.
+template <int kCluster, int F0, int F1>
 __device__ __forceinline__ void produce_t64(const SparseParams& p, const CtaTiles& tiles, int b, int tq, int tid,
                                             uint8_t* k_s, float* bias_s, uint32_t bar_full, uint32_t bar_empty,
                                             uint32_t rank) {
@@ -84,11 +143,18 @@ __device__ __forceinline__ void produce_t64(const SparseParams& p, const CtaTile
   auto row_of = [&](int u) { return kUnitRecords * (kCluster > 1 ? static_cast<int>(rank) : u % kUnitsPerTile) + r; };
   auto index_of = [&](int u) { return u < units ? pick.index(u / kUnitsPerTile, row_of(u), kT) : -1; };
   auto fetch = [&](int u, int rec, Unit& x) {
-    const RecordAt at = pick.locate(u / kUnitsPerTile, rec);
-    x.valid = at.data != nullptr;
+    if constexpr (F0 == kFmtV4) {
+      const RecordAt at = pick.locate(u / kUnitsPerTile, rec);
+      x.valid = at.data != nullptr;
 #pragma unroll
-    for (int m = 0; m < 9; ++m) x.d[m] = record_bytes16(at, 16 * (part + 4 * m));
-    x.ex = record_scales(at);
+      for (int m = 0; m < 9; ++m) x.d[m] = record_bytes16(at, 16 * (part + 4 * m));
+      x.ex = record_scales(at);
+    } else {
+      const int t = u / kUnitsPerTile;
+      const RecordAt at = pick.locate<F0, F1>(t, rec);
+      if (pick.format<F0, F1>(t) == F0) fetch_share<F0>(at, part, x);
+      else fetch_share<F1>(at, part, x);
+    }
   };
   // The peer's copies of our stages, biases and `full` mbarriers (the shared::cluster window of a
   // CTA is contiguous: one mapa per base).
@@ -106,16 +172,22 @@ __device__ __forceinline__ void produce_t64(const SparseParams& p, const CtaTile
     if (first && t >= kStages) {
       mbar_wait_or_trap<(kCluster > 1)>(bar_empty + 8 * st, ((t / kStages) - 1) & 1);
     }
+    if constexpr (F0 == kFmtV4) {
 #pragma unroll
-    for (int m = 0; m < 7; ++m) {  // e4m3 chunk part + 4m: dims 64m + 16part.., box m, slots 2part, +1
-      uint4 lo, hi;
-      dequant_e4m3x16(x.d[m], scale_exponent(x.ex.x, x.ex.y, m), lo, hi);
-      put16(m * kBox + swizzled(row, 2 * part), lo, st);
-      put16(m * kBox + swizzled(row, 2 * part + 1), hi, st);
+      for (int m = 0; m < 7; ++m) {  // e4m3 chunk part + 4m: dims 64m + 16part.., box m, slots 2part, +1
+        uint4 lo, hi;
+        dequant_e4m3x16(x.d[m], scale_exponent(x.ex.x, x.ex.y, m), lo, hi);
+        put16(m * kBox + swizzled(row, 2 * part), lo, st);
+        put16(m * kBox + swizzled(row, 2 * part + 1), hi, st);
+      }
+#pragma unroll
+      for (int m = 7; m < 9; ++m)  // RoPE chunk part + 4(m - 7) of box 7
+        put16(7 * kBox + swizzled(row, part + 4 * (m - 7)), bf16x8_to_f16(x.d[m]), st);
+    } else if (pick.format<F0, F1>(t) == F0) {
+      convert_share<F0>(x, row, part, st, put16);
+    } else {
+      convert_share<F1>(x, row, part, st, put16);
     }
-#pragma unroll
-    for (int m = 7; m < 9; ++m)  // RoPE chunk part + 4(m - 7) of box 7
-      put16(7 * kBox + swizzled(row, part + 4 * (m - 7)), bf16x8_to_f16(x.d[m]), st);
     if (part == 0) {
       const float bias = x.valid ? 0.f : -INFINITY;
       bias_s[st * kT + row] = bias;
@@ -131,12 +203,20 @@ __device__ __forceinline__ void produce_t64(const SparseParams& p, const CtaTile
   // Unit u + 4's lines into L2 (two units beyond the registers' reach): the record's data lines
   // by its four threads, its scale bytes by a fifth.
   auto prefetch = [&](int u, int rec) {
-    const RecordAt at = pick.locate(u / kUnitsPerTile, rec);
+    const int t = u / kUnitsPerTile;
+    const RecordAt at = pick.locate<F0, F1>(t, rec);
     if (at.data == nullptr) return;
-    prefetch_l2(at.data + 128 * part);
-    if (part == 0) prefetch_l2(at.data + 512);
-    if (part == 1) prefetch_l2(at.data + kDataBytes - 1);
-    if (part == 2) prefetch_l2(at.scales);
+    if constexpr (F0 == kFmtV4) {
+      prefetch_l2(at.data + 128 * part);
+      if (part == 0) prefetch_l2(at.data + 512);
+      if (part == 1) prefetch_l2(at.data + kDataBytes - 1);
+      if (part == 2) prefetch_l2(at.scales);
+    } else {  // the lines of bytes 128 part (within the record), 512 (window) and the last byte
+      const int bytes = v41_record_bytes(pick.format<F0, F1>(t));
+      prefetch_l2(at.data + min(128 * part, bytes - 1));
+      if (part == 0 && bytes > 512) prefetch_l2(at.data + 512);
+      if (part == 1) prefetch_l2(at.data + bytes - 1);
+    }
   };
   Unit ra, rb;
   fetch(0, index_of(0), ra);
@@ -160,7 +240,7 @@ __device__ __forceinline__ void produce_t64(const SparseParams& p, const CtaTile
 // What both consumer warpgroups read.
 struct ConsumerCtx {
   const SparseParams& p;
-  int n, b, tq, bt, split, head_block, tid;
+  int n, b, tq, bt, split, head_block, tid, tile0;  // tile0: the split's first tile of the token's
   uint32_t rank, bar_full, bar_empty, q_base, k_base, p_base;
   const float* bias_s;
   float* alpha_s;
@@ -193,8 +273,9 @@ __device__ __forceinline__ void store_half(const ConsumerCtx& x, const float (&o
   }
 }
 
-// Warpgroup 1: Q.K^T, softmax, P, O[:, 0:256].
-template <int kCluster>
+// Warpgroup 1: Q.K^T, softmax, P, O[:, 0:256]. Entry tiles (F0 / F1 == kFmtEntry) hold K * 2^-7:
+// their scores are scaled by 2^7 more, their P by 2^7 (kEntryShift), their row sums not.
+template <int kCluster, int F0, int F1>
 __device__ __forceinline__ void lead_consumer(const ConsumerCtx& x) {
   const SparseParams& p = x.p;
   const int tw = x.tid & 127, warp = tw >> 5, lane = x.tid & 31, g = lane >> 2, q4 = lane & 3;
@@ -220,8 +301,10 @@ __device__ __forceinline__ void lead_consumer(const ConsumerCtx& x) {
     wgmma_wait<0>();
     fence_regs(s);
     // Scores in log2 units; rows 16 warp + g + 8i, records 8j + 2q4 + e at s[4j + 2i + e].
+    constexpr bool kEntries = F0 == kFmtEntry || F1 == kFmtEntry;
+    const bool entry = kEntries && (F0 == F1 ? F0 : (x.tile0 + t < p.scope[0].tiles ? F0 : F1)) == kFmtEntry;
     float mx[2];
-    scale_and_row_max<8>(s, x.bias_s + st * kT, p.scale_log2, q4, mx);
+    scale_and_row_max<8>(s, x.bias_s + st * kT, entry ? p.scale_log2 * kEntryScoreScale : p.scale_log2, q4, mx);
     const bool move[2] = {mx[0] > m_ref[0] + kRescaleSlack, mx[1] > m_ref[1] + kRescaleSlack};
     const bool warp_moves = __any_sync(0xffffffffu, move[0] || move[1]);
     if (t >= kStages) named_barrier_sync(kBarFree + pb, 256);  // warpgroup 2 is done with P buffer pb
@@ -236,7 +319,7 @@ __device__ __forceinline__ void lead_consumer(const ConsumerCtx& x) {
     }
     if (lane == 0) x.flags_s[pb * 4 + warp] = warp_moves;
     uint32_t a[4][4];
-    exp_sum_pack<8>(s, m_ref, l_run, a);
+    exp_sum_pack<8>(s, m_ref, l_run, a, entry ? kEntryShift : 0.f, entry ? kEntrySumScale : 1.f);
     // P into buffer pb: fragment kk is the stmatrix of 8x8 matrices (rows 0-7 | 8-15) x (records
     // 16kk.. | 16kk+8..).
 #pragma unroll
@@ -311,7 +394,7 @@ __device__ __forceinline__ void pv_consumer(const ConsumerCtx& x) {
   if (kCluster > 1) cluster_sync();
 }
 
-template <int kCluster>
+template <int kCluster, int F0, int F1>
 __global__ void __launch_bounds__(kT64Threads, 1) v4_sparse_decode_t64_kernel(const __grid_constant__ SparseParams p) {
   extern __shared__ uint8_t smem_raw[];
   // Aligned by an offset from the __shared__ array, so that the compiler keeps st.shared / ld.shared.
@@ -343,28 +426,29 @@ __global__ void __launch_bounds__(kT64Threads, 1) v4_sparse_decode_t64_kernel(co
   if (kCluster > 1) cluster_sync();  // the peer's mbarriers exist before anything reaches them
   else __syncthreads();
 
+  using Regs = T64Regs<kCluster>;
   if (wg == 0) {
-    setmaxnreg_dec<T64Regs<kCluster>::kProducer>();
-    produce_t64<kCluster>(p, tiles, b, tq, tid, k_s, bias_s, bar_full, bar_empty, rank);
+    setmaxnreg_dec<Regs::kProducer>();
+    produce_t64<kCluster, F0, F1>(p, tiles, b, tq, tid, k_s, bias_s, bar_full, bar_empty, rank);
     if (kCluster > 1) cluster_sync();  // neither CTA leaves while its peer may still reach its shared memory
     return;
   }
-  const ConsumerCtx ctx{p, n, b, tq, bt, split, head_block, tid, rank, bar_full, bar_empty,
+  const ConsumerCtx ctx{p, n, b, tq, bt, split, head_block, tid, tiles.tile0, rank, bar_full, bar_empty,
                         smem_addr(q_s), smem_addr(k_s), smem_addr(smem + kSmemP), bias_s, alpha_s, flags_s, factor_s};
   if (wg == 1) {
-    setmaxnreg_inc<T64Regs<kCluster>::kLead>();
-    lead_consumer<kCluster>(ctx);
+    setmaxnreg_inc<Regs::kLead>();
+    lead_consumer<kCluster, F0, F1>(ctx);
   } else {
-    if constexpr (T64Regs<kCluster>::kPv < 168) setmaxnreg_dec<T64Regs<kCluster>::kPv>();
+    if constexpr (Regs::kPv < 168) setmaxnreg_dec<Regs::kPv>();
     pv_consumer<kCluster>(ctx);
   }
 }
 
-template <int kCluster>
+template <int kCluster, int F0, int F1>
 int launch_t64(const SparseParams* p, cudaStream_t stream) {
   static bool configured = false;
   if (!configured) {
-    const cudaError_t err = cudaFuncSetAttribute(v4_sparse_decode_t64_kernel<kCluster>,
+    const cudaError_t err = cudaFuncSetAttribute(v4_sparse_decode_t64_kernel<kCluster, F0, F1>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemT64Bytes);
     if (err != cudaSuccess) return static_cast<int>(err);
     configured = true;
@@ -381,7 +465,7 @@ int launch_t64(const SparseParams* p, cudaStream_t stream) {
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, v4_sparse_decode_t64_kernel<kCluster>, *p));
+  return static_cast<int>(cudaLaunchKernelEx(&cfg, v4_sparse_decode_t64_kernel<kCluster, F0, F1>, *p));
 }
 
 }  // namespace
@@ -389,12 +473,22 @@ int launch_t64(const SparseParams* p, cudaStream_t stream) {
 extern "C" {
 
 // 64-record tiles. `cluster` != 0 pairs the two 64-head blocks of a token (65-128 heads) in a
-// 2-CTA cluster. Returns a cudaError_t (0 = success), or -1 for a cluster over other than two
-// head blocks.
-int v4_sparse_decode_t64_sm90(const SparseParams* p, int cluster, void* stream) {
-  if (!cluster) return launch_t64<1>(p, static_cast<cudaStream_t>(stream));
-  if ((p->heads + kRows - 1) / kRows != 2) return -1;
-  return launch_t64<2>(p, static_cast<cudaStream_t>(stream));
+// 2-CTA cluster (V4 records only). fmt0 / fmt1: the record formats of scope 0 / 1 (kFmt*; the
+// same twice for one scope): both V4, or each a V4.1 window row or entry. Returns a cudaError_t
+// (0 = success), or -1 for a cluster over other than two head blocks or a format pair not built.
+int v4_sparse_decode_t64_sm90(const SparseParams* p, int cluster, int fmt0, int fmt1, void* stream) {
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (fmt0 == kFmtV4 && fmt1 == kFmtV4) {
+    if (!cluster) return launch_t64<1, kFmtV4, kFmtV4>(p, s);
+    if ((p->heads + kRows - 1) / kRows != 2) return -1;
+    return launch_t64<2, kFmtV4, kFmtV4>(p, s);
+  }
+  if (cluster) return -1;
+  if (fmt0 == kFmtWindow && fmt1 == kFmtEntry) return launch_t64<1, kFmtWindow, kFmtEntry>(p, s);
+  if (fmt0 == kFmtWindow && fmt1 == kFmtWindow) return launch_t64<1, kFmtWindow, kFmtWindow>(p, s);
+  if (fmt0 == kFmtEntry && fmt1 == kFmtEntry) return launch_t64<1, kFmtEntry, kFmtEntry>(p, s);
+  if (fmt0 == kFmtEntry && fmt1 == kFmtWindow) return launch_t64<1, kFmtEntry, kFmtWindow>(p, s);
+  return -1;
 }
 
 int v4_sparse_decode_t64_sm90_smem_bytes() { return kSmemT64Bytes; }

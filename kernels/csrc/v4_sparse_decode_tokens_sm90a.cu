@@ -19,6 +19,9 @@
 //   M-major, P^T stored by stmatrix.trans) keeps all 512 dims of the 16 rows in 64 registers.
 // - Softmax over records per head (a column of S^T): lane-group shuffles, and a lazy reference
 //   maximum that moves only past 2^8 (one bar.red.or per tile; maxima exchanged only then).
+// - Record formats per scope (template F0, F1): V4's MODEL1 record, or V4.1's window row (a block's
+//   16 values are 16 e4m3 bytes, as V4's) and compressed entry (8 bytes of e2m1 codes and one e4m3
+//   scale per block; its tiles hold K * 2^-7, kEntryShift in v4_sparse_decode_common.cuh).
 
 #include "v4_sparse_decode_common.cuh"
 
@@ -66,14 +69,63 @@ __device__ __forceinline__ void load_q_perm(const SparseParams& p, int b, int tq
   }
 }
 
-// A thread's two records of one tile: 16-byte pieces (blocks 0-6, then the two RoPE halves), the
-// scale bytes, whether the indices pick them.
+// A thread's two records of one tile, whether the indices pick them, and their pieces. V4: 16-byte
+// pieces (blocks 0-6, then the two RoPE halves) and the 8 scale bytes in ex. V4.1 window: block blk's
+// 16 bytes in d[blk], the 16 scale bytes in d[8]. V4.1 entry: block blk's 8 bytes of codes in
+// d[blk].xy, the scale words blk - 1 and blk in d[blk].zw for odd blk. A block's registers are
+// refilled with the next tile's once it is converted, in every format, so that a tile of one
+// format can follow one of the other.
 struct TwoRecords {
   uint4 d[2][9];
   uint2 ex[2];
   bool valid[2];
 };
 
+// Loads V4.1 record r's pieces of block blk (format F) into `raw` (`at` already points at this
+// thread's bytes of block 0: 16 q4 for a window row, 8 q4 for an entry; `rec`: the record itself).
+template <int F>
+__device__ __forceinline__ void load_v41_block(TwoRecords& raw, int r, int blk, const RecordAt& at,
+                                               const RecordAt& rec) {
+  if constexpr (F == kFmtWindow) {
+    raw.d[r][blk] = record_bytes16(at, 64 * blk);
+    if (blk == 7) raw.d[r][8] = record_bytes16(rec, 512);
+  } else {
+    const uint2 v = record_bytes8(at, 32 * blk);
+    raw.d[r][blk].x = v.x, raw.d[r][blk].y = v.y;
+    if (blk & 1) {
+      const uint2 sc = rec.data == nullptr ? make_uint2(0, 0) : ld_nc_8(rec.scales + 4 * (blk - 1));
+      raw.d[r][blk].z = sc.x, raw.d[r][blk].w = sc.y;
+    }
+  }
+}
+
+// Record r's 16 values of block blk (format F) in natural order as fp16 pairs (an entry's times
+// 2^-kEntryShift). Window: the scale byte of dims 64 blk + 16 q4.. is byte 2 blk + q4 / 2 of d[8]
+// (`ex_shift` = 8 (q4 / 2)). Entry: at an even block the scales of blocks blk and blk + 1 (byte q4
+// of scale words blk, blk + 1; `sel` = q4 | (4 + q4) << 4); the odd block's is kept in `s_odd`.
+template <int F>
+__device__ __forceinline__ void v41_block_values(const TwoRecords& raw, int r, int blk, uint32_t ex_shift,
+                                                 uint32_t sel, __half2& s_odd, uint32_t (&h)[8]) {
+  uint4 lo, hi;
+  if constexpr (F == kFmtWindow) {
+    const uint4& sc = raw.d[r][8];
+    const uint32_t w = (blk >> 1) == 0 ? sc.x : (blk >> 1) == 1 ? sc.y : (blk >> 1) == 2 ? sc.z : sc.w;
+    dequant_e4m3x16(raw.d[r][blk], (w >> (16 * (blk & 1) + ex_shift)) & 0xFF, lo, hi);
+  } else {
+    __half2 s2;
+    if ((blk & 1) == 0) {
+      const __half2 pair = e4m3x2_scale_x128(__byte_perm(raw.d[r][blk + 1].z, raw.d[r][blk + 1].w, sel));
+      s2 = __low2half2(pair);
+      s_odd = __high2half2(pair);
+    } else {
+      s2 = s_odd;
+    }
+    dequant_e2m1x16(raw.d[r][blk].x, raw.d[r][blk].y, s2, lo, hi);
+  }
+  h[0] = lo.x, h[1] = lo.y, h[2] = lo.z, h[3] = lo.w, h[4] = hi.x, h[5] = hi.y, h[6] = hi.z, h[7] = hi.w;
+}
+
+template <int F0, int F1>
 __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel(const __grid_constant__ SparseParams p) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -107,23 +159,44 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
   float m_ref[2][2] = {{-INFINITY, -INFINITY}, {-INFINITY, -INFINITY}}, l_part[2][2] = {{0.f, 0.f}, {0.f, 0.f}};
   const int row0 = 16 * warp + g;  // this thread's records row0, row0 + 8
 
+  // V4.1: where this thread's bytes of a record start, the scale byte's shift (window) and the
+  // scale gather (entry), the odd blocks' entry scales.
+  auto mine = [&](const RecordAt& at, int t) {
+    return record_plus(at, pick.format<F0, F1>(t) == kFmtWindow ? 16 * q4 : 8 * q4);
+  };
+  const uint32_t ex_shift = 8 * (q4 >> 1), sel = static_cast<uint32_t>(q4) | static_cast<uint32_t>(4 + q4) << 4;
+  __half2 s_odd[2];
+
   TwoRecords raw;
   {
     const int t = wg;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const RecordAt at = pick.locate(t, pick.index(t, row0 + 8 * r, kTT));
-      raw.valid[r] = at.data != nullptr;
+      if constexpr (F0 == kFmtV4) {
+        const RecordAt at = pick.locate(t, pick.index(t, row0 + 8 * r, kTT));
+        raw.valid[r] = at.data != nullptr;
 #pragma unroll
-      for (int m = 0; m < 9; ++m) raw.d[r][m] = load_piece(at, m);
-      raw.ex[r] = record_scales(at);
+        for (int m = 0; m < 9; ++m) raw.d[r][m] = load_piece(at, m);
+        raw.ex[r] = record_scales(at);
+      } else {
+        const RecordAt at = pick.locate<F0, F1>(t, pick.index(t, row0 + 8 * r, kTT)), my = mine(at, t);
+        raw.valid[r] = at.data != nullptr;
+        const bool f1 = pick.format<F0, F1>(t) != F0;
+#pragma unroll
+        for (int blk = 0; blk < 8; ++blk) {
+          if (f1) load_v41_block<F1>(raw, r, blk, my, at);
+          else load_v41_block<F0>(raw, r, blk, my, at);
+        }
+      }
     }
   }
   int next_idx[2] = {pick.index(wg + 2, row0, kTT), pick.index(wg + 2, row0 + 8, kTT)};
 
   for (int t = wg; t < n; t += 2) {
     if (t >= 2) named_barrier_sync(bar0, 128);  // every warp's last P.V has read the tile and P^T
-    const RecordAt nw[2] = {pick.locate(t + 2, next_idx[0]), pick.locate(t + 2, next_idx[1])};
+    const RecordAt nw[2] = {pick.locate<F0, F1>(t + 2, next_idx[0]), pick.locate<F0, F1>(t + 2, next_idx[1])};
+    const RecordAt nw_mine[2] = {mine(nw[0], t + 2), mine(nw[1], t + 2)};  // V4.1 only
+    const bool cur_f1 = pick.format<F0, F1>(t) != F0, next_f1 = pick.format<F0, F1>(t + 2) != F0;
     const bool valid[2] = {raw.valid[0], raw.valid[1]};
     // ---- S^T = K.Q^T: block by block, the A fragments dequantized from the registers ---------
     float s[8];
@@ -135,7 +208,10 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         uint32_t h[8];  // the 16 values in natural order: h[2k] = physical 4k, 4k+1; h[2k+1] = 4k+2, 4k+3
-        if (blk < 7) {
+        if constexpr (F0 != kFmtV4) {
+          if (cur_f1) v41_block_values<F1>(raw, r, blk, ex_shift, sel, s_odd[r], h);
+          else v41_block_values<F0>(raw, r, blk, ex_shift, sel, s_odd[r], h);
+        } else if (blk < 7) {
           uint4 lo, hi;
           dequant_e4m3x16(raw.d[r][blk], scale_exponent(raw.ex[r].x, raw.ex[r].y, blk), lo, hi);
           h[0] = lo.x, h[1] = lo.y, h[2] = lo.z, h[3] = lo.w, h[4] = hi.x, h[5] = hi.y, h[6] = hi.z, h[7] = hi.w;
@@ -150,13 +226,19 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
         *reinterpret_cast<uint4*>(v_s + blk * kTBox + swizzled(row, 2 * q4 + 1)) = make_uint4(h[4], h[5], h[6], h[7]);
       }
       // This block's pieces of the next tile, into the registers just read.
-      if (blk < 7) {
+      if constexpr (F0 != kFmtV4) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (next_f1) load_v41_block<F1>(raw, r, blk, nw_mine[r], nw[r]);
+          else load_v41_block<F0>(raw, r, blk, nw_mine[r], nw[r]);
+        }
+      } else if (blk < 7) {
         raw.d[0][blk] = load_piece(nw[0], blk), raw.d[1][blk] = load_piece(nw[1], blk);
       } else {
 #pragma unroll
         for (int r = 0; r < 2; ++r) raw.d[r][7] = load_piece(nw[r], 7), raw.d[r][8] = load_piece(nw[r], 8);
       }
-      if (blk == 6) raw.ex[0] = record_scales(nw[0]), raw.ex[1] = record_scales(nw[1]);
+      if (F0 == kFmtV4 && blk == 6) raw.ex[0] = record_scales(nw[0]), raw.ex[1] = record_scales(nw[1]);
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
@@ -172,8 +254,13 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
 
     // ---- softmax over this tile's records, per head (a column) -----------------------------
     // s[4j + 2i + e]: record row0 + 8i, head 8j + 2q4 + e.
+    // An entry tile's scores are 2^-7 short (its K * 2^-7): scaled back here, and its P taken 2^7 up.
+    constexpr bool kEntries = F0 == kFmtEntry || F1 == kFmtEntry;
+    const bool entry = kEntries && pick.format<F0, F1>(t) == kFmtEntry;
+    const float score_scale = entry ? p.scale_log2 * kEntryScoreScale : p.scale_log2;
+    const float p_shift = entry ? kEntryShift : 0.f, sum_scale = entry ? kEntrySumScale : 1.f;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) s[k] = valid[(k >> 1) & 1] ? s[k] * p.scale_log2 : -INFINITY;
+    for (int k = 0; k < 8; ++k) s[k] = valid[(k >> 1) & 1] ? s[k] * score_scale : -INFINITY;
     float mw[2][2];
     bool pred = false;
 #pragma unroll
@@ -214,10 +301,10 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float m_use = m_ref[j][e] == -INFINITY ? 0.f : m_ref[j][e];
+        const float m_use = (m_ref[j][e] == -INFINITY ? 0.f : m_ref[j][e]) - p_shift;
         s[4 * j + e] = exp2f(s[4 * j + e] - m_use);
         s[4 * j + 2 + e] = exp2f(s[4 * j + 2 + e] - m_use);
-        l_part[j][e] += s[4 * j + e] + s[4 * j + 2 + e];
+        l_part[j][e] += (s[4 * j + e] + s[4 * j + 2 + e]) * sum_scale;
       }
     // P^T (heads x records) by stmatrix.trans: matrix mm = 2j + i is records row0 - g + 8i.. x heads 8j..
     {
@@ -334,23 +421,36 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
   }
 }
 
-}  // namespace
-
-extern "C" {
-
-// Up to 16 heads. Returns a cudaError_t (0 = success), or -1 for more heads.
-int v4_sparse_decode_tokens_sm90(const SparseParams* p, void* stream) {
-  if (p->heads > kHeadRows) return -1;
+template <int F0, int F1>
+int launch_tokens(const SparseParams* p, cudaStream_t stream) {
   static bool configured = false;
   if (!configured) {
-    const cudaError_t err = cudaFuncSetAttribute(v4_sparse_decode_tokens_kernel,
+    const cudaError_t err = cudaFuncSetAttribute(v4_sparse_decode_tokens_kernel<F0, F1>,
                                                  cudaFuncAttributeMaxDynamicSharedMemorySize, kSmTokBytes);
     if (err != cudaSuccess) return static_cast<int>(err);
     configured = true;
   }
   const dim3 grid(1, p->batch * p->s_q, p->num_splits);
-  v4_sparse_decode_tokens_kernel<<<grid, kTokThreads, kSmTokBytes, static_cast<cudaStream_t>(stream)>>>(*p);
+  v4_sparse_decode_tokens_kernel<F0, F1><<<grid, kTokThreads, kSmTokBytes, stream>>>(*p);
   return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+extern "C" {
+
+// Up to 16 heads. fmt0 / fmt1: the record formats of scope 0 / 1 (kFmt*; the same twice for one
+// scope): both V4, or each a V4.1 window row or entry. Returns a cudaError_t (0 = success), or -1
+// for more heads or a format pair not built.
+int v4_sparse_decode_tokens_sm90(const SparseParams* p, int fmt0, int fmt1, void* stream) {
+  if (p->heads > kHeadRows) return -1;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (fmt0 == kFmtV4 && fmt1 == kFmtV4) return launch_tokens<kFmtV4, kFmtV4>(p, s);
+  if (fmt0 == kFmtWindow && fmt1 == kFmtEntry) return launch_tokens<kFmtWindow, kFmtEntry>(p, s);
+  if (fmt0 == kFmtWindow && fmt1 == kFmtWindow) return launch_tokens<kFmtWindow, kFmtWindow>(p, s);
+  if (fmt0 == kFmtEntry && fmt1 == kFmtEntry) return launch_tokens<kFmtEntry, kFmtEntry>(p, s);
+  if (fmt0 == kFmtEntry && fmt1 == kFmtWindow) return launch_tokens<kFmtEntry, kFmtWindow>(p, s);
+  return -1;
 }
 
 int v4_sparse_decode_tokens_sm90_smem_bytes() { return kSmTokBytes; }

@@ -1,7 +1,8 @@
-"""The CUDA C++ V4 sparse decode (kernels/v4_sparse_decode_cuda.py): host-side logic on the CPU
-(build and ctypes mirror, split planning, variant dispatch, input checks, the registry), both
-designs' kernels on the GPU against the float64 reference on fresh random inputs (poisoned
-unreferenced records, −1 picks, lengths and partial tiles; CUDA-graph capture and replay)."""
+"""The CUDA C++ V4 / V4.1 sparse decode (kernels/v4_sparse_decode_cuda.py): host-side logic on the
+CPU (build and ctypes mirror, split planning, variant and record-format dispatch, input checks, the
+registry and its routing), both designs' kernels on the GPU against the float64 reference on fresh
+random inputs (poisoned unreferenced records, −1 picks, lengths and partial tiles; CUDA-graph
+capture and replay), V4.1's window rows and entries in v2 (tests named ``v41``)."""
 
 from __future__ import annotations
 
@@ -14,20 +15,22 @@ from kernels import mla_decode_cuda as mdc
 from kernels import v4_sparse_decode_cuda as v4c
 from kernels.attention import AttentionSpec, BackendUnavailable, CudaV4SparseDecode, select_v4_decode_backend
 from kernels.attention import v4_sparse_decode as v4_registry
-from kernels.v4_sparse_decode import SparseKV, v4_sparse_decode_reference
+from kernels.v4_cache_formats import pack_v41_entries, pack_v41_window_rows
+from kernels.v4_sparse_decode import SparseKV, row_record_cache, unpack_records, v4_sparse_decode_reference
 from tests.kernels.test_v4_sparse_decode import SCALE, make_case, rel_err, row_record_case
 
 REL_TOL = 2e-2  # fp16 products, fp32 softmax: the issue's bound vs float64
+V41_FORMATS = ("v41_window", "v41_entry")
 LSE_TOL = 5e-3
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def kernel_id(variant: str, heads: int, cluster: bool | None = None) -> str:
+def kernel_id(variant: str, heads: int, cluster: bool | None = None, family: str = "v4") -> str:
     """A test id naming the kernel that runs (v1-wide, v2-tokens, v2-tile64, v2-pair, ...), so that a
     device run can take one kernel at a time (``-k pair``)."""
-    kernel = v4c.kernel_for(variant, heads)[0]
-    return f"{variant}-{'pair' if v4c.uses_cluster(variant, heads, cluster) else kernel}-H{heads}"
+    kernel = v4c.kernel_for(variant, heads, family)[0]
+    return f"{variant}-{'pair' if v4c.uses_cluster(variant, heads, cluster, family) else kernel}-H{heads}"
 
 
 # ----------------------------------------------------------------------------- CPU
@@ -60,6 +63,10 @@ def test_variants_pick_their_kernels():
     assert [v4c.uses_cluster("v2", h) for h in (16, 64, 65, 96, 128)] == [False, False, True, True, True]
     assert not v4c.uses_cluster("v2", 128, cluster=False) and not v4c.uses_cluster("v1", 128)
     assert v4_registry.CUDA_VARIANT in v4c.VARIANTS
+    # V4.1 records: no narrow kernel (its producer reads MODEL1 pages), 17-63 heads padded to 64, no cluster
+    assert [v4c.kernel_for("v2", h, "v41")[0] for h in (8, 16, 17, 32, 48, 64, 128)] == [
+        "tokens", "tokens", "tile64", "tile64", "tile64", "tile64", "tile64"]
+    assert not any(v4c.uses_cluster("v2", h, family="v41") for h in (65, 96, 128))
     q, scopes, sinks = make_case(1, 1, 4, [(8, "v4", 4, False)], seed=1)
     with pytest.raises(ValueError, match="variant must be one of"):
         v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, variant="v3")
@@ -82,8 +89,14 @@ def test_split_planning_fills_the_gpu_from_shapes_only():
 
 def test_bad_inputs_name_the_tensor():
     q, scopes, sinks = make_case(1, 1, 4, [(8, "v4", 4, False), (12, "v41_window", 4, False)], seed=1)
-    with pytest.raises(ValueError, match=r"scopes\[1\].*V4 MODEL1 records only"):
+    with pytest.raises(ValueError, match=r"scopes\[1\].*V4 or V4.1 records in one call"):
         v4c.check_cuda_inputs(q, scopes, sinks)
+    rows = SparseKV(torch.zeros(3, 1, 1024, dtype=torch.uint8), scopes[1].indices, "bf16")
+    assert "not 'bf16'" in v4c.unsupported_reason([rows])
+    v41 = make_case(1, 1, 4, [(8, "v41_entry", 4, False), (12, "v41_window", 4, True)], seed=1)[1]
+    assert v4c.unsupported_reason(v41) is None and v4c.record_family(v41) == "v41"
+    with pytest.raises(ValueError, match="V4.1 records need v2"):
+        v4c.v4_sparse_decode_cuda(q, v41, sinks, SCALE, variant="v1")
     with pytest.raises(TypeError, match="q must be bf16"):
         v4c.check_cuda_inputs(q.float(), scopes[:1], sinks)
     with pytest.raises(ValueError, match="sinks must be float32"):
@@ -100,9 +113,74 @@ def test_bad_inputs_name_the_tensor():
 def test_registry_on_cpu_keeps_torch_and_names_the_flag():
     spec = AttentionSpec(torch.device("cpu"), torch.uint8, 64, 512, 64, 64, SCALE, torch.bfloat16, 1)
     assert select_v4_decode_backend("auto", spec, ("v4",)).name == "torch"
+    assert select_v4_decode_backend("auto", spec, V41_FORMATS).name == "torch"
     with pytest.raises(BackendUnavailable, match="--attention-backend cuda"):
         select_v4_decode_backend("cuda", spec, ("v4",))
-    assert CudaV4SparseDecode.record_formats == ("v4",)
+    assert CudaV4SparseDecode.record_formats == ("v4", *V41_FORMATS)
+
+
+def test_registry_routes_v41_records_to_the_cuda_kernels(monkeypatch):
+    """On an SM90 GPU (faked here: capability, library), ``auto`` takes cuda for V4.1's formats as
+    for V4's; its decode runs the CUDA kernels for V4.1 records in either scope order and the
+    Triton kernel for what they do not read (bf16 rows, V4 beside V4.1)."""
+    import kernels.attention.base as base
+    import kernels.v4_sparse_decode_triton as v4t
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(base, "device_capability", lambda device: (9, 0))
+    monkeypatch.setattr(v4c, "library", lambda: None)
+    calls = []
+    monkeypatch.setattr(v4c, "v4_sparse_decode_cuda", lambda q, scopes, *a, **kw: calls.append(("cuda", kw)))
+    monkeypatch.setattr(v4t, "v4_sparse_decode_triton", lambda q, scopes, *a, **kw: calls.append(("triton", kw)))
+    spec = AttentionSpec(torch.device("cuda"), torch.uint8, 8, 512, 64, 1, SCALE, torch.bfloat16, 1)
+    for formats in (V41_FORMATS, ("v41_window",), ("v4",)):
+        assert select_v4_decode_backend("auto", spec, formats).name == "cuda", formats
+    assert select_v4_decode_backend("auto", spec, ("v41_window", "bf16")).name == "triton"
+    backend = select_v4_decode_backend("cuda", spec, V41_FORMATS)
+    q, window_entries, sinks = make_case(2, 1, 8, [(8, "v41_window", 1, False), (12, "v41_entry", 1, True)], seed=3)
+    backend.decode(q, window_entries, sinks, SCALE)
+    backend.decode(q, window_entries[::-1], sinks, SCALE)
+    v4_scope = make_case(2, 1, 8, [(8, "v4", 4, False)], seed=3)[1]
+    backend.decode(q, v4_scope + window_entries[1:], sinks, SCALE)
+    rows = SparseKV(torch.zeros(9, 1, 1024, dtype=torch.uint8), window_entries[0].indices, "bf16")
+    backend.decode(q, [rows], sinks, SCALE)
+    assert [c[0] for c in calls] == ["cuda", "cuda", "triton", "triton"]
+    assert calls[0][1]["variant"] == "v2" and calls[0][1]["cluster"] is False
+
+
+def _e2m1_words_as_f16(w: torch.Tensor) -> torch.Tensor:
+    """Mirror of ``e2m1x8_to_f16_biased`` (kernels/csrc/v4_sparse_decode_common.cuh) on int64 words
+    [n]: [n, 8] fp16 values, each e2m1 code's value times 2^-14."""
+    m32, sign = 0xFFFFFFFF, 0x80808080
+
+    def mux(x, y):  # lop3 0xCA with the sign mask
+        return ((x & sign) | (y & ~sign)) & m32
+
+    a, b = mux(w << 4, w << 1), mux(w, w >> 3)
+    out = []
+    for k in range(4):  # __byte_perm(a, b, k | k << 4 | k << 8 | (4 + k) << 12) & 0x8E008E00
+        h = ((((a >> (8 * k)) & 0xFF) << 8) | (((b >> (8 * k)) & 0xFF) << 24)) & 0x8E008E00
+        out += [h & 0xFFFF, h >> 16]
+    return torch.stack(out, -1).to(torch.int16).view(torch.float16)
+
+
+def test_v41_entry_dequantization_is_exact_in_fp16():
+    """The kernels' e2m1 placement gives every code of every position (value x 2^-14, the subnormal
+    code included), and every code times every finite e4m3 scale x 2^7 is exact in fp16: entry tiles
+    hold K x 2^-7 without rounding (the issue's error budget is then V4's: fp16 P, bf16 out)."""
+    from kernels.microscaling import fp4_codes_to_float
+
+    gen = torch.Generator().manual_seed(0)
+    words = torch.cat([torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64),
+                       torch.arange(16).repeat_interleave(8) << (4 * torch.arange(8).repeat(16))])
+    codes = (words.unsqueeze(-1) >> (4 * torch.arange(8))) & 0xF
+    want = fp4_codes_to_float(codes.to(torch.uint8)).double() * 2.0**-14
+    assert torch.equal(_e2m1_words_as_f16(words).double(), want)
+    scales = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float16)
+    scales = scales[torch.isfinite(scales) & (scales >= 0)] * 128  # exact: at most 448 * 128
+    values = _e2m1_words_as_f16(torch.arange(16) * 0x11111111)[:, 0]  # the 16 codes, x 2^-14
+    got = (values.view(-1, 1) * scales.view(1, -1)).double()  # fp16 products, as HMUL2
+    assert torch.equal(got, values.double().view(-1, 1) * scales.double().view(1, -1))
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -198,7 +276,7 @@ def test_registry_auto_picks_cuda_for_v4_records():
     spec = AttentionSpec(dev, torch.uint8, 64, 512, 64, 64, SCALE, torch.bfloat16, 2)
     backend = select_v4_decode_backend("auto", spec, ("v4",))
     assert backend.name == "cuda"
-    assert select_v4_decode_backend("auto", spec, ("v4", "v41_entry")).name == "triton"
+    assert select_v4_decode_backend("auto", spec, ("v4", "bf16")).name == "triton"  # bf16 rows: Triton
     small = AttentionSpec(dev, torch.uint8, 16, 512, 64, 64, SCALE, torch.bfloat16, 2)
     assert select_v4_decode_backend("auto", small, ("v4",)).name == "cuda"
     # one-record row caches (the serving pools), both kernels; a cache on 4 bytes is refused
@@ -228,3 +306,145 @@ def test_cuda_v2_on_row_records(heads):
     out, lse = v4c.v4_sparse_decode_cuda(q, [rows], sinks, SCALE, variant="v2")
     assert rel_err(out, want) <= REL_TOL
     assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
+
+
+# ----------------------------------------------------------------------------- GPU, V4.1 records
+
+V41_CASES = [  # (B, s_q, H, window page size, top-k, entry page size): the tokens-major kernel (8, 16),
+    # the 64-record kernel padded (24, 32) and as one or two head blocks (64, 128); paged and row caches
+    (4, 1, 8, 64, 512, 64), (3, 2, 8, 1, 512, 1), (3, 2, 16, 61, 300, 61), (2, 1, 16, 1, 1000, 2),
+    (2, 2, 24, 64, 512, 64), (2, 1, 32, 1, 512, 1), (4, 1, 64, 64, 512, 64), (3, 2, 64, 1, 700, 1),
+    (2, 1, 128, 64, 512, 64), (2, 2, 128, 1, 300, 2),
+]
+
+
+def pages_on_8_bytes(scope: SparseKV) -> SparseKV:
+    """The same records in pages whose stride is 8 mod 16 (the kernels' 8-byte load path)."""
+    pages, page_size, nbytes = scope.cache.shape
+    buf = torch.full((pages, page_size * nbytes + 8), 0xFF, dtype=torch.uint8, device=scope.cache.device)
+    cache = buf[:, : page_size * nbytes].view(pages, page_size, nbytes)
+    cache.copy_(scope.cache)
+    return SparseKV(cache, scope.indices, scope.record, scope.lengths)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("heads", [pytest.param(h, id=f"v41-{kernel_id('v2', h, family='v41')}") for h in (8, 64)])
+def test_cuda_v41_dequantizes_exactly(heads):
+    """One valid pick per query token and no sink: out is that record, so every dequantized value
+    must come back bit for bit (bf16 holds each: at most 4 significant bits for e4m3, 6 for e2m1
+    times e4m3). Entry scales from e4m3's subnormals to ~400 (every e2m1 code), window scales from
+    2^-13 to 2^1 per 16 dims (fp16 holds every e4m3 value times those: no rounding)."""
+    gen = torch.Generator().manual_seed(11)
+    bsz, s_q, n = 6, 2, 300
+    rows = torch.randn(2, n, 512, generator=gen)
+    spread = torch.randint(-14, 10, (2, n, 32, 1), generator=gen).float()  # per 16 dims
+    spread[0].clamp_(-6, 8)  # window rows: block amax >= ~2^-5 keeps their fp16 products exact
+    rows = (rows.view(2, n, 32, 16) * torch.exp2(spread)).view(2, n, 512)
+    window = row_record_cache(pack_v41_window_rows(rows[0])).cuda()
+    entries = row_record_cache(pack_v41_entries(rows[1])).cuda()
+    pick = torch.randint(0, n, (bsz, s_q), generator=gen)
+    in_window = torch.rand(bsz, s_q, generator=gen) < 0.5
+    w_idx = torch.full((bsz, s_q, 128), -1, dtype=torch.int32)
+    e_idx = torch.full((bsz, s_q, 512), -1, dtype=torch.int32)
+    slot_w, slot_e = torch.randint(0, 128, (bsz, s_q), generator=gen), torch.randint(0, 512, (bsz, s_q), generator=gen)
+    for b in range(bsz):
+        for t in range(s_q):
+            if in_window[b, t]:
+                w_idx[b, t, slot_w[b, t]] = pick[b, t]
+            else:
+                e_idx[b, t, slot_e[b, t]] = pick[b, t]
+    scopes = [SparseKV(window, w_idx.cuda(), "v41_window"), SparseKV(entries, e_idx.cuda(), "v41_entry")]
+    q = (torch.randn(bsz, s_q, heads, 512, generator=gen) * 0.1).to(torch.bfloat16).cuda()
+    out, _ = v4c.v4_sparse_decode_cuda(q, scopes, None, SCALE, num_splits=1, variant="v2")
+    values = torch.stack([unpack_records(window.cpu(), "v41_window")[:, 0],
+                          unpack_records(entries.cpu(), "v41_entry")[:, 0]])  # [2, n, 512]
+    want = values[(~in_window).long(), pick].bfloat16()  # [B, s_q, 512]
+    assert torch.equal(out.cpu(), want.unsqueeze(2).expand_as(out))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("bsz,s_q,heads,wpage,topk,epage", [
+    pytest.param(*c, id=f"v41-{kernel_id('v2', c[2], family='v41')}-B{c[0]}-sq{c[1]}-k{c[4]}-pages{c[3]}/{c[5]}")
+    for c in V41_CASES])
+def test_cuda_v41_matches_float64(bsz, s_q, heads, wpage, topk, epage):
+    """Window 128 rows + top-k entries (lengths, partial tiles, −1 picks), unreferenced records NaN:
+    the planned splits, one split and three; the scopes in the other order; pages on 8 bytes."""
+    q, scopes, sinks = make_case(bsz, s_q, heads, [(128, "v41_window", wpage, False), (topk, "v41_entry", epage, True)],
+                                 seed=heads + topk + s_q, device="cuda")
+    want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
+    runs = [(scopes, splits) for splits in (None, 1, 3)]
+    runs += [(scopes[::-1], None), ([pages_on_8_bytes(sc) for sc in scopes], 3)]
+    for i, (sc, splits) in enumerate(runs):
+        out, lse = v4c.v4_sparse_decode_cuda(q, sc, sinks, SCALE, num_splits=splits, variant="v2")
+        assert not out.isnan().any() and not lse.isnan().any(), i
+        assert (lse.double() - want_lse).abs().max().item() < LSE_TOL, i
+        assert rel_err(out, want) <= REL_TOL, (i, rel_err(out, want))
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("heads", [pytest.param(h, id=f"v41-{kernel_id('v2', h, family='v41')}") for h in (8, 64)])
+@pytest.mark.parametrize("record", ["v41_window", "v41_entry"])
+def test_cuda_v41_one_scope_scale_spread(record, heads):
+    """One scope of one format (a window-only layer; entries alone), per-64-dim blocks over 12
+    binades, no sinks, forced 5 splits."""
+    q, scopes, _ = make_case(3, 2, heads, [(700, record, 64, True)], seed=5, device="cuda", block_spread=8)
+    want, want_lse = v4_sparse_decode_reference(q, scopes, None, SCALE, compute_dtype=torch.float64)
+    out, lse = v4c.v4_sparse_decode_cuda(q, scopes, None, SCALE, num_splits=5, variant="v2")
+    assert rel_err(out, want) <= REL_TOL
+    assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("heads", [pytest.param(h, id=f"v41-{kernel_id('v2', h, family='v41')}") for h in (8, 128)])
+def test_cuda_v41_lonely_query_and_graph_replay(heads):
+    """A request with no valid key gets out 0 and lse +inf; capture once, replay on new inputs
+    written into the same buffers (row caches, as the serving pools keep them)."""
+    specs = [(128, "v41_window", 1, False), (512, "v41_entry", 1, True)]
+    q, scopes, sinks = make_case(3, 2, heads, specs, seed=9, device="cuda")
+    for sc in scopes:
+        sc.indices[1] = -1
+    out = torch.empty(3, 2, heads, 512, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(3, 2, heads, device="cuda")
+    v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse, variant="v2")  # build, configure
+    assert (out[1] == 0).all() and torch.isinf(lse[1]).all() and (lse[1] > 0).all()  # the lonely request
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse, variant="v2")
+    q2, scopes2, sinks2 = make_case(3, 2, heads, specs, seed=10, device="cuda")
+    q.copy_(q2)
+    sinks.copy_(sinks2)
+    for sc, sc2 in zip(scopes, scopes2):
+        sc.cache.copy_(sc2.cache)
+        sc.indices.copy_(sc2.indices)
+        if sc.lengths is not None:
+            sc.lengths.copy_(sc2.lengths)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
+    assert rel_err(out, want) <= REL_TOL
+    assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_registry_auto_picks_cuda_for_v41_records():
+    """``auto`` with V4.1's formats on SM90 is the cuda backend, and its decode runs the CUDA kernels
+    on the serving pools' row records (window rows and entries, 8 and 64 heads)."""
+    spec = AttentionSpec(torch.device("cuda"), torch.uint8, 64, 512, 64, 1, SCALE, torch.bfloat16, 1)
+    backend = select_v4_decode_backend("auto", spec, V41_FORMATS)
+    assert backend.name == "cuda"
+    gen = torch.Generator().manual_seed(4)
+    for heads in (8, 64):
+        q, window, _ = row_record_case(3, heads, 128, "v41_window", gen, device="cuda")
+        _, entries, _ = row_record_case(3, heads, 400, "v41_entry", gen, device="cuda")
+        sinks = torch.randn(heads, generator=gen).cuda()
+        want, want_lse = v4_sparse_decode_reference(q, [window, entries], sinks, SCALE, compute_dtype=torch.float64)
+        assert v4c.unsupported_reason([window, entries]) is None
+        out, lse = backend.decode(q, [window, entries], sinks, SCALE)
+        assert rel_err(out, want) <= REL_TOL, heads
+        assert (lse.double() - want_lse).abs().max().item() < LSE_TOL, heads
