@@ -7,10 +7,12 @@ accumulator) has to overlap the next slice's wgmma; the kernels issue slice j+1 
 promote slice j, from two partial register sets (design notes in the .cu files and
 benchmarks/KERNEL_NOTES.md, "MXFP8 GEMM in CUDA C++" and "MXFP8 GEMM v2").
 
-Two kernels, the same numbers bit for bit (``config["kernel"]``): ``"v2"`` (the default,
-kernels/csrc/mxfp8_gemm_v2_sm90a.cu: scale products computed once per quad, wgmmas in flight
-across stages, clusters with TMA multicast) and ``"v1"`` (kernels/csrc/mxfp8_gemm_sm90a.cu), kept
-so that the benchmark times both in one process.
+Two kernels, the same numbers bit for bit (``config["kernel"]``): ``"v1"`` (the default,
+kernels/csrc/mxfp8_gemm_sm90a.cu) and ``"v2"`` (kernels/csrc/mxfp8_gemm_v2_sm90a.cu: scale
+products computed once per quad, wgmmas in flight across stages, clusters with TMA multicast),
+which measured 0.88-0.93x of v1 at prefill sizes (benchmarks/RESULTS.md, 2026-12-07) and stays
+for the benchmark: its ``promote=False`` diagnostic times the same pipeline without the per-32
+scales, the ceiling any promotion schedule on that pipeline can reach.
 
 Persistent CTAs (one per SM) walk the output tiles, 64 × 128 (one consumer warpgroup, M ≤ 64)
 or 128 × 128 (two), K in 128-byte TMA stages. Where the tiles leave SMs idle, K is split:
@@ -42,7 +44,7 @@ BLOCK_N = 128
 BLOCK_K = 128
 ROWS_PER_CONSUMER = 64
 MODES = {"bf16": 0, "fp32": 1, "split": 2, "quant": 3}
-KERNELS = ("v2", "v1")
+KERNELS = ("v1", "v2")
 CLUSTERS = ((1, 1), (2, 1), (1, 2), (2, 2))  # v2's CTA clusters (along M, along N) with 128-row tiles
 
 
@@ -149,7 +151,7 @@ def mxfp8_gemm_cuda(
     :class:`CudaKernelUnavailable` naming what does not fit.
 
     ``config``: ``consumers`` 1 or 2 and ``SPLIT_K`` (default :func:`default_cuda_config`),
-    ``kernel`` ``"v2"`` (default) or ``"v1"``, and for v2 ``cluster`` (along M, along N; default
+    ``kernel`` ``"v1"`` (default) or ``"v2"``, and for v2 ``cluster`` (along M, along N; default
     :func:`default_cluster`) and ``promote``: False is the benchmark's diagnostic, the same
     pipeline without the per-32 scales (wrong numbers: its time is the pipeline's ceiling)."""
     m, n, kg = check_operands(x8, xs, w8, ws, groups)
@@ -164,7 +166,7 @@ def mxfp8_gemm_cuda(
         raise CudaKernelUnavailable(f"the CUDA MXFP8 GEMM writes bf16 or fp32, not {out_dtype}")
     xs, ws = scale_bytes(xs), scale_bytes(ws)
     cfg = dict(default_cuda_config(m, n, kg, sm_count(x8.device.index or 0)), **(config or {}))
-    consumers, split, kernel = cfg["consumers"], cfg.get("SPLIT_K", 1), cfg.get("kernel", "v2")
+    consumers, split, kernel = cfg["consumers"], cfg.get("SPLIT_K", 1), cfg.get("kernel", "v1")
     k_stages = -(-kg // BLOCK_K)
     if consumers not in (1, 2) or split < 1 or k_stages % split or kernel not in KERNELS:
         raise ValueError(f"bad CUDA GEMM config {cfg}: consumers 1 or 2, SPLIT_K dividing the {k_stages} K stages, "

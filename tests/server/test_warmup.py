@@ -102,7 +102,7 @@ def test_gpu_engine_warms_up_at_start(ckpt, caplog):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     with caplog.at_level("INFO", logger="server.warmup"):
-        llm = LLM(ckpt, device="cuda", block_size=16, max_num_batched_tokens=48, max_model_len=256,
+        llm = LLM(ckpt, device="cuda", block_size=16, max_num_batched_tokens=48, max_num_seqs=8, max_model_len=256,
                   gpu_memory_utilization=0.3)
     assert any("start-up warm-up:" in r.getMessage() for r in caplog.records)
     stats = llm.engine.stats()
