@@ -235,14 +235,9 @@ def test_cuda_kernel_scale_spread_one_scope_no_sinks(variant, heads):
     assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
 
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("variant,heads", [pytest.param(v, h, id=kernel_id(v, h))
-                                          for v, h in (("v1", 128), ("v2", 128), ("v2", 16))])
-def test_cuda_kernel_lonely_query_and_graph_replay(variant, heads):
+def _check_lonely_query_and_graph_replay(variant, heads, specs):
     """A request with no valid key gets out 0 and lse +inf; capture once, replay on new inputs
     written into the same buffers."""
-    specs = [(128, "v4", 64, False), (512, "v4", 64, True)]
     q, scopes, sinks = make_case(3, 2, heads, specs, seed=9, device="cuda")
     for sc in scopes:
         sc.indices[1] = -1
@@ -268,6 +263,14 @@ def test_cuda_kernel_lonely_query_and_graph_replay(variant, heads):
     assert rel_err(out, want) <= REL_TOL
     assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
 
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("variant,heads", [pytest.param(v, h, id=kernel_id(v, h))
+                                          for v, h in (("v1", 128), ("v2", 128), ("v2", 16))])
+def test_cuda_kernel_lonely_query_and_graph_replay(variant, heads):
+    """The lonely request and graph replay (``_check_lonely_query_and_graph_replay``) on V4 pages."""
+    _check_lonely_query_and_graph_replay(variant, heads, [(128, "v4", 64, False), (512, "v4", 64, True)])
 
 @pytest.mark.gpu
 @needs_gpu
@@ -401,34 +404,8 @@ def test_cuda_v41_one_scope_scale_spread(record, heads):
 @needs_gpu
 @pytest.mark.parametrize("heads", [pytest.param(h, id=f"v41-{kernel_id('v2', h, family='v41')}") for h in (8, 128)])
 def test_cuda_v41_lonely_query_and_graph_replay(heads):
-    """A request with no valid key gets out 0 and lse +inf; capture once, replay on new inputs
-    written into the same buffers (row caches, as the serving pools keep them)."""
-    specs = [(128, "v41_window", 1, False), (512, "v41_entry", 1, True)]
-    q, scopes, sinks = make_case(3, 2, heads, specs, seed=9, device="cuda")
-    for sc in scopes:
-        sc.indices[1] = -1
-    out = torch.empty(3, 2, heads, 512, dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(3, 2, heads, device="cuda")
-    v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse, variant="v2")  # build, configure
-    assert (out[1] == 0).all() and torch.isinf(lse[1]).all() and (lse[1] > 0).all()  # the lonely request
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, out=out, lse=lse, variant="v2")
-    q2, scopes2, sinks2 = make_case(3, 2, heads, specs, seed=10, device="cuda")
-    q.copy_(q2)
-    sinks.copy_(sinks2)
-    for sc, sc2 in zip(scopes, scopes2):
-        sc.cache.copy_(sc2.cache)
-        sc.indices.copy_(sc2.indices)
-        if sc.lengths is not None:
-            sc.lengths.copy_(sc2.lengths)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    want, want_lse = v4_sparse_decode_reference(q, scopes, sinks, SCALE, compute_dtype=torch.float64)
-    assert rel_err(out, want) <= REL_TOL
-    assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
-
+    """The lonely request and graph replay on V4.1 row caches, as the serving pools keep them."""
+    _check_lonely_query_and_graph_replay("v2", heads, [(128, "v41_window", 1, False), (512, "v41_entry", 1, True)])
 
 @pytest.mark.gpu
 @needs_gpu
