@@ -42,8 +42,6 @@ up-projects all of them with one ``kv_b_proj`` GEMM and hands the backend the ra
     torch       float32 reference, one chunk at a time; CPU or CUDA
     sdpa        torch's fused SDPA kernels, one launch per chunk from position 0 (cuDNN on Hopper)
                 and one varlen flash launch for the chunks after cached context; CUDA
-    flash       torch's varlen flash kernel, one launch per layer for all chunks; CUDA, fp16/bf16,
-                head dims <= 256
     flashinfer  FlashInfer's ragged prefill (fa3), one launch per layer for all chunks; SM90,
                 bf16/fp16 model, q/k 192 + v 128 heads (or equal 64/128/256), flashinfer-python
 
@@ -66,7 +64,7 @@ from kernels.attention.base import (FP8_E4M3, AttentionSpec, BackendSupport, Bac
 from kernels.attention.cuda_decode import CudaDecode
 from kernels.attention.flashinfer_decode import FlashInferDecode
 from kernels.attention.flashinfer_prefill import FlashInferPrefill
-from kernels.attention.prefill import FlashPrefill, SdpaPrefill, TorchPrefill
+from kernels.attention.prefill import SdpaPrefill, TorchPrefill
 from kernels.attention.torch_decode import TorchDecode
 from kernels.attention.triton_decode import TritonDecode
 from kernels.attention.trtllm_decode import TrtllmDecode
@@ -81,7 +79,7 @@ DECODE_BACKENDS: dict[str, type[DecodeBackend]] = {
     cls.name: cls for cls in (CudaDecode, TritonDecode, FlashInferDecode, TrtllmDecode, TorchDecode)
 }
 PREFILL_BACKENDS: dict[str, type[PrefillBackend]] = {
-    cls.name: cls for cls in (FlashInferPrefill, FlashPrefill, SdpaPrefill, TorchPrefill)
+    cls.name: cls for cls in (FlashInferPrefill, SdpaPrefill, TorchPrefill)
 }
 
 
@@ -152,8 +150,7 @@ REFERENCE_DECODE = TorchDecode()  # what a forward context without a chosen back
 
 __all__ = ["DECODE_BACKENDS", "PREFILL_BACKENDS", "REFERENCE_DECODE", "AttentionSpec", "BackendSupport",
            "BackendUnavailable", "CudaDecode", "DecodeBackend", "DecodeMetadata", "FlashInferDecode",
-           "FlashInferPrefill", "FlashPrefill", "PrefillBackend", "PrefillMetadata", "SdpaPrefill", "TorchDecode",
-           "TorchPrefill",
+           "FlashInferPrefill", "PrefillBackend", "PrefillMetadata", "SdpaPrefill", "TorchDecode", "TorchPrefill",
            "TritonDecode", "TrtllmDecode", "V4_DECODE_BACKENDS", "CudaV4SparseDecode", "TorchV4SparseDecode",
            "TritonV4SparseDecode", "V4SparseDecodeBackend", "select_v4_decode_backend", "V4_PREFILL_BACKENDS",
            "TorchV4SparsePrefill", "TritonV4SparsePrefill", "V4SparsePrefillBackend", "select_v4_prefill_backend",

@@ -63,26 +63,3 @@ class SdpaPrefill(PrefillBackend):
                 qo[i + 1] - qo[i], kv[i + 1] - kv[i], softmax_scale)
         return out
 
-
-class FlashPrefill(SdpaPrefill):
-    """torch's varlen flash kernel for every chunk of a step, in one call per layer, whatever
-    the chunks' cached context (its causal mask is aligned to the bottom right, which is plain
-    causal for a chunk from 0). No per-length plan is built on the host, so steps whose chunk
-    lengths change every step (continuous batching) launch without stalling the GPU."""
-
-    name = "flash"
-
-    @classmethod
-    def unsupported_reason(cls, spec):
-        reason = super().unsupported_reason(spec)
-        if reason is None and spec.qk_head_dim:
-            reason = flash_varlen_unsupported_reason(max(spec.qk_head_dim, spec.v_head_dim), spec.compute_dtype)
-        return reason
-
-    def forward(self, q, k, v, softmax_scale):
-        offsets = torch.tensor([[0, q.shape[0]], [0, k.shape[0]]], dtype=torch.int32).to(q.device, non_blocking=True)
-        return mla_prefill_flash_varlen(q, k, v, offsets[0], offsets[1], q.shape[0], k.shape[0], softmax_scale)
-
-    def forward_varlen(self, q, k, v, metadata: PrefillMetadata, softmax_scale):
-        return mla_prefill_flash_varlen(q, k, v, metadata.qo_indptr, metadata.kv_indptr, metadata.max_query_len,
-                                        metadata.max_kv_len, softmax_scale)
