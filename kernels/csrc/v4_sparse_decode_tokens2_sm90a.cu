@@ -192,11 +192,12 @@ __global__ void __launch_bounds__(kT2Threads, 1) v4_sparse_decode_tokens2_kernel
   const int n = tiles.n;
   const RecordPicker pick(p, tiles, b, tq);
   const int row0 = 16 * warp + g;  // this thread's records row0, row0 + 8 of each of its tiles
+  // The prologue's loads together: this thread's first indices, its Q chunks, then (below) its
+  // first tile's records; Q reaches shared memory after they are all issued.
   const int idx0[2] = {pick.index(wg, row0, kT2Records), pick.index(wg, row0 + 8, kT2Records)};
   int next_idx[2] = {pick.index(wg + 2, row0, kT2Records), pick.index(wg + 2, row0 + 8, kT2Records)};
-  load_q_perm<kRows, kT2Threads>(p, b, tq, smem + Plan::kQ, tid);
-  fence_async_shared();
-  __syncthreads();
+  QPermChunks<kRows, kT2Threads> q_chunks;
+  q_chunks.load(p, b, tq, tid);
 
   uint8_t* v_s = smem + Plan::kV + wg * kT2Tile;
   float* xchg = reinterpret_cast<float*>(smem + Plan::kX) + wg * 4 * kRows;
@@ -228,7 +229,8 @@ __global__ void __launch_bounds__(kT2Threads, 1) v4_sparse_decode_tokens2_kernel
 
   TwoRecords raw;
   {
-    const RecordRef at[2] = {locate_ref<F0, F1, kDiag>(p, pick, wg, idx0[0], q4), locate_ref<F0, F1, kDiag>(p, pick, wg, idx0[1], q4)};
+    const RecordRef at[2] = {locate_ref<F0, F1, kDiag>(p, pick, wg, idx0[0], q4),
+                             locate_ref<F0, F1, kDiag>(p, pick, wg, idx0[1], q4)};
     const bool f1 = pick.format<F0, F1>(wg) != F0;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -240,6 +242,9 @@ __global__ void __launch_bounds__(kT2Threads, 1) v4_sparse_decode_tokens2_kernel
       }
     }
   }
+  q_chunks.store(smem + Plan::kQ, tid);
+  fence_async_shared();  // Q is read by wgmma
+  __syncthreads();
 
   for (int t = wg; t < n; t += 2) {
     if (t >= 2) named_barrier_sync(bar_top, 128);  // every warp's last P.V has read the tile and P^T

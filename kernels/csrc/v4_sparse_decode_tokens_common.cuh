@@ -30,6 +30,35 @@ __device__ __forceinline__ void load_q_perm(const SparseParams& p, int b, int tq
   }
 }
 
+// The same Q tile in two steps, so that its loads are all in flight together (and under the first
+// tile's): `load` the thread's chunks (bf16 pairs, zeros past p.heads) into registers, `store` them
+// as fp16 once they are needed.
+template <int kRows, int kThreads>
+struct QPermChunks {
+  static constexpr int kPerThread = kRows * 64 / kThreads;
+  static_assert(kPerThread * kThreads == kRows * 64, "Q chunks must divide among the threads");
+  uint32_t w[kPerThread][4];
+  __device__ __forceinline__ void load(const SparseParams& p, int b, int tq, int tid) {
+#pragma unroll
+    for (int n = 0; n < kPerThread; ++n) {
+      const int c = tid + n * kThreads, row = c >> 6, blk = (c >> 3) & 7, ch = c & 7, i = ch >> 1;
+      const __nv_bfloat16* src = p.q + b * p.q_sb + tq * p.q_ss + row * p.q_sh + 64 * blk;
+#pragma unroll
+      for (int k = 0; k < 4; ++k)  // k indices 8 (ch & 1) + 2k, +1: adjacent physical dims
+        w[n][k] = row < p.heads ? *reinterpret_cast<const uint32_t*>(src + perm_dim(i, 8 * (ch & 1) + 2 * k)) : 0u;
+    }
+  }
+  __device__ __forceinline__ void store(uint8_t* q_s, int tid) const {
+#pragma unroll
+    for (int n = 0; n < kPerThread; ++n) {
+      const int c = tid + n * kThreads, row = c >> 6, blk = (c >> 3) & 7, ch = c & 7;
+      *reinterpret_cast<uint4*>(q_s + blk * (kRows * 128) + swizzled(row, ch)) =
+          make_uint4(bf16x2_to_f16x2(w[n][0]), bf16x2_to_f16x2(w[n][1]), bf16x2_to_f16x2(w[n][2]),
+                     bf16x2_to_f16x2(w[n][3]));
+    }
+  }
+};
+
 // A thread's two records of one tile, whether the indices pick them, and their pieces. V4: 16-byte
 // pieces (blocks 0-6, then the two RoPE halves) and the 8 scale bytes in ex. V4.1 window: block blk's
 // 16 bytes in d[blk], the 16 scale bytes in d[8]. V4.1 entry: block blk's 8 bytes of codes in
