@@ -131,6 +131,24 @@ __device__ __forceinline__ void load_block(TwoRecords& raw, int r, int blk, cons
   }
 }
 
+// An L2 prefetch of every piece load_block<F> will read of a record (ptxas issues those loads
+// late, next to the last block's products; these make them L2 hits and keep a whole tile of HBM
+// reads in flight from the top of the iteration).
+template <int F>
+__device__ __forceinline__ void prefetch_record(const RecordRef& at, int rope_off) {
+  if constexpr (F == kFmtEntry) {
+#pragma unroll
+    for (int blk = 0; blk < 8; ++blk) prefetch_l2(at.mine + 32 * blk);
+    prefetch_l2(at.aux);
+  } else {
+#pragma unroll
+    for (int blk = 0; blk < 7; ++blk) prefetch_l2(at.mine + 64 * blk);
+    prefetch_l2(at.mine + (F == kFmtV4 ? rope_off : 448));
+    if constexpr (F == kFmtV4) prefetch_l2(at.mine + rope_off + 16);
+    prefetch_l2(at.aux);
+  }
+}
+
 // Record r's 16 values of block blk of the current tile (format F) as fp16 pairs in natural order.
 template <int F>
 __device__ __forceinline__ void block_values(const TwoRecords& raw, int r, int blk, uint32_t ex_shift, uint32_t sel,
@@ -250,8 +268,20 @@ __global__ void __launch_bounds__(kT2Threads, 1) v4_sparse_decode_tokens2_kernel
     if (t >= 2) named_barrier_sync(bar_top, 128);  // every warp's last P.V has read the tile and P^T
     const RecordRef nw[2] = {locate_ref<F0, F1, kDiag>(p, pick, t + 2, next_idx[0], q4),
                              locate_ref<F0, F1, kDiag>(p, pick, t + 2, next_idx[1], q4)};
+    const bool valid[2] = {raw.valid[0], raw.valid[1]};  // this tile's records
+    raw.valid[0] = next_idx[0] >= 0, raw.valid[1] = next_idx[1] >= 0;
+    // Tile t + 4's indices, a whole iteration ahead of its locate.
+    next_idx[0] = pick.index(t + 4, row0, kT2Records), next_idx[1] = pick.index(t + 4, row0 + 8, kT2Records);
     const bool cur_f1 = pick.format<F0, F1>(t) != F0, next_f1 = pick.format<F0, F1>(t + 2) != F0;
-    const bool valid[2] = {raw.valid[0], raw.valid[1]};
+    if constexpr (kDiag != kDiagNoHbm) {
+      if (t + 2 < n) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (next_f1) prefetch_record<F1>(nw[r], rope_off);
+          else prefetch_record<F0>(nw[r], rope_off);
+        }
+      }
+    }
     // ---- S^T = K.Q^T block by block, A fragments dequantized from the registers -------------
     float s[4 * kJ];
     uint32_t af[4][4];  // one block's fragments: [k-step][fragment]
@@ -282,8 +312,6 @@ __global__ void __launch_bounds__(kT2Threads, 1) v4_sparse_decode_tokens2_kernel
         qk_wgmma(s, af[k], make_desc(q_lo + ((blk * Plan::kQBox + 32 * k) >> 4), 1024, kSwizzle128), blk | k);
       wgmma_commit();
     }
-    raw.valid[0] = next_idx[0] >= 0, raw.valid[1] = next_idx[1] >= 0;
-    next_idx[0] = pick.index(t + 4, row0, kT2Records), next_idx[1] = pick.index(t + 4, row0 + 8, kT2Records);
     wgmma_wait<0>();
     fence_regs(s);
 
