@@ -21,7 +21,8 @@ heads also ``cuda_v2_nocluster``, its two head blocks as independent CTAs), ``cu
 v3: v2 with the tokens2 kernel up to 16 heads) — each checked, then timed, like the others.
 ``--diagnostics`` adds v3's timing diagnostics up to 16 heads on V4 records (``cuda_v3_fence``:
 the tokens kernel's proxy fence back in the loop; ``cuda_v3_nohbm``: every record from an
-L1-resident zero record, the loop's pace without HBM, wrong numbers). Targets (the last column):
+L1-resident zero record, the loop's pace without HBM, wrong numbers; ``cuda_v3_nopf``: no L2
+prefetches of the next tile). Targets (the last column):
 at 64+ heads ≥ 1.2× FlashMLA's TFLOP/s, at up to 16 heads ≤ 1/3 of its time and ≥ 80 % of the HBM
 roofline for the bytes read (HBM peak by device name: H100 3.35 TB/s, else the H200's 4.8).
 
@@ -153,8 +154,9 @@ def check(out, lse, want, want_lse) -> dict:
 CUDA_ARMS = {"cuda": {"variant": "v1"}, "cuda_v2": {"variant": "v2"},
              "cuda_v2_nocluster": {"variant": "v2", "cluster": False}, "cuda_v3": {"variant": "v3"},
              "cuda_v3_fence": {"variant": "v3", "diagnostic": "fence"},
-             "cuda_v3_nohbm": {"variant": "v3", "diagnostic": "no_hbm"}}
-DIAG_ARMS = ("cuda_v3_fence", "cuda_v3_nohbm")  # timing only (--diagnostics): V4 records, <= 16 heads
+             "cuda_v3_nohbm": {"variant": "v3", "diagnostic": "no_hbm"},
+             "cuda_v3_nopf": {"variant": "v3", "diagnostic": "no_prefetch"}}
+DIAG_ARMS = ("cuda_v3_fence", "cuda_v3_nohbm", "cuda_v3_nopf")  # timing only (--diagnostics): V4, <= 16 heads
 
 
 def arm_runs(arm: str, variants, heads: int, records: str, diagnostics: bool) -> bool:
@@ -314,7 +316,7 @@ def fmt_tokens(r: dict) -> str:
     err = f"{r['cuda_v3']['rel_err']:.1e}" if v3 else f"{'-':>7}"
     fm = r.get("flashmla", {}).get("us")
     speed = f"{fm / v3:6.2f}x" if fm and v3 else f"{'-':>7}"
-    diags = f"{cell(us('cuda_v3_fence'))} {cell(us('cuda_v3_nohbm'), 9)}"
+    diags = f"{cell(us('cuda_v3_fence'))} {cell(us('cuda_v3_nohbm'), 9)} {cell(us('cuda_v3_nopf'), 9)}"
     return (f"{r.get('records', 'v4'):>7} {r['H']:3d} {r['topk']:5d} {r['B']:4d} {r['s_q']:3d} | {cell(v2)} {cell(v3)} "
             f"{ratio} {hbm} {err} | {diags} | {cell(fm, 11)} {speed}")
 
@@ -374,8 +376,8 @@ def main() -> None:
     tok_rows = [r for r in rows if "error" not in r and r["H"] <= TOKENS_MAX_HEADS and "cuda_v3" in r]
     if tok_rows:
         print(f"\nTokens-major kernels up to 16 heads on {torch.cuda.get_device_name()} (HBM peak "
-              f"{hbm_peak() / 1e12:.2f} TB/s): v2 = tokens, v3 = tokens2; fence / no-HBM = v3's diagnostics")
-        print("records   H  topk    B s_q |    v2 µs    v3 µs   v2/v3   HBM% rel.err | fence µs nohbm µs |"
+              f"{hbm_peak() / 1e12:.2f} TB/s): v2 = tokens, v3 = tokens2; fence / nohbm / nopf = v3's diagnostics")
+        print("records   H  topk    B s_q |    v2 µs    v3 µs   v2/v3   HBM% rel.err | fence µs nohbm µs   nopf µs |"
               " FlashMLA µs   FM/v3 (target >= 3)")
         for r in tok_rows:
             print(fmt_tokens(r))

@@ -32,11 +32,12 @@ constexpr int kT2Tile = kT2Records * kT2Row;        // 66,560
 constexpr int kT2PtRow = 144;                       // bytes per head row of P^T (64 records + 16)
 constexpr int kT2StageRow = 516;                    // floats per head row of the epilogue's staging
 constexpr int kT2BarMerge = 7, kT2BarEpi = 8;       // per warpgroup w: 1 + 3w top, + 1 publish, + 2 exchange
-// Timing diagnostics (V4 records only; the bench's cuda_v3_* arms): kDiagFence puts the tokens
-// kernel's fence.proxy.async back into the loop (before the publishing barrier, with the next
-// tile's loads in flight); kDiagNoHbm reads every record from kZeroRecord (L2-resident: the loop's
-// pace without HBM: through L1, every SM's own copy; wrong numbers).
-constexpr int kDiagNone = 0, kDiagFence = 1, kDiagNoHbm = 2;
+// Timing diagnostics (V4 records in pages on 16 bytes only; the bench's cuda_v3_* arms):
+// kDiagFence puts the tokens kernel's fence.proxy.async back into the loop (before the publishing
+// barrier, with the next tile's loads in flight); kDiagNoHbm reads every record from kZeroRecord
+// through L1 (every SM its own copy: the loop's pace without HBM; wrong numbers); kDiagNoPrefetch
+// drops the L2 prefetches.
+constexpr int kDiagNone = 0, kDiagFence = 1, kDiagNoHbm = 2, kDiagNoPrefetch = 3;
 
 __device__ __align__(16) uint8_t kZeroRecord[1024];  // what a missing record reads
 
@@ -273,7 +274,7 @@ __global__ void __launch_bounds__(kT2Threads, 1) v4_sparse_decode_tokens2_kernel
     // Tile t + 4's indices, a whole iteration ahead of its locate.
     next_idx[0] = pick.index(t + 4, row0, kT2Records), next_idx[1] = pick.index(t + 4, row0 + 8, kT2Records);
     const bool cur_f1 = pick.format<F0, F1>(t) != F0, next_f1 = pick.format<F0, F1>(t + 2) != F0;
-    if constexpr (kDiag != kDiagNoHbm) {
+    if constexpr (kDiag != kDiagNoHbm && kDiag != kDiagNoPrefetch) {
       if (t + 2 < n) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -506,11 +507,14 @@ int launch_tokens2(const SparseParams* p, cudaStream_t stream) {
 
 template <int kRows, bool kWide>
 int launch_tokens2_formats(const SparseParams* p, int fmt0, int fmt1, int diag, cudaStream_t s) {
-  if (diag != kDiagNone) {  // V4 records only
-    if (fmt0 != kFmtV4 || fmt1 != kFmtV4) return -1;
-    return diag == kDiagFence ? launch_tokens2<kRows, kFmtV4, kFmtV4, kWide, kDiagFence>(p, s)
-                              : launch_tokens2<kRows, kFmtV4, kFmtV4, kWide, kDiagNoHbm>(p, s);
+  if constexpr (kWide) {
+    if (diag != kDiagNone && fmt0 == kFmtV4 && fmt1 == kFmtV4) {
+      if (diag == kDiagFence) return launch_tokens2<kRows, kFmtV4, kFmtV4, true, kDiagFence>(p, s);
+      if (diag == kDiagNoHbm) return launch_tokens2<kRows, kFmtV4, kFmtV4, true, kDiagNoHbm>(p, s);
+      return launch_tokens2<kRows, kFmtV4, kFmtV4, true, kDiagNoPrefetch>(p, s);
+    }
   }
+  if (diag != kDiagNone) return -1;
   if (fmt0 == kFmtV4 && fmt1 == kFmtV4) return launch_tokens2<kRows, kFmtV4, kFmtV4, kWide>(p, s);
   if (fmt0 == kFmtWindow && fmt1 == kFmtEntry) return launch_tokens2<kRows, kFmtWindow, kFmtEntry, kWide>(p, s);
   if (fmt0 == kFmtWindow && fmt1 == kFmtWindow) return launch_tokens2<kRows, kFmtWindow, kFmtWindow, kWide>(p, s);
@@ -526,9 +530,9 @@ extern "C" {
 // Up to 16 heads (8 query rows up to 8 heads). fmt0 / fmt1: the record formats of scope 0 / 1
 // (kFmt*; the same twice for one scope). 16-byte loads where every scope's pages start on 16
 // bytes. diag: kDiag* (0 for the kernel itself). Returns a cudaError_t (0 = success), or -1 for
-// more heads, a format pair not built or a diagnostic on V4.1 records.
+// more heads, a format pair not built or a diagnostic not built (V4.1 records, pages on 8 bytes).
 int v4_sparse_decode_tokens2_sm90(const SparseParams* p, int fmt0, int fmt1, int diag, void* stream) {
-  if (p->heads > 16 || diag < kDiagNone || diag > kDiagNoHbm) return -1;
+  if (p->heads > 16 || diag < kDiagNone || diag > kDiagNoPrefetch) return -1;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   bool wide = true;
   for (int i = 0; i < p->num_scopes; ++i)
