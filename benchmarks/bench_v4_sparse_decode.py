@@ -19,10 +19,10 @@ else skipped.
 ``cuda`` (kernels/v4_sparse_decode_cuda.py, variant v1), ``cuda_v2`` (variant v2; at 65-128
 heads also ``cuda_v2_nocluster``, its two head blocks as independent CTAs), ``cuda_v3`` (variant
 v3: v2 with the tokens2 kernel up to 16 heads) — each checked, then timed, like the others.
-``--diagnostics`` adds v3's timing diagnostics up to 16 heads on V4 records (``cuda_v3_fence``:
-the tokens kernel's proxy fence back in the loop; ``cuda_v3_nohbm``: every record from an
-L1-resident zero record, the loop's pace without HBM, wrong numbers; ``cuda_v3_nopf``: no L2
-prefetches of the next tile). Targets (the last column):
+``--diagnostics`` adds v3's timing diagnostics up to 16 heads on V4 records (``cuda_v3_nopf``: no
+L2 prefetches of the next tile; ``cuda_v3_fence``: no prefetches and the tokens kernel's proxy
+fence back in the loop, to compare with nopf; ``cuda_v3_nohbm``: every record from an L1-resident
+zero record, the loop's pace without HBM, wrong numbers). Targets (the last column):
 at 64+ heads ≥ 1.2× FlashMLA's TFLOP/s, at up to 16 heads ≤ 1/3 of its time and ≥ 80 % of the HBM
 roofline for the bytes read (HBM peak by device name: H100 3.35 TB/s, else the H200's 4.8).
 

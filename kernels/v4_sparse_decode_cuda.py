@@ -62,8 +62,9 @@ TOKENS_MAX_HEADS = 16  # up to this many heads v2 runs the tokens-major kernel
 TILE = 32  # records per tile (v1 and the narrow kernel)
 VARIANTS = ("v1", "v2", "v3")
 # Timing diagnostics of v3's tokens2 kernel (V4 records in pages on 16 bytes, <= 16 heads; kDiag*
-# in its .cu): the tokens kernel's fence.proxy.async back in the loop; every record read from an
-# L1-resident zero record (the loop without HBM; wrong numbers); no L2 prefetches.
+# in its .cu): no L2 prefetches and the tokens kernel's fence.proxy.async back in the loop; every
+# record read from an L1-resident zero record (the loop without HBM; wrong numbers); no L2
+# prefetches.
 DIAGNOSTICS = {"fence": 1, "no_hbm": 2, "no_prefetch": 3}
 # Record formats the v2 kernels read (kFmt* in kernels/csrc/v4_sparse_decode_common.cuh).
 FORMAT_CODES = {"v4": 0, "v41_window": 1, "v41_entry": 2}

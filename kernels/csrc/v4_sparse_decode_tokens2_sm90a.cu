@@ -33,10 +33,10 @@ constexpr int kT2PtRow = 144;                       // bytes per head row of P^T
 constexpr int kT2StageRow = 516;                    // floats per head row of the epilogue's staging
 constexpr int kT2BarMerge = 7, kT2BarEpi = 8;       // per warpgroup w: 1 + 3w top, + 1 publish, + 2 exchange
 // Timing diagnostics (V4 records in pages on 16 bytes only; the bench's cuda_v3_* arms):
-// kDiagFence puts the tokens kernel's fence.proxy.async back into the loop (before the publishing
-// barrier, with the next tile's loads in flight); kDiagNoHbm reads every record from kZeroRecord
-// through L1 (every SM its own copy: the loop's pace without HBM; wrong numbers); kDiagNoPrefetch
-// drops the L2 prefetches.
+// kDiagNoPrefetch drops the L2 prefetches; kDiagFence drops them too and puts the tokens kernel's
+// fence.proxy.async back into the loop (before the publishing barrier, with the next tile's HBM
+// loads in flight, as there); kDiagNoHbm reads every record from kZeroRecord through L1 (every SM
+// its own copy: the loop's pace without HBM; wrong numbers).
 constexpr int kDiagNone = 0, kDiagFence = 1, kDiagNoHbm = 2, kDiagNoPrefetch = 3;
 
 __device__ __align__(16) uint8_t kZeroRecord[1024];  // what a missing record reads
@@ -274,7 +274,7 @@ __global__ void __launch_bounds__(kT2Threads, 1) v4_sparse_decode_tokens2_kernel
     // Tile t + 4's indices, a whole iteration ahead of its locate.
     next_idx[0] = pick.index(t + 4, row0, kT2Records), next_idx[1] = pick.index(t + 4, row0 + 8, kT2Records);
     const bool cur_f1 = pick.format<F0, F1>(t) != F0, next_f1 = pick.format<F0, F1>(t + 2) != F0;
-    if constexpr (kDiag != kDiagNoHbm && kDiag != kDiagNoPrefetch) {
+    if constexpr (kDiag == kDiagNone) {
       if (t + 2 < n) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
