@@ -1,9 +1,9 @@
 """Our CUDA C++ sparse decode for DeepSeek-V4 / V4.1 on Hopper (``kernels/csrc/v4_sparse_decode*_sm90a.cu``).
 
 Same contract as ``kernels.v4_sparse_decode.v4_sparse_decode_reference`` for V4 MODEL1 records
-(FlashMLA's pages: the layout its sparse decode reads) and, in ``v2``, V4.1's window rows and
-compressed entries (``FORMAT_CODES``; each scope its own format, a template argument of the
-kernels). Two designs, picked by ``variant`` (design, budget and measurements:
+(FlashMLA's pages: the layout its sparse decode reads) and, in ``v2``/``v3``, V4.1's window rows
+and compressed entries (``FORMAT_CODES``; each scope its own format, a template argument of the
+kernels). Three variants, picked by ``variant`` (design, budget and measurements:
 benchmarks/KERNEL_NOTES.md):
 
 - ``v1`` (``v4_sparse_decode_sm90a.cu``): one CTA = one query token x 64 heads x one split of
@@ -15,6 +15,9 @@ benchmarks/KERNEL_NOTES.md):
   straight into registers, one consumer warpgroup computes all of Q·Kᵀ and the softmax and hands
   P to the other; 65-128 heads run as 2-CTA clusters whose producers each dequantize half of
   every tile into both CTAs' shared memory (``cluster=False`` runs them as independent CTAs).
+- ``v3``: v2, except up to 16 heads, where the tokens2 kernel (``v4_sparse_decode_tokens2_sm90a.cu``)
+  runs: v2's tokens-major design with P·V on mma.sync (no proxy fence in the tile loop while the
+  next tile's loads are in flight), 8 query rows up to 8 heads, branch-free loads.
 
 Up to 32 heads per GPU (memory-bound) one CTA holds all of a token's heads: v1's narrow kernel
 (``v4_sparse_decode_narrow_sm90a.cu``: 16 or 32 rows on mma.sync, v1's producer), and v2's up
@@ -23,7 +26,7 @@ registers as the Q·Kᵀ fragments, two warpgroups on alternate 64-record tiles;
 the narrow kernel). 33-63 heads run a 64-head kernel padded. MODEL1 pages and one-record rows
 (the V4 family's 584-byte row pools) are both read.
 
-V4.1 records (``v2`` only; pages of whole 528- or 288-byte records, the row pools included):
+V4.1 records (``v2`` and ``v3``; pages of whole 528- or 288-byte records, the row pools included):
 the tokens-major kernel up to 16 heads, the 64-record kernel above, padded to 64 heads at 17-63
 (the narrow kernel's cp.async producer reads MODEL1 records only). A call reads one family: V4
 records, or V4.1 records in any mix of the two formats.
@@ -48,15 +51,21 @@ from kernels.v4_cache_formats import V4_DATA_BYTES, V4_ROPE_DIMS
 from kernels.v4_sparse_decode import HEAD_DIM, MAX_SCOPES, SparseKV, check_inputs
 
 SOURCES = (mdc.CSRC / "v4_sparse_decode_sm90a.cu", mdc.CSRC / "v4_sparse_decode_narrow_sm90a.cu",
-           mdc.CSRC / "v4_sparse_decode_t64_sm90a.cu", mdc.CSRC / "v4_sparse_decode_tokens_sm90a.cu")
-HEADERS = (mdc.CSRC / "v4_sparse_decode_common.cuh", mdc.CSRC / "mla_decode_common.cuh",
-           mdc.CSRC / "sm90_async.cuh")
+           mdc.CSRC / "v4_sparse_decode_t64_sm90a.cu", mdc.CSRC / "v4_sparse_decode_tokens_sm90a.cu",
+           mdc.CSRC / "v4_sparse_decode_tokens2_sm90a.cu")
+HEADERS = (mdc.CSRC / "v4_sparse_decode_common.cuh", mdc.CSRC / "v4_sparse_decode_tokens_common.cuh",
+           mdc.CSRC / "mla_decode_common.cuh", mdc.CSRC / "sm90_async.cuh")
 LIBRARY_NAME = "v4_sparse_decode_sm90a"
 HEADS_PER_CTA = 64  # the wgmma kernel
 NARROW_MAX_HEADS = 32  # up to this many heads: the mma.sync kernel, all heads in one CTA
 TOKENS_MAX_HEADS = 16  # up to this many heads v2 runs the tokens-major kernel
 TILE = 32  # records per tile (v1 and the narrow kernel)
-VARIANTS = ("v1", "v2")
+VARIANTS = ("v1", "v2", "v3")
+# Timing diagnostics of v3's tokens2 kernel (V4 records in pages on 16 bytes, <= 16 heads; kDiag*
+# in its .cu): no L2 prefetches and the tokens kernel's fence.proxy.async back in the loop; every
+# record read from an L1-resident zero record (the loop without HBM; wrong numbers); no L2
+# prefetches.
+DIAGNOSTICS = {"fence": 1, "no_hbm": 2, "no_prefetch": 3}
 # Record formats the v2 kernels read (kFmt* in kernels/csrc/v4_sparse_decode_common.cuh).
 FORMAT_CODES = {"v4": 0, "v41_window": 1, "v41_entry": 2}
 MAX_SPLITS = 32
@@ -89,22 +98,32 @@ T64_SMEM_BYTES = 64 * 1024 + 2 * 64 * 1024 + 2 * 64 * 128 + 2 * 64 * 4 + 2 * 64 
 TOKENS_SMEM_BYTES = 16 * 1024 + 2 * 64 * 1024 + 2 * 16 * 128 + 2 * 4 * 16 * 4 + 1024
 
 
+def tokens2_smem_bytes(heads: int) -> int:
+    """v3's tokens2 kernel (mirror of its plan) for 8 or 16 query rows: Q, one fp16 tile of 64
+    records in rows of 1040 bytes and one P^T (rows of 144 bytes) per warpgroup, the column maxima,
+    1024 bytes to align."""
+    rows = 8 if heads <= 8 else 16
+    return rows * 1024 + 2 * 64 * 1040 + 2 * rows * 144 + 2 * 4 * rows * 4 + 1024
+
+
 def kernel_for(variant: str, heads: int, family: str = "v4") -> tuple[str, int]:
     """(kernel, records per tile) that runs ``heads`` heads per GPU in ``variant`` for records of
-    ``family`` (``record_family``): ``tokens`` (v2, <= 16 heads), ``narrow`` (<= 32, V4 records),
-    ``tile64`` (v2) or ``wide`` (v1)."""
-    if variant == "v2" and heads <= TOKENS_MAX_HEADS:
+    ``family`` (``record_family``): ``tokens2`` (v3, <= 16 heads), ``tokens`` (v2, <= 16 heads),
+    ``narrow`` (<= 32, V4 records), ``tile64`` (v2 and v3) or ``wide`` (v1)."""
+    if variant == "v3" and heads <= TOKENS_MAX_HEADS:
+        return "tokens2", 64
+    if variant in ("v2", "v3") and heads <= TOKENS_MAX_HEADS:
         return "tokens", 64
     if heads <= NARROW_MAX_HEADS and family == "v4":
         return "narrow", TILE
-    return ("tile64", 64) if variant == "v2" else ("wide", TILE)
+    return ("tile64", 64) if variant in ("v2", "v3") else ("wide", TILE)
 
 
 def uses_cluster(variant: str, heads: int, cluster: bool | None = None, family: str = "v4") -> bool:
-    """Whether the 2-CTA cluster runs: v2 at 65-128 heads (two 64-head blocks) of V4 records,
+    """Whether the 2-CTA cluster runs: v2 and v3 at 65-128 heads (two 64-head blocks) of V4 records,
     unless ``cluster`` is False."""
-    return (variant == "v2" and family == "v4" and heads > NARROW_MAX_HEADS and -(-heads // HEADS_PER_CTA) == 2
-            and cluster is not False)
+    return (variant in ("v2", "v3") and family == "v4" and heads > NARROW_MAX_HEADS
+            and -(-heads // HEADS_PER_CTA) == 2 and cluster is not False)
 
 
 def record_family(scopes: Sequence[SparseKV]) -> str:
@@ -153,7 +172,10 @@ def _library_in(cache: Path) -> ctypes.CDLL:
                                                         ctypes.c_int, ctypes.c_void_p]),
                          ("v4_sparse_decode_tokens_sm90", [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int,
                                                            ctypes.c_void_p]),
+                         ("v4_sparse_decode_tokens2_sm90", [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int,
+                                                            ctypes.c_int, ctypes.c_void_p]),
                          ("v4_sparse_decode_tokens_sm90_smem_bytes", []),
+                         ("v4_sparse_decode_tokens2_sm90_smem_bytes", [ctypes.c_int]),
                          ("v4_sparse_decode_sm90_params_bytes", []), ("v4_sparse_decode_sm90_smem_bytes", []),
                          ("v4_sparse_decode_t64_sm90_smem_bytes", []),
                          ("v4_sparse_decode_narrow_sm90_smem_bytes", [ctypes.c_int])):
@@ -217,6 +239,7 @@ def v4_sparse_decode_cuda(
     q: torch.Tensor, scopes: Sequence[SparseKV], sinks: torch.Tensor | None, softmax_scale: float,
     out: torch.Tensor | None = None, lse: torch.Tensor | None = None, num_splits: int | None = None,
     v_desc: tuple[int, int] | None = None, variant: str = "v1", cluster: bool | None = None,
+    diagnostic: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, s_q, H, 512] bf16, lse [B, s_q, H] float32); no host sync. A 16-bit or float32
     q that is not bf16 is cast once (the kernel converts bf16 to fp16 as it loads).
@@ -225,7 +248,8 @@ def v4_sparse_decode_cuda(
     records as independent CTAs (V4.1 records always run so).
     ``num_splits`` overrides the plan (tests, benchmarks); ``v_desc`` (leading, stride bytes of
     V's N-major wgmma descriptor; default the variant's) exists for a device check that tells a
-    swapped pair."""
+    swapped pair. ``diagnostic`` (``DIAGNOSTICS``; v3's tokens2 kernel on V4 records) is for timing
+    only."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if q.dtype != torch.bfloat16 and q.is_floating_point():
@@ -234,8 +258,12 @@ def v4_sparse_decode_cuda(
         q = q.contiguous()
     check_cuda_inputs(q, scopes, sinks)
     family = record_family(scopes)
-    if family != "v4" and variant != "v2":
-        raise ValueError(f"variant {variant!r} reads V4 records only; V4.1 records need v2")
+    if family != "v4" and variant == "v1":
+        raise ValueError(f"variant {variant!r} reads V4 records only; V4.1 records need v2 or v3")
+    if diagnostic is not None and (diagnostic not in DIAGNOSTICS or family != "v4"
+                                   or kernel_for(variant, q.shape[2], family)[0] != "tokens2"):
+        raise ValueError(f"diagnostic {diagnostic!r}: one of {tuple(DIAGNOSTICS)}, for v3's tokens2 kernel on "
+                         "V4 records")
     bsz, s_q, heads, _ = q.shape
     if out is None:
         out = torch.empty(bsz, s_q, heads, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
@@ -283,7 +311,10 @@ def v4_sparse_decode_cuda(
     with torch.cuda.device(q.device):
         stream = torch.cuda.current_stream(q.device).cuda_stream
         lib = library()
-        if kernel == "tokens":
+        if kernel == "tokens2":
+            err = lib.v4_sparse_decode_tokens2_sm90(ctypes.byref(p), *formats, DIAGNOSTICS.get(diagnostic, 0),
+                                                    ctypes.c_void_p(stream))
+        elif kernel == "tokens":
             err = lib.v4_sparse_decode_tokens_sm90(ctypes.byref(p), *formats, ctypes.c_void_p(stream))
         elif kernel == "narrow":
             err = lib.v4_sparse_decode_narrow_sm90(ctypes.byref(p), ctypes.c_void_p(stream))
@@ -305,5 +336,6 @@ def v4_sparse_decode_cuda(
     return out, lse
 
 
-__all__ = ["FORMAT_CODES", "HEADS_PER_CTA", "TILE", "VARIANTS", "build_library", "check_cuda_inputs", "kernel_for",
-           "library", "plan_splits", "record_family", "unsupported_reason", "uses_cluster", "v4_sparse_decode_cuda"]
+__all__ = ["DIAGNOSTICS", "FORMAT_CODES", "HEADS_PER_CTA", "TILE", "VARIANTS", "build_library", "check_cuda_inputs",
+           "kernel_for", "library", "plan_splits", "record_family", "tokens2_smem_bytes", "unsupported_reason",
+           "uses_cluster", "v4_sparse_decode_cuda"]

@@ -219,6 +219,17 @@ __device__ __forceinline__ void wgmma_m64n16k16_f16_rs(float (&d)[8], const uint
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
 }
 
+// The same with 8 columns (B: 8 rows of 16 k): 4 accumulators per thread (rows 16 warp + g + 8i,
+// columns 2q4 + e at d[2i + e]).
+__device__ __forceinline__ void wgmma_m64n8k16_f16_rs(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate));
+}
+
 // D[64 x 16] (+)= A[64 x 16] . B[16 x 16]^T, fp16, A M-major (transposed: its 64 rows contiguous,
 // the descriptor's stride steps 8 k) and B K-major, both from shared memory.
 __device__ __forceinline__ void wgmma_m64n16k16_f16_tnspa(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int accumulate) {
@@ -242,6 +253,11 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4
 __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
                ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
+// Two such matrices, stored transposed (lanes 0..15 give the row addresses).
+__device__ __forceinline__ void stmatrix_x2_trans(uint32_t addr, uint32_t r0, uint32_t r1) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};\n" ::"r"(addr), "r"(r0), "r"(r1) : "memory");
 }
 
 // Clusters (a CTA pair sharing shared memory): this CTA's rank, a peer's address for one of ours,

@@ -180,6 +180,27 @@ __device__ __forceinline__ void convert_chunk(uint8_t* kt, int r, int c, uint4 x
   }
 }
 
+// ldmatrix (four 8x8 16-bit matrices, lanes 8i..8i+7 giving the row addresses of matrix i;
+// .trans: transposed) and mma.sync m16n8k16 in fp16 with fp32 accumulators, for the kernels
+// that run their products on mma.sync (narrow, the P.V of tokens2).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// D[16 x 8] += A[16 x 16] . B[16 x 8], fp16 in, fp32 accumulators (rows g and g + 8, columns
+// 2q4 and 2q4 + 1 per thread).
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // n / d without a division (a run-time division is a MUFU reciprocal): for 0 <= n < 2^31 and
 // d >= 1, with l = ceil(log2 d) and m = floor(2^32 (2^l - d) / d) + 1, n / d = (umulhi(m, n) + n) >> l.
 struct FastDiv {

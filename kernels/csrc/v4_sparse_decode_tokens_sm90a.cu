@@ -23,7 +23,7 @@
 //   16 values are 16 e4m3 bytes, as V4's) and compressed entry (8 bytes of e2m1 codes and one e4m3
 //   scale per block; its tiles hold K * 2^-7, kEntryShift in v4_sparse_decode_common.cuh).
 
-#include "v4_sparse_decode_common.cuh"
+#include "v4_sparse_decode_tokens_common.cuh"
 
 namespace {
 
@@ -49,38 +49,6 @@ static_assert(kHeadRows * kStageRow * 4 <= kTTile, "the epilogue's staging must 
 // 9: both warpgroups (the merge), 10: warpgroup 0's epilogue.
 constexpr int kBarMerge = 9, kBarEpi = 10;
 
-// The physical dim (within a 64-dim block) of k index kk of k-step i: the A fragment of lane q4
-// holds k 2q4, 2q4+1, 2q4+8, 2q4+9 = physical 16 q4 + 4i + {0, 1, 2, 3}.
-__device__ __forceinline__ int perm_dim(int i, int kk) { return 16 * ((kk & 7) >> 1) + 4 * i + 2 * (kk >> 3) + (kk & 1); }
-
-// Q rows 0..15 of token (b, tq), bf16 -> fp16 (heads past p.heads zero), each 64-dim block's k-step
-// i in perm_dim order, into 8 boxes of 16 rows x 128 bytes (128-byte swizzle).
-__device__ __forceinline__ void load_q_perm(const SparseParams& p, int b, int tq, uint8_t* q_s, int tid) {
-  for (int c = tid; c < kHeadRows * 64; c += kTokThreads) {  // c = row, block, 16-byte chunk
-    const int row = c >> 6, blk = (c >> 3) & 7, ch = c & 7, i = ch >> 1;
-    uint32_t h[4] = {0, 0, 0, 0};
-    if (row < p.heads) {
-      const __nv_bfloat16* src = p.q + b * p.q_sb + tq * p.q_ss + row * p.q_sh + 64 * blk;
-#pragma unroll
-      for (int k = 0; k < 4; ++k)  // k indices 8 (ch & 1) + 2k, +1: adjacent physical dims
-        h[k] = bf16x2_to_f16x2(*reinterpret_cast<const uint32_t*>(src + perm_dim(i, 8 * (ch & 1) + 2 * k)));
-    }
-    *reinterpret_cast<uint4*>(q_s + blk * kQBox16 + swizzled(row, ch)) = make_uint4(h[0], h[1], h[2], h[3]);
-  }
-}
-
-// A thread's two records of one tile, whether the indices pick them, and their pieces. V4: 16-byte
-// pieces (blocks 0-6, then the two RoPE halves) and the 8 scale bytes in ex. V4.1 window: block blk's
-// 16 bytes in d[blk], the 16 scale bytes in d[8]. V4.1 entry: block blk's 8 bytes of codes in
-// d[blk].xy, the scale words blk - 1 and blk in d[blk].zw for odd blk. A block's registers are
-// refilled with the next tile's once it is converted, in every format, so that a tile of one
-// format can follow one of the other.
-struct TwoRecords {
-  uint4 d[2][9];
-  uint2 ex[2];
-  bool valid[2];
-};
-
 // Loads V4.1 record r's pieces of block blk (format F) into `raw` (`at` already points at this
 // thread's bytes of block 0: 16 q4 for a window row, 8 q4 for an entry; `rec`: the record itself).
 template <int F>
@@ -99,32 +67,6 @@ __device__ __forceinline__ void load_v41_block(TwoRecords& raw, int r, int blk, 
   }
 }
 
-// Record r's 16 values of block blk (format F) in natural order as fp16 pairs (an entry's times
-// 2^-kEntryShift). Window: the scale byte of dims 64 blk + 16 q4.. is byte 2 blk + q4 / 2 of d[8]
-// (`ex_shift` = 8 (q4 / 2)). Entry: at an even block the scales of blocks blk and blk + 1 (byte q4
-// of scale words blk, blk + 1; `sel` = q4 | (4 + q4) << 4); the odd block's is kept in `s_odd`.
-template <int F>
-__device__ __forceinline__ void v41_block_values(const TwoRecords& raw, int r, int blk, uint32_t ex_shift,
-                                                 uint32_t sel, __half2& s_odd, uint32_t (&h)[8]) {
-  uint4 lo, hi;
-  if constexpr (F == kFmtWindow) {
-    const uint4& sc = raw.d[r][8];
-    const uint32_t w = (blk >> 1) == 0 ? sc.x : (blk >> 1) == 1 ? sc.y : (blk >> 1) == 2 ? sc.z : sc.w;
-    dequant_e4m3x16(raw.d[r][blk], (w >> (16 * (blk & 1) + ex_shift)) & 0xFF, lo, hi);
-  } else {
-    __half2 s2;
-    if ((blk & 1) == 0) {
-      const __half2 pair = e4m3x2_scale_x128(__byte_perm(raw.d[r][blk + 1].z, raw.d[r][blk + 1].w, sel));
-      s2 = __low2half2(pair);
-      s_odd = __high2half2(pair);
-    } else {
-      s2 = s_odd;
-    }
-    dequant_e2m1x16(raw.d[r][blk].x, raw.d[r][blk].y, s2, lo, hi);
-  }
-  h[0] = lo.x, h[1] = lo.y, h[2] = lo.z, h[3] = lo.w, h[4] = hi.x, h[5] = hi.y, h[6] = hi.z, h[7] = hi.w;
-}
-
 template <int F0, int F1>
 __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel(const __grid_constant__ SparseParams p) {
   extern __shared__ uint8_t smem_raw[];
@@ -136,7 +78,7 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
   const int b = bt / p.s_q, tq = bt % p.s_q;
   const CtaTiles tiles(p, split);
   const int n = tiles.n;
-  load_q_perm(p, b, tq, smem + kSmQ, tid);
+  load_q_perm<kHeadRows, kTokThreads>(p, b, tq, smem + kSmQ, tid);
   fence_async_shared();
   __syncthreads();
 

@@ -2,7 +2,8 @@
 CPU (build and ctypes mirror, split planning, variant and record-format dispatch, input checks, the
 registry and its routing), both designs' kernels on the GPU against the float64 reference on fresh
 random inputs (poisoned unreferenced records, −1 picks, lengths and partial tiles; CUDA-graph
-capture and replay), V4.1's window rows and entries in v2 (tests named ``v41``)."""
+capture and replay), V4.1's window rows and entries in v2 and v3 (tests named ``v41``); v3's tokens2
+kernel (tests named ``v3``) on every case v2's tokens kernel runs, plus 8-row and padded head counts."""
 
 from __future__ import annotations
 
@@ -51,11 +52,16 @@ def test_library_builds_and_matches_the_ctypes_mirror(tmp_path):
                        ("v4_sparse_decode_tokens_sm90_smem_bytes", v4c.TOKENS_SMEM_BYTES)):  # v2
         assert getattr(lib, fn)() == mirror, fn
         assert mirror + mdc.SMEM_RESERVED_PER_CTA <= mdc.SMEM_PER_SM, fn
+    for heads in (1, 8, 9, 16):  # v3's tokens2: 8 or 16 query rows
+        assert lib.v4_sparse_decode_tokens2_sm90_smem_bytes(heads) == v4c.tokens2_smem_bytes(heads), heads
+        assert v4c.tokens2_smem_bytes(heads) + mdc.SMEM_RESERVED_PER_CTA <= mdc.SMEM_PER_SM, heads
+    assert lib.v4_sparse_decode_tokens2_sm90_smem_bytes(17) == -1
 
 
 def test_variants_pick_their_kernels():
     """v1 keeps the first kernels; v2 takes the tokens-major kernel up to 16 heads, the narrow one
-    at 17-32, the 64-record kernel above, clustered at 65-128 heads unless told not to."""
+    at 17-32, the 64-record kernel above, clustered at 65-128 heads unless told not to; v3 is v2
+    with the tokens2 kernel up to 16 heads (its timing diagnostics nowhere else)."""
     assert [v4c.kernel_for("v1", h) for h in (8, 16, 24, 64, 128)] == [
         ("narrow", 32), ("narrow", 32), ("narrow", 32), ("wide", 32), ("wide", 32)]
     assert [v4c.kernel_for("v2", h) for h in (8, 16, 24, 32, 48, 64, 128)] == [
@@ -67,9 +73,20 @@ def test_variants_pick_their_kernels():
     assert [v4c.kernel_for("v2", h, "v41")[0] for h in (8, 16, 17, 32, 48, 64, 128)] == [
         "tokens", "tokens", "tile64", "tile64", "tile64", "tile64", "tile64"]
     assert not any(v4c.uses_cluster("v2", h, family="v41") for h in (65, 96, 128))
+    for family in ("v4", "v41"):
+        assert [v4c.kernel_for("v3", h, family) for h in (1, 8, 16)] == [("tokens2", 64)] * 3
+        assert [v4c.kernel_for("v3", h, family) for h in (17, 32, 48, 64, 128)] == [
+            v4c.kernel_for("v2", h, family) for h in (17, 32, 48, 64, 128)]
+        assert [v4c.uses_cluster("v3", h, family=family) for h in (16, 64, 128)] == [
+            v4c.uses_cluster("v2", h, family=family) for h in (16, 64, 128)]
     q, scopes, sinks = make_case(1, 1, 4, [(8, "v4", 4, False)], seed=1)
     with pytest.raises(ValueError, match="variant must be one of"):
-        v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, variant="v3")
+        v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, variant="v4")
+    with pytest.raises(ValueError, match="diagnostic 'fence'"):  # the tokens kernel has none
+        v4c.v4_sparse_decode_cuda(q, scopes, sinks, SCALE, variant="v2", diagnostic="fence")
+    v41 = make_case(1, 1, 4, [(8, "v41_window", 4, False)], seed=1)[1]
+    with pytest.raises(ValueError, match="diagnostic 'no_hbm'"):  # V4 records only
+        v4c.v4_sparse_decode_cuda(q, v41, sinks, SCALE, variant="v3", diagnostic="no_hbm")
 
 
 def test_split_planning_fills_the_gpu_from_shapes_only():
@@ -196,6 +213,9 @@ GPU_CASES = [  # (variant, B, s_q, H, top-k, page size of the entries, cluster)
     ("v2", 4, 1, 64, 512, 64, None), ("v2", 3, 2, 64, 1000, 61, None), ("v2", 2, 1, 48, 700, 64, None),
     ("v2", 2, 1, 128, 2048, 64, None), ("v2", 2, 2, 128, 300, 2, None), ("v2", 2, 1, 96, 512, 64, None),
     ("v2", 2, 2, 128, 1000, 61, False),
+    # v3: the tokens2 kernel on v2's tokens cases, 8 query rows with fewer heads (1, 5), 16 with 12
+    ("v3", 4, 1, 8, 512, 64, None), ("v3", 3, 2, 16, 2048, 61, None), ("v3", 2, 1, 16, 300, 2, None),
+    ("v3", 3, 1, 1, 700, 64, None), ("v3", 2, 2, 5, 1000, 61, None), ("v3", 3, 1, 12, 512, 2, None),
 ]
 
 
@@ -225,7 +245,8 @@ def test_cuda_kernel_matches_float64(variant, bsz, s_q, heads, topk, page, clust
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("variant,heads", [pytest.param(v, h, id=kernel_id(v, h))
-                                          for v, h in (("v1", 64), ("v2", 16), ("v2", 64), ("v2", 128))])
+                                          for v, h in (("v1", 64), ("v2", 16), ("v2", 64), ("v2", 128), ("v3", 16),
+                                                       ("v3", 8))])
 def test_cuda_kernel_scale_spread_one_scope_no_sinks(variant, heads):
     """Per-64-dim scales over 12 binades, a single scope, no sinks, forced 5 splits."""
     q, scopes, _ = make_case(3, 2, heads, [(700, "v4", 64, True)], seed=5, device="cuda", block_spread=8)
@@ -267,7 +288,8 @@ def _check_lonely_query_and_graph_replay(variant, heads, specs):
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("variant,heads", [pytest.param(v, h, id=kernel_id(v, h))
-                                          for v, h in (("v1", 128), ("v2", 128), ("v2", 16))])
+                                          for v, h in (("v1", 128), ("v2", 128), ("v2", 16), ("v3", 16),
+                                                       ("v3", 8))])
 def test_cuda_kernel_lonely_query_and_graph_replay(variant, heads):
     """The lonely request and graph replay (``_check_lonely_query_and_graph_replay``) on V4 pages."""
     _check_lonely_query_and_graph_replay(variant, heads, [(128, "v4", 64, False), (512, "v4", 64, True)])
@@ -299,14 +321,15 @@ def test_registry_auto_picks_cuda_for_v4_records():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("heads", [pytest.param(h, id=kernel_id("v2", h)) for h in (8, 64, 128)])
-def test_cuda_v2_on_row_records(heads):
+@pytest.mark.parametrize("variant,heads", [pytest.param(v, h, id=kernel_id(v, h))
+                                          for v, h in (("v2", 8), ("v2", 64), ("v2", 128), ("v3", 8), ("v3", 16))])
+def test_cuda_v2_on_row_records(variant, heads):
     """One-record 584-byte rows (the serving pools: records on 8 bytes only)."""
     gen = torch.Generator().manual_seed(heads)
     q, rows, _ = row_record_case(3, heads, 200, "v4", gen, device="cuda")
     sinks = torch.randn(heads, generator=gen).cuda()
     want, want_lse = v4_sparse_decode_reference(q, [rows], sinks, SCALE, compute_dtype=torch.float64)
-    out, lse = v4c.v4_sparse_decode_cuda(q, [rows], sinks, SCALE, variant="v2")
+    out, lse = v4c.v4_sparse_decode_cuda(q, [rows], sinks, SCALE, variant=variant)
     assert rel_err(out, want) <= REL_TOL
     assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
 
@@ -332,8 +355,9 @@ def pages_on_8_bytes(scope: SparseKV) -> SparseKV:
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("heads", [pytest.param(h, id=f"v41-{kernel_id('v2', h, family='v41')}") for h in (8, 64)])
-def test_cuda_v41_dequantizes_exactly(heads):
+@pytest.mark.parametrize("variant,heads", [pytest.param(v, h, id=f"v41-{kernel_id(v, h, family='v41')}")
+                                          for v, h in (("v2", 8), ("v2", 64), ("v3", 8), ("v3", 16))])
+def test_cuda_v41_dequantizes_exactly(variant, heads):
     """One valid pick per query token and no sink: out is that record, so every dequantized value
     must come back bit for bit (bf16 holds each: at most 4 significant bits for e4m3, 6 for e2m1
     times e4m3). Entry scales from e4m3's subnormals to ~400 (every e2m1 code), window scales from
@@ -359,7 +383,7 @@ def test_cuda_v41_dequantizes_exactly(heads):
                 e_idx[b, t, slot_e[b, t]] = pick[b, t]
     scopes = [SparseKV(window, w_idx.cuda(), "v41_window"), SparseKV(entries, e_idx.cuda(), "v41_entry")]
     q = (torch.randn(bsz, s_q, heads, 512, generator=gen) * 0.1).to(torch.bfloat16).cuda()
-    out, _ = v4c.v4_sparse_decode_cuda(q, scopes, None, SCALE, num_splits=1, variant="v2")
+    out, _ = v4c.v4_sparse_decode_cuda(q, scopes, None, SCALE, num_splits=1, variant=variant)
     values = torch.stack([unpack_records(window.cpu(), "v41_window")[:, 0],
                           unpack_records(entries.cpu(), "v41_entry")[:, 0]])  # [2, n, 512]
     want = values[(~in_window).long(), pick].bfloat16()  # [B, s_q, 512]
@@ -368,10 +392,10 @@ def test_cuda_v41_dequantizes_exactly(heads):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("bsz,s_q,heads,wpage,topk,epage", [
-    pytest.param(*c, id=f"v41-{kernel_id('v2', c[2], family='v41')}-B{c[0]}-sq{c[1]}-k{c[4]}-pages{c[3]}/{c[5]}")
-    for c in V41_CASES])
-def test_cuda_v41_matches_float64(bsz, s_q, heads, wpage, topk, epage):
+@pytest.mark.parametrize("variant,bsz,s_q,heads,wpage,topk,epage", [
+    pytest.param(v, *c, id=f"v41-{kernel_id(v, c[2], family='v41')}-B{c[0]}-sq{c[1]}-k{c[4]}-pages{c[3]}/{c[5]}")
+    for v in ("v2", "v3") for c in V41_CASES if v == "v2" or c[2] <= v4c.TOKENS_MAX_HEADS])
+def test_cuda_v41_matches_float64(variant, bsz, s_q, heads, wpage, topk, epage):
     """Window 128 rows + top-k entries (lengths, partial tiles, −1 picks), unreferenced records NaN:
     the planned splits, one split and three; the scopes in the other order; pages on 8 bytes."""
     q, scopes, sinks = make_case(bsz, s_q, heads, [(128, "v41_window", wpage, False), (topk, "v41_entry", epage, True)],
@@ -380,7 +404,7 @@ def test_cuda_v41_matches_float64(bsz, s_q, heads, wpage, topk, epage):
     runs = [(scopes, splits) for splits in (None, 1, 3)]
     runs += [(scopes[::-1], None), ([pages_on_8_bytes(sc) for sc in scopes], 3)]
     for i, (sc, splits) in enumerate(runs):
-        out, lse = v4c.v4_sparse_decode_cuda(q, sc, sinks, SCALE, num_splits=splits, variant="v2")
+        out, lse = v4c.v4_sparse_decode_cuda(q, sc, sinks, SCALE, num_splits=splits, variant=variant)
         assert not out.isnan().any() and not lse.isnan().any(), i
         assert (lse.double() - want_lse).abs().max().item() < LSE_TOL, i
         assert rel_err(out, want) <= REL_TOL, (i, rel_err(out, want))
@@ -388,24 +412,26 @@ def test_cuda_v41_matches_float64(bsz, s_q, heads, wpage, topk, epage):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("heads", [pytest.param(h, id=f"v41-{kernel_id('v2', h, family='v41')}") for h in (8, 64)])
+@pytest.mark.parametrize("variant,heads", [pytest.param(v, h, id=f"v41-{kernel_id(v, h, family='v41')}")
+                                          for v, h in (("v2", 8), ("v2", 64), ("v3", 8), ("v3", 16))])
 @pytest.mark.parametrize("record", ["v41_window", "v41_entry"])
-def test_cuda_v41_one_scope_scale_spread(record, heads):
+def test_cuda_v41_one_scope_scale_spread(record, variant, heads):
     """One scope of one format (a window-only layer; entries alone), per-64-dim blocks over 12
     binades, no sinks, forced 5 splits."""
     q, scopes, _ = make_case(3, 2, heads, [(700, record, 64, True)], seed=5, device="cuda", block_spread=8)
     want, want_lse = v4_sparse_decode_reference(q, scopes, None, SCALE, compute_dtype=torch.float64)
-    out, lse = v4c.v4_sparse_decode_cuda(q, scopes, None, SCALE, num_splits=5, variant="v2")
+    out, lse = v4c.v4_sparse_decode_cuda(q, scopes, None, SCALE, num_splits=5, variant=variant)
     assert rel_err(out, want) <= REL_TOL
     assert (lse.double() - want_lse).abs().max().item() < LSE_TOL
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("heads", [pytest.param(h, id=f"v41-{kernel_id('v2', h, family='v41')}") for h in (8, 128)])
-def test_cuda_v41_lonely_query_and_graph_replay(heads):
+@pytest.mark.parametrize("variant,heads", [pytest.param(v, h, id=f"v41-{kernel_id(v, h, family='v41')}")
+                                          for v, h in (("v2", 8), ("v2", 128), ("v3", 8), ("v3", 16))])
+def test_cuda_v41_lonely_query_and_graph_replay(variant, heads):
     """The lonely request and graph replay on V4.1 row caches, as the serving pools keep them."""
-    _check_lonely_query_and_graph_replay("v2", heads, [(128, "v41_window", 1, False), (512, "v41_entry", 1, True)])
+    _check_lonely_query_and_graph_replay(variant, heads, [(128, "v41_window", 1, False), (512, "v41_entry", 1, True)])
 
 @pytest.mark.gpu
 @needs_gpu
