@@ -29,11 +29,11 @@
 //   waits and loads, each set accumulating its units in the tensor cores (scale-d 1), no scale
 //   products and no FFMAs; a tile's output is the sum of its sets (the unscaled FP8 product). It
 //   drains at every tile's end. Its time is this pipeline's ceiling without the per-32 promotion.
-// - ptxas keeps wgmmas in flight across a loop's back edge (here: four units across every stage
-//   boundary) only when each region holding them contains a conditional trap, here the watchdog
-//   of mbar_wait_or_trap: without one it serializes every wgmma (C7514), even in a ten-line loop;
-//   v2 passes for the same reason. So a stage that drains re-waits its own (complete) full
-//   barrier where the others wait for the next stage's.
+// - ptxas 13.0 serialized every wgmma of this schedule (C7514) until each copy of the stage had a
+//   conditional trap among its units: a loop that keeps wgmmas in flight across its back edge is
+//   accepted only with one (a ten-line probe reproduces it; v2 passes because its stage wait,
+//   mbar_wait_or_trap, has one). The copies that wait for the next stage have it there; the
+//   draining copy re-waits its own, complete, full barrier for it.
 //
 // Kept from v2 (kernels/csrc/mxfp8_gemm_pipeline.cuh): persistent CTAs over work units (tile x K
 // split), 128 x 128 or 64 x 128 tiles in 6 stages of 128 K, the producer warps, clusters of CM x
