@@ -1,5 +1,5 @@
 """MXFP8 GEMMs on one GPU: our CUDA C++ kernels (kernels/mxfp8_gemm_cuda.py: v1, the default,
-and v2) and our Triton kernel (all promote per 32 of K) against cuBLAS' blockwise
+v2 and v3) and our Triton kernel (all promote per 32 of K) against cuBLAS' blockwise
 ``torch._scaled_mm`` (1×128 activations, 128×128 weights: the R1 path), at
 DeepSeek-V4.1-Flash shapes, and the output projection (inverse RoPE → wo_a → wo_b) fused,
 unfused and as HF's bf16 path, at TP1 and TP8 shard shapes.
@@ -8,14 +8,16 @@ unfused and as HF's bf16 path, at TP1 and TP8 shard shapes.
     python3 -m benchmarks.bench_mxfp8 --m 1 128 --o-proj-tokens --sweep --json out.json
     python3 -m benchmarks.bench_mxfp8 --m 1024 8192 --o-proj-tokens --skip-triton --cuda-variants
 
-``--cuda-variants`` also times v2 in every CTA-cluster shape that fits (pairs along M share B's
-tile, along N A's, by TMA multicast) and v2's no-promotion diagnostic (the same pipeline without
-the per-32 scales: wrong numbers, its time is the pipeline's ceiling), in a second table.
+"v3 np" is v3's no-promotion diagnostic at v3's default cluster (the same pipeline without the
+per-32 scales: wrong numbers, its time is the pipeline's ceiling). ``--cuda-variants`` also
+times v2 and v3 in every CTA-cluster shape built (pairs along M share B's tile, along N A's, by
+TMA multicast) and their diagnostics (v3's also with A from registers), in a second table.
+``--skip-v2`` leaves v2 out of the first table.
 
 Correctness is checked first (first 256 rows against the float32 references on the same
 quantized operands). Each call is a CUDA-graph replay with the L2 emptied before it (a 256 MB
 read), median over ~40 ms of replays (benchmarks/bench_mla_decode.py's ``time_call``), and
-the median of three such rounds. "v1" and "v2" are the two CUDA kernels at the same tiles and K
+the median of three such rounds. "v1", "v2" and "v3" are the CUDA kernels at the same tiles and K
 split (v1 is what the default backend runs on Hopper; "+quant" times the default backend with
 its activation quantization), "triton" the Triton kernel at its default
 tiles (or the best of ``--sweep``).
@@ -42,7 +44,14 @@ from kernels.mxfp8_gemm import (
     mxfp8_gemm_reference,
     mxfp8_linear,
 )
-from kernels.mxfp8_gemm_cuda import CLUSTERS, cluster_fits, cuda_gemm_available, default_cuda_config
+from kernels.mxfp8_gemm_cuda import (
+    CLUSTERS,
+    NO_PROMOTION_CLUSTERS,
+    V3_CLUSTERS,
+    cluster_fits,
+    cuda_gemm_available,
+    default_cuda_config,
+)
 from kernels.mxfp8_o_proj import inverse_rope_reference, mxfp8_o_proj, o_proj_reference
 from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
 from kernels.weight_formats import dequantize_fp8_blocks, quantize_fp8_blocks
@@ -84,16 +93,21 @@ def sweep_configs(m: int, n: int, k: int) -> list[dict]:
 
 
 def cuda_variants(x8, xs, w8, ws, m: int, n: int, k: int) -> dict:
-    """v2's time (µs) in each cluster shape that fits, and without promotion (``nopromote``), at
-    the default tiles and K split; a shape that fails prints why and is left out."""
+    """v2's and v3's time (µs) in each cluster shape built that fits, and without promotion
+    (``np``; v3's also with A from registers: ``np regs``), at the default tiles and K split; a
+    variant that fails prints why and is left out."""
     base = default_cuda_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
     out = {}
     if base["consumers"] != 2:
         return out
-    cases = [(f"v2 {cm}x{cn}", {"cluster": (cm, cn)}) for cm, cn in CLUSTERS if cluster_fits((cm, cn), n, 1)]
-    cases += [(f"nopromote {cm}x{cn}", {"cluster": (cm, cn), "promote": False}) for cm, cn in ((1, 1), (2, 1))]
-    for name, extra in cases:
-        cfg = dict(base, kernel="v2", **extra)
+    cases = [(f"v2 {cm}x{cn}", "v2", {"cluster": (cm, cn)}) for cm, cn in CLUSTERS if cluster_fits((cm, cn), n, 1)]
+    cases += [(f"v3 {cm}x{cn}", "v3", {"cluster": (cm, cn)}) for cm, cn in V3_CLUSTERS]
+    for kernel in ("v2", "v3"):
+        cases += [(f"{kernel} np {cm}x{cn}", kernel, {"cluster": (cm, cn), "promote": False})
+                  for cm, cn in NO_PROMOTION_CLUSTERS]
+    cases.append(("v3 np regs 1x1", "v3", {"cluster": (1, 1), "promote": False, "a_regs": True}))
+    for name, kernel, extra in cases:
+        cfg = dict(base, kernel=kernel, **extra)
         try:
             out[name] = timed(lambda cfg=cfg: mxfp8_gemm(x8, xs, w8, ws, config=cfg, backend="cuda")) * 1e6
         except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
@@ -102,7 +116,7 @@ def cuda_variants(x8, xs, w8, ws, m: int, n: int, k: int) -> dict:
 
 
 def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool, skip_triton: bool = False,
-                 variants: bool = False) -> dict:
+                 variants: bool = False, skip_v2: bool = False) -> dict:
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device="cuda", generator=g) * 0.02
@@ -148,19 +162,26 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool, skip_triton: b
             best = (t, cfg)
     row["triton_us"], row["triton_config"] = best[0] * 1e6, best[1]
 
-    row["ours_us"] = row["ours_quant_us"] = float("nan")
-    v2 = dict(config={"kernel": "v2"}, backend="cuda") if cuda else {}
-    try:  # v2 on Hopper (elsewhere the default backend)
-        y = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, **v2)
-        row["err_ours"] = rel_err(y[:r], ref)
-        if cuda:
-            row["v2_equals_v1"] = bool(torch.equal(y1, y))
-        row["err_ours_vs_x"] = rel_err(mxfp8_linear(x[:r], w8, ws), x[:r].float() @ w.t())
-        row["ours_us"] = timed(lambda: mxfp8_gemm(x8, xs, w8, ws, **v2)) * 1e6
-        row["ours_quant_us"] = timed(lambda: mxfp8_linear(x, w8, ws)) * 1e6
+    row["v2_us"] = row["v3_us"] = row["v3_np_us"] = row["default_quant_us"] = float("nan")
+    try:  # the default backend with its activation quantization (v1 on Hopper)
+        row["err_default_vs_x"] = rel_err(mxfp8_linear(x[:r], w8, ws), x[:r].float() @ w.t())
+        row["default_quant_us"] = timed(lambda: mxfp8_linear(x, w8, ws)) * 1e6
     except Exception as exc:  # noqa: BLE001 - the anchors above still make the row
-        row["ours_error"] = repr(exc)
-        print(f"{layer} M={m} default MXFP8 GEMM FAILED: {exc!r}", flush=True)
+        print(f"{layer} M={m} default MXFP8 linear FAILED: {exc!r}", flush=True)
+    # v2, v3 and v3 without promotion (Hopper only); each failure leaves the rest of the row
+    kernels = (("v2", {"kernel": "v2"}), ("v3", {"kernel": "v3"}), ("v3_np", {"kernel": "v3", "promote": False}))
+    for name, cfg in kernels:
+        if not cuda or (name == "v2" and skip_v2):
+            continue
+        try:
+            if name != "v3_np":
+                y = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, config=cfg, backend="cuda")
+                row[f"err_{name}"] = rel_err(y[:r], ref)
+                row[f"{name}_equals_v1"] = bool(torch.equal(y1, y))
+            row[f"{name}_us"] = timed(lambda cfg=cfg: mxfp8_gemm(x8, xs, w8, ws, config=cfg, backend="cuda")) * 1e6
+        except Exception as exc:  # noqa: BLE001
+            row[f"{name}_error"] = repr(exc)
+            print(f"{layer} M={m} {name} FAILED: {exc!r}", flush=True)
     if variants and cuda:
         row["variants_us"] = cuda_variants(x8, xs, w8, ws, m, n, k)
     if sweep and cuda:  # the CUDA kernel's tile heights and K splits
@@ -173,12 +194,11 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool, skip_triton: b
                     t = timed(lambda cfg=cfg: mxfp8_gemm(x8, xs, w8, ws, config=cfg, backend="cuda")) * 1e6
                     print(f"  {layer} M={m} cuda {cfg} {t:.1f} us", flush=True)
     flops = 2.0 * m * n * k
-    row["ours_tflops"] = flops / row["ours_us"] / 1e6
-    row["v1_tflops"] = flops / row["v1_us"] / 1e6
-    row["mm_tflops"] = flops / row["mm_us"] / 1e6
-    row["triton_tflops"] = flops / row["triton_us"] / 1e6
-    row["ratio"] = row["ours_tflops"] / row["mm_tflops"]
-    row["v2_over_v1"] = row["v1_us"] / row["ours_us"]
+    for name in ("v1", "v2", "v3", "v3_np", "mm", "triton"):
+        row[f"{name}_tflops"] = flops / row[f"{name}_us"] / 1e6
+    row["v3_over_mm"] = row["v3_tflops"] / row["mm_tflops"]
+    row["v3_np_over_mm"] = row["v3_np_tflops"] / row["mm_tflops"]
+    row["v3_over_v1"] = row["v1_us"] / row["v3_us"]
     print(json.dumps(row), flush=True)
     return row
 
@@ -224,22 +244,25 @@ def bench_o_proj(tp: str, t: int) -> dict:
 
 
 def markdown(rows: list[dict], o_rows: list[dict]) -> str:
-    lines = [f"MXFP8 GEMM vs blockwise _scaled_mm on {torch.cuda.get_device_name()} (CUDA-graph replays, cold L2)",
-             "", ("| layer | M | N | K | v1 µs | v2 µs | triton µs | scaled_mm µs | v1 TFLOP/s | v2 TFLOP/s |"
-             " triton TFLOP/s | scaled_mm TFLOP/s | v2/scaled_mm | v2/v1 | default+quant µs | scaled_mm+quant µs |"
-             " rel. err | v2 = v1 |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"MXFP8 GEMM vs blockwise _scaled_mm on {torch.cuda.get_device_name()} (CUDA-graph replays, cold L2; "
+             "v3 np = v3 without promotion, wrong numbers: the pipeline's ceiling)",
+             "", ("| layer | M | N | K | v1 µs | v2 µs | v3 µs | v3 np µs | triton µs | scaled_mm µs | v1 TFLOP/s |"
+                  " v3 TFLOP/s | v3 np TFLOP/s | scaled_mm TFLOP/s | v1/mm | v3/mm | v3 np/mm | v3/v1 |"
+                  " default+quant µs | scaled_mm+quant µs | v3 rel. err | v3 = v1 |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['layer']} | {r['M']} | {r['N']} | {r['K']} | {r['v1_us']:.1f} | {r['ours_us']:.1f} | "
-                     f"{r['triton_us']:.1f} | {r['mm_us']:.1f} | {r['v1_tflops']:.0f} | {r['ours_tflops']:.0f} | "
-                     f"{r['triton_tflops']:.0f} | {r['mm_tflops']:.0f} | {r['ratio']:.2f} | {r['v2_over_v1']:.2f} | "
-                     f"{r['ours_quant_us']:.1f} | {r['mm_quant_us']:.1f} | {r.get('err_ours', float('nan')):.1e} | "
-                     f"{r.get('v2_equals_v1', '-')} |")
+        lines.append(f"| {r['layer']} | {r['M']} | {r['N']} | {r['K']} | {r['v1_us']:.1f} | {r['v2_us']:.1f} | "
+                     f"{r['v3_us']:.1f} | {r['v3_np_us']:.1f} | {r['triton_us']:.1f} | {r['mm_us']:.1f} | "
+                     f"{r['v1_tflops']:.0f} | {r['v3_tflops']:.0f} | {r['v3_np_tflops']:.0f} | {r['mm_tflops']:.0f} | "
+                     f"{r['v1_tflops'] / r['mm_tflops']:.2f} | {r['v3_over_mm']:.2f} | {r['v3_np_over_mm']:.2f} | "
+                     f"{r['v3_over_v1']:.2f} | {r['default_quant_us']:.1f} | {r['mm_quant_us']:.1f} | "
+                     f"{r.get('err_v3', float('nan')):.1e} | {r.get('v3_equals_v1', '-')} |")
     with_variants = [r for r in rows if r.get("variants_us")]
     if with_variants:
         names = sorted({name for r in with_variants for name in r["variants_us"]})
-        lines += ["", "v2 by CTA cluster (along M x along N; TMA multicast of the shared operand) and without "
-                  "promotion (the pipeline's ceiling), TFLOP/s; scaled_mm for reference", "",
+        lines += ["", "v2 and v3 by CTA cluster (along M x along N; TMA multicast of the shared operand) and without "
+                  "promotion (np: the pipeline's ceiling; regs: A from registers), TFLOP/s; scaled_mm for reference",
+                  "",
                   "| layer | M | " + " | ".join(names) + " | scaled_mm |", "|---|---|" + "---|" * (len(names) + 1)]
         for r in with_variants:
             flops = 2.0 * r["M"] * r["N"] * r["K"]
@@ -257,9 +280,10 @@ def markdown(rows: list[dict], o_rows: list[dict]) -> str:
             lines.append(f"\n{tp}: slowest fused/unfused speedup {worst['speedup']:.2f} at T={worst['T']}")
     prefill = [r for r in rows if r["M"] >= 1024]
     if prefill:
-        worst = min(prefill, key=lambda r: r["ratio"])
-        lines.append(f"\nprefill (M ≥ 1024): lowest v2/scaled_mm {worst['ratio']:.2f} "
-                     f"({worst['layer']} M={worst['M']}; target ≥ 0.85)")
+        for key, name, target in (("v3_over_mm", "v3", 0.85), ("v3_np_over_mm", "v3 without promotion", 0.9)):
+            worst = min(prefill, key=lambda r: r[key] if r[key] == r[key] else -1.0)
+            lines.append(f"\nprefill (M ≥ 1024): lowest {name}/scaled_mm {worst[key]:.2f} "
+                         f"({worst['layer']} M={worst['M']}; target ≥ {target})")
     return "\n".join(lines) + "\n"
 
 
@@ -273,14 +297,16 @@ def main() -> None:
                          "shape (minutes: pair with a short --m)")
     ap.add_argument("--skip-triton", action="store_true", help="leave the Triton GEMM out (saves its compiles)")
     ap.add_argument("--cuda-variants", action="store_true",
-                    help="also time v2 in each CTA-cluster shape and without promotion (128-row tiles)")
+                    help="also time v2 and v3 in each CTA-cluster shape and without promotion (128-row tiles)")
+    ap.add_argument("--skip-v2", action="store_true", help="leave v2 out of the first table")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows, o_rows = [], []
     for layer, n, k in SHAPES:
         for m in args.m:
             try:
-                rows.append(bench_linear(layer, m, n, k, args.sweep, args.skip_triton, args.cuda_variants))
+                rows.append(bench_linear(layer, m, n, k, args.sweep, args.skip_triton, args.cuda_variants,
+                                         args.skip_v2))
             except Exception as exc:  # noqa: BLE001 - one failing shape must not hide the others
                 print(f"{layer} M={m} FAILED: {exc!r}", flush=True)
     for tp in args.tp:

@@ -31,50 +31,9 @@
 // by cp.async completing on the stage's full barrier, 128 x 128 or 64 x 128 tiles, 128-byte
 // swizzled K-major operands, the epilogues of mxfp8_gemm_common.cuh.
 
-#include "mxfp8_gemm_common.cuh"
+#include "mxfp8_gemm_pipeline.cuh"
 
 namespace {
-
-template <int kConsumers>
-struct PlanV2 {
-  static constexpr int kBlockM = kRowsPerConsumer * kConsumers;
-  static constexpr int kABytes = kBlockM * kBlockK;
-  static constexpr int kBBytes = kBlockN * kBlockK;
-  static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
-  static constexpr int kScaleWords = kBlockM + kBlockN / 32;  // per stage: one per row of A, one per column block
-  // per consumer warp, two buffers of [slice 4][row 2][quad 8] x 4 column-block products (fp32)
-  static constexpr int kScratchBytesPerWarp = 2 * 4 * 2 * 8 * 16;
-  static constexpr int kScratchBytes = 4 * kConsumers * kScratchBytesPerWarp;
-  static constexpr int kPerStage = kStageBytes + 4 * kScaleWords + 16;  // + the stage's two mbarriers
-  static constexpr int kLimit = 227 * 1024 - 1024;                      // - the 1024-byte alignment
-  static constexpr int kStages = (kLimit - kScratchBytes) / kPerStage > 8 ? 8 : (kLimit - kScratchBytes) / kPerStage;
-  static constexpr int kSmemBytes = 1024 + kStages * kPerStage + kScratchBytes;
-};
-
-// 2-D TMA box load delivered to the same shared-memory offset (and completing the mbarrier at
-// the same offset) in every CTA of `mask`.
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int x, int y, uint32_t bar,
-                                                      uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3}], [%4], %5;\n"
-      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "h"(mask) : "memory");
-}
-
-// Work unit u of a cluster: its CM x CN output tiles (grouped along M for L2 reuse of B) and its
-// split of K; this CTA takes tile (cm, cn) of them.
-struct ClusterUnit {
-  int m0, n0, n0_cluster, split;
-  template <int kBlockM, int CM, int CN>
-  __device__ static ClusterUnit make(int u, int tiles_m, int tiles_n, int cm, int cn) {
-    const int cl_m = (tiles_m + CM - 1) / CM, cl_n = (tiles_n + CN - 1) / CN;
-    const int tiles = cl_m * cl_n, tile = u % tiles, group = kGroupM / CM, width = group * cl_n;
-    const int first_m = (tile / width) * group, size_m = min(cl_m - first_m, group);
-    const int tm = first_m + (tile % width) % size_m, tn = (tile % width) / size_m;
-    return {(tm * CM + cm) * kBlockM, (tn * CN + cn) * kBlockN, tn * CN * kBlockN, u / tiles};
-  }
-};
 
 // D[64 x 128] (+)= A[64 x 32] . B[128 x 32]^T (scale-d from `accumulate`), for the kPromote = false diagnostic.
 __device__ __forceinline__ void wgmma_m64n128k32_acc(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
@@ -94,39 +53,6 @@ __device__ __forceinline__ void wgmma_m64n128k32_acc(float (&d)[64], uint64_t de
         "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
         "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-}
-
-// An arrival on a local (`remote` = false) or a cluster peer's mbarrier by the threads with
-// `pred`. Release at CTA scope, as CUTLASS's cluster barriers do: what it orders are this warp's
-// wgmma reads of the stage, complete at wgmma.wait_group (mbar_arrive_remote's .release.cluster
-// puts a GPU-wide MEMBAR before every arrival).
-template <bool kRemote>
-__device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
-  if (kRemote)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %1, 0;\n@p mbarrier.arrive.shared::cluster.b64 _, [%0];\n}\n"
-                 ::"r"(bar), "r"(static_cast<uint32_t>(pred)) : "memory");
-  else
-    asm volatile("{\n.reg .pred p;\nsetp.ne.u32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
-                 ::"r"(bar), "r"(static_cast<uint32_t>(pred)) : "memory");
-}
-
-__device__ __forceinline__ uint32_t lds_u32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint4 lds_u128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ float4 lds_f128(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr) : "memory");
-  return v;
-}
-__device__ __forceinline__ void sts_f128(uint32_t addr, float a, float b, float c, float d) {
-  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
 // This lane's share of a stage's scale products: slice q = lane % 4 for the quad's rows (the
@@ -159,25 +85,11 @@ __device__ __forceinline__ void promote_slice(float (&acc)[64], const float (&pa
   fence_regs(acc);  // done here: the compiler must not sink these FMAs past the next wgmma on `part`
 }
 
-// The k-th work unit of this CTA, for a consumer's epilogue: everything recomputed from the
-// launch (volatile reads of the grid shape and the cluster rank), so that none of it stays live
-// in the registers of the wgmma loop.
-template <int kBlockM, int CM, int CN>
-__device__ __forceinline__ ClusterUnit consumer_unit(const GemmParams& p, int k) {
-  uint32_t ctaid, nctaid;
-  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(ctaid));
-  asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(nctaid));
-  const int rank = CM * CN > 1 ? static_cast<int>(cluster_rank()) : 0;
-  const int u = static_cast<int>(ctaid) / (CM * CN) + k * (static_cast<int>(nctaid) / (CM * CN));
-  const int tiles_m = (p.m + kBlockM - 1) / kBlockM, tiles_n = (p.n + kBlockN - 1) / kBlockN;
-  return ClusterUnit::make<kBlockM, CM, CN>(u, tiles_m, tiles_n, rank % CM, rank / CM);
-}
-
 template <int kConsumers, bool kAlignedScales, int CM, int CN, bool kPromote>
-__global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
+__global__ void __launch_bounds__(PipelinePlan<kConsumers>::kThreads, 1)
     mxfp8_gemm_v2_kernel(const GemmParams p, const __grid_constant__ CUtensorMap map_a,
                          const __grid_constant__ CUtensorMap map_b) {
-  using P = PlanV2<kConsumers>;
+  using P = PipelinePlan<kConsumers>;
   constexpr int kCluster = CM * CN;
   constexpr int kPeers = 1 + (CM > 1) + (CN > 1);  // CTAs whose stages a consumer releases (itself included)
   extern __shared__ uint8_t smem_raw[];
@@ -192,7 +104,6 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
   const int cluster_units = ((tiles_m + CM - 1) / CM) * ((tiles_n + CN - 1) / CN) * p.splits;
   const int cluster_id = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
   const int rank = kCluster > 1 ? static_cast<int>(cluster_rank()) : 0, cm = rank % CM, cn = rank / CM;
-  const int nb_total = (p.n + 31) / 32;
   const int kps = p.k_iters_per_split;  // every unit has this many stages (the host checks)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -206,73 +117,9 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
   if (kCluster > 1) cluster_sync();  // the peers' mbarriers exist before anything reaches them
   else __syncthreads();
 
-  if (warp >= 4 * kConsumers) {
-    // producer warpgroup: lane 0 of its first warp issues the TMA loads, its second warp copies the
-    // scale words (each its own loop over the same stages: 40 registers each); the rest wait at the end
+  if (warp >= 4 * kConsumers) {  // the producer warpgroup (its idle warps wait at the end)
     if (kConsumers == 2) setmaxnreg_dec<40>();
-    if (warp == 4 * kConsumers && lane == 0) {
-      const uint16_t mask_a = static_cast<uint16_t>((1u << cm) | (1u << (cm + CM)));  // same rows: (cm, 0), (cm, 1)
-      const uint16_t mask_b = static_cast<uint16_t>(3u << (CM * cn));                 // same columns: (0, cn), (1, cn)
-      int g = 0;  // stages loaded so far (ring position and phase)
-      for (int u = cluster_id; u < cluster_units; u += clusters) {
-        const ClusterUnit w = ClusterUnit::make<P::kBlockM, CM, CN>(u, tiles_m, tiles_n, cm, cn);
-        const int ka0 = (w.n0_cluster / p.n_group) * p.k_group;  // this cluster's group's first K column of A
-        // a cluster's tile past M (or N) still runs, its rows unscaled (scale words 0) and unwritten:
-        // it loads rows that exist rather than a box wholly outside the tensor
-        const int m0 = w.m0 < p.m ? w.m0 : 0, n0 = w.n0 < p.n ? w.n0 : 0;
-        for (int it = w.split * kps, end = it + kps; it < end; ++it, ++g) {
-          const int s = g % P::kStages, round = g / P::kStages;
-          if (round > 0) mbar_wait_or_trap<false>(empty0 + 8 * s, (round - 1) & 1);
-          const uint32_t bar = full0 + 8 * s;
-          mbar_arm(bar, P::kStageBytes);  // both operands whole, whichever CTA of the cluster loads each half
-          const uint32_t a_dst = ring + s * P::kStageBytes, b_dst = a_dst + P::kABytes;
-          const int k = ka0 + it * kBlockK;
-          if (CN == 1) tma_load_2d(a_dst, &map_a, k, m0, bar);
-          else tma_load_2d_multicast(a_dst + cn * (P::kABytes / 2), &map_a, k, m0 + cn * (P::kBlockM / 2), bar, mask_a);
-          if (CM == 1) tma_load_2d(b_dst, &map_b, it * kBlockK, n0, bar);
-          else tma_load_2d_multicast(b_dst + cm * (P::kBBytes / 2), &map_b, it * kBlockK, n0 + cm * (kBlockN / 2), bar,
-                                     mask_b);
-        }
-      }
-    } else if (warp == 4 * kConsumers + 1) {
-      int g = 0;
-      for (int u = cluster_id; u < cluster_units; u += clusters) {
-        const ClusterUnit w = ClusterUnit::make<P::kBlockM, CM, CN>(u, tiles_m, tiles_n, cm, cn);
-        const int ka0 = (w.n0_cluster / p.n_group) * p.k_group;
-        for (int it = w.split * kps, end = it + kps; it < end; ++it, ++g) {
-          const int s = g % P::kStages, round = g / P::kStages;
-          if (round > 0) mbar_wait_or_trap<false>(empty0 + 8 * s, (round - 1) & 1);
-          const uint32_t bar = full0 + 8 * s;
-          uint32_t* words = words_g + s * P::kScaleWords;
-          const int kb = it * (kBlockK / 32);  // the stage's first slice
-          if (kAlignedScales) {
-#pragma unroll
-            for (int i = 0; i < P::kBlockM / 32; ++i) {
-              const int row = w.m0 + lane + 32 * i;
-              const uint8_t* src = p.sa + (row < p.m ? row * p.ldsa + ka0 / 32 + kb : 0);
-              cp_async_4(smem_u32(words + lane + 32 * i), src, row < p.m ? 4 : 0);
-            }
-            if (lane < kBlockN / 32) {
-              const int nb = w.n0 / 32 + lane;
-              const uint8_t* src = p.sb + (nb < nb_total ? nb * p.ldsb + kb : 0);
-              cp_async_4(smem_u32(words + P::kBlockM + lane), src, nb < nb_total ? 4 : 0);
-            }
-            cp_async_arrive(bar);  // when this lane's copies land
-          } else {
-            const int valid = p.k_group / 32 - kb;
-            for (int i = 0; i < P::kBlockM / 32; ++i) {
-              const int row = w.m0 + lane + 32 * i;
-              words[lane + 32 * i] = row < p.m ? scale_word_bytes(p.sa + row * p.ldsa + ka0 / 32 + kb, valid) : 0u;
-            }
-            if (lane < kBlockN / 32) {
-              const int nb = w.n0 / 32 + lane;
-              words[P::kBlockM + lane] = nb < nb_total ? scale_word_bytes(p.sb + nb * p.ldsb + kb, valid) : 0u;
-            }
-            mbar_arrive(bar);  // its plain stores are ordered by the release
-          }
-        }
-      }
-    }
+    run_producer<kConsumers, kAlignedScales, CM, CN>(p, map_a, map_b, ring, words_g, full0, empty0, cm, cn, warp, lane);
   } else {
     // consumer warpgroup wg: rows m0 + 64 wg .. +63 of each tile
     if (kConsumers == 2) setmaxnreg_inc<232>();
@@ -411,50 +258,8 @@ __global__ void __launch_bounds__(PlanV2<kConsumers>::kThreads, 1)
 template <int kConsumers, bool kAlignedScales, int CM, int CN, bool kPromote>
 int launch_v2(const GemmParams* p, const void* a, long long lda, long long a_cols, const void* b, long long ldb,
               cudaStream_t stream) {
-  using P = PlanV2<kConsumers>;
-  constexpr int kCluster = CM * CN;
-  const auto kernel = mxfp8_gemm_v2_kernel<kConsumers, kAlignedScales, CM, CN, kPromote>;
-  static bool configured = false;
-  if (!configured) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, P::kSmemBytes);
-    if (err != cudaSuccess) return static_cast<int>(err);
-    configured = true;
-  }
-  alignas(64) CUtensorMap map_a, map_b;
-  if (!encode_operand_map(&map_a, a, p->m, a_cols, lda, P::kBlockM / CN)) return -2;
-  if (!encode_operand_map(&map_b, b, p->n, p->k_group, ldb, kBlockN / CM)) return -2;
-  int device = 0, sms = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err != cudaSuccess) return static_cast<int>(err);
-
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kCluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.blockDim = dim3(P::kThreads);
-  cfg.dynamicSmemBytes = P::kSmemBytes;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = kCluster > 1 ? 1 : 0;  // a plain launch without clusters
-  // persistent: as many clusters as can be resident at once (GPCs may not hold a multiple of the cluster size)
-  static int resident[16] = {};
-  int clusters = sms / kCluster;
-  if (kCluster > 1 && device < 16) {
-    if (resident[device] == 0) {
-      cfg.gridDim = dim3(clusters * kCluster);
-      err = cudaOccupancyMaxActiveClusters(&resident[device], kernel, &cfg);
-      if (err != cudaSuccess) return static_cast<int>(err);
-      if (resident[device] <= 0) return -3;
-    }
-    clusters = resident[device] < clusters ? resident[device] : clusters;
-  }
-  const long long tiles_m = (p->m + P::kBlockM - 1) / P::kBlockM, tiles_n = (p->n + kBlockN - 1) / kBlockN;
-  const long long units = ((tiles_m + CM - 1) / CM) * ((tiles_n + CN - 1) / CN) * p->splits;
-  cfg.gridDim = dim3(static_cast<unsigned>((units < clusters ? units : clusters) * kCluster));
-  return static_cast<int>(cudaLaunchKernelEx(&cfg, kernel, *p, map_a, map_b));
+  return launch_pipelined<mxfp8_gemm_v2_kernel<kConsumers, kAlignedScales, CM, CN, kPromote>, kConsumers, CM, CN>(
+      p, a, lda, a_cols, b, ldb, stream);
 }
 
 }  // namespace
@@ -497,7 +302,7 @@ int mxfp8_gemm_sm90_v2(const GemmParams* p, const void* a, long long lda, long l
 
 // Dynamic shared memory of a CTA of the second version with `consumers` consumer warpgroups (-1: not built).
 int mxfp8_gemm_sm90_v2_smem_bytes(int consumers) {
-  return consumers == 1 ? PlanV2<1>::kSmemBytes : consumers == 2 ? PlanV2<2>::kSmemBytes : -1;
+  return consumers == 1 ? PipelinePlan<1>::kSmemBytes : consumers == 2 ? PipelinePlan<2>::kSmemBytes : -1;
 }
 
 }  // extern "C"
