@@ -62,4 +62,3 @@ class SdpaPrefill(PrefillBackend):
                 q[qo[i] : qo[i + 1]], k[kv[i] : kv[i + 1]], v[kv[i] : kv[i + 1]], cu_q, cu_k,
                 qo[i + 1] - qo[i], kv[i + 1] - kv[i], softmax_scale)
         return out
-

@@ -47,11 +47,11 @@ __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
-// D[64 x 128] = A[64 x 32] . B[128 x 32]^T, e4m3 operands from shared memory, fp32 (64 per
-// thread); overwrites D (scale-d 0).
-__device__ __forceinline__ void wgmma_m64n128k32_set(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+// D[64 x 128] (+)= A[64 x 32] . B[128 x 32]^T (scale-d from `accumulate`), e4m3 operands from shared
+// memory, fp32 (64 per thread).
+__device__ __forceinline__ void wgmma_m64n128k32_acc(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
       "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, "
@@ -65,7 +65,12 @@ __device__ __forceinline__ void wgmma_m64n128k32_set(float (&d)[64], uint64_t de
         "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
         "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
         "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "l"(desc_a), "l"(desc_b));
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// D[64 x 128] = A[64 x 32] . B[128 x 32]^T: the product overwrites D (scale-d 0).
+__device__ __forceinline__ void wgmma_m64n128k32_set(float (&d)[64], uint64_t desc_a, uint64_t desc_b) {
+  wgmma_m64n128k32_acc(d, desc_a, desc_b, 0);
 }
 
 // The four slice bytes of a stage as one word (little-endian: slice j in bits 8j..8j+7), read
@@ -76,6 +81,38 @@ __device__ __forceinline__ uint32_t scale_word_bytes(const uint8_t* row, int val
   for (int j = 0; j < 4; ++j)
     if (j < valid) w |= static_cast<uint32_t>(row[j]) << (8 * j);
   return w;
+}
+
+// A producer lane's share of one stage's scale words (`words`: one per row of the tile's A rows
+// m0.., then one per 32-column block of B from n0; rows and blocks past the operands read 0):
+// with aligned scale rows by 4-byte cp.async (the caller arrives on the stage's barrier when they
+// land), else byte by byte for a K tail (plain stores, ordered by the caller's arrival).
+template <int kBlockM, bool kAlignedScales>
+__device__ __forceinline__ void copy_stage_scales(const GemmParams& p, uint32_t* words, int m0, int n0, int ka0, int kb,
+                                                  int nb_total, int lane) {
+  if (kAlignedScales) {
+#pragma unroll
+    for (int i = 0; i < kBlockM / 32; ++i) {
+      const int row = m0 + lane + 32 * i;
+      const uint8_t* src = p.sa + (row < p.m ? row * p.ldsa + ka0 / 32 + kb : 0);
+      cp_async_4(smem_u32(words + lane + 32 * i), src, row < p.m ? 4 : 0);
+    }
+    if (lane < kBlockN / 32) {
+      const int nb = n0 / 32 + lane;
+      const uint8_t* src = p.sb + (nb < nb_total ? nb * p.ldsb + kb : 0);
+      cp_async_4(smem_u32(words + kBlockM + lane), src, nb < nb_total ? 4 : 0);
+    }
+  } else {
+    const int valid = p.k_group / 32 - kb;
+    for (int i = 0; i < kBlockM / 32; ++i) {
+      const int row = m0 + lane + 32 * i;
+      words[lane + 32 * i] = row < p.m ? scale_word_bytes(p.sa + row * p.ldsa + ka0 / 32 + kb, valid) : 0u;
+    }
+    if (lane < kBlockN / 32) {
+      const int nb = n0 / 32 + lane;
+      words[kBlockM + lane] = nb < nb_total ? scale_word_bytes(p.sb + nb * p.ldsb + kb, valid) : 0u;
+    }
+  }
 }
 
 // The bf16 output of a consumer thread's tile accumulators (epilogue's MODE_BF16 alone: few live

@@ -150,31 +150,9 @@ __device__ __forceinline__ void run_producer(const GemmParams& p, const CUtensor
         const uint32_t bar = full0 + 8 * s;
         uint32_t* words = words_g + s * P::kScaleWords;
         const int kb = it * (kBlockK / 32);  // the stage's first slice
-        if (kAlignedScales) {
-#pragma unroll
-          for (int i = 0; i < P::kBlockM / 32; ++i) {
-            const int row = w.m0 + lane + 32 * i;
-            const uint8_t* src = p.sa + (row < p.m ? row * p.ldsa + ka0 / 32 + kb : 0);
-            cp_async_4(smem_u32(words + lane + 32 * i), src, row < p.m ? 4 : 0);
-          }
-          if (lane < kBlockN / 32) {
-            const int nb = w.n0 / 32 + lane;
-            const uint8_t* src = p.sb + (nb < nb_total ? nb * p.ldsb + kb : 0);
-            cp_async_4(smem_u32(words + P::kBlockM + lane), src, nb < nb_total ? 4 : 0);
-          }
-          cp_async_arrive(bar);  // when this lane's copies land
-        } else {
-          const int valid = p.k_group / 32 - kb;
-          for (int i = 0; i < P::kBlockM / 32; ++i) {
-            const int row = w.m0 + lane + 32 * i;
-            words[lane + 32 * i] = row < p.m ? scale_word_bytes(p.sa + row * p.ldsa + ka0 / 32 + kb, valid) : 0u;
-          }
-          if (lane < kBlockN / 32) {
-            const int nb = w.n0 / 32 + lane;
-            words[P::kBlockM + lane] = nb < nb_total ? scale_word_bytes(p.sb + nb * p.ldsb + kb, valid) : 0u;
-          }
-          mbar_arrive(bar);  // its plain stores are ordered by the release
-        }
+        copy_stage_scales<P::kBlockM, kAlignedScales>(p, words, w.m0, w.n0, ka0, kb, nb_total, lane);
+        if (kAlignedScales) cp_async_arrive(bar);  // when this lane's copies land
+        else mbar_arrive(bar);                     // its plain stores are ordered by the release
       }
     }
   }

@@ -56,13 +56,13 @@ def test_flashinfer_ragged_prefill_matches_reference(q_lens, c_lens):
                                            ([300], [812])])
 def test_sdpa_backend_steps_match_reference_without_host_syncs(q_lens, c_lens):
     """The SDPA backend over a step's chunks (chunks from 0 on SDPA's causal form, chunks after
-    cached context on the varlen flash kernel) equals the float32 reference, and launches without
-    synchronizing the host (a sync in the layer loop idles the GPU while the next layer's kernels
-    are launched)."""
+    cached context on the varlen flash kernel) equals the float32 reference, and launches
+    without synchronizing the host (a sync in the layer loop idles the GPU while the next
+    layer's kernels are launched)."""
     _needs_cuda()
     heads = 16
     q, k, v, md = _ragged(q_lens, c_lens, heads, torch.Generator(device="cuda").manual_seed(2))
-    v = torch.nn.functional.pad(v, (0, 64))  # value_width: v as wide as q/k, zero columns
+    v = torch.nn.functional.pad(v, (0, 64))  # SdpaPrefill.value_width: v as wide as q/k, zero columns
     backend = SdpaPrefill()
     assert backend.value_width(192, 128) == 192
     backend.forward_varlen(q, k, v, md, 192 ** -0.5)  # first call: kernel selection, allocations
@@ -74,9 +74,6 @@ def test_sdpa_backend_steps_match_reference_without_host_syncs(q_lens, c_lens):
         torch.cuda.set_sync_debug_mode("default")
     want = TorchPrefill().forward_varlen(q, k, v[..., :128], md, 192 ** -0.5)
     got = got[..., :128]
-    if len(q_lens) == 1:  # a whole prompt without a step's metadata (HF comparisons, profiling)
-        one = backend.forward(q, k, v, 192 ** -0.5)[..., :128]
-        assert torch.equal(one, got) or ((one.float() - got.float()).abs().max() < 1e-2)
     assert got.shape == want.shape and torch.isfinite(got).all()
     err = ((got.float() - want.float()).norm() / want.float().norm()).item()
     assert err < 1e-2, err
