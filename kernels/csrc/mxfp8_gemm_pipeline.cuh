@@ -99,6 +99,67 @@ __device__ __forceinline__ ClusterUnit consumer_unit(const GemmParams& p, int k)
   return ClusterUnit::make<kBlockM, CM, CN>(u, tiles_m, tiles_n, rank % CM, rank / CM);
 }
 
+// What every CTA of a pipelined kernel (v2, v3) derives before its warpgroups split: the shared
+// memory layout (the stage ring, the consumers' scratch, the scale words, the full and empty
+// mbarriers), its cluster rank and the cluster work units, and which empty barrier each of its
+// consumer lanes releases.
+template <int kConsumers, int CM, int CN>
+struct PipelineCta {
+  using P = PipelinePlan<kConsumers>;
+  static constexpr int kCluster = CM * CN;
+  static constexpr int kPeers = 1 + (CM > 1) + (CN > 1);  // CTAs whose stages a consumer releases (itself included)
+  uint32_t ring, scratch0, words0, full0, empty0;
+  uint32_t* words_g;  // [stage][kScaleWords]
+  int cluster_units, cluster_id, clusters, rank, cm, cn;
+
+  __device__ __forceinline__ PipelineCta(const GemmParams& p, uint8_t* smem_raw) {
+    uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+    ring = smem_u32(smem);
+    scratch0 = ring + P::kStages * P::kStageBytes;
+    words0 = scratch0 + P::kScratchBytes;
+    words_g = reinterpret_cast<uint32_t*>(smem + P::kStages * P::kStageBytes + P::kScratchBytes);
+    full0 = words0 + 4 * P::kStages * P::kScaleWords;
+    empty0 = full0 + 8 * P::kStages;
+    const int tiles_m = (p.m + P::kBlockM - 1) / P::kBlockM, tiles_n = (p.n + kBlockN - 1) / kBlockN;
+    cluster_units = ((tiles_m + CM - 1) / CM) * ((tiles_n + CN - 1) / CN) * p.splits;
+    cluster_id = blockIdx.x / kCluster;
+    clusters = gridDim.x / kCluster;
+    rank = kCluster > 1 ? static_cast<int>(cluster_rank()) : 0;
+    cm = rank % CM;
+    cn = rank / CM;
+  }
+
+  // Thread 0 initializes the stages' mbarriers; the cluster (or CTA) then syncs, so the peers'
+  // mbarriers exist before anything reaches them.
+  __device__ __forceinline__ void init_barriers() const {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < P::kStages; ++s) {
+        mbar_init_count(full0 + 8 * s, 1 + 32);  // the TMA's arming thread + the scale-copying lanes
+        mbar_init_count(empty0 + 8 * s, 4 * kConsumers * kPeers);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit and the peers
+    }
+    if (kCluster > 1) cluster_sync();
+    else __syncthreads();
+  }
+
+  // The empty barrier (of stage 0) a consumer lane releases (lanes < kPeers): its own CTA's, its B
+  // peer's, its A peer's.
+  __device__ __forceinline__ uint32_t release_barrier(int lane) const {
+    uint32_t release = empty0;
+    if (kCluster > 1 && lane < kPeers) {
+      const int peer = lane == 0 ? rank : (lane == 1 && CM > 1 ? (1 - cm) + CM * cn : cm + CM * (1 - cn));
+      release = peer_addr(empty0, static_cast<uint32_t>(peer));
+    }
+    return release;
+  }
+
+  // Cluster work units this CTA's cluster runs.
+  __device__ __forceinline__ int units_mine() const {
+    return cluster_units > cluster_id ? (cluster_units - 1 - cluster_id) / clusters + 1 : 0;
+  }
+};
+
 // The producer warpgroup (after it handed registers to the consumers): lane 0 of its first warp
 // issues the TMA loads, its second warp copies the scale words (each its own loop over the same
 // stages: 40 registers each); the rest return. Clusters: the CTAs that share B (same columns,

@@ -104,49 +104,29 @@ __global__ void __launch_bounds__(PipelinePlan<kConsumers>::kThreads, 1)
                          const __grid_constant__ CUtensorMap map_b) {
   static_assert(!(kPromote && kRegA), "A from registers is built for the no-promotion diagnostic only (registers)");
   using P = PipelinePlan<kConsumers>;
-  constexpr int kCluster = CM * CN;
-  constexpr int kPeers = 1 + (CM > 1) + (CN > 1);  // CTAs whose stages a consumer releases (itself included)
+  using Cta = PipelineCta<kConsumers, CM, CN>;
+  constexpr int kCluster = Cta::kCluster, kPeers = Cta::kPeers;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const uint32_t ring = smem_u32(smem);
-  const uint32_t scratch0 = ring + P::kStages * P::kStageBytes;
-  const uint32_t words0 = scratch0 + P::kScratchBytes;  // [stage][kScaleWords]
-  uint32_t* words_g = reinterpret_cast<uint32_t*>(smem + P::kStages * P::kStageBytes + P::kScratchBytes);
-  const uint32_t full0 = words0 + 4 * P::kStages * P::kScaleWords, empty0 = full0 + 8 * P::kStages;
-
-  const int tiles_m = (p.m + P::kBlockM - 1) / P::kBlockM, tiles_n = (p.n + kBlockN - 1) / kBlockN;
-  const int cluster_units = ((tiles_m + CM - 1) / CM) * ((tiles_n + CN - 1) / CN) * p.splits;
-  const int cluster_id = blockIdx.x / kCluster, clusters = gridDim.x / kCluster;
-  const int rank = kCluster > 1 ? static_cast<int>(cluster_rank()) : 0, cm = rank % CM, cn = rank / CM;
+  const Cta cta(p, smem_raw);
+  const uint32_t ring = cta.ring, scratch0 = cta.scratch0, words0 = cta.words0, full0 = cta.full0, empty0 = cta.empty0;
+  const int cm = cta.cm, cn = cta.cn;
   const int kps = p.k_iters_per_split;  // every unit has this many stages (the host checks)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < P::kStages; ++s) {
-      mbar_init_count(full0 + 8 * s, 1 + 32);  // the TMA's arming thread + the scale-copying lanes
-      mbar_init_count(empty0 + 8 * s, 4 * kConsumers * kPeers);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit and the peers
-  }
-  if (kCluster > 1) cluster_sync();  // the peers' mbarriers exist before anything reaches them
-  else __syncthreads();
+  cta.init_barriers();
 
   if (warp >= 4 * kConsumers) {  // the producer warpgroup (its idle warps wait at the end)
     if (kConsumers == 2) setmaxnreg_dec<40>();
-    run_producer<kConsumers, kAlignedScales, CM, CN>(p, map_a, map_b, ring, words_g, full0, empty0, cm, cn, warp, lane);
+    run_producer<kConsumers, kAlignedScales, CM, CN>(p, map_a, map_b, ring, cta.words_g, full0, empty0, cm, cn, warp,
+                                                     lane);
   } else {
     // consumer warpgroup wg: rows m0 + 64 wg .. +63 of each tile
     if (kConsumers == 2) setmaxnreg_inc<232>();
     const int wg = warp / 4, t = threadIdx.x % 128;
     const int row_local = wg * kRowsPerConsumer + 16 * (t / 32) + (t % 32) / 4;  // and + 8
     const uint32_t scratch = scratch0 + warp * P::kScratchBytesPerWarp;
-    // this lane's empty barrier to release (lanes < kPeers): its own CTA's, its B peer's, its A peer's
-    uint32_t release = empty0;
-    if (kCluster > 1 && lane < kPeers) {
-      const int peer = lane == 0 ? rank : (lane == 1 && CM > 1 ? (1 - cm) + CM * cn : cm + CM * (1 - cn));
-      release = peer_addr(empty0, static_cast<uint32_t>(peer));
-    }
-    const int mine = cluster_units > cluster_id ? (cluster_units - 1 - cluster_id) / clusters + 1 : 0;
+    const uint32_t release = cta.release_barrier(lane);  // lanes < kPeers release a stage
+    const int mine = cta.units_mine();
     // descriptors of stage 0's slice 0 (16-byte units: a stage is kStageBytes / 16 further, a
     // slice 2, B's second half kHalfDesc; the ring stays under the field's 256 KB)
     // (broadcast from lane 0: ptxas then keeps them, and each unit's descriptors, in uniform registers)
