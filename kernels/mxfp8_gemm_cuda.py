@@ -137,7 +137,7 @@ def default_cuda_config(m: int, n: int, kg: int, sms: int = 132) -> dict:
     return {"consumers": consumers, "SPLIT_K": split_for(tiles, -(-kg // BLOCK_K), m, n, kg, sms)}
 
 
-def default_cluster(m: int, n: int, kg: int, groups: int, consumers: int, aligned_scales: bool) -> tuple[int, int]:
+def default_cluster(m: int, consumers: int, aligned_scales: bool) -> tuple[int, int]:
     """v2's and v3's CTA cluster (along M, along N): pairs along M share B's tile (each CTA loads half and
     multicasts it) where there are 128-row tiles to pair without leaving many CTAs on an empty
     tile (an even count, or ≥ 8); 1 × 1 for 64-row tiles and unaligned scale rows (not built).
@@ -223,7 +223,7 @@ def mxfp8_gemm_cuda(
         dst, mode = out, MODES["bf16" if out_dtype == torch.bfloat16 else "fp32"]
     aligned = (kg % BLOCK_K == 0 and xs.stride(0) % 4 == 0 and ws.stride(0) % 4 == 0
                and xs.data_ptr() % 4 == 0 and ws.data_ptr() % 4 == 0)
-    default = (1, 1) if kernel == "v1" else default_cluster(m, n, kg, groups, consumers, aligned)
+    default = (1, 1) if kernel == "v1" else default_cluster(m, consumers, aligned)
     cluster = tuple(cfg.get("cluster") or default)
     promote, a_regs = bool(cfg.get("promote", True)), bool(cfg.get("a_regs", False))
     why = config_error(kernel, consumers, cluster, promote, a_regs, aligned, n, groups)

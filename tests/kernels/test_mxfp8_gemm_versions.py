@@ -16,13 +16,13 @@ def test_cuda_v2_cluster_choice():
     from kernels.mxfp8_gemm_cuda import cluster_fits, default_cluster
 
     # pairs along M share B where 128-row tiles pair up; never for 64-row tiles or unaligned scale rows
-    assert default_cluster(8192, 5120, 8192, 1, 2, True) == (2, 1)
-    assert default_cluster(1024, 32768, 1280, 1, 2, True) == (2, 1)
-    assert default_cluster(300, 5120, 8192, 1, 2, True) == (1, 1)  # 3 tiles: one CTA of two idles
-    assert default_cluster(1100, 5120, 8192, 1, 2, True) == (2, 1)  # 9 tiles: one of 10 idles
-    assert default_cluster(128, 5120, 8192, 1, 2, True) == (1, 1)
-    assert default_cluster(64, 5120, 8192, 1, 1, True) == (1, 1)
-    assert default_cluster(8192, 384, 224, 1, 2, False) == (1, 1)
+    assert default_cluster(8192, 2, True) == (2, 1)
+    assert default_cluster(1024, 2, True) == (2, 1)
+    assert default_cluster(300, 2, True) == (1, 1)  # 3 tiles: one CTA of two idles
+    assert default_cluster(1100, 2, True) == (2, 1)  # 9 tiles: one of 10 idles
+    assert default_cluster(128, 2, True) == (1, 1)
+    assert default_cluster(64, 1, True) == (1, 1)
+    assert default_cluster(8192, 2, False) == (1, 1)
     # along N two column tiles share A's rows and K range: one group for both
     assert cluster_fits((1, 2), 8192, 8) and not cluster_fits((2, 2), 8 * 384, 8) and cluster_fits((2, 1), 384, 3)
 
@@ -51,6 +51,17 @@ def test_cuda_config_errors_name_what_is_built():
     assert config_error("v3", **dict(ok, cluster=(2, 1), promote=False, a_regs=True))
 
 
+def _grouped_case(m, n, k, groups):
+    """Operands of an m x n GEMM over K = k in ``groups`` column groups (K k / groups each), on
+    the GPU, and their float32 reference: (x8, xs, w8, ws, ref, K per group)."""
+    from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
+
+    kg = k // groups
+    x8, xs = quantize_mxfp8_triton(activations(m, k, seed=m + n, device="cuda"))
+    w8, ws = weight(n, kg, seed=n + k, device="cuda")
+    return x8, xs, w8, ws, mxfp8_gemm_reference(x8, xs, w8, ws, groups=groups, out_dtype=torch.float32), kg
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("m, n, k, groups", [(1024, 1280, 1024, 1), (300, 768, 512, 1), (129, 512, 384, 1),
@@ -62,12 +73,8 @@ def test_gpu_v2_equals_v1_bit_for_bit(m, n, k, groups):
     with one CTA on an empty tile; 257 × 2 groups: clusters along N within a group."""
     from kernels.mxfp8_gemm import mxfp8_gemm
     from kernels.mxfp8_gemm_cuda import CLUSTERS, cluster_fits, default_cuda_config
-    from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
 
-    kg = k // groups
-    x8, xs = quantize_mxfp8_triton(activations(m, k, seed=m + n, device="cuda"))
-    w8, ws = weight(n, kg, seed=n + k, device="cuda")
-    ref = mxfp8_gemm_reference(x8, xs, w8, ws, groups=groups, out_dtype=torch.float32)
+    x8, xs, w8, ws, ref, kg = _grouped_case(m, n, k, groups)
     aligned = kg % 128 == 0
     for consumers in (1, 2):
         for split in sorted({1, default_cuda_config(m, n, kg)["SPLIT_K"]}):
@@ -125,12 +132,8 @@ def test_gpu_v3_equals_v1_bit_for_bit(m, n, k, groups):
     the quantizing epilogue, both tile heights, clusters 1 x 1 and 2 x 1."""
     from kernels.mxfp8_gemm import mxfp8_gemm
     from kernels.mxfp8_gemm_cuda import V3_CLUSTERS, default_cuda_config
-    from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
 
-    kg = k // groups
-    x8, xs = quantize_mxfp8_triton(activations(m, k, seed=m + n, device="cuda"))
-    w8, ws = weight(n, kg, seed=n + k, device="cuda")
-    ref = mxfp8_gemm_reference(x8, xs, w8, ws, groups=groups, out_dtype=torch.float32)
+    x8, xs, w8, ws, ref, kg = _grouped_case(m, n, k, groups)
     aligned = kg % 128 == 0
     for consumers in (1, 2):
         for split in sorted({1, default_cuda_config(m, n, kg)["SPLIT_K"]}):
