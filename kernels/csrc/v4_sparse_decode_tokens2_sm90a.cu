@@ -438,32 +438,8 @@ __global__ void __launch_bounds__(kT2Threads, 1) v4_sparse_decode_tokens2_kernel
       for (int c = 0; c < 4; ++c) o[mt][nt][c] += dump[((mt * kJ + nt) * 4 + c) * 128 + tw] * factor_in[nt][c & 1];
   // Row sums: the 8 lane groups, then the 4 warps (through shared memory).
   float* sums = reinterpret_cast<float*>(smem + Plan::kX) + 4 * kRows;  // warpgroup 1's maxima slot
-#pragma unroll
-  for (int j = 0; j < kJ; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float l = l_part[j][e];
-      l += __shfl_xor_sync(0xffffffffu, l, 4);
-      l += __shfl_xor_sync(0xffffffffu, l, 8);
-      l += __shfl_xor_sync(0xffffffffu, l, 16);
-      if (g == 0) sums[warp * kRows + 8 * j + 2 * q4 + e] = l;
-    }
-  named_barrier_sync(kT2BarEpi, 128);  // also: every warp of warpgroup 0 is done with its tile
-  const bool split_kv = p.num_splits > 1;
   float factor[kJ][2];
-#pragma unroll
-  for (int j = 0; j < kJ; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int head = 8 * j + 2 * q4 + e;
-      const float l = sums[head] + sums[kRows + head] + sums[2 * kRows + head] + sums[3 * kRows + head];
-      const bool lonely = !(l > 0.f);
-      const float lse = lonely ? -INFINITY : (m_ref[j][e] + log2f(l)) * kLn2;
-      float f = lonely ? 0.f : 1.f / l;
-      if (!split_kv && p.sinks != nullptr && !lonely && head < p.heads) f /= 1.f + expf(p.sinks[head] - lse);
-      factor[j][e] = f;
-      if (warp == 0 && g == 0 && head < p.heads) store_lse(p, head, lse, b, tq, bt, split);
-    }
+  finish_rows<kJ, kRows, kT2BarEpi>(p, sums, l_part, m_ref, factor, warp, g, q4, b, tq, bt, split);
   // O (heads x dims) through warpgroup 0's tile, then coalesced 16-byte rows out.
   float* stage = reinterpret_cast<float*>(v_s);
 #pragma unroll
@@ -476,19 +452,7 @@ __global__ void __launch_bounds__(kT2Threads, 1) v4_sparse_decode_tokens2_kernel
         stage[head * kT2StageRow + dim] = o[mt][nt][c] * factor[nt][c & 1];
       }
   named_barrier_sync(kT2BarEpi, 128);
-  for (int c = tw; c < kRows * 128; c += 128) {  // c = head, 4-dim group
-    const int head = c >> 7, d4 = (c & 127) * 4;
-    if (head >= p.heads) continue;
-    const float4 v = *reinterpret_cast<const float4*>(stage + head * kT2StageRow + d4);
-    if (split_kv) {
-      const long long flat = static_cast<long long>(bt) * p.num_splits + split;
-      *reinterpret_cast<float4*>(p.part_o + (flat * p.heads + head) * kDim + d4) = v;
-    } else {
-      __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(p.out + b * p.o_sb + tq * p.o_ss + head * p.o_sh + d4);
-      dst[0] = __floats2bfloat162_rn(v.x, v.y);  // out's contract: 4-byte aligned pairs
-      dst[1] = __floats2bfloat162_rn(v.z, v.w);
-    }
-  }
+  store_rows<kRows, kT2StageRow>(p, stage, tw, b, tq, bt, split);
 }
 
 template <int kRows, int F0, int F1, bool kWide, int kDiag = kDiagNone>

@@ -97,4 +97,60 @@ __device__ __forceinline__ void v41_block_values(const TwoRecords& raw, int r, i
   h[0] = lo.x, h[1] = lo.y, h[2] = lo.z, h[3] = lo.w, h[4] = hi.x, h[5] = hi.y, h[6] = hi.z, h[7] = hi.w;
 }
 
+// The epilogue's softmax finish: each head's row sum over the 8 lane groups and then the 4 warps
+// (through `sums`, 4 x kRows floats), after which the warpgroup syncs on barrier kBar; then each
+// lane's output factors (1 / l, and the sink's share when the call is not split) and, from warp 0,
+// the heads' LSEs.
+template <int kJ, int kRows, int kBar>
+__device__ __forceinline__ void finish_rows(const SparseParams& p, float* sums, const float (&l_part)[kJ][2],
+                                            const float (&m_ref)[kJ][2], float (&factor)[kJ][2], int warp, int g,
+                                            int q4, int b, int tq, int bt, int split) {
+#pragma unroll
+  for (int j = 0; j < kJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float l = l_part[j][e];
+      l += __shfl_xor_sync(0xffffffffu, l, 4);
+      l += __shfl_xor_sync(0xffffffffu, l, 8);
+      l += __shfl_xor_sync(0xffffffffu, l, 16);
+      if (g == 0) sums[warp * kRows + 8 * j + 2 * q4 + e] = l;
+    }
+  named_barrier_sync(kBar, 128);  // also: every warp of warpgroup 0 is done with its tile
+  const bool split_kv = p.num_splits > 1;
+#pragma unroll
+  for (int j = 0; j < kJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int head = 8 * j + 2 * q4 + e;
+      const float l = sums[head] + sums[kRows + head] + sums[2 * kRows + head] + sums[3 * kRows + head];
+      const bool lonely = !(l > 0.f);
+      const float lse = lonely ? -INFINITY : (m_ref[j][e] + log2f(l)) * kLn2;
+      float f = lonely ? 0.f : 1.f / l;
+      if (!split_kv && p.sinks != nullptr && !lonely && head < p.heads) f /= 1.f + expf(p.sinks[head] - lse);
+      factor[j][e] = f;
+      if (warp == 0 && g == 0 && head < p.heads) store_lse(p, head, lse, b, tq, bt, split);
+    }
+}
+
+// The staged output rows (`stage`: kRows heads of 512 floats, kStageRow floats apart) written out
+// by the warpgroup's 128 threads in coalesced 16-byte pieces: the split's fp32 partial, or bf16 out.
+template <int kRows, int kStageRow>
+__device__ __forceinline__ void store_rows(const SparseParams& p, const float* stage, int tw, int b, int tq, int bt,
+                                           int split) {
+  const bool split_kv = p.num_splits > 1;
+  for (int c = tw; c < kRows * 128; c += 128) {  // c = head, 4-dim group
+    const int head = c >> 7, d4 = (c & 127) * 4;
+    if (head >= p.heads) continue;
+    const float4 v = *reinterpret_cast<const float4*>(stage + head * kStageRow + d4);
+    if (split_kv) {
+      const long long flat = static_cast<long long>(bt) * p.num_splits + split;
+      *reinterpret_cast<float4*>(p.part_o + (flat * p.heads + head) * kDim + d4) = v;
+    } else {
+      __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(p.out + b * p.o_sb + tq * p.o_ss + head * p.o_sh + d4);
+      dst[0] = __floats2bfloat162_rn(v.x, v.y);  // out's contract: 4-byte aligned pairs
+      dst[1] = __floats2bfloat162_rn(v.z, v.w);
+    }
+  }
+}
+
 }  // namespace

@@ -312,32 +312,8 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
     for (int k = 0; k < 8; ++k) o[mb][k] += dump[(8 * mb + k) * 128 + tw] * factor_in[k >> 2][k & 1];
   // Row sums: the 8 lane groups, then the 4 warps (through shared memory).
   float* sums = reinterpret_cast<float*>(smem + kSmX) + 4 * kHeadRows;  // warpgroup 1's maxima slot
-#pragma unroll
-  for (int j = 0; j < 2; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float l = l_part[j][e];
-      l += __shfl_xor_sync(0xffffffffu, l, 4);
-      l += __shfl_xor_sync(0xffffffffu, l, 8);
-      l += __shfl_xor_sync(0xffffffffu, l, 16);
-      if (g == 0) sums[warp * kHeadRows + 8 * j + 2 * q4 + e] = l;
-    }
-  named_barrier_sync(kBarEpi, 128);  // also: every warp of warpgroup 0 is done with its tile
-  const bool split_kv = p.num_splits > 1;
   float factor[2][2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int head = 8 * j + 2 * q4 + e;
-      const float l = sums[head] + sums[kHeadRows + head] + sums[2 * kHeadRows + head] + sums[3 * kHeadRows + head];
-      const bool lonely = !(l > 0.f);
-      const float lse = lonely ? -INFINITY : (m_ref[j][e] + log2f(l)) * kLn2;
-      float f = lonely ? 0.f : 1.f / l;
-      if (!split_kv && p.sinks != nullptr && !lonely && head < p.heads) f /= 1.f + expf(p.sinks[head] - lse);
-      factor[j][e] = f;
-      if (warp == 0 && g == 0 && head < p.heads) store_lse(p, head, lse, b, tq, bt, split);
-    }
+  finish_rows<2, kHeadRows, kBarEpi>(p, sums, l_part, m_ref, factor, warp, g, q4, b, tq, bt, split);
   // O (heads x dims) through warpgroup 0's tile, then coalesced 16-byte rows out.
   float* stage = reinterpret_cast<float*>(v_s);
 #pragma unroll
@@ -348,19 +324,7 @@ __global__ void __launch_bounds__(kTokThreads, 1) v4_sparse_decode_tokens_kernel
       stage[(8 * j + 2 * q4 + e) * kStageRow + 64 * mb + row0 + 8 * i] = o[mb][k] * factor[j][e];
     }
   named_barrier_sync(kBarEpi, 128);
-  for (int c = tw; c < kHeadRows * 128; c += 128) {  // c = head, 4-dim group
-    const int head = c >> 7, d4 = (c & 127) * 4;
-    if (head >= p.heads) continue;
-    const float4 v = *reinterpret_cast<const float4*>(stage + head * kStageRow + d4);
-    if (split_kv) {
-      const long long flat = static_cast<long long>(bt) * p.num_splits + split;
-      *reinterpret_cast<float4*>(p.part_o + (flat * p.heads + head) * kDim + d4) = v;
-    } else {
-      __nv_bfloat162* dst = reinterpret_cast<__nv_bfloat162*>(p.out + b * p.o_sb + tq * p.o_ss + head * p.o_sh + d4);
-      dst[0] = __floats2bfloat162_rn(v.x, v.y);  // out's contract: 4-byte aligned pairs
-      dst[1] = __floats2bfloat162_rn(v.z, v.w);
-    }
-  }
+  store_rows<kHeadRows, kStageRow>(p, stage, tw, b, tq, bt, split);
 }
 
 template <int F0, int F1>
