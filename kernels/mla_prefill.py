@@ -25,6 +25,9 @@ if HAS_TRITON:  # the GPU path needs Triton; the CPU reference does not
     import triton.language as tl
 
 
+SDPA_LENGTH_BUCKET = 256  # rows: chunk lengths SDPA sees on CUDA are rounded up to a multiple of this
+
+
 def causal_offset_mask(tq: int, tk: int, device) -> torch.Tensor:
     """Boolean [tq, tk]: True where query i (at position tk - tq + i) may attend key j."""
     q_pos = torch.arange(tk - tq, tk, device=device)
@@ -47,26 +50,40 @@ def mla_prefill_reference(
     return out.transpose(0, 1).to(q.dtype)
 
 
-def mla_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+def mla_prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                     length_bucket: int | None = None) -> torch.Tensor:
     """GPU path: torch's fused attention in the compute dtype. Causality is always given as a
     structure, never as a dense mask, and inputs are 4-D: otherwise SDPA takes its math backend, which
     materializes fp32 scores (measured on the H200: 36 ms per layer for 8192 tokens, 90% of a
     prefill step). A block with no cached context is plain causal; a block after cached context
     is causal aligned to the bottom right (query i sees keys 0 .. tk - tq + i). v is zero-padded
     to the q/k head dim when they differ, as fused kernels want equal head dims, and the
-    padding is sliced off the output."""
+    padding is sliced off the output.
+
+    A block without context is also padded with zero rows to a multiple of ``length_bucket``
+    (default: ``SDPA_LENGTH_BUCKET`` on CUDA, none elsewhere): SDPA's Hopper kernel (cuDNN)
+    spends host time on every call with a sequence length it has not run before (~75 ms per
+    27-layer step on an H100, against ~2 ms for lengths it has seen:
+    benchmarks/bench_prefill_layout.py), and chunked prefill meets a new length in nearly every
+    step. A causal row never attends the keys after it, so the padding rows change no real row,
+    and their outputs are dropped."""
     from torch.nn.attention.bias import causal_lower_right
 
     tq, tk, dv = q.shape[0], k.shape[0], v.shape[-1]
-    if dv < q.shape[-1]:
-        v = F.pad(v, (0, q.shape[-1] - dv))
+    if length_bucket is None:
+        length_bucket = SDPA_LENGTH_BUCKET if q.is_cuda else 1
+    pad_rows = -tq % length_bucket if tq == tk else 0
+    if dv < q.shape[-1] or pad_rows:
+        v = F.pad(v, (0, q.shape[-1] - dv, 0, 0, 0, pad_rows))
+    if pad_rows:
+        q, k = (F.pad(t, (0, 0, 0, 0, 0, pad_rows)) for t in (q, k))
     # [1, H, T, D]: the fused kernels take 4-D inputs only (3-D ones fall back to math too).
     qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     if tq == tk:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=softmax_scale)
     else:
         out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(tq, tk), scale=softmax_scale)
-    return out[0].transpose(0, 1)[..., :dv]
+    return out[0, :, :tq].transpose(0, 1)[..., :dv]
 
 
 def mla_prefill_flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,

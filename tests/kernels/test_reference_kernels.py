@@ -220,6 +220,10 @@ def test_mla_prefill_sdpa_path_matches_reference(tq, tk):
 
     q, k, v = rnd(tq, 3, 24), rnd(tk, 3, 24), rnd(tk, 3, 16)
     assert torch.allclose(mla_prefill_sdpa(q, k, v, 0.2), mla_prefill_reference(q, k, v, 0.2), atol=1e-5)
+    # lengths rounded up to a bucket (as on CUDA) with zero rows: the real rows are unchanged
+    padded = mla_prefill_sdpa(q, k, v, 0.2, length_bucket=8)
+    assert padded.shape == (tq, 3, 16)
+    assert torch.allclose(padded, mla_prefill_reference(q, k, v, 0.2), atol=1e-5)
 
 
 @pytest.mark.gpu
