@@ -13,10 +13,11 @@ per-request picks, not a block table over one latent cache).
             heads up to 16 (32 for V4)), CUDA graphs, paged caches and one-record row pools;
             a call it does not read (bf16 rows, V4 beside V4.1 records, a cache not on 8
             bytes) goes to the Triton kernel. ``CUDA_VARIANT`` says which of its designs
-            serves (v2: 64-record tiles with 65-128 heads as two independent 64-head CTAs, the
-            tokens-major kernel up to 16 heads; V4.1 records at 17-63 heads run the 64-record
-            kernel padded to 64, as the narrow kernel of 17-32 reads MODEL1 records only; v1
-            and v2's 2-CTA cluster stay selectable for the bench, for V4 records)
+            serves (v3: 64-record tiles with 65-128 heads as two independent 64-head CTAs, the
+            tokens2 kernel up to 16 heads; V4.1 records at 17-63 heads run the 64-record
+            kernel padded to 64, as the narrow kernel of 17-32 reads MODEL1 records only; v1,
+            v2 (its tokens kernel up to 16 heads) and the 2-CTA cluster stay selectable for
+            the bench)
 
 ``auto`` (:func:`select_v4_decode_backend`): cuda where it runs (one log line says why not),
 then triton, then torch.
@@ -36,10 +37,11 @@ from kernels.v4_sparse_decode import RECORD_BYTES
 
 logger = logging.getLogger(__name__)
 V4_CACHE_DTYPE = torch.uint8  # records are bytes; ``record_formats`` says which layout
-# The design the cuda backend runs (kernels.v4_sparse_decode_cuda.VARIANTS) and whether v2 runs
-# 65-128 heads as a 2-CTA cluster: v2 without the cluster was the fastest on every benched shape
-# (benchmarks/RESULTS.md: B = 128, 8-128 heads, top-k 512/2048).
-CUDA_VARIANT = "v2"
+# The design the cuda backend runs (kernels.v4_sparse_decode_cuda.VARIANTS) and whether it runs
+# 65-128 heads as a 2-CTA cluster: v3 without the cluster was the fastest on every benched shape
+# (benchmarks/RESULTS.md: B = 128, 8-128 heads, top-k 512/2048; v3 differs from v2 only up to
+# 16 heads, where it is 1.06-1.13x v2 on V4.1 records and equal on V4 records).
+CUDA_VARIANT = "v3"
 CUDA_CLUSTER = False
 
 

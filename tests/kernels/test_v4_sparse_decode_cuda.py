@@ -162,7 +162,7 @@ def test_registry_routes_v41_records_to_the_cuda_kernels(monkeypatch):
     rows = SparseKV(torch.zeros(9, 1, 1024, dtype=torch.uint8), window_entries[0].indices, "bf16")
     backend.decode(q, [rows], sinks, SCALE)
     assert [c[0] for c in calls] == ["cuda", "cuda", "triton", "triton"]
-    assert calls[0][1]["variant"] == "v2" and calls[0][1]["cluster"] is False
+    assert calls[0][1]["variant"] == "v3" and calls[0][1]["cluster"] is False
 
 
 def _e2m1_words_as_f16(w: torch.Tensor) -> torch.Tensor:
