@@ -87,10 +87,10 @@ def narrow_rows_per_cta(rows: int) -> int:
 def narrow_smem_bytes(rows_per_cta: int) -> int:
     """Shared memory of a narrow CTA (mirror of ``NarrowPlan`` in the .cu file): the stages'
     cache tiles, packed Q, P and per-warp column maxima (two parities) per warpgroup, per-warp
-    column sums, mbarriers, and room to align the tiles to 1024 bytes."""
+    column sums, two mbarriers per stage, and room to align the tiles to 1024 bytes."""
     n = rows_per_cta
     return (NARROW_STAGES * WGMMA_TILE_BYTES + n * 576 + 2 * n * 64 + (2 * 2 * 4 * n + 4 * n) * 4
-            + NARROW_STAGES * 8 + 1024)
+            + 2 * NARROW_STAGES * 8 + 1024)
 
 
 class CudaKernelUnavailable(RuntimeError):

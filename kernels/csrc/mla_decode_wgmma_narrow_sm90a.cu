@@ -46,6 +46,11 @@ namespace {
 constexpr int kThreads = 256;  // two warpgroups, each on every other tile
 constexpr int kWarps = 4;      // per warpgroup
 constexpr int kStages = 5;     // one CTA per SM: three tiles in flight while two are consumed
+// Tile t waits on mbarrier t % kBars. A stage's tiles alternate between the warpgroups (kStages
+// is odd), so a warpgroup can reach the wait for tile t + kStages while tile t's copy is still in
+// flight: on the stage's own barrier that wait would name the phase before the pending one and
+// pass at once. Two barriers per stage put tiles t and t + kStages on different barriers.
+constexpr int kBars = 2 * kStages;
 constexpr int kSmemAlign = 1024;
 constexpr uint32_t kStep = 256 >> 4;  // one k-step of 32 bytes in a packed operand: two core matrices
 
@@ -57,8 +62,8 @@ struct NarrowPlan {
   static constexpr int kSmemP = kSmemQ + (N / 8) * kQGroupStride;    // P per warpgroup, N x 64 e4m3, packed
   static constexpr int kSmemMax = kSmemP + 2 * N * kTile;            // float [2 wg][2 parities][4 warps][N]
   static constexpr int kSmemSum = kSmemMax + 2 * 2 * kWarps * N * 4; // float [4 warps][N]
-  static constexpr int kSmemBar = kSmemSum + kWarps * N * 4;         // uint64 [kStages]
-  static constexpr int kBytes = kSmemBar + kStages * 8 + kSmemAlign; // + room to align the base
+  static constexpr int kSmemBar = kSmemSum + kWarps * N * 4;         // uint64 [kBars]
+  static constexpr int kBytes = kSmemBar + kBars * 8 + kSmemAlign;   // + room to align the base
 };
 
 // m64nNk32 for N = 16 or 32 query rows, picked by the accumulator array's size.
@@ -89,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg = __shfl_sync(0xffffffffu, tid >> 7, 0);  // warp-uniform
   uint8_t* p_s = smem + Plan::kSmemP + wg * N * kTile;
   float* red_sum = reinterpret_cast<float*>(smem + Plan::kSmemSum);
-  const uint32_t bar0 = smem_addr(smem + Plan::kSmemBar);  // stage s's barrier at bar0 + 8 s
+  const uint32_t bar0 = smem_addr(smem + Plan::kSmemBar);  // tile t's barrier at bar0 + 8 (t % kBars)
 
   const int warp = __shfl_sync(0xffffffffu, (tid >> 5) & 3, 0), lane = tid & 31;  // warp-uniform
   const bool leader = (tid & 127) == 0;  // refills the stages its warpgroup frees
@@ -113,12 +118,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto page_of = [&](int it) { return it < n ? bt_row[(tile_begin + it) * kTile / p.page_size] : 0; };
   auto load_tile = [&](int it, int page) {
     const int stage = it % kStages;
-    const uint32_t bar = bar0 + 8 * stage, dst = smem_addr(k_s + stage * kTileBytes);
+    const uint32_t bar = bar0 + 8 * (it % kBars), dst = smem_addr(k_s + stage * kTileBytes);
     load_tile_boxes(dst, bar, &kv_map, (tile_begin + it) * kTile % p.page_size, page);
   };
 
   if (tid == 0) {
-    for (int t = 0; t < kStages; ++t) mbar_init(bar0 + 8 * t);
+    for (int t = 0; t < kBars; ++t) mbar_init(bar0 + 8 * t);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");  // visible to the TMA unit
   }
   __syncthreads();
@@ -156,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint8_t* tile = k_s + stage * kTileBytes;
     const bool refill = leader && it + kStages < n;
     const int refill_page = refill ? page_of(it + kStages) : 0;  // read early: its latency hides below
-    mbar_wait(bar0 + 8 * stage, (it / kStages) & 1);
+    mbar_wait(bar0 + 8 * (it % kBars), (it / kBars) & 1);
 
     // S^T = K . Q^T: 32 bytes of K per k-step, box ks / 4, bytes 32 (ks % 4) of its rows.
     const uint32_t k_lo = desc_lo(smem_addr(tile), 16);
