@@ -1,5 +1,5 @@
 """MXFP8 GEMMs on one GPU: our CUDA C++ kernels (kernels/mxfp8_gemm_cuda.py: v1, the default,
-v2 and v3) and our Triton kernel (all promote per 32 of K) against cuBLAS' blockwise
+and v2) and our Triton kernel (all promote per 32 of K) against cuBLAS' blockwise
 ``torch._scaled_mm`` (1×128 activations, 128×128 weights: the R1 path), at
 DeepSeek-V4.1-Flash shapes, and the output projection (inverse RoPE → wo_a → wo_b) fused,
 unfused and as HF's bf16 path, at TP1 and TP8 shard shapes.
@@ -8,16 +8,16 @@ unfused and as HF's bf16 path, at TP1 and TP8 shard shapes.
     python3 -m benchmarks.bench_mxfp8 --m 1 128 --o-proj-tokens --sweep --json out.json
     python3 -m benchmarks.bench_mxfp8 --m 1024 8192 --o-proj-tokens --skip-triton --cuda-variants
 
-"v3 np" is v3's no-promotion diagnostic at v3's default cluster (the same pipeline without the
+"v2 np" is v2's no-promotion diagnostic at v2's default cluster (the same pipeline without the
 per-32 scales: wrong numbers, its time is the pipeline's ceiling). ``--cuda-variants`` also
-times v2 and v3 in every CTA-cluster shape built (pairs along M share B's tile, along N A's, by
-TMA multicast) and their diagnostics (v3's also with A from registers), in a second table.
-``--skip-v2`` leaves v2 out of the first table.
+times v2 in every CTA-cluster shape built (pairs along M share B's tile, along N A's, by TMA
+multicast) and its diagnostic, in a second table. ``--skip-v2`` leaves v2 (and v2 np) out of
+the first table.
 
 Correctness is checked first (first 256 rows against the float32 references on the same
 quantized operands). Each call is a CUDA-graph replay with the L2 emptied before it (a 256 MB
 read), median over ~40 ms of replays (benchmarks/bench_mla_decode.py's ``time_call``), and
-the median of three such rounds. "v1", "v2" and "v3" are the CUDA kernels at the same tiles and K
+the median of three such rounds. "v1" and "v2" are the CUDA kernels at the same tiles and K
 split (v1 is what the default backend runs on Hopper; "+quant" times the default backend with
 its activation quantization), "triton" the Triton kernel at its default
 tiles (or the best of ``--sweep``).
@@ -47,7 +47,6 @@ from kernels.mxfp8_gemm import (
 from kernels.mxfp8_gemm_cuda import (
     CLUSTERS,
     NO_PROMOTION_CLUSTERS,
-    V3_CLUSTERS,
     cluster_fits,
     cuda_gemm_available,
     default_cuda_config,
@@ -93,21 +92,16 @@ def sweep_configs(m: int, n: int, k: int) -> list[dict]:
 
 
 def cuda_variants(x8, xs, w8, ws, m: int, n: int, k: int) -> dict:
-    """v2's and v3's time (µs) in each cluster shape built that fits, and without promotion
-    (``np``; v3's also with A from registers: ``np regs``), at the default tiles and K split; a
-    variant that fails prints why and is left out."""
+    """v2's time (µs) in each cluster shape built that fits, and without promotion (``np``), at
+    the default tiles and K split; a variant that fails prints why and is left out."""
     base = default_cuda_config(m, n, k, torch.cuda.get_device_properties(0).multi_processor_count)
     out = {}
     if base["consumers"] != 2:
         return out
-    cases = [(f"v2 {cm}x{cn}", "v2", {"cluster": (cm, cn)}) for cm, cn in CLUSTERS if cluster_fits((cm, cn), n, 1)]
-    cases += [(f"v3 {cm}x{cn}", "v3", {"cluster": (cm, cn)}) for cm, cn in V3_CLUSTERS]
-    for kernel in ("v2", "v3"):
-        cases += [(f"{kernel} np {cm}x{cn}", kernel, {"cluster": (cm, cn), "promote": False})
-                  for cm, cn in NO_PROMOTION_CLUSTERS]
-    cases.append(("v3 np regs 1x1", "v3", {"cluster": (1, 1), "promote": False, "a_regs": True}))
-    for name, kernel, extra in cases:
-        cfg = dict(base, kernel=kernel, **extra)
+    cases = [(f"v2 {cm}x{cn}", {"cluster": (cm, cn)}) for cm, cn in CLUSTERS if cluster_fits((cm, cn), n, 1)]
+    cases += [(f"v2 np {cm}x{cn}", {"cluster": (cm, cn), "promote": False}) for cm, cn in NO_PROMOTION_CLUSTERS]
+    for name, extra in cases:
+        cfg = dict(base, kernel="v2", **extra)
         try:
             out[name] = timed(lambda cfg=cfg: mxfp8_gemm(x8, xs, w8, ws, config=cfg, backend="cuda")) * 1e6
         except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
@@ -162,19 +156,19 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool, skip_triton: b
             best = (t, cfg)
     row["triton_us"], row["triton_config"] = best[0] * 1e6, best[1]
 
-    row["v2_us"] = row["v3_us"] = row["v3_np_us"] = row["default_quant_us"] = float("nan")
+    row["v2_us"] = row["v2_np_us"] = row["default_quant_us"] = float("nan")
     try:  # the default backend with its activation quantization (v1 on Hopper)
         row["err_default_vs_x"] = rel_err(mxfp8_linear(x[:r], w8, ws), x[:r].float() @ w.t())
         row["default_quant_us"] = timed(lambda: mxfp8_linear(x, w8, ws)) * 1e6
     except Exception as exc:  # noqa: BLE001 - the anchors above still make the row
         print(f"{layer} M={m} default MXFP8 linear FAILED: {exc!r}", flush=True)
-    # v2, v3 and v3 without promotion (Hopper only); each failure leaves the rest of the row
-    kernels = (("v2", {"kernel": "v2"}), ("v3", {"kernel": "v3"}), ("v3_np", {"kernel": "v3", "promote": False}))
+    # v2 and v2 without promotion (Hopper only); each failure leaves the rest of the row
+    kernels = (("v2", {"kernel": "v2"}), ("v2_np", {"kernel": "v2", "promote": False}))
     for name, cfg in kernels:
-        if not cuda or (name == "v2" and skip_v2):
+        if not cuda or skip_v2:
             continue
         try:
-            if name != "v3_np":
+            if name != "v2_np":
                 y = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, config=cfg, backend="cuda")
                 row[f"err_{name}"] = rel_err(y[:r], ref)
                 row[f"{name}_equals_v1"] = bool(torch.equal(y1, y))
@@ -194,11 +188,12 @@ def bench_linear(layer: str, m: int, n: int, k: int, sweep: bool, skip_triton: b
                     t = timed(lambda cfg=cfg: mxfp8_gemm(x8, xs, w8, ws, config=cfg, backend="cuda")) * 1e6
                     print(f"  {layer} M={m} cuda {cfg} {t:.1f} us", flush=True)
     flops = 2.0 * m * n * k
-    for name in ("v1", "v2", "v3", "v3_np", "mm", "triton"):
+    for name in ("v1", "v2", "v2_np", "mm", "triton"):
         row[f"{name}_tflops"] = flops / row[f"{name}_us"] / 1e6
-    row["v3_over_mm"] = row["v3_tflops"] / row["mm_tflops"]
-    row["v3_np_over_mm"] = row["v3_np_tflops"] / row["mm_tflops"]
-    row["v3_over_v1"] = row["v1_us"] / row["v3_us"]
+    row["v1_over_mm"] = row["v1_tflops"] / row["mm_tflops"]
+    row["v2_over_mm"] = row["v2_tflops"] / row["mm_tflops"]
+    row["v2_np_over_mm"] = row["v2_np_tflops"] / row["mm_tflops"]
+    row["v2_over_v1"] = row["v1_us"] / row["v2_us"]
     print(json.dumps(row), flush=True)
     return row
 
@@ -245,24 +240,23 @@ def bench_o_proj(tp: str, t: int) -> dict:
 
 def markdown(rows: list[dict], o_rows: list[dict]) -> str:
     lines = [f"MXFP8 GEMM vs blockwise _scaled_mm on {torch.cuda.get_device_name()} (CUDA-graph replays, cold L2; "
-             "v3 np = v3 without promotion, wrong numbers: the pipeline's ceiling)",
-             "", ("| layer | M | N | K | v1 µs | v2 µs | v3 µs | v3 np µs | triton µs | scaled_mm µs | v1 TFLOP/s |"
-                  " v3 TFLOP/s | v3 np TFLOP/s | scaled_mm TFLOP/s | v1/mm | v3/mm | v3 np/mm | v3/v1 |"
-                  " default+quant µs | scaled_mm+quant µs | v3 rel. err | v3 = v1 |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "v2 np = v2 without promotion, wrong numbers: the pipeline's ceiling)",
+             "", ("| layer | M | N | K | v1 µs | v2 µs | v2 np µs | triton µs | scaled_mm µs | v1 TFLOP/s |"
+                  " v2 TFLOP/s | v2 np TFLOP/s | scaled_mm TFLOP/s | v1/mm | v2/mm | v2 np/mm | v2/v1 |"
+                  " default+quant µs | scaled_mm+quant µs | v2 rel. err | v2 = v1 |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['layer']} | {r['M']} | {r['N']} | {r['K']} | {r['v1_us']:.1f} | {r['v2_us']:.1f} | "
-                     f"{r['v3_us']:.1f} | {r['v3_np_us']:.1f} | {r['triton_us']:.1f} | {r['mm_us']:.1f} | "
-                     f"{r['v1_tflops']:.0f} | {r['v3_tflops']:.0f} | {r['v3_np_tflops']:.0f} | {r['mm_tflops']:.0f} | "
-                     f"{r['v1_tflops'] / r['mm_tflops']:.2f} | {r['v3_over_mm']:.2f} | {r['v3_np_over_mm']:.2f} | "
-                     f"{r['v3_over_v1']:.2f} | {r['default_quant_us']:.1f} | {r['mm_quant_us']:.1f} | "
-                     f"{r.get('err_v3', float('nan')):.1e} | {r.get('v3_equals_v1', '-')} |")
+                     f"{r['v2_np_us']:.1f} | {r['triton_us']:.1f} | {r['mm_us']:.1f} | "
+                     f"{r['v1_tflops']:.0f} | {r['v2_tflops']:.0f} | {r['v2_np_tflops']:.0f} | {r['mm_tflops']:.0f} | "
+                     f"{r['v1_over_mm']:.2f} | {r['v2_over_mm']:.2f} | {r['v2_np_over_mm']:.2f} | "
+                     f"{r['v2_over_v1']:.2f} | {r['default_quant_us']:.1f} | {r['mm_quant_us']:.1f} | "
+                     f"{r.get('err_v2', float('nan')):.1e} | {r.get('v2_equals_v1', '-')} |")
     with_variants = [r for r in rows if r.get("variants_us")]
     if with_variants:
         names = sorted({name for r in with_variants for name in r["variants_us"]})
-        lines += ["", "v2 and v3 by CTA cluster (along M x along N; TMA multicast of the shared operand) and without "
-                  "promotion (np: the pipeline's ceiling; regs: A from registers), TFLOP/s; scaled_mm for reference",
-                  "",
+        lines += ["", "v2 by CTA cluster (along M x along N; TMA multicast of the shared operand) and without "
+                  "promotion (np: the pipeline's ceiling), TFLOP/s; scaled_mm for reference", "",
                   "| layer | M | " + " | ".join(names) + " | scaled_mm |", "|---|---|" + "---|" * (len(names) + 1)]
         for r in with_variants:
             flops = 2.0 * r["M"] * r["N"] * r["K"]
@@ -280,10 +274,9 @@ def markdown(rows: list[dict], o_rows: list[dict]) -> str:
             lines.append(f"\n{tp}: slowest fused/unfused speedup {worst['speedup']:.2f} at T={worst['T']}")
     prefill = [r for r in rows if r["M"] >= 1024]
     if prefill:
-        for key, name, target in (("v3_over_mm", "v3", 0.85), ("v3_np_over_mm", "v3 without promotion", 0.9)):
-            worst = min(prefill, key=lambda r: r[key] if r[key] == r[key] else -1.0)
-            lines.append(f"\nprefill (M ≥ 1024): lowest {name}/scaled_mm {worst[key]:.2f} "
-                         f"({worst['layer']} M={worst['M']}; target ≥ {target})")
+        worst = min(prefill, key=lambda r: r["v1_over_mm"] if r["v1_over_mm"] == r["v1_over_mm"] else -1.0)
+        lines.append(f"\nprefill (M ≥ 1024): lowest v1 (the default)/scaled_mm {worst['v1_over_mm']:.2f} "
+                     f"({worst['layer']} M={worst['M']}; target ≥ 0.85)")
     return "\n".join(lines) + "\n"
 
 
@@ -297,8 +290,8 @@ def main() -> None:
                          "shape (minutes: pair with a short --m)")
     ap.add_argument("--skip-triton", action="store_true", help="leave the Triton GEMM out (saves its compiles)")
     ap.add_argument("--cuda-variants", action="store_true",
-                    help="also time v2 and v3 in each CTA-cluster shape and without promotion (128-row tiles)")
-    ap.add_argument("--skip-v2", action="store_true", help="leave v2 out of the first table")
+                    help="also time v2 in each CTA-cluster shape and without promotion (128-row tiles)")
+    ap.add_argument("--skip-v2", action="store_true", help="leave v2 and its diagnostic out of the first table")
     ap.add_argument("--json")
     args = ap.parse_args()
     rows, o_rows = [], []

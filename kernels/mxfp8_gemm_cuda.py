@@ -7,14 +7,12 @@ accumulator) has to overlap the next slice's wgmma; the kernels issue slice j+1 
 promote slice j, from two partial register sets (design notes in the .cu files and
 benchmarks/KERNEL_NOTES.md, "MXFP8 GEMM in CUDA C++" and "MXFP8 GEMM v2").
 
-Three kernels, the same numbers bit for bit (``config["kernel"]``): ``"v1"`` (the default,
-kernels/csrc/mxfp8_gemm_sm90a.cu), ``"v2"`` (kernels/csrc/mxfp8_gemm_v2_sm90a.cu: scale
+Two kernels, the same numbers bit for bit (``config["kernel"]``): ``"v1"`` (the default,
+kernels/csrc/mxfp8_gemm_sm90a.cu) and ``"v2"`` (kernels/csrc/mxfp8_gemm_v2_sm90a.cu: scale
 products computed once per quad, wgmmas in flight across stages, clusters with TMA multicast),
-which measured 0.88-0.93x of v1 at prefill sizes (benchmarks/RESULTS.md, 2026-12-07), and
-``"v3"`` (kernels/csrc/mxfp8_gemm_v3_sm90a.cu: each slice as two m64n64k32 units, four partial
-sets per warpgroup so three units stay queued under each promotion; not yet timed). v2 and v3
-have a ``promote=False`` diagnostic: the same pipeline without the per-32 scales (wrong
-numbers), whose time is the ceiling any promotion schedule on that pipeline can reach.
+which measured 0.88-0.93x of v1 at prefill sizes (benchmarks/RESULTS.md, 2026-12-07). v2 has a
+``promote=False`` diagnostic: the same pipeline without the per-32 scales (wrong numbers), whose
+time is the ceiling any promotion schedule on that pipeline can reach.
 
 Persistent CTAs (one per SM) walk the output tiles, 64 × 128 (one consumer warpgroup, M ≤ 64)
 or 128 × 128 (two), K in 128-byte TMA stages. Where the tiles leave SMs idle, K is split:
@@ -39,7 +37,7 @@ from kernels.mla_decode_cuda import CSRC, CudaKernelUnavailable, build_library, 
 from kernels.mxfp8_gemm_triton import split_sum
 from kernels.mxfp8_operands import MX_BLOCK, check_operands, scale_bytes, sm_count, split_k_for
 
-SOURCES = (CSRC / "mxfp8_gemm_sm90a.cu", CSRC / "mxfp8_gemm_v2_sm90a.cu", CSRC / "mxfp8_gemm_v3_sm90a.cu")
+SOURCES = (CSRC / "mxfp8_gemm_sm90a.cu", CSRC / "mxfp8_gemm_v2_sm90a.cu")
 HEADERS = (CSRC / "sm90_async.cuh", CSRC / "mxfp8_rounding.cuh", CSRC / "mxfp8_gemm_common.cuh",
            CSRC / "mxfp8_gemm_pipeline.cuh")
 NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC")
@@ -47,10 +45,9 @@ BLOCK_N = 128
 BLOCK_K = 128
 ROWS_PER_CONSUMER = 64
 MODES = {"bf16": 0, "fp32": 1, "split": 2, "quant": 3}
-KERNELS = ("v1", "v2", "v3")
+KERNELS = ("v1", "v2")
 CLUSTERS = ((1, 1), (2, 1), (1, 2), (2, 2))  # v2's CTA clusters (along M, along N) with 128-row tiles
-V3_CLUSTERS = ((1, 1), (2, 1))  # v3's
-NO_PROMOTION_CLUSTERS = ((1, 1), (2, 1))  # the no-promotion diagnostics of v2 and v3
+NO_PROMOTION_CLUSTERS = ((1, 1), (2, 1))  # those of v2's no-promotion diagnostic
 
 
 class _GemmParams(ctypes.Structure):
@@ -78,10 +75,6 @@ def _library() -> ctypes.CDLL:
                                        ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
                                        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.mxfp8_gemm_sm90_v2.restype = ctypes.c_int
-    lib.mxfp8_gemm_sm90_v3.argtypes = [ctypes.POINTER(_GemmParams), ctypes.c_void_p, ctypes.c_longlong,
-                                       ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
-                                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    lib.mxfp8_gemm_sm90_v3.restype = ctypes.c_int
     lib.mxfp8_gemm_sm90_params_bytes.restype = ctypes.c_int
     if lib.mxfp8_gemm_sm90_params_bytes() != ctypes.sizeof(_GemmParams):
         raise CudaKernelUnavailable("GemmParams layout of the built library differs from kernels/mxfp8_gemm_cuda.py")
@@ -138,7 +131,7 @@ def default_cuda_config(m: int, n: int, kg: int, sms: int = 132) -> dict:
 
 
 def default_cluster(m: int, consumers: int, aligned_scales: bool) -> tuple[int, int]:
-    """v2's and v3's CTA cluster (along M, along N): pairs along M share B's tile (each CTA loads half and
+    """v2's CTA cluster (along M, along N): pairs along M share B's tile (each CTA loads half and
     multicasts it) where there are 128-row tiles to pair without leaving many CTAs on an empty
     tile (an even count, or ≥ 8); 1 × 1 for 64-row tiles and unaligned scale rows (not built).
     v2's 2 × 1 measured 6-8 % above its 1 × 1 without promotion (benchmarks/RESULTS.md, 2026-12-07)."""
@@ -153,27 +146,23 @@ def cluster_fits(cluster: tuple[int, int], n: int, groups: int) -> bool:
     return cluster[1] == 1 or (n // groups) % (2 * BLOCK_N) == 0
 
 
-def config_error(kernel: str, consumers: int, cluster: tuple[int, int], promote: bool, a_regs: bool,
-                 aligned: bool, n: int, groups: int) -> str | None:
+def config_error(kernel: str, consumers: int, cluster: tuple[int, int], promote: bool, aligned: bool, n: int,
+                 groups: int) -> str | None:
     """Why the built kernels have no instantiation for this choice (None: they have one). v1: no
-    options. v2: clusters of 128-row tiles with aligned scale rows (along N within a group). v3:
-    clusters 1 x 1 and 2 x 1 likewise. The no-promotion diagnostics: v2 or v3, 128-row tiles,
-    aligned scale rows, clusters 1 x 1 or 2 x 1; A from registers (``a_regs``) for v3's 1 x 1 only."""
+    options. v2: clusters of 128-row tiles with aligned scale rows (along N within a group); its
+    no-promotion diagnostic with 128-row tiles, aligned scale rows, clusters 1 x 1 or 2 x 1."""
     if kernel not in KERNELS:
         return f"kernel one of {KERNELS}"
     if consumers not in (1, 2):
         return "consumers 1 or 2"
     big = consumers == 2 and aligned
-    if kernel == "v1" and (cluster != (1, 1) or not promote or a_regs):
-        return "v1 has no clusters, no diagnostic and no A from registers"
-    allowed = CLUSTERS if kernel == "v2" else V3_CLUSTERS
-    if cluster not in allowed or (cluster != (1, 1) and not big) or not cluster_fits(cluster, n, groups):
-        return (f"{kernel}'s clusters are {allowed}, beyond 1 x 1 with 128-row tiles and scale rows of whole "
+    if kernel == "v1" and (cluster != (1, 1) or not promote):
+        return "v1 has no clusters and no diagnostic"
+    if cluster not in CLUSTERS or (cluster != (1, 1) and not big) or not cluster_fits(cluster, n, groups):
+        return (f"{kernel}'s clusters are {CLUSTERS}, beyond 1 x 1 with 128-row tiles and scale rows of whole "
                 "stages and, along N, column tiles of one group")
     if not promote and (not big or cluster not in NO_PROMOTION_CLUSTERS):
         return "the no-promotion diagnostic is built with 128-row tiles, aligned scale rows and clusters 1 x 1 or 2 x 1"
-    if a_regs and (kernel != "v3" or promote or cluster != (1, 1)):
-        return "A from registers is built for v3's no-promotion diagnostic in 1 x 1 clusters only"
     return None
 
 
@@ -185,11 +174,10 @@ def mxfp8_gemm_cuda(
     :class:`CudaKernelUnavailable` naming what does not fit.
 
     ``config``: ``consumers`` 1 or 2 and ``SPLIT_K`` (default :func:`default_cuda_config`),
-    ``kernel`` ``"v1"`` (default), ``"v2"`` or ``"v3"``; for v2 and v3 ``cluster`` (along M, along
-    N; default :func:`default_cluster`) and ``promote``: False is the benchmark's diagnostic, the
-    same pipeline without the per-32 scales (wrong numbers: its time is the pipeline's ceiling);
-    for v3's diagnostic ``a_regs``: A from registers instead of shared memory. What is built:
-    :func:`config_error`."""
+    ``kernel`` ``"v1"`` (default) or ``"v2"``; for v2 ``cluster`` (along M, along N; default
+    :func:`default_cluster`) and ``promote``: False is the benchmark's diagnostic, the same
+    pipeline without the per-32 scales (wrong numbers: its time is the pipeline's ceiling). What
+    is built: :func:`config_error`."""
     m, n, kg = check_operands(x8, xs, w8, ws, groups)
     if quantize_out and n % MX_BLOCK:
         raise ValueError(f"quantize_out needs N ({n}) to be a multiple of {MX_BLOCK}")
@@ -225,8 +213,8 @@ def mxfp8_gemm_cuda(
                and xs.data_ptr() % 4 == 0 and ws.data_ptr() % 4 == 0)
     default = (1, 1) if kernel == "v1" else default_cluster(m, consumers, aligned)
     cluster = tuple(cfg.get("cluster") or default)
-    promote, a_regs = bool(cfg.get("promote", True)), bool(cfg.get("a_regs", False))
-    why = config_error(kernel, consumers, cluster, promote, a_regs, aligned, n, groups)
+    promote = bool(cfg.get("promote", True))
+    why = config_error(kernel, consumers, cluster, promote, aligned, n, groups)
     if why:
         raise ValueError(f"bad CUDA GEMM config {cfg} (cluster {cluster}): {why}")
     p = _GemmParams(
@@ -240,14 +228,10 @@ def mxfp8_gemm_cuda(
         if kernel == "v1":
             err = _library().mxfp8_gemm_sm90(ctypes.byref(p), x8.data_ptr(), x8.stride(0), x8.shape[1],
                                              w8.data_ptr(), w8.stride(0), consumers, ctypes.c_void_p(stream))
-        elif kernel == "v2":
+        else:
             err = _library().mxfp8_gemm_sm90_v2(ctypes.byref(p), x8.data_ptr(), x8.stride(0), x8.shape[1],
                                                 w8.data_ptr(), w8.stride(0), consumers, cluster[0], cluster[1],
                                                 int(promote), ctypes.c_void_p(stream))
-        else:
-            err = _library().mxfp8_gemm_sm90_v3(ctypes.byref(p), x8.data_ptr(), x8.stride(0), x8.shape[1],
-                                                w8.data_ptr(), w8.stride(0), consumers, cluster[0], cluster[1],
-                                                int(promote), int(a_regs), ctypes.c_void_p(stream))
     if err != 0:
         reasons = {-1: "bad argument", -2: "the driver refused an operand's TMA tensor map",
                    -3: f"no {cluster[0]} x {cluster[1]} cluster fits on this GPU"}
@@ -259,6 +243,5 @@ def mxfp8_gemm_cuda(
     return out
 
 
-__all__ = ["CLUSTERS", "KERNELS", "NO_PROMOTION_CLUSTERS", "V3_CLUSTERS", "cluster_fits", "config_error",
-           "cuda_gemm_available", "default_cluster", "default_cuda_config", "mxfp8_gemm_cuda", "split_for",
-           "unsupported_reason"]
+__all__ = ["CLUSTERS", "KERNELS", "NO_PROMOTION_CLUSTERS", "cluster_fits", "config_error", "cuda_gemm_available",
+           "default_cluster", "default_cuda_config", "mxfp8_gemm_cuda", "split_for", "unsupported_reason"]

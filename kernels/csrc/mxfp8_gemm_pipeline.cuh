@@ -1,8 +1,7 @@
-// The TMA pipeline the second and third MXFP8 GEMM kernels share (kernels/csrc/mxfp8_gemm_v2_sm90a.cu,
-// kernels/csrc/mxfp8_gemm_v3_sm90a.cu): their shared-memory plan, the work units of CTA clusters, the
-// producer warpgroup (TMA loads with multicast; the stage's scale words by cp.async), the small
-// shared-memory accessors and the cluster launch. The consumers (wgmma and promotion schedules)
-// are each kernel's own.
+// The TMA pipeline of the second MXFP8 GEMM kernel (kernels/csrc/mxfp8_gemm_v2_sm90a.cu): its
+// shared-memory plan, the work units of CTA clusters, the producer warpgroup (TMA loads with
+// multicast; the stage's scale words by cp.async), the small shared-memory accessors and the
+// cluster launch. The consumers (wgmma and promotion schedule) are in the kernel's file.
 #pragma once
 
 #include "mxfp8_gemm_common.cuh"
@@ -99,7 +98,7 @@ __device__ __forceinline__ ClusterUnit consumer_unit(const GemmParams& p, int k)
   return ClusterUnit::make<kBlockM, CM, CN>(u, tiles_m, tiles_n, rank % CM, rank / CM);
 }
 
-// What every CTA of a pipelined kernel (v2, v3) derives before its warpgroups split: the shared
+// What every CTA of the pipelined kernel (v2) derives before its warpgroups split: the shared
 // memory layout (the stage ring, the consumers' scratch, the scale words, the full and empty
 // mbarriers), its cluster rank and the cluster work units, and which empty barrier each of its
 // consumer lanes releases.

@@ -1,7 +1,7 @@
 """The MXFP8 GEMM's CUDA kernel versions against each other (kernels/mxfp8_gemm_cuda.py): which
-configurations are built (CPU), v2 and v3 writing v1's bytes in every built configuration, v3
-against the reference, and the no-promotion diagnostics (GPU, ``-m gpu``). Shared operands and
-the reference checks: tests/kernels/test_mxfp8_gemm.py."""
+configurations are built (CPU), v2 writing v1's bytes in every built configuration, and v2's
+no-promotion diagnostic (GPU, ``-m gpu``). Shared operands and the reference checks:
+tests/kernels/test_mxfp8_gemm.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.mxfp8_gemm import mxfp8_gemm_reference
-from tests.kernels.test_mxfp8_gemm import GEMM_SHAPES, _bytes_equal, activations, needs_cuda, rel_err, weight
+from tests.kernels.test_mxfp8_gemm import _bytes_equal, activations, needs_cuda, rel_err, weight
 
 
 def test_cuda_v2_cluster_choice():
@@ -30,25 +30,21 @@ def test_cuda_v2_cluster_choice():
 def test_cuda_config_errors_name_what_is_built():
     from kernels.mxfp8_gemm_cuda import config_error
 
-    ok = dict(consumers=2, cluster=(1, 1), promote=True, a_regs=False, aligned=True, n=1280, groups=1)
-    for kernel in ("v1", "v2", "v3"):
+    ok = dict(consumers=2, cluster=(1, 1), promote=True, aligned=True, n=1280, groups=1)
+    for kernel in ("v1", "v2"):
         assert config_error(kernel, **ok) is None
-    assert config_error("v4", **ok) and config_error("v1", **dict(ok, consumers=3))
+    assert config_error("v3", **ok) and config_error("v1", **dict(ok, consumers=3))
     assert config_error("v1", **dict(ok, cluster=(2, 1))) and config_error("v1", **dict(ok, promote=False))
-    assert config_error("v2", **dict(ok, cluster=(2, 2))) is None and config_error("v3", **dict(ok, cluster=(2, 2)))
-    assert config_error("v3", **dict(ok, cluster=(2, 1))) is None
-    assert config_error("v3", **dict(ok, cluster=(2, 1), aligned=False))  # unaligned scale rows: 1 x 1 only
-    assert config_error("v3", **dict(ok, cluster=(2, 1), consumers=1))
-    assert config_error("v3", **dict(ok, consumers=1)) is None and config_error("v3", **dict(ok, aligned=False)) is None
-    for kernel in ("v2", "v3"):  # the diagnostics: 128-row tiles, aligned scale rows, 1 x 1 or 2 x 1
-        for cluster in ((1, 1), (2, 1)):
-            assert config_error(kernel, **dict(ok, cluster=cluster, promote=False)) is None
-        assert config_error(kernel, **dict(ok, cluster=(1, 2), promote=False))
-        assert config_error(kernel, **dict(ok, promote=False, consumers=1))
-        assert config_error(kernel, **dict(ok, promote=False, aligned=False))
-    assert config_error("v3", **dict(ok, promote=False, a_regs=True)) is None  # A from registers: v3's 1 x 1 diagnostic
-    assert config_error("v3", **dict(ok, a_regs=True)) and config_error("v2", **dict(ok, promote=False, a_regs=True))
-    assert config_error("v3", **dict(ok, cluster=(2, 1), promote=False, a_regs=True))
+    assert config_error("v2", **dict(ok, cluster=(2, 2))) is None
+    assert config_error("v2", **dict(ok, cluster=(2, 1), aligned=False))  # unaligned scale rows: 1 x 1 only
+    assert config_error("v2", **dict(ok, cluster=(2, 1), consumers=1))
+    assert config_error("v2", **dict(ok, consumers=1)) is None and config_error("v2", **dict(ok, aligned=False)) is None
+    # the diagnostic: 128-row tiles, aligned scale rows, 1 x 1 or 2 x 1
+    for cluster in ((1, 1), (2, 1)):
+        assert config_error("v2", **dict(ok, cluster=cluster, promote=False)) is None
+    assert config_error("v2", **dict(ok, cluster=(1, 2), promote=False))
+    assert config_error("v2", **dict(ok, promote=False, consumers=1))
+    assert config_error("v2", **dict(ok, promote=False, aligned=False))
 
 
 def _grouped_case(m, n, k, groups):
@@ -94,84 +90,6 @@ def test_gpu_v2_equals_v1_bit_for_bit(m, n, k, groups):
                 if quant:
                     q2 = mxfp8_gemm(x8, xs, w8, ws, groups, quantize_out=True, config=cfg, backend="cuda")
                     assert _bytes_equal(q1[0], q2[0]) and torch.equal(q1[1], q2[1]), cfg
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("shape", GEMM_SHAPES)
-def test_gpu_v3_matches_reference(shape):
-    """The third kernel against the float64-checked reference on the shapes above, both tile
-    heights, unsplit and split: fp32 output within fp32 accumulation error, bf16 output the RNE
-    rounding of the fp32 one (the same sums)."""
-    from kernels.mxfp8_gemm import mxfp8_gemm
-    from kernels.mxfp8_gemm_cuda import default_cuda_config
-    from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
-
-    m, n, k = shape
-    x8, xs = quantize_mxfp8_triton(activations(m, k, seed=m, device="cuda"))
-    w8, ws = weight(n, k, seed=n, device="cuda")
-    ref = mxfp8_gemm_reference(x8, xs, w8, ws, out_dtype=torch.float32)
-    for consumers in (1, 2):
-        for split in sorted({1, default_cuda_config(m, n, k)["SPLIT_K"]}):
-            cfg = {"consumers": consumers, "SPLIT_K": split, "kernel": "v3"}
-            y = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, backend="cuda", config=cfg)
-            assert rel_err(y, ref) < 1e-4, cfg
-            yb = mxfp8_gemm(x8, xs, w8, ws, backend="cuda", config=cfg)
-            assert torch.equal(yb, y.bfloat16()), cfg
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("m, n, k, groups", [(1024, 1280, 1024, 1), (300, 768, 512, 1), (129, 512, 384, 1),
-                                             (257, 512, 1024, 2), (40, 1000, 512, 1), (200, 384, 224, 1),
-                                             (2048, 2560, 512, 1), (2048, 2048, 128, 1)])
-def test_gpu_v3_equals_v1_bit_for_bit(m, n, k, groups):
-    """The third kernel writes the first kernel's bytes (each slice's partial promoted in K order
-    with the same fp32 scale products): fp32, bf16 (2048 rows: several tiles per CTA, so the next
-    tile's first units run under the bf16 epilogue; K = 128: one stage per tile), split-K, groups,
-    the quantizing epilogue, both tile heights, clusters 1 x 1 and 2 x 1."""
-    from kernels.mxfp8_gemm import mxfp8_gemm
-    from kernels.mxfp8_gemm_cuda import V3_CLUSTERS, default_cuda_config
-
-    x8, xs, w8, ws, ref, kg = _grouped_case(m, n, k, groups)
-    aligned = kg % 128 == 0
-    for consumers in (1, 2):
-        for split in sorted({1, default_cuda_config(m, n, kg)["SPLIT_K"]}):
-            base = {"consumers": consumers, "SPLIT_K": split}
-            v1 = dict(base, kernel="v1")
-            y1 = mxfp8_gemm(x8, xs, w8, ws, groups, torch.float32, config=v1, backend="cuda")
-            assert rel_err(y1, ref) < 1e-4, base
-            b1 = mxfp8_gemm(x8, xs, w8, ws, groups, config=v1, backend="cuda")
-            quant = n % 32 == 0  # the MXFP8 epilogue quantizes whole 32-column blocks
-            if quant:
-                q1 = mxfp8_gemm(x8, xs, w8, ws, groups, quantize_out=True, config=v1, backend="cuda")
-            for cluster in V3_CLUSTERS if consumers == 2 and aligned else [(1, 1)]:
-                cfg = dict(base, kernel="v3", cluster=cluster)
-                assert torch.equal(y1, mxfp8_gemm(x8, xs, w8, ws, groups, torch.float32, config=cfg,
-                                                  backend="cuda")), cfg
-                assert torch.equal(b1, mxfp8_gemm(x8, xs, w8, ws, groups, config=cfg, backend="cuda")), cfg
-                if quant:
-                    q3 = mxfp8_gemm(x8, xs, w8, ws, groups, quantize_out=True, config=cfg, backend="cuda")
-                    assert _bytes_equal(q1[0], q3[0]) and torch.equal(q1[1], q3[1]), cfg
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("m, n, k", [(512, 768, 1024), (2048, 2560, 512)])
-def test_gpu_v3_no_promotion_diagnostics_run(m, n, k):
-    """v3's diagnostics (no per-32 scales; A from shared memory in clusters 1 x 1 and 2 x 1, or
-    from registers) are the unscaled FP8 product: each tile's four partial sets summed (2048 rows:
-    several tiles per CTA, the pipeline drained and restarted between them)."""
-    from kernels.mxfp8_gemm import mxfp8_gemm
-    from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
-
-    x8, xs = quantize_mxfp8_triton(activations(m, k, seed=5, device="cuda"))
-    w8, ws = weight(n, k, seed=6, device="cuda")
-    plain = x8.float() @ w8.float().t()
-    for cluster, a_regs in (((1, 1), False), ((2, 1), False), ((1, 1), True)):
-        cfg = {"consumers": 2, "SPLIT_K": 1, "kernel": "v3", "cluster": cluster, "promote": False, "a_regs": a_regs}
-        y = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, config=cfg, backend="cuda")
-        assert rel_err(y, plain) < 1e-2, cfg
 
 
 @pytest.mark.gpu
