@@ -61,12 +61,14 @@ def _grouped_case(m, n, k, groups):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("m, n, k, groups", [(1024, 1280, 1024, 1), (300, 768, 512, 1), (129, 512, 384, 1),
-                                             (257, 512, 1024, 2), (40, 1000, 512, 1), (200, 384, 224, 1)])
+                                             (257, 512, 1024, 2), (40, 1000, 512, 1), (200, 384, 224, 1),
+                                             (2048, 2560, 512, 1)])
 def test_gpu_v2_equals_v1_bit_for_bit(m, n, k, groups):
     """The second kernel in every cluster shape that fits (and both tile heights, split-K, the
-    quantizing epilogue) writes the first kernel's bytes: the same partials promoted in the same
-    order; the first is checked against the reference here too. 300 rows: a pair of 128-row tiles
-    with one CTA on an empty tile; 257 × 2 groups: clusters along N within a group."""
+    quantizing epilogue, the bf16 epilogue under which the next tile's first slices start) writes
+    the first kernel's bytes: the same partials promoted in the same order; the first is checked
+    against the reference here too. 300 rows: a pair of 128-row tiles with one CTA on an empty
+    tile; 257 × 2 groups: clusters along N within a group; 2048 x 2560: several tiles per CTA."""
     from kernels.mxfp8_gemm import mxfp8_gemm
     from kernels.mxfp8_gemm_cuda import CLUSTERS, cluster_fits, default_cuda_config
 
@@ -77,6 +79,7 @@ def test_gpu_v2_equals_v1_bit_for_bit(m, n, k, groups):
             base = {"consumers": consumers, "SPLIT_K": split}
             y1 = mxfp8_gemm(x8, xs, w8, ws, groups, torch.float32, config=dict(base, kernel="v1"), backend="cuda")
             assert rel_err(y1, ref) < 1e-4, base
+            b1 = mxfp8_gemm(x8, xs, w8, ws, groups, torch.bfloat16, config=dict(base, kernel="v1"), backend="cuda")
             quant = n % 32 == 0  # the MXFP8 epilogue quantizes whole 32-column blocks
             if quant:
                 q1 = mxfp8_gemm(x8, xs, w8, ws, groups, quantize_out=True, config=dict(base, kernel="v1"),
@@ -87,6 +90,8 @@ def test_gpu_v2_equals_v1_bit_for_bit(m, n, k, groups):
                 cfg = dict(base, kernel="v2", cluster=cluster)
                 y2 = mxfp8_gemm(x8, xs, w8, ws, groups, torch.float32, config=cfg, backend="cuda")
                 assert torch.equal(y1, y2), cfg
+                b2 = mxfp8_gemm(x8, xs, w8, ws, groups, torch.bfloat16, config=cfg, backend="cuda")
+                assert torch.equal(b1, b2), cfg
                 if quant:
                     q2 = mxfp8_gemm(x8, xs, w8, ws, groups, quantize_out=True, config=cfg, backend="cuda")
                     assert _bytes_equal(q1[0], q2[0]) and torch.equal(q1[1], q2[1]), cfg
