@@ -2,8 +2,8 @@
 # machines have no Docker engine. Build: docker build -t mlaserve .
 # Run:   docker run --gpus all -p 8000:8000 -v /models:/models mlaserve /models/DeepSeek-R1 \
 #            --tensor-parallel-size 8 --kv-cache-dtype fp8
-# The devel image: it carries nvcc, which builds our CUDA C++ MLA decode kernel (below, at image
-# build time, so containers start without compiling).
+# The devel image: it carries nvcc, which builds our CUDA C++ kernels (MLA decode, V4/V4.1 sparse
+# decode, MXFP8 GEMM: below, at image build time, so containers start without compiling).
 FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu24.04
 
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 \
@@ -24,7 +24,9 @@ COPY kernels ./kernels
 COPY distributed ./distributed
 COPY configs ./configs
 RUN pip install '.[gpu]'
-RUN python3 -c "from server import envs; from kernels.mla_decode_cuda import build_library; print(build_library(out_dir=envs.MLASERVE_KERNEL_CACHE))"
+RUN python3 -c "from server import envs; \
+from kernels import mla_decode_cuda, mxfp8_gemm_cuda, v4_sparse_decode_cuda; \
+[print(m.build_library(out_dir=envs.MLASERVE_KERNEL_CACHE)) for m in (mla_decode_cuda, v4_sparse_decode_cuda, mxfp8_gemm_cuda)]"
 
 EXPOSE 8000
 ENTRYPOINT ["mlaserve", "serve", "--host", "0.0.0.0", "--port", "8000"]

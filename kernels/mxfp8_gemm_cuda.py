@@ -29,11 +29,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import warnings
+from pathlib import Path
 
 import torch
 
 from kernels.fp8 import FP8_DTYPE
-from kernels.mla_decode_cuda import CSRC, CudaKernelUnavailable, build_library, find_nvcc
+from kernels.mla_decode_cuda import CSRC, CudaKernelUnavailable, find_nvcc
+from kernels.mla_decode_cuda import build_library as mla_build_library
 from kernels.mxfp8_gemm_triton import split_sum
 from kernels.mxfp8_operands import MX_BLOCK, check_operands, scale_bytes, sm_count, split_k_for
 
@@ -63,10 +65,15 @@ class _GemmParams(ctypes.Structure):
     ]
 
 
+def build_library(nvcc: str | None = None, out_dir: Path | None = None) -> Path:
+    """The MXFP8 GEMM library (built once per source digest into the kernel cache)."""
+    return mla_build_library(nvcc, out_dir, sources=SOURCES, headers=HEADERS, name="mxfp8_gemm_sm90a",
+                             flags=NVCC_FLAGS)
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL:
-    path = build_library(sources=SOURCES, headers=HEADERS, name="mxfp8_gemm_sm90a", flags=NVCC_FLAGS)
-    lib = ctypes.CDLL(str(path))
+    lib = ctypes.CDLL(str(build_library()))
     lib.mxfp8_gemm_sm90.argtypes = [ctypes.POINTER(_GemmParams), ctypes.c_void_p, ctypes.c_longlong,
                                     ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
                                     ctypes.c_void_p]

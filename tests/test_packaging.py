@@ -95,3 +95,37 @@ def test_pip_install_from_the_docker_context(tmp_path):
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path,
                          timeout=120)
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
+def dockerfile_python_snippets(text: str) -> list[str]:
+    """The code of each ``RUN python3 -c "..."`` instruction (line continuations joined)."""
+    snippets = []
+    for line in text.replace("\\\n", "").splitlines():
+        words = shlex.split(line, comments=True)
+        if words[:3] == ["RUN", "python3", "-c"]:
+            snippets.append(words[3])
+    return snippets
+
+
+def test_the_image_prebuilds_every_cuda_library(monkeypatch):
+    """The image builds each nvcc-built kernel library at build time (into the kernel cache the
+    image's environment names), so a container never compiles on its first request: the
+    Dockerfile's snippet runs here with the builders recording their calls."""
+    import importlib
+    import pkgutil
+
+    import kernels
+    from server import envs
+
+    builders = sorted(name for _, name, _ in pkgutil.iter_modules(kernels.__path__)
+                      if callable(getattr(importlib.import_module(f"kernels.{name}"), "build_library", None)))
+    assert {"mla_decode_cuda", "mxfp8_gemm_cuda", "v4_sparse_decode_cuda"} <= set(builders)
+    built = []
+    for name in builders:
+        monkeypatch.setattr(f"kernels.{name}.build_library",
+                            lambda nvcc=None, out_dir=None, _name=name: built.append((_name, out_dir)) or _name)
+    snippets = [s for s in dockerfile_python_snippets((ROOT / "Dockerfile").read_text()) if "build_library" in s]
+    assert len(snippets) == 1, snippets
+    exec(compile(snippets[0], "Dockerfile", "exec"), {})
+    assert sorted(name for name, _ in built) == builders
+    assert all(out_dir == envs.MLASERVE_KERNEL_CACHE for _, out_dir in built)
