@@ -258,9 +258,14 @@ __device__ __forceinline__ void release_stage(const ConsumerCtx& x, int st, int 
   }
 }
 
+// Stage t % 2 holds tile t. With a cluster, the peer's half arrived by st.async: generic-proxy
+// stores that complete asynchronously, so the peer's proxy fence (after issuing them) does not
+// cover them. This thread's wgmma reads them through the async proxy: its own proxy fence, after
+// the wait has acquired the stores, orders them.
 template <int kCluster>
 __device__ __forceinline__ void wait_full(const ConsumerCtx& x, int t) {
   mbar_wait_or_trap<(kCluster > 1)>(x.bar_full + 8 * (t & 1), (t >> 1) & 1);
+  if (kCluster > 1) fence_async_shared();
 }
 
 // This warpgroup's half of O (dims 256c..) times the epilogue's row factors.
@@ -371,7 +376,7 @@ __device__ __forceinline__ void pv_consumer(const ConsumerCtx& x) {
     const int st = t & 1, pb = t & 1;
     const uint32_t kt = x.k_base + st * kTileBytes;
     named_barrier_sync(kBarReady + pb, 256);
-    wait_full<kCluster>(x, t);  // complete already (the lead waited for it); this warpgroup's own acquire
+    wait_full<kCluster>(x, t);  // complete already (the lead waited for it); this warpgroup's own acquire and fence
     if (x.flags_s[pb * 4 + warp]) {
       scale_rows(o, x.alpha_s[pb * kRows + 16 * warp + g], x.alpha_s[pb * kRows + 16 * warp + g + 8]);
     }

@@ -4,8 +4,9 @@ CPU (CI): the library builds with nvcc (when nvcc is installed), its parameter b
 the ctypes mirror, the launch heuristics, and when the ``cuda`` attention backend is chosen
 or refused. GPU (``-m gpu``, on the device): fresh random FP8 inputs with unused pages and
 slots past each sequence poisoned with NaN and outputs poisoned before the call, s_q 1..4,
-16..128 heads, ragged lengths, both kernels, forced split counts, CUDA-graph replay, and the
-backend class over several layers of one step.
+16..128 heads, ragged lengths, both kernels, forced split counts, CUDA-graph replay, the
+backend class over several layers of one step, and both kernels and the split combine repeated
+back to back under full HBM load (tests named ``full_hbm_load``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kernels.attention import AttentionSpec, BackendUnavailable, CudaDecode, sel
 from kernels.mla_decode import mla_decode_reference
 from tests.kernels.test_mla_decode_gpu import (GPU_CASES, SM_SCALE, decode_step, make_case, rel_err,
                                                run_against_reference, spec_for)
+from tests.kernels.test_mla_fused_kernels import bits
 
 FP8 = torch.float8_e4m3fn
 HAS_CUDA = torch.cuda.is_available()
@@ -231,6 +233,42 @@ def test_narrow_kernel(case, num_splits):
     assert err < WGMMA_REL_TOL and lse_err < LSE_TOL, (err, lse_err)
 
 
+def _full_load_case(bsz, heads, seed, width=145, min_len=7000):
+    """bsz requests of min_len..width * 64 - 64 tokens on random pages of a cache with 7 spare
+    pages (bsz x 145 pages of 64 tokens: 1.4 GB at 256 requests); every slot no request reads
+    holds NaN. (q [bsz, 1, heads, 576], kv, tables, lens), e4m3."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    page = 64
+    num_pages = bsz * width + 7
+    kv_bytes = torch.full((num_pages, page, 576), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
+    tables = torch.randperm(num_pages, device="cuda", generator=g)[: bsz * width].view(bsz, width).int()
+    lens = torch.randint(min_len, width * page - 63, (bsz,), device="cuda", generator=g, dtype=torch.int32)
+    tok = torch.arange(width * page, device="cuda")
+    slots = (tables.long()[:, tok // page] * page + tok % page)[tok[None, :] < lens[:, None]]
+    flat = kv_bytes.view(-1, 576)
+    for chunk in slots.split(1 << 18):  # only the tokens of each sequence; the rest stays NaN
+        flat[chunk] = (torch.randn(len(chunk), 576, device="cuda", generator=g) * 0.5).to(FP8).view(torch.uint8)
+    q = (torch.randn(bsz, 1, heads, 576, device="cuda", generator=g) * 0.5).to(FP8)
+    return q, kv_bytes.view(FP8), tables, lens
+
+
+def _check_repeatable(call, q, kv, tables, lens, launches=21):
+    """``launches`` calls back to back (no host sync between them) give the same bits, and four
+    requests of the first match the reference."""
+    first_out, first_lse = call()
+    differ = torch.zeros((), dtype=torch.int64, device="cuda")
+    for _ in range(launches - 1):
+        out, lse = call()
+        differ += (bits(out) != bits(first_out)).sum() + (bits(lse) != bits(first_lse)).sum()
+    assert differ.item() == 0
+    bsz = q.shape[0]
+    rows = torch.tensor([0, 1, bsz // 2, bsz - 1], device="cuda")
+    ref, ref_lse = mla_decode_reference(q[rows], kv, tables[rows], lens[rows], SM_SCALE)
+    assert rel_err(first_out[rows], ref) < WGMMA_REL_TOL
+    assert (first_lse[rows] - ref_lse).abs().max().item() < LSE_TOL
+    return first_out, first_lse
+
+
 @gpu
 @needs_hopper
 def test_narrow_kernel_is_exact_and_repeatable_under_full_hbm_load():
@@ -238,32 +276,30 @@ def test_narrow_kernel_is_exact_and_repeatable_under_full_hbm_load():
     HBM is saturated and the two warpgroups of a CTA drift apart. Every launch must give the same
     bits, matching the reference. Before each stage had two mbarriers, a warpgroup could pass the
     wait for a tile whose copy was not yet issued; on an H100 that faulted every few launches."""
-    g = torch.Generator(device="cuda").manual_seed(11)
-    bsz, heads, page, width = 256, 16, 64, 145
-    num_pages = bsz * width + 7
-    kv_bytes = torch.full((num_pages, page, 576), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
-    tables = torch.randperm(num_pages, device="cuda", generator=g)[: bsz * width].view(bsz, width).int()
-    lens = torch.randint(7000, width * page - 63, (bsz,), device="cuda", generator=g, dtype=torch.int32)
-    tok = torch.arange(width * page, device="cuda")
-    slots = (tables.long()[:, tok // page] * page + tok % page)[tok[None, :] < lens[:, None]]
-    flat = kv_bytes.view(-1, 576)
-    for chunk in slots.split(1 << 18):  # only the tokens of each sequence; the rest stays NaN
-        flat[chunk] = (torch.randn(len(chunk), 576, device="cuda", generator=g) * 0.5).to(FP8).view(torch.uint8)
-    kv = kv_bytes.view(FP8)
-    q = (torch.randn(bsz, 1, heads, 576, device="cuda", generator=g) * 0.5).to(FP8)
+    q, kv, tables, lens = _full_load_case(256, 16, seed=11)
+    _check_repeatable(lambda: mdc.mla_decode_cuda(q, kv, tables, lens, SM_SCALE, kernel="narrow"), q, kv, tables, lens)
 
-    def call():
-        return mdc.mla_decode_cuda(q, kv, tables, lens, SM_SCALE, kernel="narrow")
 
-    first_out, first_lse = call()
-    for _ in range(20):
-        out, lse = call()
-        assert torch.equal(out, first_out) and torch.equal(lse, first_lse)
-    torch.cuda.synchronize()
-    rows = torch.tensor([0, 1, 128, bsz - 1], device="cuda")
-    ref, ref_lse = mla_decode_reference(q[rows], kv, tables[rows], lens[rows], SM_SCALE)
-    assert rel_err(first_out[rows], ref) < WGMMA_REL_TOL
-    assert (first_lse[rows] - ref_lse).abs().max().item() < LSE_TOL
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("kernel,bsz,heads,splits", [("wgmma", 128, 128, None), ("wgmma", 64, 128, 4),
+                                                     ("narrow", 64, 16, 4)])
+def test_kernels_and_split_combine_are_exact_and_repeatable_under_full_hbm_load(kernel, bsz, heads, splits):
+    """The full-load case of the narrow kernel's stress test for the 64-row kernel (128 requests x
+    128 heads: 256 CTAs of 110-144 tiles, two waves, both warpgroups reading every stage), and the
+    split path under load (4 splits: 512 or 256 CTAs), whose combine, launched with programmatic
+    dependent launch, becomes resident while the decode's last wave runs (the next launch's
+    partials may take the memory it reads). 21 launches back to back give the same bits, matching
+    the reference; the combine as a plain launch the same bits too."""
+    q, kv, tables, lens = _full_load_case(bsz, heads, seed=bsz + heads)
+
+    def call(pdl=True):
+        return mdc.mla_decode_cuda(q, kv, tables, lens, SM_SCALE, kernel=kernel, num_splits=splits, pdl=pdl)
+
+    out, lse = _check_repeatable(call, q, kv, tables, lens)
+    if splits:
+        plain_out, plain_lse = call(pdl=False)
+        assert torch.equal(plain_out, out) and torch.equal(plain_lse, lse)
 
 
 @gpu

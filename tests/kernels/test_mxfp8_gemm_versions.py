@@ -1,6 +1,7 @@
 """The MXFP8 GEMM's CUDA kernel versions against each other (kernels/mxfp8_gemm_cuda.py): which
-configurations are built (CPU), v2 writing v1's bytes in every built configuration, and v2's
-no-promotion diagnostic (GPU, ``-m gpu``). Shared operands and the reference checks:
+configurations are built (CPU), v2 writing v1's bytes in every built configuration (also at a
+size of many tiles per CTA, 21 launches back to back each), and v2's no-promotion diagnostic (GPU,
+``-m gpu``). Shared operands and the reference checks:
 tests/kernels/test_mxfp8_gemm.py."""
 
 from __future__ import annotations
@@ -111,3 +112,41 @@ def test_gpu_v2_no_promotion_diagnostic_runs():
         cfg = {"consumers": 2, "SPLIT_K": 1, "kernel": "v2", "cluster": cluster, "promote": False}
         y = mxfp8_gemm(x8, xs, w8, ws, out_dtype=torch.float32, config=cfg, backend="cuda")
         assert rel_err(y, plain) < 1e-2, cluster
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_versions_are_exact_and_repeatable_under_load():
+    """V4.1's wo_b at 4096 tokens (4096 x 5120, K = 8192): 1280 or 2560 output tiles of 64 K stages,
+    10-20 per persistent CTA, so each producer runs ahead across tiles and the CTAs of a
+    cluster drift apart. Every built configuration (v1 and v2 with both tile heights, v2 in every
+    cluster; bf16 out, whose next tile starts under the stores in v2, and fp32), 21 launches back to
+    back each, writes the first bits of v1 with the same tile height every time; four rows match the
+    reference."""
+    from kernels.mxfp8_gemm import mxfp8_gemm
+    from kernels.mxfp8_gemm_cuda import CLUSTERS
+    from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
+    from tests.kernels.test_mla_fused_kernels import bits
+
+    m, n, k = 4096, 5120, 8192
+    x8, xs = quantize_mxfp8_triton(activations(m, k, seed=21, device="cuda"))
+    w8, ws = weight(n, k, seed=22, device="cuda")
+    configs = [{"kernel": "v1", "consumers": 2}, *({"kernel": "v2", "consumers": 2, "cluster": c} for c in CLUSTERS),
+               {"kernel": "v1", "consumers": 1}, {"kernel": "v2", "consumers": 1}]
+    first = {}  # (consumers, dtype): v1's output
+    for cfg in configs:
+        cfg["SPLIT_K"] = 1
+        for dtype in (torch.bfloat16, torch.float32):
+            key = (cfg["consumers"], dtype)
+            if key not in first:
+                first[key] = mxfp8_gemm(x8, xs, w8, ws, out_dtype=dtype, config=cfg, backend="cuda")
+            differ = torch.zeros((), dtype=torch.int64, device="cuda")
+            for _ in range(21):
+                y = mxfp8_gemm(x8, xs, w8, ws, out_dtype=dtype, config=cfg, backend="cuda")
+                differ += (bits(y) != bits(first[key])).sum()
+            assert differ.item() == 0, (cfg, dtype)
+    rows = torch.tensor([0, 1, m // 2, m - 1], device="cuda")
+    ref = mxfp8_gemm_reference(x8[rows], xs[rows], w8, ws, out_dtype=torch.float32)
+    for consumers in (1, 2):
+        assert rel_err(first[(consumers, torch.float32)][rows], ref) < 1e-4
+        assert rel_err(first[(consumers, torch.bfloat16)][rows], ref) < 4e-3

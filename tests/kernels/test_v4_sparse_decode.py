@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from kernels.v4_cache_formats import V4_NOPE_DIMS as V4_NOPE
-from kernels.v4_cache_formats import pack_v41_entries, pack_v41_window_rows, pack_v4_rows, unpack_v4_rows
+from kernels.v4_cache_formats import (pack_v41_entries, pack_v41_window_rows, pack_v4_records, pack_v4_rows,
+                                      unpack_v4_rows, v4_page_bytes)
 from kernels.v4_sparse_decode import (RECORD_BYTES, SparseKV, check_inputs, pack_v4_cache, row_record_cache,
-                                      unpack_records, v4_cache_parts, v4_sparse_decode_reference)
+                                      unpack_records, v4_cache_parts, v4_cache_view, v4_sparse_decode_reference)
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,6 +77,38 @@ def _copy_records(dst: torch.Tensor, src: torch.Tensor, flat: torch.Tensor, reco
         de[page, slot] = se[page, slot]
     else:
         dst[page, slot] = src[page, slot]
+
+
+def loaded_scope(bsz: int, s_q: int, k: int, record: str, pages: int, live: int, with_lengths: bool,
+                 gen: torch.Generator, page_size: int = 64) -> SparseKV:
+    """A scope for load tests, built on the generator's device: ``pages`` pages of 0xFF bytes
+    (NaN) of which ``live`` random ones hold random records; picks uniform over the live records
+    (15 % −1, repeats allowed) and maybe lengths (k/2..k, one full list) past which the picks point
+    at a poisoned record."""
+    dev = gen.device
+    order = torch.randperm(pages, generator=gen, device=dev)
+    if record == "v4":  # MODEL1 pages padded to 576 bytes, viewed as [pages, page_size, 584]
+        base = torch.full((pages, v4_page_bytes(page_size)), 0xFF, dtype=torch.uint8, device=dev)
+        cache = v4_cache_view(base, page_size)
+    else:
+        cache = torch.full((pages, page_size, RECORD_BYTES[record]), 0xFF, dtype=torch.uint8, device=dev)
+    for chunk in order[:live].split(512):
+        rows = torch.randn(len(chunk), page_size, 512, generator=gen, device=dev)
+        rows *= 1 + 3 * torch.rand(len(chunk), page_size, 1, generator=gen, device=dev)
+        if record == "v4":
+            base[chunk] = pack_v4_records(rows)
+        else:
+            cache[chunk] = _pack(rows, record)
+    idx = order[torch.randint(live, (bsz, s_q, k), generator=gen, device=dev)] * page_size
+    idx += torch.randint(page_size, (bsz, s_q, k), generator=gen, device=dev)
+    idx[torch.rand(bsz, s_q, k, generator=gen, device=dev) < 0.15] = -1
+    lengths = None
+    if with_lengths:
+        lengths = torch.randint(k // 2, k + 1, (bsz,), generator=gen, device=dev, dtype=torch.int32)
+        lengths[0] = k
+        past = torch.arange(k, device=dev).view(1, 1, k) >= lengths.view(-1, 1, 1)
+        idx = torch.where(past, order[live] * page_size, idx)  # a record of a poisoned page
+    return SparseKV(cache, idx.to(torch.int32), record, lengths)
 
 
 def make_case(bsz, s_q, heads, specs, seed=0, device="cpu", block_spread=0):
@@ -183,6 +216,23 @@ def row_record_case(bsz: int, heads: int, k: int, record: str, gen: torch.Genera
     q = (torch.randn(bsz, 1, heads, dim, generator=gen) * 2).to(torch.bfloat16)
     scope = SparseKV(row_record_cache(cache.to(device)), idx.to(torch.int32).to(device), record, rope_dims=rope_dims)
     return q.to(device), scope, records
+
+
+def test_loaded_scopes_are_read_only_where_picked():
+    """The load tests' scopes (small here): picks land on live pages only, the picks past a length
+    on a poisoned one, and the reference over them is finite for every format."""
+    gen = torch.Generator().manual_seed(6)
+    for record in ("v4", "v41_window", "v41_entry"):
+        scope = loaded_scope(3, 2, 40, record, pages=12, live=4, with_lengths=True, gen=gen, page_size=8)
+        assert scope.cache.shape == (12, 8, RECORD_BYTES[record])
+        live_pages = (scope.cache.reshape(12, -1)[:, :8] != 0xFF).any(-1)  # poisoned pages are all 0xFF
+        assert live_pages.sum() == 4
+        past = (torch.arange(40).view(1, 1, -1) >= scope.lengths.view(-1, 1, 1)).expand(3, 2, 40)
+        picked = scope.indices[~past & (scope.indices >= 0)].long() // 8
+        assert live_pages[picked].all() and not live_pages[scope.indices[past].long() // 8].any()
+        q = torch.randn(3, 2, 4, 512).bfloat16()
+        out, lse = v4_sparse_decode_reference(q, [scope], None, SCALE)
+        assert torch.isfinite(out.float()).all() and torch.isfinite(lse).all()
 
 
 def test_row_records_are_one_record_pages():
