@@ -183,7 +183,8 @@ def _compile_and_link(nvcc: str, flags: tuple[str, ...], sources: tuple[Path, ..
         return
     compile_flags = [f for f in flags if f != "-shared"]
     objects = [out.with_name(f"{out.name}.{i}.o") for i in range(len(sources))]
-    workers = min(len(sources), len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = min(len(sources), cores)
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             jobs = [pool.submit(_run_nvcc, [nvcc, *compile_flags, "-c", "-o", str(obj), str(src)], src.name)
