@@ -175,9 +175,9 @@ def _run_nvcc(cmd: list[str], what: str) -> None:
 
 def _compile_and_link(nvcc: str, flags: tuple[str, ...], sources: tuple[Path, ...], out: Path) -> None:
     """Each source to an object file, as many at once as there are cores (one nvcc call over
-    several files compiles them one after another: ~45 s for the V4 library on one core), then
-    one link into the shared library ``out``. Objects are whole-program device code, exactly
-    what a single nvcc call over all the sources links."""
+    several files compiles them one after another: 34 s for the V4 library's five on 2 cores, its
+    largest alone 19 s), then one link into the shared library ``out``. Objects are
+    whole-program device code, exactly what a single nvcc call over all the sources links."""
     if len(sources) == 1:
         _run_nvcc([nvcc, *flags, "-o", str(out), str(sources[0])], sources[0].name)
         return

@@ -10,7 +10,7 @@ benchmarks/KERNEL_NOTES.md, "MXFP8 GEMM in CUDA C++" and "MXFP8 GEMM v2").
 Two kernels, the same numbers bit for bit (``config["kernel"]``): ``"v1"`` (the default,
 kernels/csrc/mxfp8_gemm_sm90a.cu) and ``"v2"`` (kernels/csrc/mxfp8_gemm_v2_sm90a.cu: scale
 products computed once per quad, wgmmas in flight across stages, clusters with TMA multicast),
-which measured 0.88-0.93x of v1 at prefill sizes (benchmarks/RESULTS.md, 2026-12-07). v2 has a
+which measured 0.86-0.93x of v1 at prefill sizes (benchmarks/RESULTS.md, 2026-12-07). v2 has a
 ``promote=False`` diagnostic: the same pipeline without the per-32 scales (wrong numbers), whose
 time is the ceiling any promotion schedule on that pipeline can reach.
 

@@ -36,6 +36,19 @@ constexpr int kRowsPerConsumer = 64;     // one warpgroup's wgmma M
 constexpr int kGroupM = 8;               // output-tile rasterization (L2 reuse of B)
 enum { MODE_BF16 = 0, MODE_FP32 = 1, MODE_SPLIT = 2, MODE_QUANT = 3 };
 
+// A CTA's tile geometry with kConsumers consumer warpgroups: a 64-row A block per consumer, one
+// stage = A's rows then B's 128 rows of kBlockK bytes, plus the producer warpgroup's threads.
+template <int kConsumers>
+struct TileGeometry {
+  static constexpr int kBlockM = kRowsPerConsumer * kConsumers;
+  static constexpr int kABytes = kBlockM * kBlockK;
+  static constexpr int kBBytes = kBlockN * kBlockK;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
+  // per stage: one scale word per row of A, then one per 32-column block of B
+  static constexpr int kScaleWords = kBlockM + kBlockN / 32;
+};
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 
 // 4-byte global -> shared copy; src_bytes = 0 zero-fills.

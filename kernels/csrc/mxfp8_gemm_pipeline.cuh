@@ -11,17 +11,12 @@ namespace {
 // Shared memory of a CTA: the ring of stages (A rows then B rows, 128 K bytes each), each consumer
 // warp's scratch for scale products, the stages' scale words, the stages' full and empty mbarriers.
 template <int kConsumers>
-struct PipelinePlan {
-  static constexpr int kBlockM = kRowsPerConsumer * kConsumers;
-  static constexpr int kABytes = kBlockM * kBlockK;
-  static constexpr int kBBytes = kBlockN * kBlockK;
-  static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kThreads = 128 * (kConsumers + 1);  // + the producer warpgroup
-  static constexpr int kScaleWords = kBlockM + kBlockN / 32;  // per stage: one per row of A, one per column block
+struct PipelinePlan : TileGeometry<kConsumers> {
+  using G = TileGeometry<kConsumers>;
   // per consumer warp, two buffers of 4 slices x 2 x 8 quads x 4 scale products (fp32)
   static constexpr int kScratchBytesPerWarp = 2 * 4 * 2 * 8 * 16;
   static constexpr int kScratchBytes = 4 * kConsumers * kScratchBytesPerWarp;
-  static constexpr int kPerStage = kStageBytes + 4 * kScaleWords + 16;  // + the stage's two mbarriers
+  static constexpr int kPerStage = G::kStageBytes + 4 * G::kScaleWords + 16;  // + the stage's two mbarriers
   static constexpr int kLimit = 227 * 1024 - 1024;                      // - the 1024-byte alignment
   static constexpr int kStages = (kLimit - kScratchBytes) / kPerStage > 8 ? 8 : (kLimit - kScratchBytes) / kPerStage;
   static constexpr int kSmemBytes = 1024 + kStages * kPerStage + kScratchBytes;

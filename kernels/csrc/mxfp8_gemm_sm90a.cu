@@ -43,16 +43,10 @@ namespace {
 constexpr int kRingBytes = 192 * 1024;  // the stages' tiles
 
 template <int kConsumers>
-struct Plan {
-  static constexpr int kBlockM = kRowsPerConsumer * kConsumers;
-  static constexpr int kABytes = kBlockM * kBlockK;
-  static constexpr int kBBytes = kBlockN * kBlockK;
-  static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kStages = kRingBytes / kStageBytes;  // 6 (128 rows) or 8 (64 rows)
-  static constexpr int kThreads = 128 * (kConsumers + 1);   // + the producer warpgroup
-  // per stage: one scale word per row of A, then one per 32-column block of B
-  static constexpr int kScaleWords = kBlockM + kBlockN / 32;
-  static constexpr int kSmemBytes = kStages * (kStageBytes + 4 * kScaleWords + 16) + 1024;  // + barriers, alignment
+struct Plan : TileGeometry<kConsumers> {
+  using G = TileGeometry<kConsumers>;
+  static constexpr int kStages = kRingBytes / G::kStageBytes;  // 6 (128 rows) or 8 (64 rows)
+  static constexpr int kSmemBytes = kStages * (G::kStageBytes + 4 * G::kScaleWords + 16) + 1024;  // + barriers, alignment
 };
 
 // acc += P . 2^(ea + eb): slice `j` of this thread's scale words; the thread's rows r0, r0 + 8
