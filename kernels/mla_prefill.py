@@ -28,6 +28,16 @@ if HAS_TRITON:  # the GPU path needs Triton; the CPU reference does not
 SDPA_LENGTH_BUCKET = 256  # rows: chunk lengths SDPA sees on CUDA are rounded up to a multiple of this
 
 
+def sdpa_warmup_lengths(max_tokens: int, device: torch.device, length_bucket: int = SDPA_LENGTH_BUCKET) -> list[int]:
+    """Every chunk length ``mla_prefill_sdpa`` can hand SDPA for chunks of up to ``max_tokens``
+    rows on ``device``: the bucket multiples on CUDA, where each first call at a new length
+    costs host time (see ``mla_prefill_sdpa``); none elsewhere, where nothing is planned per
+    length."""
+    if device.type != "cuda" or max_tokens < 1:
+        return []
+    return list(range(length_bucket, -(-max_tokens // length_bucket) * length_bucket + 1, length_bucket))
+
+
 def causal_offset_mask(tq: int, tk: int, device) -> torch.Tensor:
     """Boolean [tq, tk]: True where query i (at position tk - tq + i) may attend key j."""
     q_pos = torch.arange(tk - tq, tk, device=device)

@@ -31,6 +31,7 @@ from server.v4_cuda_graphs import maybe_capture_v4
 from server.v4_kv_specs import describe_v4_capacity, v4_family_kv_cache_specs, v4_pool_plan
 from server.v4_prefix_cache import describe_snapshot_policy
 from server.v4_runner import V4FamilyRunner, v4_num_blocks
+from server.warmup import warm_up_prefill_attention
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ def build_runner(config: EngineConfig, model_dir: str, device: torch.device, par
     max_model_len = fit_kv_capacity(config, max_model_len, kv_capacity_tokens(config, model, num_blocks))
     runner = ModelRunner(model, config, num_blocks, device)
     runner.decode_graphs = maybe_capture(runner, config, max_model_len)
+    warm_up_prefill_attention(runner, config, max_model_len)
     return RunnerSetup(model, runner, num_blocks, max_model_len)
 
 

@@ -11,6 +11,11 @@ shorter (the other divisibility) beside a decode row, the one-token tail of a pr
 cached context, decode rows sampled greedily and with temperature / top-p / top-k / logprobs.
 Then it forgets them: prefix cache, token counters, preemption and step-profile statistics.
 
+Before that, on every rank, the prefill attention backend runs each chunk length it would
+otherwise meet for the first time while serving (``warm_up_prefill_attention``): cuDNN's SDPA
+plans per sequence length, tens of ms of host time each, and the chunks of chunked prefill
+come in every bucket length.
+
 It runs on CUDA only (CPU kernels are torch ops: nothing to compile) and not under data
 parallelism (each DP engine would warm up alone, outside the lockstep of their MoE collectives).
 ``MLASERVE_SKIP_WARMUP=1`` turns it off.
@@ -46,6 +51,21 @@ def warmup_skip_reason(core) -> str | None:
     if core.config.data_parallel_size > 1:
         return "data parallelism: the DP engines would warm up outside their lockstep"
     return None
+
+
+def warm_up_prefill_attention(runner, config, max_model_len: int) -> None:
+    """Run the prefill backend's per-length warm-up for chunks up to the step budget (skipped
+    where ``warmup_skip_reason`` would skip the step warm-up, except under data parallelism:
+    this runs no collective). Call it on the thread that will run the steps."""
+    if envs.MLASERVE_SKIP_WARMUP or runner.device.type != "cuda":
+        return
+    max_chunk = min(resolve_max_num_batched_tokens(config, max_model_len), max_model_len)
+    t0 = time.perf_counter()
+    count = runner.prefill_backend.warm_up(max_chunk)
+    if count:
+        torch.cuda.synchronize(runner.device)
+        logger.info("prefill attention warm-up (%s): %d chunk lengths up to %d tokens in %.1f s",
+                    runner.prefill_backend.name, count, max_chunk, time.perf_counter() - t0)
 
 
 def warmup_prompt_lengths(step_budget: int, max_model_len: int, max_num_seqs: int,

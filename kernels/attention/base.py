@@ -271,6 +271,12 @@ class PrefillBackend:
     def plan(self, metadata: PrefillMetadata) -> PrefillMetadata:
         return metadata
 
+    def warm_up(self, max_chunk_tokens: int) -> int:
+        """Run, before serving, every chunk shape whose first call would stall the host (a
+        kernel library planning per sequence length); returns how many it ran (0: none need
+        it). Called once at start-up on the thread that will run the steps."""
+        return 0
+
     def forward_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: PrefillMetadata,
                        softmax_scale: float) -> torch.Tensor:
         """q [sum q_i, H, Dqk], k [sum kv_i, H, Dqk], v [sum kv_i, H, Dv] → [sum q_i, H, Dv]."""

@@ -6,7 +6,7 @@ import torch
 
 from kernels.attention.base import FP8_E4M3, LATENT_16_BIT, BackendSupport, PrefillBackend, PrefillMetadata
 from kernels.mla_prefill import (flash_varlen_unsupported_reason, mla_prefill_flash_varlen, mla_prefill_reference,
-                                 mla_prefill_sdpa)
+                                 mla_prefill_sdpa, sdpa_warmup_lengths)
 
 _ANY_CACHE = (torch.float32, *LATENT_16_BIT, FP8_E4M3)  # prefill reads the dequantized context
 
@@ -39,6 +39,28 @@ class SdpaPrefill(PrefillBackend):
         # The fused kernels take equal head dims: v arrives zero-padded, built so by the layer
         # in the same pass as k, instead of padded here with a fill and a copy.
         return max(qk_head_dim, v_head_dim)
+
+    def warm_up(self, max_chunk_tokens):
+        """A chunk from position 0 reaches cuDNN at one of the bucket lengths, and cuDNN builds
+        an execution plan (tens of ms of host time) the first time it meets each one; chunked
+        prefill meets a new one in most steps until all have been seen. So they are all run
+        here, on slices of one buffer laid out as the step's q/k/v are. cuDNN keeps its plans
+        per thread: this must run on the thread that runs the steps."""
+        spec = self.spec
+        if spec is None or not spec.qk_head_dim:
+            return 0
+        lengths = sdpa_warmup_lengths(max_chunk_tokens, spec.device)
+        if not lengths:
+            return 0
+        rows, heads = lengths[-1], spec.num_heads
+        v_width = self.value_width(spec.qk_head_dim, spec.v_head_dim)
+        with torch.inference_mode():
+            q, k = (torch.randn(rows, heads, spec.qk_head_dim, device=spec.device, dtype=spec.compute_dtype)
+                    for _ in range(2))
+            v = torch.randn(rows, heads, v_width, device=spec.device, dtype=spec.compute_dtype)
+            for n in lengths:
+                self.forward(q[:n], k[:n], v[:n], spec.softmax_scale)
+        return len(lengths)
 
     def forward_varlen(self, q, k, v, metadata: PrefillMetadata, softmax_scale):
         after = [i for i, c in enumerate(metadata.context_lens) if c]

@@ -154,6 +154,32 @@ def test_prefill_is_chosen_apart_from_decode():
     assert not any(issubclass(cls, DecodeBackend) for cls in PREFILL_BACKENDS.values())
 
 
+def test_sdpa_warm_up_runs_every_bucket_length_on_slices_laid_out_as_a_step(monkeypatch):
+    from kernels import mla_prefill
+    from kernels.attention import prefill as prefill_module
+
+    assert mla_prefill.sdpa_warmup_lengths(8192, torch.device("cuda")) == list(range(256, 8193, 256))
+    assert mla_prefill.sdpa_warmup_lengths(300, torch.device("cuda"), length_bucket=128) == [128, 256, 384]
+    assert mla_prefill.sdpa_warmup_lengths(8192, torch.device("cpu")) == []  # nothing is planned per length there
+    assert prefill_module.SdpaPrefill(spec(device="cpu")).warm_up(8192) == 0
+    assert prefill_module.SdpaPrefill().warm_up(8192) == 0  # no spec: heads and widths unknown
+
+    # On a GPU the same loop runs the bucket lengths; here the CPU runs it on small ones.
+    monkeypatch.setattr(prefill_module, "sdpa_warmup_lengths", lambda n, device: [8, 16, 24])
+    calls = []
+    real_forward = prefill_module.SdpaPrefill.forward
+
+    def recording_forward(self, q, k, v, scale):
+        calls.append((q.shape, k.shape, v.shape, q.dtype, scale, q.untyped_storage().data_ptr()))
+        return real_forward(self, q, k, v, scale)
+
+    monkeypatch.setattr(prefill_module.SdpaPrefill, "forward", recording_forward)
+    s = AttentionSpec(torch.device("cpu"), FP8, 3, 512, 64, 64, 0.125, torch.bfloat16, qk_head_dim=24, v_head_dim=16)
+    assert prefill_module.SdpaPrefill(s).warm_up(20) == 3
+    assert [c[:5] for c in calls] == [((n, 3, 24), (n, 3, 24), (n, 3, 24), torch.bfloat16, 0.125) for n in (8, 16, 24)]
+    assert len({c[5] for c in calls}) == 1  # slices of one buffer, as a step's chunks are
+
+
 def test_torch_prefill_backend_is_the_reference():
     from kernels.mla_prefill import mla_prefill_reference
 

@@ -32,6 +32,21 @@ def _ragged(q_lens, c_lens, heads, gen):
     return q, k, v, md
 
 
+def test_sdpa_warm_up_runs_on_the_gpu_and_leaves_the_path_exact():
+    """The start-up sweep of chunk lengths runs (every bucket up to 2048 rows at V2-Lite's
+    heads), and a chunk of a warmed length afterwards still matches the reference."""
+    _needs_cuda()
+    spec = AttentionSpec(torch.device("cuda"), torch.bfloat16, 16, 512, 64, 64, 192 ** -0.5, torch.bfloat16,
+                         qk_head_dim=192, v_head_dim=128)
+    backend = SdpaPrefill(spec)
+    assert backend.warm_up(2000) == 8
+    q, k, v, md = _ragged([1900], [0], 16, torch.Generator(device="cuda").manual_seed(5))
+    got = backend.forward(q, k, torch.nn.functional.pad(v, (0, 64)), 192 ** -0.5)[..., :128]
+    want = TorchPrefill().forward(q, k, v, 192 ** -0.5)
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < 1e-2, err
+
+
 @pytest.mark.parametrize("q_lens,c_lens", [([8192], [0]), ([1000, 17, 2048, 1], [0, 300, 4096, 77]),
                                            ([512] * 16, [4096] * 16)])
 def test_flashinfer_ragged_prefill_matches_reference(q_lens, c_lens):

@@ -41,6 +41,30 @@ def test_prompt_lengths_fill_a_step_and_respect_the_limits():
     assert warmup.warmup_output_tokens(1, 3) == 2 and warmup.warmup_output_tokens(8192, 9280) == 3
 
 
+def test_prefill_attention_warm_up_covers_the_step_budget(monkeypatch):
+    class Backend:
+        name = "stub"
+        asked = []
+
+        def warm_up(self, max_chunk_tokens):
+            self.asked.append(max_chunk_tokens)
+            return 0
+
+    class Runner:
+        device = torch.device("cuda")
+        prefill_backend = Backend()
+
+    warmup.warm_up_prefill_attention(Runner, EngineConfig(max_num_batched_tokens=8192), 9280)
+    warmup.warm_up_prefill_attention(Runner, EngineConfig(max_num_batched_tokens=16384), 2048)  # a chunk < a sequence
+    assert Backend.asked == [8192, 2048]
+    monkeypatch.setenv("MLASERVE_SKIP_WARMUP", "1")
+    warmup.warm_up_prefill_attention(Runner, EngineConfig(), 9280)
+    monkeypatch.delenv("MLASERVE_SKIP_WARMUP")
+    Runner.device = torch.device("cpu")
+    warmup.warm_up_prefill_attention(Runner, EngineConfig(), 9280)
+    assert Backend.asked == [8192, 2048]
+
+
 def test_skip_reasons(monkeypatch):
     class Core:
         device = torch.device("cuda")
