@@ -25,7 +25,10 @@ the time. Relative error is against ``moe_experts_reference`` in fp32 on the deq
 weights (the bf16 weights are those dequantized weights rounded to bf16), so FP8 variants show
 their activation quantization error (~3-5 %) and bf16 variants their rounding (~1e-3).
 ``--sweep-configs`` also times every row of ``kernels.moe_triton.CONFIG_TABLE`` forced, to
-check the regime thresholds of ``default_config``.
+check the regime thresholds of ``default_config``; ``--tiles`` times the candidate tiles of
+``TILE_CANDIDATES`` (prefill sizes: many rows per expert), to pick that regime's row, e.g.
+
+    python3 -m benchmarks.bench_moe --shapes v2-lite r1-ep8 --t 2048 8192 --tiles
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 
 from kernels.fp8 import dequantize_weight_blocks, quantize_weight_blocks
 from kernels.moe import moe_experts_grouped, moe_experts_reference
-from kernels.moe_triton import (CONFIG_TABLE, align_slots_to_blocks, default_config,
+from kernels.moe_triton import (CONFIG_TABLE, MoEConfig, align_slots_to_blocks, default_config,
                                 moe_experts_fp8_triton, moe_experts_triton)
 
 SHAPES = {  # name: (E_local, H, I, k, expert_offset, E_global)
@@ -51,6 +54,17 @@ T_ALL = [1, 8, 32, 128, 512, 2048]
 T_QUICK = [1, 32, 512]
 VARIANTS = ["grouped-bf16", "triton-bf16", "dequant+grouped-fp8", "triton-fp8"]
 ROUTING_SETS = 8
+# MoEConfig(block_m, block_n, block_n_down, block_k, group_m, num_warps, num_stages) candidates for
+# the many-rows regime; the first of each list is CONFIG_TABLE's row today.
+TILE_CANDIDATES = {
+    "bf16": [MoEConfig(128, 128, 128, 64, 8, 8, 3), MoEConfig(128, 128, 128, 64, 8, 8, 4),
+             MoEConfig(128, 64, 128, 64, 8, 4, 4), MoEConfig(128, 128, 256, 64, 8, 8, 3),
+             MoEConfig(64, 128, 128, 64, 8, 4, 4), MoEConfig(128, 128, 128, 64, 16, 8, 3),
+             MoEConfig(256, 64, 128, 64, 8, 8, 3), MoEConfig(128, 128, 64, 64, 8, 4, 4)],
+    "fp8": [MoEConfig(64, 128, 128, 128, 8, 8, 3), MoEConfig(64, 128, 128, 128, 8, 8, 4),
+            MoEConfig(64, 128, 256, 128, 8, 8, 3), MoEConfig(64, 128, 64, 128, 8, 4, 4),
+            MoEConfig(64, 128, 128, 128, 16, 8, 3)],
+}
 DEVICE = "cuda"  # a module constant so the bench's plumbing can be dry-run elsewhere
 
 
@@ -96,7 +110,12 @@ def routing(t: int, k: int, e_global: int, seed: int) -> tuple[torch.Tensor, tor
     return torch.rand(t, k, device=DEVICE, generator=g), ids
 
 
-def variant_fns(ws: dict, x, off, sweep: bool) -> dict:
+def tile_name(c: MoEConfig) -> str:
+    return (f"m{c.block_m}n{c.block_n}d{c.block_n_down}k{c.block_k}g{c.group_m}"
+            f"w{c.num_warps}s{c.num_stages}")
+
+
+def variant_fns(ws: dict, x, off, sweep: bool, tiles: bool = False) -> dict:
     """name → fn(wts, ids) for each variant (and each forced config with ``sweep``)."""
     w13b, w2b, w13_8, s13, w2_8, s2 = (ws[n] for n in ("w13_bf16", "w2_bf16", "w13_8", "w13_s", "w2_8", "w2_s"))
 
@@ -116,6 +135,13 @@ def variant_fns(ws: dict, x, off, sweep: bool) -> dict:
                 lambda wts, ids, c=bcfg: moe_experts_triton(x, w13b, w2b, wts, ids, off, c))
             fns[f"triton-fp8[bm{fcfg.block_m}]"] = (
                 lambda wts, ids, c=fcfg: moe_experts_fp8_triton(x, w13_8, s13, w2_8, s2, wts, ids, off, c))
+    if tiles:
+        for c in TILE_CANDIDATES["bf16"]:
+            fns[f"triton-bf16[{tile_name(c)}]"] = (
+                lambda wts, ids, c=c: moe_experts_triton(x, w13b, w2b, wts, ids, off, c))
+        for c in TILE_CANDIDATES["fp8"]:
+            fns[f"triton-fp8[{tile_name(c)}]"] = (
+                lambda wts, ids, c=c: moe_experts_fp8_triton(x, w13_8, s13, w2_8, s2, wts, ids, off, c))
     return fns
 
 
@@ -131,7 +157,7 @@ def cycling(fn, sets: list):
     return call
 
 
-def run_shape(name: str, ts: list[int], sweep: bool) -> list[dict]:
+def run_shape(name: str, ts: list[int], sweep: bool, tiles: bool = False) -> list[dict]:
     e, h, inter, k, off, eg = SHAPES[name]
     ws = make_experts(e, h, inter, seed=e + h)
     per_expert = 3 * inter * h  # weights per expert (w13 + w2)
@@ -151,7 +177,7 @@ def run_shape(name: str, ts: list[int], sweep: bool) -> list[dict]:
         align = bench(cycling(lambda w_, i_: align_slots_to_blocks(i_, e, off, default_config(t * k, e, True).block_m),
                               sets))
         print(f"{name:8s} T={t:5d} {'(expert sort alone)':24s} {align * 1e6:9.1f} us", flush=True)
-        for variant, fn in variant_fns(ws, x, off, sweep).items():
+        for variant, fn in variant_fns(ws, x, off, sweep, tiles).items():
             out = fn(wts, ids)
             err = (out.double() - ref.double()).norm().item() / ref_norm if ref_norm > 0 else float("nan")
             sec = bench(cycling(fn, sets))
@@ -187,12 +213,29 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def tile_summary(rows: list[dict]) -> str:
+    """Per (shape, T, dtype): each tile candidate's µs and its speed against today's config."""
+    lines = ["| shape | T | dtype | tile | µs | vs default |", "|---|---|---|---|---|---|"]
+    for shape, t in dict.fromkeys((r["shape"], r["T"]) for r in rows):
+        for dtype in ("bf16", "fp8"):
+            base = next((r for r in rows if r["shape"] == shape and r["T"] == t and r["variant"] == f"triton-{dtype}"),
+                        None)
+            cands = sorted((r for r in rows if r["shape"] == shape and r["T"] == t
+                            and r["variant"].startswith(f"triton-{dtype}[m")), key=lambda r: r["us"])
+            for r in cands:
+                ratio = f"{base['us'] / r['us']:.2f}x" if base else "-"
+                tile = r["variant"].split("[")[1][:-1]
+                lines.append(f"| {shape} | {t} | {dtype} | {tile} | {r['us']:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"T in {T_QUICK} only")
     ap.add_argument("--t", type=int, nargs="+", help=f"token counts (default {T_ALL})")
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     ap.add_argument("--sweep-configs", action="store_true", help="also time each CONFIG_TABLE row forced")
+    ap.add_argument("--tiles", action="store_true", help="also time the many-rows tile candidates (TILE_CANDIDATES)")
     ap.add_argument("--output-json", metavar="PATH")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -201,12 +244,15 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
     rows = []
     for name in args.shapes:
-        rows += run_shape(name, ts, args.sweep_configs)
+        rows += run_shape(name, ts, args.sweep_configs, args.tiles)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
     print()
     print(summary(rows))
+    if args.tiles:
+        print()
+        print(tile_summary(rows))
 
 
 if __name__ == "__main__":
