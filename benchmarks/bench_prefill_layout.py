@@ -8,12 +8,15 @@ Layouts (V2-Lite heads: 16 x qk 192, v 128 padded to 192; 8192-token steps):
     one        one chunk from position 0, a new length every step (8192 - step)
     two        a prompt's tail after its cached context + the next prompt's head from 0, the
                split moving every step (the e2e workload's steady state)
-    two-fixed  the same two chunks with the same lengths every step
+    two-fixed  the same two chunks with the same lengths every step (a 300-row tail)
+    two-700    the same with a 700-row tail
 
 A step whose wall time is well above its device time has left the GPU idle while the host
 was stuck (a synchronizing call, or a plan built on the host); the table says which layout
 and which backend path does that. ``--paths``: ``current`` is ``SdpaPrefill.forward_varlen``
-as served, ``flash-all`` every chunk of the step in one call of torch's varlen flash kernel.
+as served, ``flash-all`` every chunk of the step in one call of torch's varlen flash kernel,
+``split-tails`` the served path with ``split_short_tails`` (a short chunk after context runs
+with its prefix cut into pieces; ``kernels.mla_prefill.mla_prefill_after_context_split``).
 
     python3 -m benchmarks.bench_prefill_layout
 """
@@ -45,15 +48,15 @@ def layout(kind: str, step: int, tokens: int) -> tuple[list[int], list[int]]:
     """(query_lens, context_lens) of one step."""
     if kind == "one":
         return [tokens - step], [0]
-    cut = 2 + 5 * step if kind == "two" else 300
+    cut = 2 + 5 * step if kind == "two" else (700 if kind == "two-700" else 300)
     return [cut, tokens - cut], [tokens - cut, 0]
 
 
 def run_step(path, backend, md, q, k, v, w, x, layers, scale):
     for _ in range(layers):
         torch.mm(x, w)  # the layer's GEMM work, ~3 ms
-        if path == "current":
-            backend.forward_varlen(q, k, v, md, scale)
+        if path in ("current", "split-tails"):
+            backend[path].forward_varlen(q, k, v, md, scale)
         else:  # every chunk in one call of the varlen flash kernel
             mla_prefill_flash_varlen(q, k, v, md.qo_indptr, md.kv_indptr, md.max_query_len, md.max_kv_len, scale)
 
@@ -85,7 +88,7 @@ def main() -> None:
     dev = torch.device("cuda")
     heads, dqk = 16, 192
     scale = dqk ** -0.5
-    backend = SdpaPrefill()
+    backend = {"current": SdpaPrefill(), "split-tails": SdpaPrefill(split_short_tails=True)}
     x = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     w = torch.randn(8192, 4096, device=dev, dtype=torch.bfloat16)
     rows = []

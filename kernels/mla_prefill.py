@@ -104,9 +104,71 @@ def mla_prefill_flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     synchronizes the host with the device on every call (measured on the H200: host time =
     device time per call), which in a layer loop leaves the GPU idle while the next layer's
     kernels are launched; this call does not. v must be as wide as q/k (callers pad it)."""
-    out = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
-                                                  scale=softmax_scale)[0]
-    return out[..., : v.shape[-1]]
+    return _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, True, softmax_scale)[0][..., : v.shape[-1]]
+
+
+def _flash_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, softmax_scale: float):
+    """torch's varlen flash kernel (causal = aligned to the bottom right): (output, LSE)."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                   scale=softmax_scale)[:2]
+
+
+TAIL_SEGMENT_MIN_KEYS = 512  # shortest prefix piece a split tail chunk hands the flash kernel
+
+
+def tail_segments(query_len: int, context_len: int, heads: int, num_sms: int, q_block: int = 128) -> int:
+    """How many pieces to cut a chunk's cached prefix into for ``mla_prefill_after_context_split``:
+    the flash kernel runs one CTA per 128 query rows and head, so a short chunk after a long
+    context (a prompt's tail in the next step) leaves most SMs idle (301 rows x 16 heads: 48 CTAs
+    on 132 SMs). Enough pieces for two waves, none shorter than ``TAIL_SEGMENT_MIN_KEYS``; 1
+    means no split."""
+    blocks = -(-query_len // q_block) * heads
+    if blocks >= num_sms:
+        return 1
+    return max(1, min(-(-2 * num_sms // blocks), context_len // TAIL_SEGMENT_MIN_KEYS))
+
+
+def flash_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, q_len: int,
+                          cu_k: torch.Tensor, max_k: int, causal: bool, softmax_scale: float):
+    """torch's varlen flash kernel over ``num_seqs`` query blocks of ``q_len`` rows each (q
+    [num_seqs * q_len, H, D]) and the key ranges of the device int32 offsets ``cu_k``; returns the
+    output and its natural-log LSE as [H, num_seqs * q_len] (the kernel gives it per head and row,
+    or padded per sequence as [num_seqs, H, max_q]: with equal lengths both read the same)."""
+    cu_q = torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
+    out, lse = _flash_forward(q, k, v, cu_q, cu_k, q_len, max_k, causal, softmax_scale)
+    if lse.dim() == 3:
+        lse = lse[..., :q_len].transpose(0, 1).reshape(lse.shape[1], num_seqs * q_len)
+    return out, lse
+
+
+def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Attention over disjoint key sets → attention over their union: outs [n, T, H, D], lses
+    [n, H, T] (natural log; -inf where a part saw no key) → [T, H, D] in outs' dtype."""
+    top = lses.amax(0)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp(lses - top).permute(0, 2, 1).unsqueeze(-1)  # [n, T, H, 1]
+    return ((outs.float() * w).sum(0) / w.sum(0)).to(outs.dtype)
+
+
+def mla_prefill_after_context_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
+                                    segments: int, softmax_scale: float) -> torch.Tensor:
+    """One chunk after ``context_len`` cached keys (q [Tq, H, D], k/v [context_len + Tq, H, D],
+    the contract of ``mla_prefill_reference``), with its prefix cut into ``segments`` pieces so a
+    short chunk fills the GPU: every row sees all prefix keys, so the pieces run as separate
+    non-causal sequences of one varlen call (q repeated per piece), the chunk's own keys as one
+    causal call, and the parts are merged by their LSEs. v as wide as q/k (callers pad it)."""
+    tq, heads, dim = q.shape
+    edges = [context_len * i // segments for i in range(segments + 1)]
+    # The same edges, made on the device (an upload from pageable host memory would wait).
+    cu_k = (torch.arange(segments + 1, device=q.device) * context_len // segments).to(torch.int32)
+    q_rep = q.unsqueeze(0).expand(segments, tq, heads, dim).reshape(segments * tq, heads, dim)
+    out_p, lse_p = flash_varlen_with_lse(q_rep, k[:context_len], v[:context_len], segments, tq, cu_k,
+                                         max(b - a for a, b in zip(edges, edges[1:])), False, softmax_scale)
+    own = torch.arange(0, 2 * tq, tq, dtype=torch.int32, device=q.device)
+    out_o, lse_o = flash_varlen_with_lse(q, k[context_len:], v[context_len:], 1, tq, own, tq, True, softmax_scale)
+    outs = torch.cat([out_p.view(segments, tq, heads, -1), out_o.unsqueeze(0)])
+    lses = torch.cat([lse_p.view(heads, segments, tq).transpose(0, 1), lse_o.unsqueeze(0)])
+    return merge_by_lse(outs, lses)
 
 
 def flash_varlen_unsupported_reason(head_dim: int, dtype: torch.dtype) -> str | None:

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels.attention.base import FP8_E4M3, LATENT_16_BIT, BackendSupport, PrefillBackend, PrefillMetadata
-from kernels.mla_prefill import (flash_varlen_unsupported_reason, mla_prefill_flash_varlen, mla_prefill_reference,
-                                 mla_prefill_sdpa, sdpa_warmup_lengths)
+from kernels.mla_prefill import (flash_varlen_unsupported_reason, mla_prefill_after_context_split,
+                                 mla_prefill_flash_varlen, mla_prefill_reference, mla_prefill_sdpa, sdpa_warmup_lengths,
+                                 tail_segments)
 
 _ANY_CACHE = (torch.float32, *LATENT_16_BIT, FP8_E4M3)  # prefill reads the dequantized context
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class TorchPrefill(PrefillBackend):
@@ -31,6 +39,13 @@ class SdpaPrefill(PrefillBackend):
 
     name = "sdpa"
     support = BackendSupport(devices=("cuda",), cache_dtypes=_ANY_CACHE)
+
+    def __init__(self, spec=None, split_short_tails: bool = False) -> None:
+        """``split_short_tails``: chunks after context whose flash grid would leave SMs idle run
+        with their prefix cut into pieces (``mla_prefill_after_context_split``); off until its
+        device measurement (benchmarks/bench_prefill_layout.py) says it pays."""
+        super().__init__(spec)
+        self.split_short_tails = split_short_tails
 
     def forward(self, q, k, v, softmax_scale):
         return mla_prefill_sdpa(q, k, v, softmax_scale)
@@ -62,6 +77,17 @@ class SdpaPrefill(PrefillBackend):
                 self.forward(q[:n], k[:n], v[:n], spec.softmax_scale)
         return len(lengths)
 
+    def _tail_segments(self, metadata: PrefillMetadata, after: list[int], q) -> dict[int, int]:
+        """Pieces per chunk after context (1: unsplit). Chunks are split only when all of them
+        together would not fill the SMs in one flash call."""
+        heads = q.shape[1]
+        if not self.split_short_tails:
+            return dict.fromkeys(after, 1)
+        sms = _sm_count(q.device)
+        if sum(-(-metadata.query_lens[i] // 128) for i in after) * heads >= sms:
+            return dict.fromkeys(after, 1)
+        return {i: tail_segments(metadata.query_lens[i], metadata.context_lens[i], heads, sms) for i in after}
+
     def forward_varlen(self, q, k, v, metadata: PrefillMetadata, softmax_scale):
         after = [i for i, c in enumerate(metadata.context_lens) if c]
         if (not after or q.device.type != "cuda"
@@ -73,6 +99,15 @@ class SdpaPrefill(PrefillBackend):
             if not metadata.context_lens[i]:
                 out[qo[i] : qo[i + 1]] = self.forward(q[qo[i] : qo[i + 1]], k[kv[i] : kv[i + 1]],
                                                       v[kv[i] : kv[i + 1]], softmax_scale)
+        segments = self._tail_segments(metadata, after, q)
+        for i in after:
+            if segments[i] > 1:
+                c = metadata.context_lens[i]
+                out[qo[i] : qo[i + 1]] = mla_prefill_after_context_split(
+                    q[qo[i] : qo[i + 1]], k[kv[i] : kv[i + 1]], v[kv[i] : kv[i + 1]], c, segments[i], softmax_scale)
+        after = [i for i in after if segments[i] == 1]
+        if not after:
+            return out
         if len(after) == metadata.num_chunks:  # every chunk: one call over the whole layout
             return mla_prefill_flash_varlen(q, k, v, metadata.qo_indptr, metadata.kv_indptr, max(metadata.query_lens),
                                             max(c + n for c, n in zip(metadata.context_lens, metadata.query_lens)),

@@ -32,6 +32,41 @@ def _ragged(q_lens, c_lens, heads, gen):
     return q, k, v, md
 
 
+@pytest.mark.parametrize("tq,context,segments", [(301, 7891, 6), (700, 7110, 3), (13, 1300, 2)])
+def test_split_tail_matches_reference(tq, context, segments):
+    """A short chunk after a long prefix with the prefix cut into pieces (the flash kernel's LSE,
+    whatever its layout, merges the parts) equals the float32 reference."""
+    _needs_cuda()
+    from kernels.mla_prefill import mla_prefill_after_context_split
+
+    q, k, v, _ = _ragged([tq], [context], 16, torch.Generator(device="cuda").manual_seed(tq))
+    v = torch.nn.functional.pad(v, (0, 64))
+    got = mla_prefill_after_context_split(q, k, v, context, segments, 192 ** -0.5)[..., :128]
+    want = TorchPrefill().forward(q, k, v[..., :128], 192 ** -0.5)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert err < 1e-2, err
+
+
+def test_sdpa_backend_with_split_tails_matches_reference_without_host_syncs():
+    """The served two-chunk layout (a 301-row tail after 7,891 cached tokens + the next prompt's
+    head from 0) with ``split_short_tails``: same numbers as the reference, no host sync."""
+    _needs_cuda()
+    q, k, v, md = _ragged([301, 7866], [7891, 0], 16, torch.Generator(device="cuda").manual_seed(9))
+    v = torch.nn.functional.pad(v, (0, 64))
+    backend = SdpaPrefill(split_short_tails=True)
+    backend.forward_varlen(q, k, v, md, 192 ** -0.5)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = backend.forward_varlen(q, k, v, md, 192 ** -0.5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = TorchPrefill().forward_varlen(q, k, v[..., :128], md, 192 ** -0.5)
+    err = ((got[..., :128].float() - want.float()).norm() / want.float().norm()).item()
+    assert err < 1e-2, err
+
+
 def test_sdpa_warm_up_runs_on_the_gpu_and_leaves_the_path_exact():
     """The start-up sweep of chunk lengths runs (every bucket up to 2048 rows at V2-Lite's
     heads), and a chunk of a warmed length afterwards still matches the reference."""
