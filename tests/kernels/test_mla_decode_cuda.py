@@ -118,7 +118,7 @@ def test_split_planner_keeps_the_large_batch_launches():
 SMALL_GRID = [(bsz, seq) for bsz in (1, 2, 4, 8, 16) for seq in (2048, 8192, 32768)]
 
 
-@pytest.mark.parametrize("rows,kernel", [(128, "wgmma"), (16, "narrow")])
+@pytest.mark.parametrize("rows,kernel", [(128, "wgmma"), (16, "narrow"), (16, "narrow-bf16")])
 def test_split_planner_fills_the_gpu_in_one_wave_at_small_batches(rows, kernel):
     for bsz, seq in SMALL_GRID:
         tiles = seq // 64
