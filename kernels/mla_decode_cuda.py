@@ -21,7 +21,7 @@ query tokens):
   three whole tiles and Q do not fit). More rows with a bf16 cache: the Triton kernel.
 
 Split-KV (small batches): ``choose_num_splits`` picks the split count from a cost model of the
-launch (one CTA per SM for both kernels: waves x (fixed cost + tiles per split), plus the
+launch (one CTA per SM for every kernel: waves x (fixed cost + tiles per split), plus the
 partials' round trip and the combine); the splits write normalized partials and their LSE, and
 ``mla_decode_combine_sm90a.cu`` merges them, launched with programmatic dependent launch so that
 its launch hides under the decode kernel.
