@@ -275,9 +275,9 @@ def _full_load_case(bsz, s_q, seed, width=145, min_len=7000):
 @needs_hopper
 @pytest.mark.parametrize("bsz,s_q,splits", [(256, 1, None), (128, 2, None), (64, 1, 4)])
 def test_bf16_kernel_is_exact_and_repeatable_under_full_hbm_load(bsz, s_q, splits):
-    """256 or 128 requests of 7-9k tokens (two waves of CTAs over a NaN-poisoned 1.4-2.7 GB
-    cache, 16 and 32 rows per CTA), and 4 splits with the PDL combine: HBM is saturated and the
-    two warpgroups of a CTA drift apart. 21 launches back to back (no host sync between them)
+    """7-9k tokens per request in a NaN-poisoned 0.7-2.7 GB cache: 256 CTAs of 16 rows (two
+    waves), 128 of 32 rows, and 64 requests x 4 splits with the PDL combine. HBM is saturated
+    and the two warpgroups of a CTA drift apart. 21 launches back to back (no host sync between them)
     give the same bits, and four requests match float64."""
     q, kv, tables, lens = _full_load_case(bsz, s_q, seed=bsz + s_q)
     call = functools.partial(mdc.mla_decode_cuda, q, kv, tables, lens, SM_SCALE, num_splits=splits)
