@@ -1,13 +1,15 @@
-"""Paged MLA decode on one GPU: our CUDA C++ FP8 kernels (``cuda-fp8``), our Triton kernel
-(FP8, bf16), FlashInfer fa3 (bf16, FP8 cache), FlashMLA's dense bf16 decode (``flashmla-bf16``,
-when its build is at ``--flashmla DIR``, default ``.flashmla/``) and the torch reference, over
-batch x heads x query tokens x context lengths.
+"""Paged MLA decode on one GPU: our CUDA C++ FP8 kernels (``cuda-fp8``) and bf16 kernel
+(``cuda-bf16``, up to 32 query rows per request), our Triton kernel (FP8 ``ours-fp8``, bf16
+``ours-bf16``), FlashInfer fa3 (bf16, FP8 cache), FlashMLA's dense bf16 decode
+(``flashmla-bf16``, when its build is at ``--flashmla DIR``, default ``.flashmla/``) and the torch
+reference, over batch x heads x query tokens x context lengths.
 
     python3 -m benchmarks.bench_mla_decode                      # B 64/128 x H 16/128 x s_q 1/2
     python3 -m benchmarks.bench_mla_decode --sweep --sq 1       # also time candidate configs
     python3 -m benchmarks.bench_mla_decode --grid small         # B 1-16 x S 2k-32k, 128 heads, vs 1.3x
     python3 -m benchmarks.bench_mla_decode --grid small --split-sweep   # + cuda-fp8 at every split count
 
+When ``cuda-bf16`` ran, the last table sets it against the other bf16 kernels per point.
 ``--grid small`` prints, per point, ours (cuda-fp8) against the faster of FlashInfer fa3 bf16 and
 FlashMLA bf16 and whether ours is 1.3x faster; ``--split-sweep`` adds cuda-fp8 at forced split
 counts, each with and without the combine (``merge_splits=False``: the decode kernel alone), the
@@ -318,6 +320,14 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
                     record("sweep-cuda", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE,
                                                                  kernel=name, num_splits=splits),
                            ref8, 1, dict(config=name, splits=splits))
+    if "cuda-bf16" in variants:
+        from kernels.mla_decode_cuda import NARROW_MAX_ROWS, TILE, choose_num_splits, mla_decode_cuda
+        from kernels.mla_decode_triton import _num_sms
+
+        if rows_per_req <= NARROW_MAX_ROWS:
+            planned = choose_num_splits(case.bsz, rows_per_req, x["tables"].shape[1] * PAGE // TILE,
+                                        _num_sms(x["q16"].device), "narrow-bf16")
+            record("cuda-bf16", lambda: mla_decode_cuda(*args16), ref16, 2, dict(config="narrow-bf16", splits=planned))
     if sweep and sweep_triton:
         regime = "many" if case.heads * case.s_q >= 64 else "few"
         for kw in SWEEP[("fp8", regime)]:
@@ -422,6 +432,34 @@ def speedup_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bf16_table(rows: list[dict]) -> str:
+    """Per point: ours bf16 (cuda-bf16) against the Triton bf16 kernel (ours-bf16), FlashInfer
+    fa3 bf16 and FlashMLA bf16, times and ratios (> 1: cuda-bf16 is faster)."""
+    points: dict[tuple, dict] = {}
+    for r in rows:
+        if not r["variant"].startswith("sweep"):
+            points.setdefault((r["B"], r["S"], r["H"], r["s_q"]), {})[r["variant"]] = r
+    lines = ["bf16 cache: cuda-bf16 against the other bf16 kernels (ratio = their µs / cuda-bf16 µs)", "",
+             "| B | S | H | s_q | cuda-bf16 µs | % HBM | splits | triton µs | FlashInfer µs | FlashMLA µs | "
+             "triton / cuda | FlashInfer / cuda | FlashMLA / cuda |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (bsz, seq, heads, s_q), vs in sorted(points.items()):
+        ours = vs.get("cuda-bf16")
+        if ours is None:
+            continue
+
+        def us(name):
+            return f"{vs[name]['us']:.1f}" if name in vs else "-"
+
+        def ratio(name):
+            return f"{vs[name]['us'] / ours['us']:.2f}" if name in vs else "-"
+
+        lines.append(f"| {bsz} | {seq} | {heads} | {s_q} | {ours['us']:.1f} | {ours['pct_hbm']:.0f} | "
+                     f"{ours.get('splits', '')} | {us('ours-bf16')} | {us('fi-fa3-bf16')} | {us('flashmla-bf16')} | "
+                     f"{ratio('ours-bf16')} | {ratio('fi-fa3-bf16')} | {ratio('flashmla-bf16')} |")
+    return "\n".join(lines) + "\n"
+
+
 def fmt_row(r: dict) -> str:
     cfg = r.get("config", "")
     cfg = ",".join(f"{k}={v}" for k, v in cfg.items()) if isinstance(cfg, dict) else str(cfg)
@@ -467,8 +505,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, nargs="+", default=[16, 128])
     ap.add_argument("--sq", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--variants", default=None,
-                    help="comma-separated arms (default cuda-fp8,ours-fp8,ours-bf16,fi-fa3-bf16,fi-fa3-fp8,"
-                         "flashmla-bf16,torch; with --grid small cuda-fp8,fi-fa3-bf16,flashmla-bf16)")
+                    help="comma-separated arms (default cuda-fp8,cuda-bf16,ours-fp8,ours-bf16,fi-fa3-bf16,"
+                         "fi-fa3-fp8,flashmla-bf16,torch; with --grid small cuda-fp8,fi-fa3-bf16,flashmla-bf16)")
     ap.add_argument("--flashmla", default=".flashmla", help="FlashMLA kit folder (its src/ goes on sys.path)")
     ap.add_argument("--sweep", action="store_true", help="also time the candidate configs")
     ap.add_argument("--sweep-what", choices=("all", "cuda", "triton"), default="all",
@@ -487,7 +525,7 @@ def main() -> None:
         for k, v in SMALL_GRID.items():
             setattr(args, k, v)
     default_variants = ("cuda-fp8,fi-fa3-bf16,flashmla-bf16" if args.grid else
-                        "cuda-fp8,ours-fp8,ours-bf16,fi-fa3-bf16,fi-fa3-fp8,flashmla-bf16,torch")
+                        "cuda-fp8,cuda-bf16,ours-fp8,ours-bf16,fi-fa3-bf16,fi-fa3-fp8,flashmla-bf16,torch")
     variants = (args.variants or default_variants).split(",")
     flash_mla = import_flashmla(args.flashmla) if "flashmla-bf16" in variants else None
     ceil = measure_ceilings()
@@ -513,6 +551,8 @@ def main() -> None:
             with open(path, "w") as f:
                 json.dump(result, f, indent=1)
     table = markdown(rows, ceil) + "\n" + speedup_table(rows)
+    if any(r["variant"] == "cuda-bf16" for r in rows):
+        table += "\n" + bf16_table(rows)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(table)

@@ -1,7 +1,9 @@
 """Our CUDA C++ paged MLA decode for Hopper (``kernels/csrc/``): FP8 query and FP8 latent
-cache, split-KV, CUDA-graph safe. Same contract as ``kernels.mla_decode.mla_decode_reference``.
+cache, or bf16 query and bf16 cache up to 32 query rows per request; split-KV, CUDA-graph safe.
+Same contract as ``kernels.mla_decode.mla_decode_reference``.
 
-Two kernels; the launch picks by query rows per request (heads per GPU x query tokens):
+Three kernels; the launch picks by cache dtype and query rows per request (heads per GPU x
+query tokens):
 
 - ``narrow`` (``mla_decode_wgmma_narrow_sm90a.cu``), up to 32 rows (16 heads per GPU under TP8,
   V2-Lite): decode is memory-bound there. Tokens-major FP8 wgmma (the tile's 64 tokens on the
@@ -13,9 +15,13 @@ Two kernels; the launch picks by query rows per request (heads per GPU x query t
   scores and softmax of every other tile and publishes P, each accumulates half of the output
   dims over every tile), cache tiles loaded by TMA (the library encodes the cache's tensor map
   on each call: host work only, a CUDA graph keeps it).
+- ``narrow-bf16`` (``mla_decode_bf16_narrow_sm90a.cu``), a bf16 cache, up to 32 rows: the narrow
+  kernel's tokens-major products in bf16 (V^T read transposed from shared memory by wgmma), each
+  warpgroup streaming its tiles through a private ring of 8 KB TMA boxes (a 72 KB bf16 tile:
+  three whole tiles and Q do not fit). More rows with a bf16 cache: the Triton kernel.
 
 Split-KV (small batches): ``choose_num_splits`` picks the split count from a cost model of the
-launch (one CTA per SM for both kernels: waves x (fixed cost + tiles per split), plus the
+launch (one CTA per SM for every kernel: waves x (fixed cost + tiles per split), plus the
 partials' round trip and the combine); the splits write normalized partials and their LSE, and
 ``mla_decode_combine_sm90a.cu`` merges them, launched with programmatic dependent launch so that
 its launch hides under the decode kernel.
@@ -44,9 +50,10 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-# Both kernels go into one library.
+# All kernels go into one library.
 COMBINE_SOURCE = CSRC / "mla_decode_combine_sm90a.cu"  # the split-KV merge, launched after either kernel
-SOURCES = (CSRC / "mla_decode_wgmma_sm90a.cu", CSRC / "mla_decode_wgmma_narrow_sm90a.cu", COMBINE_SOURCE)
+SOURCES = (CSRC / "mla_decode_wgmma_sm90a.cu", CSRC / "mla_decode_wgmma_narrow_sm90a.cu",
+           CSRC / "mla_decode_bf16_narrow_sm90a.cu", COMBINE_SOURCE)
 HEADERS = (CSRC / "mla_decode_common.cuh", CSRC / "sm90_async.cuh", CSRC / "mla_decode_wgmma_tile.cuh")
 NVCC_FLAGS = ("-O3", "-std=c++17", "--use_fast_math", "-gencode", "arch=compute_90a,code=sm_90a",
               "-shared", "-Xcompiler", "-fPIC")
@@ -57,7 +64,8 @@ SMEM_PER_SM = 228 * 1024  # Hopper: 228 KB per SM, of which each resident CTA al
 SMEM_RESERVED_PER_CTA = 1024
 # The wgmma kernel (mla_decode_wgmma_sm90a.cu): 64 query rows per CTA, two warpgroups, one CTA
 # per SM. Query rows per request above NARROW_MAX_ROWS go to it; fewer go to the narrow kernel.
-KERNELS = ("narrow", "wgmma")
+KERNELS = ("narrow", "wgmma", "narrow-bf16")
+NARROW_KERNELS = ("narrow", "narrow-bf16")  # 16 or 32 query rows per CTA
 NARROW_MAX_ROWS = 32
 WGMMA_ROWS = 64
 # A cache tile in a wgmma kernel's shared memory, as TMA writes it: five 64-token x 128-byte
@@ -77,6 +85,10 @@ WGMMA_SMEM_BYTES = (WGMMA_STAGES * WGMMA_TILE_BYTES + 64 * 576 + WGMMA_SLOTS * (
 NARROW_ROWS = (16, 32)
 NARROW_STAGES = 5
 NARROW_CTAS_PER_SM = 1
+# The bf16 narrow kernel (mla_decode_bf16_narrow_sm90a.cu): 16 or 32 query rows per CTA, two
+# warpgroups, each with a ring of 8 KB boxes (64 tokens x 64 dims, nine per tile), one CTA per SM.
+BF16_BOX_BYTES = 64 * 128
+BF16_RING_BOXES = {16: 12, 32: 11}  # per warpgroup
 # The combine (mla_decode_combine_sm90a.cu) merges up to 128 splits (four LSEs per lane).
 MAX_SPLITS = 128
 
@@ -92,6 +104,14 @@ def narrow_smem_bytes(rows_per_cta: int) -> int:
     n = rows_per_cta
     return (NARROW_STAGES * WGMMA_TILE_BYTES + n * 576 + 2 * n * 64 + (2 * 2 * 4 * n + 4 * n) * 4
             + 2 * NARROW_STAGES * 8 + 1024)
+
+
+def bf16_narrow_smem_bytes(rows_per_cta: int) -> int:
+    """Shared memory of a bf16 narrow CTA (mirror of ``Bf16Plan`` in the .cu file): both
+    warpgroups' box rings, packed bf16 Q, P^T per warpgroup, per-warp column maxima per
+    warpgroup and column sums, one mbarrier per box slot, and room to align to 1024 bytes."""
+    n, ring = rows_per_cta, BF16_RING_BOXES[rows_per_cta]
+    return 2 * ring * BF16_BOX_BYTES + n * 2 * 576 + 2 * n * 128 + (2 * 4 * n + 4 * n) * 4 + 2 * ring * 8 + 1024
 
 
 class CudaKernelUnavailable(RuntimeError):
@@ -207,6 +227,7 @@ def default_library_path() -> Path:
 _ENTRY_POINTS = {
     "mla_decode_fp8_wgmma_sm90": [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_void_p],
     "mla_decode_fp8_wgmma_narrow_sm90": [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p],
+    "mla_decode_bf16_narrow_sm90": [ctypes.POINTER(_Params), ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p],
     "mla_decode_split_combine_sm90": [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_void_p],
     "mla_decode_fp8_sm90_params_bytes": [],
 }
@@ -230,10 +251,16 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
-def choose_kernel(rows: int) -> str:
-    """``narrow`` (tokens-major wgmma, 16 or 32 rows per CTA) up to NARROW_MAX_ROWS query rows
-    per request, where decode is memory-bound and a 64-row CTA would be mostly padding;
-    ``wgmma`` (64 rows per CTA) above."""
+def choose_kernel(rows: int, cache_dtype: torch.dtype = torch.float8_e4m3fn) -> str:
+    """An e4m3 cache: ``narrow`` (tokens-major wgmma, 16 or 32 rows per CTA) up to
+    NARROW_MAX_ROWS query rows per request, where decode is memory-bound and a 64-row CTA would
+    be mostly padding; ``wgmma`` (64 rows per CTA) above. A bf16 cache: ``narrow-bf16`` up to
+    NARROW_MAX_ROWS rows; more is a ValueError (no bf16 kernel for them here)."""
+    if cache_dtype == torch.bfloat16:
+        if rows > NARROW_MAX_ROWS:
+            raise ValueError(f"the cuda backend decodes a bf16 cache for at most {NARROW_MAX_ROWS} query rows per "
+                             f"request (s_q x heads), got {rows}; use the triton backend or an fp8 cache")
+        return "narrow-bf16"
     return "narrow" if rows <= NARROW_MAX_ROWS else "wgmma"
 
 
@@ -249,6 +276,7 @@ class SplitCostModel:
     # 16-32 row tile is well under the HBM share it gets at full occupancy (1.3 µs).
     wgmma_tile_us: float = 1.57
     narrow_tile_us: float = 0.5
+    narrow_bf16_tile_us: float = 0.7  # not yet measured: bf16 operands, 36 + 32 k16 steps per tile
     cta_us: float = 2.0  # per CTA: Q load, the first tile's latency, the epilogue
     combine_us: float = 1.0  # the combine's own time (its launch hides under the decode: PDL)
     l2_bytes_per_us: float = 5e6  # partials written by the splits and read back by the combine
@@ -258,16 +286,18 @@ class SplitCostModel:
     def tile_time(self, kernel: str, active_ctas: int, readers_per_tile: int) -> float:
         """A tile's time in one of ``active_ctas`` CTAs: its SM's compute, or its share of HBM
         (``readers_per_tile`` CTAs of a request read each tile; L2 serves all but the first)."""
-        hbm = active_ctas * TILE * (D_LATENT + D_ROPE) / readers_per_tile / self.hbm_bytes_per_us
-        compute = self.narrow_tile_us if kernel == "narrow" else self.wgmma_tile_us
-        return max(compute, hbm, TILE * (D_LATENT + D_ROPE) / self.sm_bytes_per_us)
+        tile_bytes = TILE * (D_LATENT + D_ROPE) * (2 if kernel == "narrow-bf16" else 1)
+        hbm = active_ctas * tile_bytes / readers_per_tile / self.hbm_bytes_per_us
+        compute = {"narrow": self.narrow_tile_us, "narrow-bf16": self.narrow_bf16_tile_us}.get(kernel,
+                                                                                           self.wgmma_tile_us)
+        return max(compute, hbm, tile_bytes / self.sm_bytes_per_us)
 
 
 SPLIT_COST = SplitCostModel()
 
 
 def rows_per_cta(rows: int, kernel: str) -> int:
-    return narrow_rows_per_cta(rows) if kernel == "narrow" else WGMMA_ROWS
+    return narrow_rows_per_cta(rows) if kernel in NARROW_KERNELS else WGMMA_ROWS
 
 
 def launch_ctas(bsz: int, rows: int, kernel: str) -> tuple[int, int]:
@@ -305,6 +335,25 @@ def choose_num_splits(bsz: int, rows: int, max_tiles: int, num_sms: int, kernel:
     return best
 
 
+def checked_kernel(rows: int, q_dtype: torch.dtype, cache_dtype: torch.dtype, kernel: str | None = None) -> str:
+    """The kernel that decodes ``rows`` query rows per request with this query and cache dtype
+    (``kernel`` when given, else :func:`choose_kernel`'s), or a one-line TypeError/ValueError."""
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    if q_dtype == cache_dtype == fp8:
+        takes = ("narrow", "wgmma")
+    elif q_dtype == cache_dtype == bf16:
+        takes = ("narrow-bf16",)
+    else:
+        raise TypeError(f"the cuda backend needs an e4m3 query and cache, or a bf16 query and cache "
+                        f"(got {q_dtype}, {cache_dtype})")
+    kernel = kernel or choose_kernel(rows, cache_dtype)
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
+    if kernel not in takes:
+        raise ValueError(f"kernel {kernel!r} does not decode a {cache_dtype} cache; one of {takes}")
+    return kernel
+
+
 def mla_decode_cuda(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -324,8 +373,10 @@ def mla_decode_cuda(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode; returns (out [B, s_q, H, 512] in ``out_dtype``, default bf16; lse
     [B, s_q, H] float32). The kernel writes bf16; another ``out_dtype`` costs one cast.
-    ``kernel`` (``narrow`` or ``wgmma``) defaults to ``choose_kernel(s_q * H)``, ``num_splits``
-    (1 to MAX_SPLITS) to ``choose_num_splits``. ``merge_splits=False`` skips the split-KV
+    q and kv_cache are both e4m3 or both bf16. ``kernel`` (``narrow`` or ``wgmma`` for e4m3,
+    ``narrow-bf16`` for bf16, which also takes more than 32 rows when named: several CTAs per
+    request) defaults to ``choose_kernel(s_q * H, kv_cache.dtype)``, ``num_splits`` (1 to
+    MAX_SPLITS) to ``choose_num_splits``. ``merge_splits=False`` skips the split-KV
     combine, leaving out and lse unwritten when there are splits (benchmarks time the decode
     kernel alone with it); ``pdl=False`` launches the combine as a plain stream-ordered kernel
     instead of with programmatic dependent launch (same result; benchmarks measure the gain).
@@ -336,8 +387,7 @@ def mla_decode_cuda(
     from kernels.mla_decode_triton import _check_inputs, _num_sms
 
     _check_inputs(q, kv_cache, block_tables, seq_lens, kv_lora_rank)
-    if q.dtype != torch.float8_e4m3fn or kv_cache.dtype != torch.float8_e4m3fn:
-        raise TypeError(f"the cuda backend needs an e4m3 query and cache (got {q.dtype}, {kv_cache.dtype})")
+    kernel = checked_kernel(q.shape[1] * q.shape[2], q.dtype, kv_cache.dtype, kernel)
     if kv_lora_rank != D_LATENT:
         raise ValueError(f"the cuda backend is built for kv_lora_rank {D_LATENT}, got {kv_lora_rank}")
     out_dtype = out_dtype or torch.bfloat16
@@ -357,9 +407,6 @@ def mla_decode_cuda(
         raise ValueError("the cuda backend needs the cache's token rows contiguous within a page")
     bsz, s_q, h, _ = q.shape
     rows = s_q * h
-    kernel = kernel or choose_kernel(rows)
-    if kernel not in KERNELS:
-        raise ValueError(f"unknown kernel {kernel!r}; one of {KERNELS}")
     max_tiles = max(1, block_tables.shape[1] * page // TILE)
     splits = num_splits or choose_num_splits(bsz, rows, max_tiles, _num_sms(q.device), kernel)
     if not 1 <= splits <= MAX_SPLITS:
@@ -383,9 +430,10 @@ def mla_decode_cuda(
     if splits > 1:
         part_o = torch.empty(bsz * rows, splits, D_LATENT, dtype=torch.bfloat16, device=q.device)
         part_l = torch.empty(bsz * rows, splits, dtype=torch.float32, device=q.device)
+    qe, ke = q.element_size(), kv_cache.element_size()  # the kernels take q and kv strides in bytes
     p = _Params(
-        q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.data_ptr(), kv_cache.stride(0), kv_cache.stride(1),
+        q.data_ptr(), q.stride(0) * qe, q.stride(1) * qe, q.stride(2) * qe,
+        kv_cache.data_ptr(), kv_cache.stride(0) * ke, kv_cache.stride(1) * ke,
         block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(),
         out.data_ptr(), out.stride(0), out.stride(1), out.stride(2),
@@ -399,6 +447,9 @@ def mla_decode_cuda(
         if kernel == "narrow":
             err = _library().mla_decode_fp8_wgmma_narrow_sm90(ctypes.byref(p), kv_cache.shape[0],
                                                                narrow_rows_per_cta(rows), ctypes.c_void_p(stream))
+        elif kernel == "narrow-bf16":
+            err = _library().mla_decode_bf16_narrow_sm90(ctypes.byref(p), kv_cache.shape[0],
+                                                          narrow_rows_per_cta(rows), ctypes.c_void_p(stream))
         else:
             err = _library().mla_decode_fp8_wgmma_sm90(ctypes.byref(p), kv_cache.shape[0], ctypes.c_void_p(stream))
         _raise_on_error(err, kernel)
@@ -413,8 +464,8 @@ def _raise_on_error(err: int, what: str) -> None:
         reasons = {-1: "rows per CTA not built", -2: "the driver refused the cache's TMA tensor map",
                    -3: f"split count outside 2..{MAX_SPLITS}"}
         reason = reasons.get(err, f"cudaError_t {err}")
-        raise RuntimeError(f"mla_decode_fp8_sm90 ({what}): {reason}")
+        raise RuntimeError(f"mla_decode_sm90a ({what}): {reason}")
 
 
 __all__ = ["CudaKernelUnavailable", "SplitCostModel", "build_library", "default_library_path", "set_cache_dir",
-           "choose_kernel", "choose_num_splits", "estimate_split_us", "mla_decode_cuda"]
+           "checked_kernel", "choose_kernel", "choose_num_splits", "estimate_split_us", "mla_decode_cuda"]

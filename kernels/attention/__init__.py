@@ -4,8 +4,9 @@ Decode (absorbed MLA over the paged latent cache, ``--attention-backend``):
 
     torch       reference; CPU or CUDA, any cache dtype; eager only
     triton      our Triton kernel; CUDA, bf16/fp16/e4m3 cache, rope 64, power-of-two latent; CUDA graphs
-    cuda        our CUDA C++ wgmma kernels; SM90, e4m3 cache, latent 512 + rope 64, block size % 64;
-                CUDA graphs (<= 32 query rows per request: the narrow kernel, more: the 64-row one)
+    cuda        our CUDA C++ wgmma kernels; SM90, e4m3 cache (<= 32 query rows per request: the
+                narrow kernel, more: the 64-row one) or bf16 cache (<= 32 query rows per request),
+                latent 512 + rope 64, block size % 64; CUDA graphs
     flashinfer  FlashInfer fa3; SM90, bf16/e4m3 cache, needs flashinfer-python; plans once per step,
                 eager only
     trtllm      FlashInfer's TRTLLM-gen; SM100, bf16/e4m3 cache, latent 512; eager only (untested)

@@ -1,20 +1,25 @@
-"""Our CUDA C++ FP8 wgmma kernels (``kernels/mla_decode_cuda.py``) as a decode backend."""
+"""Our CUDA C++ wgmma kernels (``kernels/mla_decode_cuda.py``) as a decode backend."""
 
 from __future__ import annotations
+
+import torch
 
 from kernels.attention.base import (FP8_E4M3, AttentionSpec, BackendSupport, DecodeBackend, DecodeMetadata,
                                     missing_module_reason)
 
 
 class CudaDecode(DecodeBackend):
-    """Hopper (SM90), e4m3 query and latent cache, latent 512 + rope 64, pages a multiple of
-    the 64-token tile. Up to 32 query rows per request (s_q x heads) go to the tokens-major
-    narrow kernel, more to the 64-row kernel. Launch shapes depend on tensor shapes only:
-    CUDA-graph safe. The library is compiled with nvcc on first use; ``unsupported_reason``
-    builds it, so a failed build is a start-up error, not a first-step one."""
+    """Hopper (SM90), latent 512 + rope 64, pages a multiple of the 64-token tile. An e4m3 query
+    and cache: up to 32 query rows per request (s_q x heads) go to the tokens-major narrow
+    kernel, more to the 64-row kernel. A bf16 cache: the bf16 narrow kernel, up to 32 query rows
+    per request, with the query in bf16 (the base class's ``query_dtype``: the compute dtype,
+    which is the cache's, bf16, since an unquantized cache takes the model's dtype). Launch
+    shapes depend on tensor shapes only: CUDA-graph safe. The library is compiled with nvcc on
+    first use; ``unsupported_reason`` builds it, so a failed build is a start-up error, not a
+    first-step one."""
 
     name = "cuda"
-    support = BackendSupport(devices=("cuda",), cache_dtypes=(FP8_E4M3,), capability_majors=(9,),
+    support = BackendSupport(devices=("cuda",), cache_dtypes=(FP8_E4M3, torch.bfloat16), capability_majors=(9,),
                              kv_lora_ranks=(512,), rope_dims=(64,), page_size_multiple=64, cuda_graph_safe=True)
 
     @classmethod
@@ -22,10 +27,14 @@ class CudaDecode(DecodeBackend):
         reason = super().unsupported_reason(spec)
         if reason is not None:
             return reason
+        from kernels.mla_decode_cuda import NARROW_MAX_ROWS, CudaKernelUnavailable, default_library_path
+
+        rows = spec.num_heads * spec.query_len
+        if spec.cache_dtype == torch.bfloat16 and rows > NARROW_MAX_ROWS:
+            return (f"a bf16 cache takes at most {NARROW_MAX_ROWS} query rows per request (heads x query tokens); "
+                    f"got {rows} (--kv-cache-dtype fp8, or --attention-backend triton)")
         if reason := missing_module_reason("triton", "triton"):  # its input checks are in mla_decode_triton
             return reason
-        from kernels.mla_decode_cuda import CudaKernelUnavailable, default_library_path
-
         try:
             default_library_path()
         except CudaKernelUnavailable as exc:

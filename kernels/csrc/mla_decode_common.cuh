@@ -9,9 +9,9 @@
 
 struct Params {
   const uint8_t* q;
-  long long q_sb, q_ss, q_sh;  // strides in bytes (= elements) of q [B, s_q, H, 576]
+  long long q_sb, q_ss, q_sh;  // strides in bytes of q [B, s_q, H, 576] (e4m3 or bf16)
   const uint8_t* kv;
-  long long kv_sp, kv_st;      // page and token strides of kv [pages, page_size, 576]
+  long long kv_sp, kv_st;      // page and token strides of kv [pages, page_size, 576], in bytes
   const int* block_tables;
   long long bt_s;
   const int* seq_lens;
@@ -23,7 +23,7 @@ struct Params {
   float* part_l;               // [B * rows, num_splits]
   int batch, s_q, heads, num_splits, page_size;
   float scale_log2;            // softmax_scale * q_scale * k_scale * log2(e)
-  float out_scale;             // k_scale (V is the FP8 latent)
+  float out_scale;             // k_scale (V is the latent as stored)
 };
 
 namespace {

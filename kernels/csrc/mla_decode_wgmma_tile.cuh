@@ -136,12 +136,13 @@ __device__ __forceinline__ void load_v_fragments(const uint8_t* tile, int d0, in
     }
 }
 
-// The cache [num_pages, page_size, 576] bytes as a 3-D tensor (byte, token, page) whose boxes
-// are 128 bytes x one tile of tokens, written to shared memory with the 128-byte swizzle.
-bool encode_cache_map(CUtensorMap* map, const Params& p, long long num_pages) {
+// The cache [num_pages, page_size, 576] as a 3-D tensor of bytes (byte, token, page; `row_bytes`
+// per token: 576 for e4m3, 1152 for bf16) whose boxes are 128 bytes x one tile of tokens, written
+// to shared memory with the 128-byte swizzle.
+bool encode_cache_map(CUtensorMap* map, const Params& p, long long num_pages, int row_bytes = kDim) {
   const EncodeTiledFn encode = encode_tiled();
   if (encode == nullptr) return false;
-  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(kDim), static_cast<cuuint64_t>(p.page_size),
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(row_bytes), static_cast<cuuint64_t>(p.page_size),
                               static_cast<cuuint64_t>(num_pages)};
   const cuuint64_t strides[2] = {static_cast<cuuint64_t>(p.kv_st), static_cast<cuuint64_t>(p.kv_sp)};
   const cuuint32_t box[3] = {kBoxBytes, kTile, 1};

@@ -1,5 +1,5 @@
-// Hopper (sm_90a) asynchronous primitives the wgmma kernels use: wgmma (FP8, operands from shared
-// memory or A from registers) and its shared-memory matrix descriptors, the generic -> async
+// Hopper (sm_90a) asynchronous primitives the wgmma kernels use: wgmma (FP8, fp16 and bf16, operands
+// from shared memory or A from registers) and its shared-memory matrix descriptors, the generic -> async
 // proxy fence, mbarriers and TMA box loads, and (host side) the lookup of the driver's tensor-map
 // encoder. Thin inline-PTX wrappers; the layouts they assume are spelled out at each one.
 #pragma once
@@ -239,6 +239,31 @@ __device__ __forceinline__ void wgmma_m64n16k16_f16_tnspa(float (&d)[8], uint64_
       "%8, %9, p, 1, 1, 1, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
       : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+}
+
+// bf16 products (the bf16 narrow MLA decode): D[64 x N] (+)= A[64 x 16] . B[N x 16]^T, both from
+// shared memory, B K-major, A K-major (kTransA = 0) or M-major (kTransA = 1: its 64 rows
+// contiguous, the descriptor's stride steps 8 k, as in wgmma_m64n16k16_f16_tnspa); 8 or 16
+// accumulators per thread (rows 16 warp + g + 8i, columns 8j + 2q4 + e at d[4j + 2i + e]).
+template <int kTransA>
+__device__ __forceinline__ void wgmma_m64n16k16_bf16(float (&d)[8], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "%8, %9, p, 1, 1, %11, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA));
+}
+template <int kTransA>
+__device__ __forceinline__ void wgmma_m64n32k16_bf16(float (&d)[16], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+      "}, %16, %17, p, 1, 1, %19, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransA));
 }
 
 // Four 8x8 16-bit matrices from registers to shared memory: register i of lane l holds row l / 4,

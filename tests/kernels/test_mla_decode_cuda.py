@@ -53,6 +53,9 @@ def test_library_builds_and_matches_the_ctypes_mirror(tmp_path):
         assert lib.mla_decode_fp8_wgmma_narrow_sm90_smem_bytes(rows) == mdc.narrow_smem_bytes(rows)
         assert (mdc.narrow_smem_bytes(rows) + mdc.SMEM_RESERVED_PER_CTA) * mdc.NARROW_CTAS_PER_SM <= mdc.SMEM_PER_SM
     assert lib.mla_decode_fp8_wgmma_narrow_sm90_smem_bytes(48) == -1
+    for rows in mdc.NARROW_ROWS:
+        assert lib.mla_decode_bf16_narrow_sm90_smem_bytes(rows) == mdc.bf16_narrow_smem_bytes(rows)
+    assert lib.mla_decode_bf16_narrow_sm90_smem_bytes(48) == -1
     assert lib.mla_decode_split_combine_max_splits() == mdc.MAX_SPLITS
 
 
@@ -115,7 +118,7 @@ def test_split_planner_keeps_the_large_batch_launches():
 SMALL_GRID = [(bsz, seq) for bsz in (1, 2, 4, 8, 16) for seq in (2048, 8192, 32768)]
 
 
-@pytest.mark.parametrize("rows,kernel", [(128, "wgmma"), (16, "narrow")])
+@pytest.mark.parametrize("rows,kernel", [(128, "wgmma"), (16, "narrow"), (16, "narrow-bf16")])
 def test_split_planner_fills_the_gpu_in_one_wave_at_small_batches(rows, kernel):
     for bsz, seq in SMALL_GRID:
         tiles = seq // 64
@@ -163,7 +166,8 @@ def test_cuda_backend_refusals_name_the_flag_and_the_reason(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     assert CudaDecode.unsupported_reason(_spec()) == "needs a SM9x GPU; this one is SM80"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert "fp8 e4m3 (--kv-cache-dtype fp8)" in CudaDecode.unsupported_reason(_spec(cache=torch.bfloat16))
+    assert "needs a KV cache in fp8 e4m3, bfloat16; got float16" in CudaDecode.unsupported_reason(
+        _spec(cache=torch.float16))
     assert "kv_lora_rank" in CudaDecode.unsupported_reason(_spec(rank=256))
 
 
@@ -425,7 +429,7 @@ def test_fp16_output_for_fp16_models():
 @gpu
 @needs_hopper
 def test_bad_inputs_are_refused():
-    q, kv, bt, sl, qs, ks = make_case(1, 1, 16, [10], torch.bfloat16, device="cuda")
+    q, kv, bt, sl, qs, ks = make_case(1, 1, 16, [10], torch.float16, device="cuda")
     with pytest.raises(TypeError, match="e4m3"):
         mdc.mla_decode_cuda(q, kv, bt, sl, SM_SCALE)
     q, kv, bt, sl, qs, ks = make_case(1, 1, 16, [10], FP8, page=32, device="cuda")
