@@ -75,15 +75,19 @@ class MoEConfig:
     group_m: int = 8  # programs grouped along M so weight tiles are reused from L2
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False  # both GEMMs' operands through TMA descriptors (kernels/moe_triton_tma.py)
+    persistent: bool = False  # TMA only: one program per SM walking the tiles
 
 
 # (max rows per local expert, bf16 config, fp8 config); the last row catches everything.
 # Prefill sizes (V2-Lite, 8192 tokens = 768 rows per expert, H200): bf16 with 128-row tiles
-# 1.20x the 64-row ones; FP8 with 128-row tiles 2.4x slower (benchmarks/RESULTS.md).
+# 1.20x the 64-row ones; FP8 with 128-row tiles 2.4x slower (benchmarks/RESULTS.md). The
+# many-rows row loads through TMA descriptors where ``tma_applies`` (else the same tiles run on
+# the pointer kernels).
 CONFIG_TABLE = (
     (32, MoEConfig(16, 64, 128, 128, 8, 4, 4), MoEConfig(16, 128, 128, 128, 8, 4, 4)),
     (255, MoEConfig(64, 128, 128, 64, 8, 8, 3), MoEConfig(64, 128, 128, 128, 8, 8, 3)),
-    (None, MoEConfig(128, 128, 128, 64, 8, 8, 3), MoEConfig(64, 128, 128, 128, 8, 8, 3)),
+    (None, MoEConfig(128, 128, 128, 64, 8, 8, 3, tma=True), MoEConfig(64, 128, 128, 128, 8, 8, 3, tma=True)),
 )
 
 
@@ -252,17 +256,24 @@ def _run(x, x8, sx, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, cfg
     if t == 0:
         return out
     slots, block_expert = align_slots_to_blocks(topk_ids, n_local, expert_offset, cfg.block_m)
+    wts = topk_weights.reshape(-1).float().contiguous()
+    a, sa = (x8, sx) if fp8 else (x, x)
+    if cfg.tma:
+        from kernels.moe_triton_tma import expert_rows_tma, tma_applies
+
+        if tma_applies(x, w13, w2, cfg.block_m):
+            y = expert_rows_tma(a, sa, w13, s13, w2, s2, wts, slots, block_expert, k, cfg, fp8, ue8m0, x.dtype)
+            return _sum_slots(y, topk_ids, out, expert_offset, n_local)
     rows = slots.shape[0]
     grid_m = block_expert.shape[0]
     bk = FP8_GROUP if fp8 else cfg.block_k
     if fp8:
         hid = torch.empty(rows, inter, dtype=FP8_DTYPE, device=dev)
         sh = torch.empty(rows, inter // FP8_GROUP, dtype=torch.float32, device=dev)
-        a, sa = x8, sx
     else:
         hid = torch.empty(rows, inter, dtype=x.dtype, device=dev)
         sh = hid  # unused placeholders for the scale pointers
-        a, sa, s13, s2 = x, x, w13, w2
+        s13, s2 = w13, w2
     _gate_up_kernel[(grid_m * triton.cdiv(inter, cfg.block_n),)](
         a, sa, w13, s13, hid, sh, slots, block_expert,
         n_slots, h, inter, k, grid_m,
@@ -271,17 +282,22 @@ def _run(x, x8, sx, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, cfg
         FP8=fp8, UE8M0=ue8m0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     y = torch.empty(n_slots, h, dtype=x.dtype, device=dev)
-    wts = topk_weights.reshape(-1).float().contiguous()
     _down_kernel[(grid_m * triton.cdiv(h, cfg.block_n_down),)](
         hid, sh, w2, s2, y, slots, block_expert, wts,
         n_slots, h, inter, grid_m,
         hid.stride(0), sh.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         FP8=fp8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=bk, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _sum_slots(y, topk_ids, out, expert_offset, n_local)
+
+
+def _sum_slots(y, topk_ids, out, expert_offset, n_local):
+    t, k = topk_ids.shape
+    h = out.shape[1]
     sum_block = min(1024, triton.next_power_of_2(h))
-    ids = topk_ids.contiguous()
     _sum_slots_kernel[(t, triton.cdiv(h, sum_block))](
-        y, ids, out, h, k, expert_offset, n_local, y.stride(0), out.stride(0), BLOCK_N=sum_block, num_warps=4)
+        y, topk_ids.contiguous(), out, h, k, expert_offset, n_local, y.stride(0), out.stride(0), BLOCK_N=sum_block,
+        num_warps=4)
     return out
 
 
