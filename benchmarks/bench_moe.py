@@ -62,7 +62,7 @@ T_QUICK = [1, 32, 512]
 VARIANTS = ["grouped-bf16", "triton-bf16", "dequant+grouped-fp8", "triton-fp8"]
 ROUTING_SETS = 8
 # MoEConfig(block_m, block_n, block_n_down, block_k, group_m, num_warps, num_stages) candidates for
-# the many-rows regime; the first of each list is CONFIG_TABLE's row today.
+# the many-rows regime on the pointer-load kernels; the first of each list is CONFIG_TABLE's tiles.
 TILE_CANDIDATES = {
     "bf16": [MoEConfig(128, 128, 128, 64, 8, 8, 3), MoEConfig(128, 128, 128, 64, 8, 8, 4),
              MoEConfig(128, 64, 128, 64, 8, 4, 4), MoEConfig(128, 128, 256, 64, 8, 8, 3),
@@ -72,14 +72,20 @@ TILE_CANDIDATES = {
             MoEConfig(64, 128, 256, 128, 8, 8, 3), MoEConfig(64, 128, 64, 128, 8, 4, 4),
             MoEConfig(64, 128, 128, 128, 16, 8, 3)],
 }
-# TMA-descriptor candidates for the many-rows regime; the first of each list is CONFIG_TABLE's row.
+# TMA-descriptor candidates for the many-rows regime (MoEConfig(..., tma, persistent, tma_a)); the first of
+# each list is CONFIG_TABLE's row.
 TMA_CANDIDATES = {
-    "bf16": [MoEConfig(128, 128, 128, 64, 8, 8, 3, tma=True), MoEConfig(128, 128, 128, 64, 8, 8, 3, True, True),
-             MoEConfig(128, 128, 128, 64, 8, 8, 4, tma=True), MoEConfig(128, 128, 256, 64, 8, 8, 3, tma=True),
-             MoEConfig(128, 128, 256, 64, 8, 8, 3, True, True)],
-    "fp8": [MoEConfig(64, 128, 128, 128, 8, 8, 3, tma=True), MoEConfig(64, 128, 128, 128, 8, 8, 3, True, True),
-            MoEConfig(64, 128, 128, 128, 8, 8, 4, tma=True), MoEConfig(64, 128, 256, 128, 8, 8, 3, tma=True),
-            MoEConfig(128, 128, 128, 128, 8, 8, 3, tma=True)],
+    "bf16": [MoEConfig(128, 128, 128, 64, 8, 8, 3, tma=True),
+             MoEConfig(128, 128, 128, 64, 8, 8, 3, tma=True, persistent=True),
+             MoEConfig(128, 128, 128, 64, 8, 8, 4, tma=True),
+             MoEConfig(128, 128, 256, 64, 8, 8, 3, tma=True),
+             MoEConfig(128, 128, 256, 64, 8, 8, 3, tma=True, persistent=True),
+             MoEConfig(128, 128, 128, 64, 8, 8, 3, tma=True, tma_a=False)],
+    "fp8": [MoEConfig(64, 128, 128, 128, 8, 8, 3, tma=True),
+            MoEConfig(64, 128, 128, 128, 8, 8, 3, tma=True, persistent=True),
+            MoEConfig(64, 128, 128, 128, 8, 8, 4, tma=True),
+            MoEConfig(64, 128, 256, 128, 8, 8, 3, tma=True),
+            MoEConfig(64, 128, 128, 128, 8, 8, 3, tma=True, tma_a=False)],
 }
 DEVICE = "cuda"  # a module constant so the bench's plumbing can be dry-run elsewhere
 
@@ -127,7 +133,7 @@ def routing(t: int, k: int, e_global: int, seed: int) -> tuple[torch.Tensor, tor
 
 
 def tile_name(c: MoEConfig) -> str:
-    load = "+tma-persistent" if c.tma and c.persistent else "+tma" if c.tma else ""
+    load = ("+tma" + ("-persistent" if c.persistent else "") + ("" if c.tma_a else "-gatherA")) if c.tma else ""
     return (f"m{c.block_m}n{c.block_n}d{c.block_n_down}k{c.block_k}g{c.group_m}"
             f"w{c.num_warps}s{c.num_stages}{load}")
 

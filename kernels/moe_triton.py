@@ -77,6 +77,7 @@ class MoEConfig:
     num_stages: int = 3
     tma: bool = False  # both GEMMs' operands through TMA descriptors (kernels/moe_triton_tma.py)
     persistent: bool = False  # TMA only: one program per SM walking the tiles
+    tma_a: bool = True  # TMA only: x's rows gathered once, then TMA loads (False: gathered in gate_up)
 
 
 # (max rows per local expert, bf16 config, fp8 config); the last row catches everything.

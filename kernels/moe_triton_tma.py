@@ -121,29 +121,44 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_tma_kernel(
-        A_DESC, W_DESC, SA, SW, Hd, SH, BLOCK_EXPERT, N_USED,
-        K, inter, n_programs, stride_sam, stride_swe, stride_swn, stride_hm, stride_shm,
-        FP8: tl.constexpr, UE8M0: tl.constexpr, FLATTEN: tl.constexpr,
+        A_DESC, X, SLOTS, W_DESC, SA, SW, Hd, SH, BLOCK_EXPERT, N_USED,
+        n_slots, top_k, K, inter, n_programs, stride_xm, stride_sam, stride_swe, stride_swn, stride_hm, stride_shm,
+        FP8: tl.constexpr, UE8M0: tl.constexpr, FLATTEN: tl.constexpr, GATHER_A: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ):
-        """Hd[r, n] = silu(xs[r] · gateₑ[n]) · (xs[r] · upₑ[n]) for the rows r of used blocks
-        (expert e of r's block); FP8: e4m3 with SH[r, n // 128] (one group per tile)."""
+        """Hd[r, n] = silu(x[tok(r)] · gateₑ[n]) · (x[tok(r)] · upₑ[n]) for the rows r of used blocks
+        (expert e of r's block); FP8: e4m3 with SH[r, n // 128] (one group per tile). A's rows come
+        from the gathered copy (A_DESC, SA per row) or, with GATHER_A, from x by pointer loads (X, SA
+        per token)."""
         grid_n = tl.cdiv(inter, BLOCK_N)
         used_m = tl.load(N_USED)
+        rk = tl.arange(0, BLOCK_K)
         for tile in tl.range(tl.program_id(0), used_m * grid_n, n_programs, flatten=FLATTEN):
             pid_m, pid_n = _tile(tile, used_m, grid_n, GROUP_M)
             e = tl.load(BLOCK_EXPERT + pid_m)
             row0 = pid_m * BLOCK_M
             w_row = e * 2 * inter + pid_n * BLOCK_N  # gate rows; up rows start `inter` further
             rows = row0 + tl.arange(0, BLOCK_M)
+            if GATHER_A:
+                slot = tl.load(SLOTS + rows)
+                row_ok = slot < n_slots
+                tok = (slot // top_k).to(tl.int64)
             acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for kb in range(0, tl.cdiv(K, BLOCK_K)):
-                a = A_DESC.load([row0, kb * BLOCK_K])
+                if GATHER_A:
+                    k_ok = (kb * BLOCK_K + rk) < K
+                    a = tl.load(X + tok[:, None] * stride_xm + (kb * BLOCK_K + rk)[None, :],
+                                mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                else:
+                    a = A_DESC.load([row0, kb * BLOCK_K])
                 g = W_DESC.load([w_row, kb * BLOCK_K])
                 u = W_DESC.load([w_row + inter, kb * BLOCK_K])
                 if FP8:  # BLOCK_N == 128 and inter % 128 == 0: one weight scale per tile and K step
-                    sa = tl.load(SA + rows * stride_sam + kb)
+                    if GATHER_A:
+                        sa = tl.load(SA + tok * stride_sam + kb, mask=row_ok, other=0.0)
+                    else:
+                        sa = tl.load(SA + rows * stride_sam + kb)
                     sw = SW + e * stride_swe + kb
                     sg = tl.load(sw + (pid_n * BLOCK_N // 128) * stride_swn)
                     su = tl.load(sw + ((inter + pid_n * BLOCK_N) // 128) * stride_swn)
@@ -238,18 +253,25 @@ def expert_rows_tma(a, sa, w13, s13, w2, s2, slot_weights, slots, block_expert, 
     bk = FP8_GROUP if fp8 else cfg.block_k
     dev = a.device
     n_used = (block_expert >= 0).sum(dtype=torch.int32)  # used blocks come first in the layout
-    nbytes = max(rows * _round_up(h, ROW_ALIGN) * a.element_size(), n_slots * h * out_dtype.itemsize)
-    buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    xs = _padded_rows_buffer(buf, rows, h, a.dtype)
-    _gather(a, xs, slots, block_expert, n_slots, top_k, bm)
+    y_bytes = n_slots * h * out_dtype.itemsize
+    if cfg.tma_a:
+        buf = torch.empty(max(rows * _round_up(h, ROW_ALIGN) * a.element_size(), y_bytes), dtype=torch.uint8,
+                          device=dev)
+        xs = _padded_rows_buffer(buf, rows, h, a.dtype)
+        _gather(a, xs, slots, block_expert, n_slots, top_k, bm)
+        a_desc, a_scales = _desc(xs, [bm, bk]), sa
+        if fp8:
+            a_scales = torch.empty(rows, sa.shape[1], dtype=torch.float32, device=dev)
+            _gather(sa, a_scales, slots, block_expert, n_slots, top_k, bm)
+    else:
+        buf = torch.empty(y_bytes, dtype=torch.uint8, device=dev)
+        a_desc, a_scales = None, sa
     if fp8:
-        sxs = torch.empty(rows, sa.shape[1], dtype=torch.float32, device=dev)
-        _gather(sa, sxs, slots, block_expert, n_slots, top_k, bm)
         hid_bytes = rows * _round_up(inter, ROW_ALIGN)
         hid = _padded_rows_buffer(torch.empty(hid_bytes, dtype=torch.uint8, device=dev), rows, inter, FP8_DTYPE)
         sh = torch.empty(rows, inter // FP8_GROUP, dtype=torch.float32, device=dev)
     else:
-        sxs = sh = s13 = s2 = slots  # unused placeholders for the scale pointers
+        sh = s13 = s2 = slots  # unused placeholders for the scale pointers
         hid_bytes = rows * _round_up(inter, ROW_ALIGN) * a.element_size()
         hid = _padded_rows_buffer(torch.empty(hid_bytes, dtype=torch.uint8, device=dev), rows, inter, a.dtype)
     persistent = cfg.persistent
@@ -257,11 +279,12 @@ def expert_rows_tma(a, sa, w13, s13, w2, s2, slot_weights, slots, block_expert, 
     grid_n = triton.cdiv(inter, cfg.block_n)
     n_prog = min(sms, grid_m * grid_n) if persistent else grid_m * grid_n
     _gate_up_tma_kernel[(n_prog,)](
-        _desc(xs, [bm, bk]), _desc(w13.view(n_local * two_i, h), [cfg.block_n, bk]), sxs, s13, hid, sh,
-        block_expert, n_used, h, inter, n_prog, sxs.stride(0), s13.stride(0), s13.stride(1) if fp8 else 0,
-        hid.stride(0), sh.stride(0), FP8=fp8, UE8M0=ue8m0, FLATTEN=persistent, BLOCK_M=bm, BLOCK_N=cfg.block_n,
-        BLOCK_K=bk, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    y = buf[: n_slots * h * out_dtype.itemsize].view(out_dtype).view(n_slots, h)
+        a_desc, a, slots, _desc(w13.view(n_local * two_i, h), [cfg.block_n, bk]), a_scales, s13, hid, sh,
+        block_expert, n_used, n_slots, top_k, h, inter, n_prog, a.stride(0), a_scales.stride(0), s13.stride(0),
+        s13.stride(1) if fp8 else 0, hid.stride(0), sh.stride(0), FP8=fp8, UE8M0=ue8m0, FLATTEN=persistent,
+        GATHER_A=not cfg.tma_a, BLOCK_M=bm, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    y = buf[:y_bytes].view(out_dtype).view(n_slots, h)
     grid_n = triton.cdiv(h, cfg.block_n_down)
     n_prog = min(sms, grid_m * grid_n) if persistent else grid_m * grid_n
     _down_tma_kernel[(n_prog,)](
