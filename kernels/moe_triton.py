@@ -42,6 +42,10 @@ measures them. Compiled offline for sm_90 (Triton 3.6, 16-divisible strides as a
 no register spills in any table config; BLOCK_M = 64 issues HGMMA/QGMMA (wgmma), and needs 8
 warps for the FP8 gate_up (4 warps spill 80 B: two fp32 accumulators plus the scaled partial
 products); BLOCK_M = 16 uses mma.sync, where FP8 operands are widened to fp16 first.
+
+The many-rows row of the table (``tma=True``) runs steps 2-3 on ``kernels/moe_triton_tma.py``
+instead (operands through TMA descriptors, x's rows gathered once into the sorted layout) where
+``tma_applies``; elsewhere the same tiles run here.
 """
 
 from __future__ import annotations

@@ -35,7 +35,9 @@ beyond today's y except the padding rows.
 Persistent launch (``persistent=True``): one program per SM walks the tiles of the used blocks
 (their count read on the device), and the tile loop is flattened into the K loop
 (``tl.range(flatten=True)``) so the next tile's loads are in flight during the epilogue.
-Otherwise one program per tile, as in ``kernels.moe_triton``.
+Otherwise one program per tile, as in ``kernels.moe_triton``. ``tma_a=False`` skips step 1:
+gate_up gathers x's rows itself with pointer loads (cp.async) and only the weights come by TMA;
+the alternative to the gathered copy, kept for the benchmark to decide.
 """
 
 from __future__ import annotations
