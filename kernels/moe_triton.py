@@ -56,10 +56,13 @@ import torch
 
 from kernels.fp8 import FP8_DTYPE
 from kernels.moe_align import align_slots_to_blocks, padded_rows
+from kernels.moe_triton_tma import expert_rows_tma, tma_applies
 
 try:  # the kernels need Triton; the alignment (torch ops) does not
     import triton
     import triton.language as tl
+
+    from kernels.moe_align import grouped_tile as _tile
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
@@ -105,14 +108,6 @@ def default_config(num_slots: int, n_local: int, fp8: bool) -> MoEConfig:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
-        """Program id → (M block, N block), GROUP_M blocks of M at a time across all N."""
-        width = GROUP_M * grid_n
-        first_m = (pid // width) * GROUP_M
-        size_m = tl.minimum(grid_m - first_m, GROUP_M)
-        return first_m + (pid % width) % size_m, (pid % width) // size_m
 
     @triton.jit
     def _gate_up_kernel(
@@ -263,12 +258,9 @@ def _run(x, x8, sx, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, cfg
     slots, block_expert = align_slots_to_blocks(topk_ids, n_local, expert_offset, cfg.block_m)
     wts = topk_weights.reshape(-1).float().contiguous()
     a, sa = (x8, sx) if fp8 else (x, x)
-    if cfg.tma:
-        from kernels.moe_triton_tma import expert_rows_tma, tma_applies
-
-        if tma_applies(x, w13, w2, cfg.block_m):
-            y = expert_rows_tma(a, sa, w13, s13, w2, s2, wts, slots, block_expert, k, cfg, fp8, ue8m0, x.dtype)
-            return _sum_slots(y, topk_ids, out, expert_offset, n_local)
+    if cfg.tma and tma_applies(x, w13, w2, cfg.block_m):
+        y = expert_rows_tma(a, sa, w13, s13, w2, s2, wts, slots, block_expert, k, cfg, fp8, ue8m0, x.dtype)
+        return _sum_slots(y, topk_ids, out, expert_offset, n_local)
     rows = slots.shape[0]
     grid_m = block_expert.shape[0]
     bk = FP8_GROUP if fp8 else cfg.block_k

@@ -53,7 +53,7 @@ try:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from kernels.moe_triton import _tile
+    from kernels.moe_align import grouped_tile as _tile
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 

@@ -68,13 +68,13 @@ def test_tma_kernels_under_interpreter():
     run_under_interpreter(
         """
         import dataclasses, torch
-        import kernels.moe_triton_tma as tma
+        import kernels.moe_triton as moe_triton
         from kernels.moe import moe_experts_reference
         from kernels.moe_triton import MoEConfig, moe_experts_triton, moe_experts_fp8_triton
         from tests.kernels.test_moe_triton import fp8_experts, fp8_moe_emulated, rel_err
         calls = []
-        run = tma.expert_rows_tma
-        tma.expert_rows_tma = lambda *a: calls.append(a[10]) or run(*a)
+        run = moe_triton.expert_rows_tma
+        moe_triton.expert_rows_tma = lambda *a: calls.append(a[10]) or run(*a)
         g = torch.Generator().manual_seed(0)
         t, k, h, inter = 37, 3, 80, 48
         ids = torch.randint(0, 9, (t, k), generator=g)
@@ -173,11 +173,11 @@ def poison_allocator(nbytes: int) -> None:
 
 
 def _count_tma_calls(monkeypatch) -> list:
-    import kernels.moe_triton_tma as tma
+    import kernels.moe_triton as moe_triton
 
     calls = []
-    run = tma.expert_rows_tma
-    monkeypatch.setattr(tma, "expert_rows_tma", lambda *a: calls.append(a[10]) or run(*a))
+    run = moe_triton.expert_rows_tma
+    monkeypatch.setattr(moe_triton, "expert_rows_tma", lambda *a: calls.append(a[10]) or run(*a))
     return calls
 
 
