@@ -15,7 +15,7 @@ Steps (between the slot sort and the final per-token sum of ``kernels.moe_triton
 
 Why: the pointer-load kernels gather A rows and load masked B tiles with cp.async; at 768 rows
 per expert they run ~480 TFLOP/s and no tile beat today's by more than 4 % (benchmarks/RESULTS.md),
-so the load path is the limit. TMA moves whole boxes with one instruction per stage, frees the
+so the load path is the limit. TMA moves each box with one instruction from one thread, frees the
 registers and issue slots of the address arithmetic and zero-fills out-of-range rows and columns
 (no masks: ragged K, the last N block, rows past the layout).
 
@@ -47,6 +47,7 @@ import os
 import torch
 
 from kernels.fp8 import FP8_DTYPE
+from kernels.mxfp8_operands import sm_count
 
 try:
     import triton
@@ -89,16 +90,10 @@ def tma_applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, block_m: i
     return _tma_rows_ok(w13) and _tma_rows_ok(w2)
 
 
-_SMS: dict = {}
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 3  # the interpreter: a few programs, each walking several tiles
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 if triton is not None:
