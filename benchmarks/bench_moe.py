@@ -29,11 +29,18 @@ check the regime thresholds of ``default_config``; ``--tiles`` times the candida
 ``TILE_CANDIDATES`` (prefill sizes: many rows per expert), to pick that regime's row, e.g.
 
     python3 -m benchmarks.bench_moe --shapes v2-lite r1-ep8 --t 2048 8192 --tiles
+
+``--tma`` times the TMA-descriptor kernels (``kernels/moe_triton_tma.py``) of ``TMA_CANDIDATES``
+against the pointer-load kernels with the same tiles (``[today]``: the many-rows regime before
+the TMA path), both dtypes, and prints their table last, e.g.
+
+    python3 -m benchmarks.bench_moe --shapes v2-lite r1-ep8 --t 2048 8192 --tma
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -55,7 +62,7 @@ T_QUICK = [1, 32, 512]
 VARIANTS = ["grouped-bf16", "triton-bf16", "dequant+grouped-fp8", "triton-fp8"]
 ROUTING_SETS = 8
 # MoEConfig(block_m, block_n, block_n_down, block_k, group_m, num_warps, num_stages) candidates for
-# the many-rows regime; the first of each list is CONFIG_TABLE's row today.
+# the many-rows regime on the pointer-load kernels; the first of each list is CONFIG_TABLE's tiles.
 TILE_CANDIDATES = {
     "bf16": [MoEConfig(128, 128, 128, 64, 8, 8, 3), MoEConfig(128, 128, 128, 64, 8, 8, 4),
              MoEConfig(128, 64, 128, 64, 8, 4, 4), MoEConfig(128, 128, 256, 64, 8, 8, 3),
@@ -64,6 +71,19 @@ TILE_CANDIDATES = {
     "fp8": [MoEConfig(64, 128, 128, 128, 8, 8, 3), MoEConfig(64, 128, 128, 128, 8, 8, 4),
             MoEConfig(64, 128, 256, 128, 8, 8, 3), MoEConfig(64, 128, 64, 128, 8, 4, 4),
             MoEConfig(64, 128, 128, 128, 16, 8, 3)],
+}
+# TMA-descriptor candidates for the many-rows regime (MoEConfig(..., tma, persistent, tma_a)); the first of
+# each list is CONFIG_TABLE's row.
+TMA_CANDIDATES = {
+    "bf16": [MoEConfig(128, 128, 128, 64, 8, 8, 3, tma=True),
+             MoEConfig(128, 128, 128, 64, 8, 8, 3, tma=True, persistent=True),
+             MoEConfig(128, 128, 128, 64, 8, 8, 4, tma=True),
+             MoEConfig(128, 128, 256, 64, 8, 8, 3, tma=True),
+             MoEConfig(128, 128, 128, 64, 8, 8, 3, tma=True, tma_a=False)],
+    "fp8": [MoEConfig(64, 128, 128, 128, 8, 8, 3, tma=True),
+            MoEConfig(64, 128, 128, 128, 8, 8, 3, tma=True, persistent=True),
+            MoEConfig(64, 128, 128, 128, 8, 8, 4, tma=True),
+            MoEConfig(64, 128, 128, 128, 8, 8, 3, tma=True, tma_a=False)],
 }
 DEVICE = "cuda"  # a module constant so the bench's plumbing can be dry-run elsewhere
 
@@ -111,12 +131,13 @@ def routing(t: int, k: int, e_global: int, seed: int) -> tuple[torch.Tensor, tor
 
 
 def tile_name(c: MoEConfig) -> str:
+    load = ("+tma" + ("-persistent" if c.persistent else "") + ("" if c.tma_a else "-gatherA")) if c.tma else ""
     return (f"m{c.block_m}n{c.block_n}d{c.block_n_down}k{c.block_k}g{c.group_m}"
-            f"w{c.num_warps}s{c.num_stages}")
+            f"w{c.num_warps}s{c.num_stages}{load}")
 
 
-def variant_fns(ws: dict, x, off, sweep: bool, tiles: bool = False) -> dict:
-    """name → fn(wts, ids) for each variant (and each forced config with ``sweep``)."""
+def variant_fns(ws: dict, x, off, sweep: bool, tiles: bool = False, tma: bool = False, k: int = 1) -> dict:
+    """name → fn(wts, ids) for each variant (and each forced config with ``sweep``, ``tiles``, ``tma``)."""
     w13b, w2b, w13_8, s13, w2_8, s2 = (ws[n] for n in ("w13_bf16", "w2_bf16", "w13_8", "w13_s", "w2_8", "w2_s"))
 
     def today_fp8(wts, ids):  # model/layers/moe.py before the Triton path: dequantize, then grouped_mm
@@ -142,6 +163,18 @@ def variant_fns(ws: dict, x, off, sweep: bool, tiles: bool = False) -> dict:
         for c in TILE_CANDIDATES["fp8"]:
             fns[f"triton-fp8[{tile_name(c)}]"] = (
                 lambda wts, ids, c=c: moe_experts_fp8_triton(x, w13_8, s13, w2_8, s2, wts, ids, off, c))
+    if tma:
+        slots = x.shape[0] * k
+        for dtype, fp8 in (("bf16", False), ("fp8", True)):
+            default = default_config(slots, w13b.shape[0], fp8)
+            today = dataclasses.replace(default, tma=False, persistent=False)
+            cands = [today] + [c for c in TMA_CANDIDATES[dtype] if c != default]
+            for c in cands:
+                name = f"triton-{dtype}[today]" if c is today else f"triton-{dtype}[{tile_name(c)}]"
+                if fp8:
+                    fns[name] = lambda wts, ids, c=c: moe_experts_fp8_triton(x, w13_8, s13, w2_8, s2, wts, ids, off, c)
+                else:
+                    fns[name] = lambda wts, ids, c=c: moe_experts_triton(x, w13b, w2b, wts, ids, off, c)
     return fns
 
 
@@ -157,7 +190,7 @@ def cycling(fn, sets: list):
     return call
 
 
-def run_shape(name: str, ts: list[int], sweep: bool, tiles: bool = False) -> list[dict]:
+def run_shape(name: str, ts: list[int], sweep: bool, tiles: bool = False, tma: bool = False) -> list[dict]:
     e, h, inter, k, off, eg = SHAPES[name]
     ws = make_experts(e, h, inter, seed=e + h)
     per_expert = 3 * inter * h  # weights per expert (w13 + w2)
@@ -171,20 +204,22 @@ def run_shape(name: str, ts: list[int], sweep: bool, tiles: bool = False) -> lis
             local = ids.flatten() - off
             hits.append(local[(local >= 0) & (local < e)].unique().numel())
         hit = sum(hits) / len(hits)  # distinct local experts read per call, on average
+        owned = sum(int(((i - off >= 0) & (i - off < e)).sum()) for _, i in sets) / len(sets)  # local slots
         wts, ids = sets[0]
         ref = moe_experts_reference(x.float(), ws["w13_f32"], ws["w2_f32"], wts, ids, off)
         ref_norm = ref.double().norm().item()
         align = bench(cycling(lambda w_, i_: align_slots_to_blocks(i_, e, off, default_config(t * k, e, True).block_m),
                               sets))
         print(f"{name:8s} T={t:5d} {'(expert sort alone)':24s} {align * 1e6:9.1f} us", flush=True)
-        for variant, fn in variant_fns(ws, x, off, sweep, tiles).items():
+        for variant, fn in variant_fns(ws, x, off, sweep, tiles, tma, k).items():
             out = fn(wts, ids)
             err = (out.double() - ref.double()).norm().item() / ref_norm if ref_norm > 0 else float("nan")
             sec = bench(cycling(fn, sets))
             fp8 = "fp8" in variant
             wbytes = hit * (per_expert * (1 if fp8 else 2) + (scale_bytes if fp8 else 0))
             row = dict(shape=name, E=e, H=h, I=inter, k=k, T=t, variant=variant, us=sec * 1e6, align_us=align * 1e6,
-                       experts_hit=hit, weight_bytes=wbytes, tbs=wbytes / sec / 1e12, relerr=err)
+                       experts_hit=hit, weight_bytes=wbytes, tbs=wbytes / sec / 1e12, relerr=err,
+                       tflops=6 * h * inter * owned / sec / 1e12)
             rows.append(row)
             print(f"{name:8s} T={t:5d} {variant:24s} {row['us']:9.1f} us  {row['tbs']:6.2f} TB/s  "
                   f"rel.err {err:.2e}  (experts hit {hit:.1f})", flush=True)
@@ -221,11 +256,30 @@ def tile_summary(rows: list[dict]) -> str:
             base = next((r for r in rows if r["shape"] == shape and r["T"] == t and r["variant"] == f"triton-{dtype}"),
                         None)
             cands = sorted((r for r in rows if r["shape"] == shape and r["T"] == t
-                            and r["variant"].startswith(f"triton-{dtype}[m")), key=lambda r: r["us"])
+                            and r["variant"].startswith(f"triton-{dtype}[m") and "+tma" not in r["variant"]),
+                           key=lambda r: r["us"])
             for r in cands:
                 ratio = f"{base['us'] / r['us']:.2f}x" if base else "-"
                 tile = r["variant"].split("[")[1][:-1]
                 lines.append(f"| {shape} | {t} | {dtype} | {tile} | {r['us']:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def tma_summary(rows: list[dict]) -> str:
+    """Per (shape, T, dtype): today's pointer kernels, the default (first TMA candidate) and the
+    other TMA candidates; µs of the whole call, its TFLOP/s (6·H·I per owned slot) and the speed-up
+    against today's."""
+    lines = ["| shape | T | dtype | kernels | µs | TFLOP/s | vs today | rel.err |", "|---|---|---|---|---|---|---|---|"]
+    for shape, t in dict.fromkeys((r["shape"], r["T"]) for r in rows):
+        for dtype in ("bf16", "fp8"):
+            by = {r["variant"]: r for r in rows if r["shape"] == shape and r["T"] == t}
+            base = by.get(f"triton-{dtype}[today]")
+            cands = [by[v] for v in by if v == f"triton-{dtype}" or (v.startswith(f"triton-{dtype}[") and "+tma" in v)]
+            for r in [base] * (base is not None) + cands:
+                label = r["variant"].removeprefix(f"triton-{dtype}") or "[default]"
+                ratio = f"{base['us'] / r['us']:.2f}x" if base else "-"
+                lines.append(f"| {shape} | {t} | {dtype} | {label} | {r['us']:.1f} | {r['tflops']:.0f} | {ratio} | "
+                             f"{r['relerr']:.1e} |")
     return "\n".join(lines)
 
 
@@ -236,6 +290,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     ap.add_argument("--sweep-configs", action="store_true", help="also time each CONFIG_TABLE row forced")
     ap.add_argument("--tiles", action="store_true", help="also time the many-rows tile candidates (TILE_CANDIDATES)")
+    ap.add_argument("--tma", action="store_true", help="also time the TMA kernels (TMA_CANDIDATES) against today's")
     ap.add_argument("--output-json", metavar="PATH")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -244,7 +299,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
     rows = []
     for name in args.shapes:
-        rows += run_shape(name, ts, args.sweep_configs, args.tiles)
+        rows += run_shape(name, ts, args.sweep_configs, args.tiles, args.tma)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=1)
@@ -253,6 +308,9 @@ def main() -> None:
     if args.tiles:
         print()
         print(tile_summary(rows))
+    if args.tma:
+        print()
+        print(tma_summary(rows))
 
 
 if __name__ == "__main__":

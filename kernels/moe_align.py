@@ -75,6 +75,15 @@ def align_slots_to_blocks_reference(
 if HAS_TRITON:
 
     @triton.jit
+    def grouped_tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
+        """Program id → (M block, N block) of a GEMM over the layout's blocks: GROUP_M blocks of M
+        at a time across all N, so consecutive programs share A blocks and one expert's weights."""
+        width = GROUP_M * grid_n
+        first_m = (pid // width) * GROUP_M
+        size_m = tl.minimum(grid_m - first_m, GROUP_M)
+        return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+    @triton.jit
     def _count_kernel(
         IDS, STARTS, SLOTS, BLOCK_EXPERT, n_slots, n_local, expert_offset, rows, n_blocks,
         BLOCK_M: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_B: tl.constexpr,

@@ -42,6 +42,10 @@ measures them. Compiled offline for sm_90 (Triton 3.6, 16-divisible strides as a
 no register spills in any table config; BLOCK_M = 64 issues HGMMA/QGMMA (wgmma), and needs 8
 warps for the FP8 gate_up (4 warps spill 80 B: two fp32 accumulators plus the scaled partial
 products); BLOCK_M = 16 uses mma.sync, where FP8 operands are widened to fp16 first.
+
+The many-rows row of the table (``tma=True``) runs steps 2-3 on ``kernels/moe_triton_tma.py``
+instead (operands through TMA descriptors, x's rows gathered once into the sorted layout) where
+``tma_applies``; elsewhere the same tiles run here.
 """
 
 from __future__ import annotations
@@ -52,10 +56,13 @@ import torch
 
 from kernels.fp8 import FP8_DTYPE
 from kernels.moe_align import align_slots_to_blocks, padded_rows
+from kernels.moe_triton_tma import expert_rows_tma, tma_applies
 
 try:  # the kernels need Triton; the alignment (torch ops) does not
     import triton
     import triton.language as tl
+
+    from kernels.moe_align import grouped_tile as _tile
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
@@ -75,15 +82,20 @@ class MoEConfig:
     group_m: int = 8  # programs grouped along M so weight tiles are reused from L2
     num_warps: int = 4
     num_stages: int = 3
+    tma: bool = False  # both GEMMs' operands through TMA descriptors (kernels/moe_triton_tma.py)
+    persistent: bool = False  # TMA only: one program per SM walking the tiles
+    tma_a: bool = True  # TMA only: x's rows gathered once, then TMA loads (False: gathered in gate_up)
 
 
 # (max rows per local expert, bf16 config, fp8 config); the last row catches everything.
 # Prefill sizes (V2-Lite, 8192 tokens = 768 rows per expert, H200): bf16 with 128-row tiles
-# 1.20x the 64-row ones; FP8 with 128-row tiles 2.4x slower (benchmarks/RESULTS.md).
+# 1.20x the 64-row ones; FP8 with 128-row tiles 2.4x slower (benchmarks/RESULTS.md). The
+# many-rows row loads through TMA descriptors where ``tma_applies`` (else the same tiles run on
+# the pointer kernels).
 CONFIG_TABLE = (
     (32, MoEConfig(16, 64, 128, 128, 8, 4, 4), MoEConfig(16, 128, 128, 128, 8, 4, 4)),
     (255, MoEConfig(64, 128, 128, 64, 8, 8, 3), MoEConfig(64, 128, 128, 128, 8, 8, 3)),
-    (None, MoEConfig(128, 128, 128, 64, 8, 8, 3), MoEConfig(64, 128, 128, 128, 8, 8, 3)),
+    (None, MoEConfig(128, 128, 128, 64, 8, 8, 3, tma=True), MoEConfig(64, 128, 128, 128, 8, 8, 3, tma=True)),
 )
 
 
@@ -96,14 +108,6 @@ def default_config(num_slots: int, n_local: int, fp8: bool) -> MoEConfig:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _tile(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
-        """Program id → (M block, N block), GROUP_M blocks of M at a time across all N."""
-        width = GROUP_M * grid_n
-        first_m = (pid // width) * GROUP_M
-        size_m = tl.minimum(grid_m - first_m, GROUP_M)
-        return first_m + (pid % width) % size_m, (pid % width) // size_m
 
     @triton.jit
     def _gate_up_kernel(
@@ -252,17 +256,21 @@ def _run(x, x8, sx, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, cfg
     if t == 0:
         return out
     slots, block_expert = align_slots_to_blocks(topk_ids, n_local, expert_offset, cfg.block_m)
+    wts = topk_weights.reshape(-1).float().contiguous()
+    a, sa = (x8, sx) if fp8 else (x, x)
+    if cfg.tma and tma_applies(x, w13, w2, cfg.block_m):
+        y = expert_rows_tma(a, sa, w13, s13, w2, s2, wts, slots, block_expert, k, cfg, fp8, ue8m0, x.dtype)
+        return _sum_slots(y, topk_ids, out, expert_offset, n_local)
     rows = slots.shape[0]
     grid_m = block_expert.shape[0]
     bk = FP8_GROUP if fp8 else cfg.block_k
     if fp8:
         hid = torch.empty(rows, inter, dtype=FP8_DTYPE, device=dev)
         sh = torch.empty(rows, inter // FP8_GROUP, dtype=torch.float32, device=dev)
-        a, sa = x8, sx
     else:
         hid = torch.empty(rows, inter, dtype=x.dtype, device=dev)
         sh = hid  # unused placeholders for the scale pointers
-        a, sa, s13, s2 = x, x, w13, w2
+        s13, s2 = w13, w2
     _gate_up_kernel[(grid_m * triton.cdiv(inter, cfg.block_n),)](
         a, sa, w13, s13, hid, sh, slots, block_expert,
         n_slots, h, inter, k, grid_m,
@@ -271,17 +279,22 @@ def _run(x, x8, sx, w13, s13, w2, s2, topk_weights, topk_ids, expert_offset, cfg
         FP8=fp8, UE8M0=ue8m0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     y = torch.empty(n_slots, h, dtype=x.dtype, device=dev)
-    wts = topk_weights.reshape(-1).float().contiguous()
     _down_kernel[(grid_m * triton.cdiv(h, cfg.block_n_down),)](
         hid, sh, w2, s2, y, slots, block_expert, wts,
         n_slots, h, inter, grid_m,
         hid.stride(0), sh.stride(0), w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), y.stride(0),
         FP8=fp8, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, BLOCK_K=bk, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return _sum_slots(y, topk_ids, out, expert_offset, n_local)
+
+
+def _sum_slots(y, topk_ids, out, expert_offset, n_local):
+    t, k = topk_ids.shape
+    h = out.shape[1]
     sum_block = min(1024, triton.next_power_of_2(h))
-    ids = topk_ids.contiguous()
     _sum_slots_kernel[(t, triton.cdiv(h, sum_block))](
-        y, ids, out, h, k, expert_offset, n_local, y.stride(0), out.stride(0), BLOCK_N=sum_block, num_warps=4)
+        y, topk_ids.contiguous(), out, h, k, expert_offset, n_local, y.stride(0), out.stride(0), BLOCK_N=sum_block,
+        num_warps=4)
     return out
 
 
