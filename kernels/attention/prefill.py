@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from kernels.mxfp8_operands import sm_count
 from kernels.attention.base import FP8_E4M3, LATENT_16_BIT, BackendSupport, PrefillBackend, PrefillMetadata
 from kernels.mla_prefill import (flash_varlen_unsupported_reason, mla_prefill_after_context_split,
                                  mla_prefill_flash_varlen, mla_prefill_reference, mla_prefill_sdpa, sdpa_warmup_lengths,
                                  tail_segments)
 
 _ANY_CACHE = (torch.float32, *LATENT_16_BIT, FP8_E4M3)  # prefill reads the dequantized context
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class TorchPrefill(PrefillBackend):
@@ -83,7 +77,7 @@ class SdpaPrefill(PrefillBackend):
         heads = q.shape[1]
         if not self.split_short_tails:
             return dict.fromkeys(after, 1)
-        sms = _sm_count(q.device)
+        sms = sm_count(q.device.index)
         if sum(-(-metadata.query_lens[i] // 128) for i in after) * heads >= sms:
             return dict.fromkeys(after, 1)
         return {i: tail_segments(metadata.query_lens[i], metadata.context_lens[i], heads, sms) for i in after}
