@@ -14,6 +14,10 @@ in every decode graph. The Triton form gives the same two tensors bit for bit:
    the reference's argsort), then marks the rest of its last block as padding.
 
 No host synchronization and every shape a function of T, k, E_local and BLOCK_M: graph-safe.
+
+It also holds the two Triton pieces the MoE GEMM kernels over this layout share
+(``kernels/moe_triton.py``, ``kernels/moe_triton_tma.py``): the program → block order and the
+gate/up epilogue.
 """
 
 from __future__ import annotations
@@ -82,6 +86,27 @@ if HAS_TRITON:
         first_m = (pid // width) * GROUP_M
         size_m = tl.minimum(grid_m - first_m, GROUP_M)
         return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+    @triton.jit
+    def store_swiglu_rows(acc_g, acc_u, Hd, SH, rows, rn, n_ok, pid_n, stride_hm, stride_shm,
+                          FP8: tl.constexpr, UE8M0: tl.constexpr):
+        """The gate/up GEMMs' epilogue: silu(gate)·up of the block's rows into the intermediate,
+        in its dtype, or for FP8 quantized per row over this program's 128 columns (one whole
+        group: amax/448, IEEE division, saturate; UE8M0 rounds the scale up to a power of two)
+        with the scale at SH[row, pid_n]. Every row of a used block is written (padding rows
+        are exact zeros), so the down GEMM never reads uninitialized memory."""
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h_ptr = Hd + rows.to(tl.int64)[:, None] * stride_hm + rn[None, :]
+        if FP8:
+            amax = tl.max(tl.abs(h), 1)
+            scale = tl.maximum(amax, 1e-12) / 448.0
+            if UE8M0:
+                scale = tl.exp2(tl.ceil(tl.log2(scale)))
+            q = tl.clamp(tl.math.div_rn(h, scale[:, None]), -448.0, 448.0)
+            tl.store(h_ptr, q.to(Hd.dtype.element_ty), mask=n_ok[None, :])
+            tl.store(SH + rows.to(tl.int64) * stride_shm + pid_n, scale)
+        else:
+            tl.store(h_ptr, h.to(Hd.dtype.element_ty), mask=n_ok[None, :])
 
     @triton.jit
     def _count_kernel(

@@ -63,6 +63,7 @@ try:  # the kernels need Triton; the alignment (torch ops) does not
     import triton.language as tl
 
     from kernels.moe_align import grouped_tile as _tile
+    from kernels.moe_align import store_swiglu_rows
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
@@ -154,20 +155,8 @@ if triton is not None:
             a_ptr += BLOCK_K
             g_ptr += BLOCK_K
             u_ptr += BLOCK_K
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        # Every row of a used block is written (padding rows are exact zeros), so the down
-        # kernel never reads uninitialized memory.
-        h_ptr = Hd + rows.to(tl.int64)[:, None] * stride_hm + rn[None, :]
-        if FP8:  # BLOCK_N == 128 and inter % 128 == 0: this program owns one whole group
-            amax = tl.max(tl.abs(h), 1)
-            scale = tl.maximum(amax, 1e-12) / 448.0
-            if UE8M0:
-                scale = tl.exp2(tl.ceil(tl.log2(scale)))
-            q = tl.clamp(tl.math.div_rn(h, scale[:, None]), -448.0, 448.0)
-            tl.store(h_ptr, q.to(Hd.dtype.element_ty), mask=n_ok[None, :])
-            tl.store(SH + rows.to(tl.int64) * stride_shm + pid_n, scale)
-        else:
-            tl.store(h_ptr, h.to(Hd.dtype.element_ty), mask=n_ok[None, :])
+        # FP8: BLOCK_N == 128 and inter % 128 == 0, so this program owns one whole group.
+        store_swiglu_rows(acc_g, acc_u, Hd, SH, rows, rn, n_ok, pid_n, stride_hm, stride_shm, FP8, UE8M0)
 
     @triton.jit
     def _down_kernel(

@@ -55,6 +55,7 @@ try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from kernels.moe_align import grouped_tile as _tile
+    from kernels.moe_align import store_swiglu_rows
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
@@ -164,20 +165,9 @@ if triton is not None:
                 else:
                     acc_g = tl.dot(a, g.T, acc_g)
                     acc_u = tl.dot(a, u.T, acc_u)
-            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
             rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = rn < inter  # the last block's gate box may overlap the up rows: not stored
-            h_ptr = Hd + rows.to(tl.int64)[:, None] * stride_hm + rn[None, :]
-            if FP8:
-                amax = tl.max(tl.abs(h), 1)
-                scale = tl.maximum(amax, 1e-12) / 448.0
-                if UE8M0:
-                    scale = tl.exp2(tl.ceil(tl.log2(scale)))
-                q = tl.clamp(tl.math.div_rn(h, scale[:, None]), -448.0, 448.0)
-                tl.store(h_ptr, q.to(Hd.dtype.element_ty), mask=n_ok[None, :])
-                tl.store(SH + rows.to(tl.int64) * stride_shm + pid_n, scale)
-            else:
-                tl.store(h_ptr, h.to(Hd.dtype.element_ty), mask=n_ok[None, :])
+            store_swiglu_rows(acc_g, acc_u, Hd, SH, rows, rn, n_ok, pid_n, stride_hm, stride_shm, FP8, UE8M0)
 
     @triton.jit
     def _down_tma_kernel(
