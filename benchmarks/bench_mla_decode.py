@@ -305,11 +305,11 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
                dict(config={k: v for k, v in cfg.items() if v is not None and k != "pv"}))
     if "cuda-fp8" in variants:
         from kernels.mla_decode_cuda import TILE, choose_kernel, choose_num_splits, mla_decode_cuda
-        from kernels.mla_decode_triton import _num_sms
+        from kernels.gpu import num_sms
 
         kernel = choose_kernel(rows_per_req)
         planned = choose_num_splits(case.bsz, rows_per_req, x["tables"].shape[1] * PAGE // TILE,
-                                    _num_sms(x["q8"].device), kernel)
+                                    num_sms(x["q8"].device), kernel)
         record("cuda-fp8", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE), ref8, 1,
                dict(config=kernel, splits=planned))
         if split_sweep:
@@ -322,11 +322,11 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
                            ref8, 1, dict(config=name, splits=splits))
     if "cuda-bf16" in variants:
         from kernels.mla_decode_cuda import NARROW_MAX_ROWS, TILE, choose_num_splits, mla_decode_cuda
-        from kernels.mla_decode_triton import _num_sms
+        from kernels.gpu import num_sms
 
         if rows_per_req <= NARROW_MAX_ROWS:
             planned = choose_num_splits(case.bsz, rows_per_req, x["tables"].shape[1] * PAGE // TILE,
-                                        _num_sms(x["q16"].device), "narrow-bf16")
+                                        num_sms(x["q16"].device), "narrow-bf16")
             record("cuda-bf16", lambda: mla_decode_cuda(*args16), ref16, 2, dict(config="narrow-bf16", splits=planned))
     if sweep and sweep_triton:
         regime = "many" if case.heads * case.s_q >= 64 else "few"
@@ -373,12 +373,12 @@ def sweep_split_counts(case: Case, args8: tuple, ref8, record) -> None:
     the combine launched without PDL: row ``sweep-no-pdl``; past 32 rows, the narrow kernel
     (32-row CTAs) at its planned split count: row ``sweep-narrow``."""
     from kernels.mla_decode_cuda import TILE, choose_kernel, choose_num_splits, mla_decode_cuda
-    from kernels.mla_decode_triton import _num_sms
+    from kernels.gpu import num_sms
 
     rows = case.heads * case.s_q
     kernel = choose_kernel(rows)
     max_tiles = args8[2].shape[1] * PAGE // TILE
-    planned = choose_num_splits(case.bsz, rows, max_tiles, _num_sms(args8[0].device), kernel)
+    planned = choose_num_splits(case.bsz, rows, max_tiles, num_sms(args8[0].device), kernel)
     for splits in sorted({n for n in SPLIT_SWEEP if n <= max_tiles} | {planned}):
         for merged in (True, False) if splits > 1 else (True,):
             def call(splits=splits, merged=merged):
@@ -391,7 +391,7 @@ def sweep_split_counts(case: Case, args8: tuple, ref8, record) -> None:
         record("sweep-no-pdl", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE, num_splits=planned,
                                                        pdl=False), ref8, 1, dict(config=kernel, splits=planned))
     if kernel == "wgmma":  # the narrow kernel's 32-row CTAs instead: twice the CTAs for the same tiles
-        narrow = choose_num_splits(case.bsz, rows, max_tiles, _num_sms(args8[0].device), "narrow")
+        narrow = choose_num_splits(case.bsz, rows, max_tiles, num_sms(args8[0].device), "narrow")
         record("sweep-narrow", lambda: mla_decode_cuda(*args8, q_scale=Q_SCALE, k_scale=K_SCALE, kernel="narrow",
                                                        num_splits=narrow), ref8, 1,
                dict(config="narrow", splits=narrow))

@@ -49,6 +49,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.gpu import num_sms
+
 CSRC = Path(__file__).with_name("csrc")
 # All kernels go into one library.
 COMBINE_SOURCE = CSRC / "mla_decode_combine_sm90a.cu"  # the split-KV merge, launched after either kernel
@@ -384,7 +386,7 @@ def mla_decode_cuda(
     Every request needs ``seq_lens[b] >= s_q``. No host synchronization, launch shape from
     tensor shapes only: capturable in a CUDA graph (pass ``out``/``lse`` to reuse buffers).
     """
-    from kernels.mla_decode_triton import _check_inputs, _num_sms
+    from kernels.mla_decode_triton import _check_inputs
 
     _check_inputs(q, kv_cache, block_tables, seq_lens, kv_lora_rank)
     kernel = checked_kernel(q.shape[1] * q.shape[2], q.dtype, kv_cache.dtype, kernel)
@@ -408,7 +410,7 @@ def mla_decode_cuda(
     bsz, s_q, h, _ = q.shape
     rows = s_q * h
     max_tiles = max(1, block_tables.shape[1] * page // TILE)
-    splits = num_splits or choose_num_splits(bsz, rows, max_tiles, _num_sms(q.device), kernel)
+    splits = num_splits or choose_num_splits(bsz, rows, max_tiles, num_sms(q.device), kernel)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be 1 to {MAX_SPLITS}, got {splits}")
     if out is None:

@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from kernels.gpu import num_sms
 import triton
 import triton.language as tl
 
@@ -349,12 +351,6 @@ def _check_inputs(q, kv_cache, block_tables, seq_lens, kv_lora_rank):
         raise ValueError("all inputs must be on one device")
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
-
-
 def mla_decode_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -400,7 +396,7 @@ def mla_decode_triton(
     pv_mode = _PV_MODES[cfg.pv] if fp8_qk else (PV_FP16 if kv8 else PV_16)
 
     col_blocks = triton.cdiv(rows, cfg.block_h) * (kv_lora_rank // dv)
-    splits = cfg.num_splits or choose_num_splits(bsz * col_blocks, _num_sms(q.device))
+    splits = cfg.num_splits or choose_num_splits(bsz * col_blocks, num_sms(q.device))
     if out is None:
         out = torch.empty(bsz, s_q, h, kv_lora_rank, dtype=out_dtype, device=q.device)
     if lse is None:

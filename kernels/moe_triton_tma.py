@@ -47,7 +47,7 @@ import os
 import torch
 
 from kernels.fp8 import FP8_DTYPE
-from kernels.mxfp8_operands import sm_count
+from kernels.gpu import num_sms
 
 try:
     import triton
@@ -91,10 +91,9 @@ def tma_applies(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, block_m: i
     return _tma_rows_ok(w13) and _tma_rows_ok(w2)
 
 
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 3  # the interpreter: a few programs, each walking several tiles
-    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+def _persistent_programs(device: torch.device) -> int:
+    """One program per SM; under the interpreter a few programs, each walking several tiles."""
+    return num_sms(device) if device.type == "cuda" else 3
 
 
 if triton is not None:
@@ -262,7 +261,7 @@ def expert_rows_tma(a, sa, w13, s13, w2, s2, slot_weights, slots, block_expert, 
         hid_bytes = rows * _round_up(inter, ROW_ALIGN) * a.element_size()
         hid = _padded_rows_buffer(torch.empty(hid_bytes, dtype=torch.uint8, device=dev), rows, inter, a.dtype)
     persistent = cfg.persistent
-    sms = _num_sms(dev)
+    sms = _persistent_programs(dev)
     grid_n = triton.cdiv(inter, cfg.block_n)
     n_prog = min(sms, grid_m * grid_n) if persistent else grid_m * grid_n
     _gate_up_tma_kernel[(n_prog,)](

@@ -37,7 +37,8 @@ from kernels.fp8 import FP8_DTYPE
 from kernels.mla_decode_cuda import CSRC, CudaKernelUnavailable, find_nvcc
 from kernels.mla_decode_cuda import build_library as mla_build_library
 from kernels.mxfp8_gemm_triton import split_sum
-from kernels.mxfp8_operands import MX_BLOCK, check_operands, scale_bytes, sm_count, split_k_for
+from kernels.gpu import num_sms
+from kernels.mxfp8_operands import MX_BLOCK, check_operands, scale_bytes, split_k_for
 
 SOURCES = (CSRC / "mxfp8_gemm_sm90a.cu", CSRC / "mxfp8_gemm_v2_sm90a.cu")
 HEADERS = (CSRC / "sm90_async.cuh", CSRC / "mxfp8_rounding.cuh", CSRC / "mxfp8_gemm_common.cuh",
@@ -196,7 +197,7 @@ def mxfp8_gemm_cuda(
     if not quantize_out and out_dtype not in (torch.bfloat16, torch.float32):
         raise CudaKernelUnavailable(f"the CUDA MXFP8 GEMM writes bf16 or fp32, not {out_dtype}")
     xs, ws = scale_bytes(xs), scale_bytes(ws)
-    cfg = dict(default_cuda_config(m, n, kg, sm_count(x8.device.index or 0)), **(config or {}))
+    cfg = dict(default_cuda_config(m, n, kg, num_sms(x8.device)), **(config or {}))
     consumers, split, kernel = cfg["consumers"], cfg.get("SPLIT_K", 1), cfg.get("kernel", "v1")
     k_stages = -(-kg // BLOCK_K)
     if split < 1 or k_stages % split:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from kernels.fp8 import FP8_DTYPE
-from kernels.mxfp8_operands import MX_BLOCK, check_operands, scale_bytes, sm_count, split_k_for
+from kernels.gpu import num_sms
+from kernels.mxfp8_operands import MX_BLOCK, check_operands, scale_bytes, split_k_for
 
 try:  # the GPU paths need Triton; the CPU references do not
     import triton
@@ -170,7 +171,7 @@ def mxfp8_gemm_triton(
     if x8.stride(-1) != 1 or w8.stride(-1) != 1 or xs.stride(-1) != 1 or ws.stride(-1) != 1:
         raise ValueError("x8, xs, w8 and ws must be contiguous in K")
     xs, ws = scale_bytes(xs), scale_bytes(ws)
-    sms = sm_count(x8.device.index or 0) if x8.is_cuda else 132
+    sms = num_sms(x8.device)
     cfg = dict(config or default_config(m, n, kg, groups, sms, quantize_out))
     split = cfg.pop("SPLIT_K", 1)
     if split > 1 and (kg // cfg["BLOCK_K"]) % split:

@@ -49,10 +49,6 @@ def mxfp8_gemm_reference(x8, xs, w8, ws, groups: int = 1, out_dtype: torch.dtype
 
 
 @functools.cache
-def sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def split_k_for(tiles: int, k_steps: int, sms: int, max_split: int = 32) -> int:
     """How many K splits fill the GPU when the output has fewer tiles than SMs (decode-sized
     M): the smallest divisor of the K steps reaching one wave, each split ≥ 2 steps."""

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.gpu import num_sms
+
 try:  # the CPU reference does not need Triton
     import triton
     import triton.language as tl
@@ -273,7 +275,7 @@ def topk_rows_triton(scores: torch.Tensor, visible: torch.Tensor, k: int, hist: 
         hist = new_histogram(rows, scores.device).zero_()
         histogram_rows_triton(scores, vis, hist)
     cand = torch.empty(rows, cap, dtype=torch.int64, device=scores.device)
-    sms = torch.cuda.get_device_properties(scores.device).multi_processor_count if scores.is_cuda else 132
+    sms = num_sms(scores.device)
     chunk = collect_chunk(rows, n, sms)
     _collect_kernel[(rows, triton.cdiv(n, chunk))](scores, scores.stride(0), vis, hist, cand, k, CAP=cap, CHUNK=chunk,
                                                     BLOCK=1024, NB=NUM_BINS, STRIDE=HIST_STRIDE, num_warps=4)

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu import num_sms
 from kernels.mxfp8_quant_triton import pow2_from_byte
 from kernels.topk_triton import (HIST_STRIDE, MAX_K, MAX_MASK_BLOCKS, candidate_blocks_triton, histogram_rows_triton,
                                  level1_bin, new_histogram, ordered_bits, topk_rows_triton)
@@ -313,10 +314,6 @@ def compact_allowed_blocks(allowed: torch.Tensor, page_table: torch.Tensor, page
                                       vpt, blist, vis_c, nblocks, width, BS=block_size, BPP=page_rows // block_size,
                                       ROW=max(16, triton.next_power_of_2(nblocks)), num_warps=8)
     return vpt, blist, vis_c
-
-
-def num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def default_shape(queries_per_request: int) -> tuple[int, int, int, int]:

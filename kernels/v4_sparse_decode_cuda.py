@@ -277,7 +277,8 @@ def v4_sparse_decode_cuda(
         raise ValueError(f"lse must be float32 [{bsz}, {s_q}, {heads}]")
     if bsz == 0:
         return out, lse
-    from kernels.v4_sparse_decode_triton import _combine_kernel, num_sms
+    from kernels.gpu import num_sms
+    from kernels.v4_sparse_decode_triton import _combine_kernel
 
     kernel, tile = kernel_for(variant, heads, family)
     v_desc = v_desc or (tile * 128, 1024)

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gpu import num_sms
 from kernels.v4_cache_formats import V4_DATA_BYTES
 from kernels.v4_sparse_decode import HEAD_DIM, RECORD_BYTES, SparseKV, check_inputs
 
@@ -409,10 +410,6 @@ def page_align(cache: torch.Tensor) -> int:
     stride that is no 16-byte multiple (584-byte one-record pages) carries no alignment to the
     compiler, so the kernel gets the stride in words of this many bytes."""
     return 16 if cache.stride(0) % 16 == 0 and cache.data_ptr() % 16 == 0 else 8
-
-
-def num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def choose_num_splits(programs: int, tiles: int, sms: int, num_warps: int = 4) -> int:

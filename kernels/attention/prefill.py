@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.mxfp8_operands import sm_count
+from kernels.gpu import num_sms
 from kernels.attention.base import FP8_E4M3, LATENT_16_BIT, BackendSupport, PrefillBackend, PrefillMetadata
 from kernels.mla_prefill import (flash_varlen_unsupported_reason, mla_prefill_after_context_split,
                                  mla_prefill_flash_varlen, mla_prefill_reference, mla_prefill_sdpa, sdpa_warmup_lengths,
@@ -77,7 +77,7 @@ class SdpaPrefill(PrefillBackend):
         heads = q.shape[1]
         if not self.split_short_tails:
             return dict.fromkeys(after, 1)
-        sms = sm_count(q.device.index)
+        sms = num_sms(q.device)
         if sum(-(-metadata.query_lens[i] // 128) for i in after) * heads >= sms:
             return dict.fromkeys(after, 1)
         return {i: tail_segments(metadata.query_lens[i], metadata.context_lens[i], heads, sms) for i in after}

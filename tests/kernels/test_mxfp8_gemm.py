@@ -459,7 +459,7 @@ def test_gpu_wo_a_epilogue_bytes_match_separate_quant(tokens, tp, backend):
     and scales (wo_b's input) from the fused epilogue, or from the quantizing split-K reduce,
     equal quantizing its bf16 output separately, eager and in graph replays."""
     from kernels.mxfp8_gemm import default_config, mxfp8_gemm
-    from kernels.mxfp8_operands import sm_count
+    from kernels.gpu import num_sms
     from kernels.mxfp8_gemm_cuda import default_cuda_config
     from kernels.mxfp8_quant_triton import quantize_mxfp8_triton
 
@@ -470,9 +470,9 @@ def test_gpu_wo_a_epilogue_bytes_match_separate_quant(tokens, tp, backend):
     # the same tiling and split as the fused launch (another split sums in another order and
     # moves some bf16 roundings of z: a different z, not a different quantization)
     if backend == "cuda":
-        same_tiles = default_cuda_config(tokens, groups * r, kg, sm_count(0))
+        same_tiles = default_cuda_config(tokens, groups * r, kg, num_sms(torch.device("cuda")))
     else:
-        same_tiles = default_config(tokens, groups * r, kg, groups, sm_count(0), quantize_out=True)
+        same_tiles = default_config(tokens, groups * r, kg, groups, num_sms(torch.device("cuda")), quantize_out=True)
     z8, zs = mxfp8_gemm(x8, xs, w8, ws, groups=groups, quantize_out=True, backend=backend)
     z = mxfp8_gemm(x8, xs, w8, ws, groups=groups, config=same_tiles, backend=backend)
     u8, us = quantize_mxfp8_triton(z)
