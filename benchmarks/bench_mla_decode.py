@@ -328,6 +328,10 @@ def bench_case(case: Case, variants: list[str], sweep: bool, ceil: dict, sweep_t
             planned = choose_num_splits(case.bsz, rows_per_req, x["tables"].shape[1] * PAGE // TILE,
                                         num_sms(x["q16"].device), "narrow-bf16")
             record("cuda-bf16", lambda: mla_decode_cuda(*args16), ref16, 2, dict(config="narrow-bf16", splits=planned))
+            if sweep and sweep_cuda:  # the split counts around the planner's (its bf16 tile cost is a first guess)
+                for splits in (1, 2, 3, 4, 8):
+                    record("sweep-cuda-bf16", lambda splits=splits: mla_decode_cuda(*args16, num_splits=splits),
+                           ref16, 2, dict(config="narrow-bf16", splits=splits))
     if sweep and sweep_triton:
         regime = "many" if case.heads * case.s_q >= 64 else "few"
         for kw in SWEEP[("fp8", regime)]:
