@@ -73,7 +73,7 @@ TILE_CANDIDATES = {
             MoEConfig(64, 128, 128, 128, 16, 8, 3)],
 }
 # TMA-descriptor candidates for the many-rows regime (MoEConfig(..., tma, persistent, tma_a)); the first of
-# each list is CONFIG_TABLE's row.
+# each list has CONFIG_TABLE's tiles (that row itself runs the pointer kernels: `[today]`).
 TMA_CANDIDATES = {
     "bf16": [MoEConfig(128, 128, 128, 64, 8, 8, 3, tma=True),
              MoEConfig(128, 128, 128, 64, 8, 8, 3, tma=True, persistent=True),

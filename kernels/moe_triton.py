@@ -43,9 +43,10 @@ no register spills in any table config; BLOCK_M = 64 issues HGMMA/QGMMA (wgmma),
 warps for the FP8 gate_up (4 warps spill 80 B: two fp32 accumulators plus the scaled partial
 products); BLOCK_M = 16 uses mma.sync, where FP8 operands are widened to fp16 first.
 
-The many-rows row of the table (``tma=True``) runs steps 2-3 on ``kernels/moe_triton_tma.py``
-instead (operands through TMA descriptors, x's rows gathered once into the sorted layout) where
-``tma_applies``; elsewhere the same tiles run here.
+A config with ``tma=True`` runs steps 2-3 on ``kernels/moe_triton_tma.py`` instead (operands
+through TMA descriptors, x's rows gathered once into the sorted layout) where ``tma_applies``;
+elsewhere the same tiles run here. No table row sets it until a device run of
+``benchmarks/bench_moe.py --tma`` shows it faster (written offline, not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -90,13 +91,11 @@ class MoEConfig:
 
 # (max rows per local expert, bf16 config, fp8 config); the last row catches everything.
 # Prefill sizes (V2-Lite, 8192 tokens = 768 rows per expert, H200): bf16 with 128-row tiles
-# 1.20x the 64-row ones; FP8 with 128-row tiles 2.4x slower (benchmarks/RESULTS.md). The
-# many-rows row loads through TMA descriptors where ``tma_applies`` (else the same tiles run on
-# the pointer kernels).
+# 1.20x the 64-row ones; FP8 with 128-row tiles 2.4x slower (benchmarks/RESULTS.md).
 CONFIG_TABLE = (
     (32, MoEConfig(16, 64, 128, 128, 8, 4, 4), MoEConfig(16, 128, 128, 128, 8, 4, 4)),
     (255, MoEConfig(64, 128, 128, 64, 8, 8, 3), MoEConfig(64, 128, 128, 128, 8, 8, 3)),
-    (None, MoEConfig(128, 128, 128, 64, 8, 8, 3, tma=True), MoEConfig(64, 128, 128, 128, 8, 8, 3, tma=True)),
+    (None, MoEConfig(128, 128, 128, 64, 8, 8, 3), MoEConfig(64, 128, 128, 128, 8, 8, 3)),
 )
 
 
