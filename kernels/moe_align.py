@@ -31,6 +31,9 @@ if HAS_TRITON:  # the GPU path needs Triton; the reference does not
     import triton.language as tl
 
 
+FP8_GROUP = 128  # FP8 experts: activation group width = weight block edge (the gate/up epilogue's group)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

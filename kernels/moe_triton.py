@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.fp8 import FP8_DTYPE
-from kernels.moe_align import align_slots_to_blocks, padded_rows
+from kernels.moe_align import FP8_GROUP, align_slots_to_blocks, padded_rows
 from kernels.moe_triton_tma import expert_rows_tma, tma_applies
 
 try:  # the kernels need Triton; the alignment (torch ops) does not
@@ -68,7 +68,6 @@ try:  # the kernels need Triton; the alignment (torch ops) does not
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
-FP8_GROUP = 128  # activation group width = weight block edge
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -48,6 +48,7 @@ import torch
 
 from kernels.fp8 import FP8_DTYPE
 from kernels.gpu import num_sms
+from kernels.moe_align import FP8_GROUP
 
 try:
     import triton
@@ -59,7 +60,6 @@ try:
 except ImportError:  # pragma: no cover - CPU-only installs
     triton = None
 
-FP8_GROUP = 128
 ROW_ALIGN = 64  # elements: row stride of the buffers we allocate (16-byte TMA rows for any dtype)
 GATHER_ROWS = 16  # rows per gather program (divides every TMA block_m)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # same-size integer views for the copy
