@@ -64,7 +64,9 @@ def test_every_backend_declares_what_it_runs():
     (dict(capability=(9, 0), page=16), "triton"),  # the cuda kernels need pages of whole 64-token tiles
     (dict(capability=(8, 0)), "triton"),
     (dict(capability=(10, 0)), "triton"),
-    (dict(capability=(9, 0), cache=torch.bfloat16), "triton"),  # FlashInfer is never auto: no CUDA graphs
+    (dict(capability=(9, 0), cache=torch.bfloat16), "cuda"),  # the bf16 narrow kernel (<= 32 rows)
+    (dict(capability=(9, 0), cache=torch.bfloat16, heads=128), "triton"),  # > 32 rows: FlashInfer is never auto
+    (dict(capability=(9, 0), cache=torch.bfloat16, library_builds=False), "triton"),
     (dict(capability=(9, 0), cache=torch.float32), "torch"),
     (dict(capability=(9, 0), cache=torch.bfloat16, rank=96), "torch"),  # not a power of two
 ], ids=lambda v: str(v) if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()))
