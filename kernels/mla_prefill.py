@@ -150,6 +150,46 @@ def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     return ((outs.float() * w).sum(0) / w.sum(0)).to(outs.dtype)
 
 
+def attention_with_lse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                                 softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query block over one key block in float32: q [Tq, H, D], k [Tk, H, D], v [Tk, H, Dv]
+    → (out [Tq, H, Dv] in q's dtype, natural-log LSE [H, Tq] in float32). ``causal``: aligned to
+    the bottom right (``causal_offset_mask``); otherwise every query sees every key."""
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * softmax_scale
+    if causal:
+        scores = scores.masked_fill(~causal_offset_mask(q.shape[0], k.shape[0], q.device), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("hqk,khd->qhd", torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    return out.to(q.dtype), lse
+
+
+def flash_varlen_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                     max_q: int, max_k: int, causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's varlen flash kernel over ragged query blocks of any lengths → (out, LSE [H, Tq]).
+    The kernel returns the LSE per head and row, or padded per sequence as [num_seqs, H, max_q]
+    depending on its version; the padded form is read back row by row (indices made on the
+    device from ``cu_q``: no host sync). v as wide as q/k (callers pad it)."""
+    out, lse = _flash_forward(q, k, v, cu_q, cu_k, max_q, max_k, causal, softmax_scale)
+    if lse.dim() == 3:
+        rows = torch.arange(q.shape[0], device=q.device, dtype=cu_q.dtype)
+        seq = torch.searchsorted(cu_q[1:], rows, right=True)
+        lse = lse[seq, :, (rows - cu_q[seq]).long()].transpose(0, 1)
+    return out, lse
+
+
+def merge_lse_(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Fold attention over another, disjoint key set into a running result, in place:
+    acc_out [T, H, D] float32 and acc_lse [H, T] float32 become the attention over both key
+    sets; out [T, H, >= D] (its first D columns are used) and lse [H, T] are the new part."""
+    top = torch.maximum(acc_lse, lse)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w_acc, w_new = torch.exp(acc_lse - top), torch.exp(lse - top)
+    total = w_acc + w_new
+    acc_out.mul_((w_acc / total).transpose(0, 1).unsqueeze(-1))
+    acc_out.add_(out[..., : acc_out.shape[-1]].float() * (w_new / total).transpose(0, 1).unsqueeze(-1))
+    acc_lse.copy_(top + torch.log(total))
+
+
 def mla_prefill_after_context_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int,
                                     segments: int, softmax_scale: float) -> torch.Tensor:
     """One chunk after ``context_len`` cached keys (q [Tq, H, D], k/v [context_len + Tq, H, D],

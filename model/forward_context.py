@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels.attention import (REFERENCE_DECODE, DecodeBackend, DecodeMetadata, PrefillBackend, PrefillMetadata,
-                               default_prefill_backend)
+from kernels.attention import (REFERENCE_DECODE, ContextWindow, DecodeBackend, DecodeMetadata, PrefillBackend,
+                               PrefillMetadata, VarlenSegments, default_prefill_backend)
 from model.upload import to_device, upload_arrays
 
 
@@ -57,6 +57,9 @@ class ForwardContext:
     kv_scales: list[float] | None = None  # per layer k_scale (FP8 cache only)
     decode_backend: DecodeBackend | None = None  # the runner's, chosen at start-up
     prefill_backend: PrefillBackend | None = None
+    # Cached-prefix rows a step up-projects at once; a step whose chunks have more runs them
+    # in windows of this many (None: no bound; the runner sets its step budget).
+    context_workspace_tokens: int | None = None
     decode_metadata: DecodeMetadata | None = field(default=None, init=False)
     prefill_metadata: PrefillMetadata | None = field(default=None, init=False)
 
@@ -69,11 +72,13 @@ class ForwardContext:
             self.decode_metadata = self.decode_backend.build_metadata(md.block_tables[:b], md.seq_lens[:b],
                                                                       md.decode_query_len)
         if md is not None and md.num_seqs > md.num_decode_seqs:
-            pm = build_prefill_metadata(md, self.kv_caches[0].shape[1] if self.kv_caches else 1)
+            pm = build_prefill_metadata(md, self.kv_caches[0].shape[1] if self.kv_caches else 1,
+                                        self.context_workspace_tokens)
             if pm is not None:
                 if self.prefill_backend is None:
                     self.prefill_backend = default_prefill_backend(md.slot_mapping.device.type)
-                self.prefill_metadata = self.prefill_backend.plan(pm)
+                # A windowed step's chunks run through attend_with_lse, not a planned ragged call.
+                self.prefill_metadata = self.prefill_backend.plan(pm) if pm.context_windows is None else pm
 
 
 def _ragged_rows(lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,11 +89,54 @@ def _ragged_rows(lens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Te
     return seg, torch.arange(total, device=lens.device) - starts[seg]
 
 
-def build_prefill_metadata(md: AttentionMetadata, page_size: int) -> PrefillMetadata | None:
+def plan_context_windows(context_lens: list[int], query_lens: list[int], workspace: int) -> list[tuple]:
+    """Cut the chunks' cached prefixes, laid out chunk after chunk, into windows of at most
+    ``workspace`` rows: (prefix start, prefix end, covered chunks, each one's key rows in the
+    window). A window covers consecutive chunks with a prefix, the first and last possibly in
+    part; chunks without a prefix are in none."""
+    windows, members, start, used, pos = [], [], 0, 0, 0
+    for i, c in enumerate(context_lens):
+        left = c
+        while left:
+            take = min(left, workspace - used)
+            members.append((i, take))
+            used, left, pos = used + take, left - take, pos + take
+            if used == workspace:
+                windows.append((start, pos, [m for m, _ in members], [r for _, r in members]))
+                start, members, used = pos, [], 0
+    if members:
+        windows.append((start, pos, [m for m, _ in members], [r for _, r in members]))
+    return windows
+
+
+def _context_windows(windows, query_lens: list[int], device) -> list[ContextWindow]:
+    """The planned windows with their device offsets (and, for a window whose chunks' query
+    rows are not one run, their row indices), all uploaded in one copy."""
+    q_starts = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int64)
+    flat, shapes = [], []
+    for _, _, chunks, k_lens in windows:
+        q_lens = [query_lens[i] for i in chunks]
+        rows = [] if chunks == list(range(chunks[0], chunks[-1] + 1)) else np.concatenate(
+            [np.arange(q_starts[i], q_starts[i + 1]) for i in chunks]).tolist()
+        flat += np.concatenate([[0], np.cumsum(q_lens), [0], np.cumsum(k_lens), rows]).astype(np.int64).tolist()
+        shapes.append((q_lens, len(rows)))
+    offsets, out, at = to_device(flat, torch.int32, device), [], 0
+    for (p0, p1, chunks, k_lens), (q_lens, num_rows) in zip(windows, shapes):
+        n = len(q_lens) + 1
+        segments = VarlenSegments(q_lens, k_lens, offsets[at : at + n], offsets[at + n : at + 2 * n])
+        rows = offsets[at + 2 * n : at + 2 * n + num_rows].long() if num_rows else None
+        out.append(ContextWindow(p0, p1, int(q_starts[chunks[0]]), int(q_starts[chunks[-1] + 1]), segments, rows))
+        at += 2 * n + num_rows
+    return out
+
+
+def build_prefill_metadata(md: AttentionMetadata, page_size: int,
+                           context_workspace: int | None = None) -> PrefillMetadata | None:
     """The step's prefill chunks (sequences after the decodes with at least one new token) as
     ``PrefillMetadata``: indptrs from the host lengths, the prefix gather and key layout
     indices computed on the device from the block tables (no per-sequence work, no sync).
-    None when the step has no prefill rows."""
+    When the chunks' cached prefixes exceed ``context_workspace`` rows, they are planned as
+    context windows instead of one key layout. None when the step has no prefill rows."""
     nd = md.num_decode_seqs
     row_start = sum(md.query_lens_cpu[:nd])
     seqs = [i for i in range(nd, md.num_seqs) if md.query_lens_cpu[i]]
@@ -106,18 +154,22 @@ def build_prefill_metadata(md: AttentionMetadata, page_size: int) -> PrefillMeta
     packed = to_device([seqs, q_lens, c_lens, q_start, p_start], torch.long, device)
     seq_t, q_t, c_t, qs_t, ps_t = packed.unbind(0)
     indptrs = to_device([[0, *np.cumsum(q_lens).tolist()], [0, *np.cumsum(kv_lens).tolist()]], torch.int32, device)
-    prefix_slots = kv_order = None
+    prefix_slots = kv_order = windows = None
     total_prefix = sum(c_lens)
     if total_prefix:
         chunk, pos = _ragged_rows(c_t, total_prefix)
         pages = md.block_tables[seq_t[chunk], pos // page_size].long()
         prefix_slots = pages * page_size + pos % page_size
-        chunk, j = _ragged_rows(q_t + c_t, sum(kv_lens))
-        c = c_t[chunk]
-        # Key row j of a chunk: its j-th cached row while j < cached len, else its (j - cached)-th new row.
-        kv_order = torch.where(j < c, ps_t[chunk] + j, total_prefix + qs_t[chunk] + j - c)
+        if context_workspace is not None and total_prefix > context_workspace:
+            windows = _context_windows(plan_context_windows(c_lens, q_lens, context_workspace), q_lens, device)
+        else:
+            chunk, j = _ragged_rows(q_t + c_t, sum(kv_lens))
+            c = c_t[chunk]
+            # Key row j of a chunk: its j-th cached row while j < cached len, else its (j - cached)-th new row.
+            kv_order = torch.where(j < c, ps_t[chunk] + j, total_prefix + qs_t[chunk] + j - c)
     return PrefillMetadata(row_start=row_start, query_lens=q_lens, context_lens=c_lens, qo_indptr=indptrs[0],
-                           kv_indptr=indptrs[1], prefix_slots=prefix_slots, kv_order=kv_order)
+                           kv_indptr=indptrs[1], prefix_slots=prefix_slots, kv_order=kv_order,
+                           context_windows=windows)
 
 
 _CONTEXT: ForwardContext | None = None

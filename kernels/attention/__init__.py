@@ -62,8 +62,9 @@ import logging
 
 import torch
 
-from kernels.attention.base import (FP8_E4M3, AttentionSpec, BackendSupport, BackendUnavailable, DecodeBackend,
-                                    DecodeMetadata, PrefillBackend, PrefillMetadata, dtype_name, requested_backend)
+from kernels.attention.base import (FP8_E4M3, AttentionSpec, BackendSupport, BackendUnavailable, ContextWindow,
+                                    DecodeBackend, DecodeMetadata, PrefillBackend, PrefillMetadata, VarlenSegments,
+                                    dtype_name, requested_backend)
 from kernels.attention.cuda_decode import CudaDecode
 from kernels.attention.flashinfer_decode import FlashInferDecode
 from kernels.attention.flashinfer_prefill import FlashInferPrefill
@@ -153,7 +154,8 @@ def default_prefill_backend(device_type: str) -> PrefillBackend:
 REFERENCE_DECODE = TorchDecode()  # what a forward context without a chosen backend decodes with
 
 __all__ = ["DECODE_BACKENDS", "PREFILL_BACKENDS", "REFERENCE_DECODE", "AttentionSpec", "BackendSupport",
-           "BackendUnavailable", "CudaDecode", "DecodeBackend", "DecodeMetadata", "FlashInferDecode",
+           "BackendUnavailable", "ContextWindow", "VarlenSegments",
+           "CudaDecode", "DecodeBackend", "DecodeMetadata", "FlashInferDecode",
            "FlashInferPrefill", "PrefillBackend", "PrefillMetadata", "SdpaPrefill", "TorchDecode", "TorchPrefill",
            "TritonDecode", "TrtllmDecode", "V4_DECODE_BACKENDS", "CudaV4SparseDecode", "TorchV4SparseDecode",
            "TritonV4SparseDecode", "V4SparseDecodeBackend", "select_v4_decode_backend", "V4_PREFILL_BACKENDS",

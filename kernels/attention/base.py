@@ -188,6 +188,34 @@ class DecodeBackend:
 
 
 @dataclass
+class VarlenSegments:
+    """Ragged query blocks, each attending one key range: host lengths and device int32
+    offsets (``cu_q`` / ``cu_k``, [n + 1]) of the same blocks."""
+
+    q_lens: list[int]
+    k_lens: list[int]
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+
+@dataclass
+class ContextWindow:
+    """A slice of a step's cached prefixes that is up-projected and attended at once: rows
+    ``prefix_start:prefix_end`` of ``PrefillMetadata.prefix_slots`` (the cached rows of
+    consecutive chunks, or part of one chunk's), and the query rows (of the step's chunk rows)
+    of the chunks they belong to: ``row_start:row_end``, or, when a chunk without a prefix lies
+    between them, the int32 indices ``rows``. ``segments`` pairs each of those chunks' queries
+    with its keys in the slice (every query sees all of them: no mask)."""
+
+    prefix_start: int
+    prefix_end: int
+    row_start: int
+    row_end: int
+    segments: VarlenSegments
+    rows: torch.Tensor | None = None
+
+
+@dataclass
 class PrefillMetadata:
     """One step's prefill chunks, shared by every layer (built once per step by the forward
     context, then handed to the prefill backend's ``plan``).
@@ -206,6 +234,14 @@ class PrefillMetadata:
     kv_indptr: torch.Tensor  # [N+1] int32, device
     prefix_slots: torch.Tensor | None  # [sum context_lens] int64, device
     kv_order: torch.Tensor | None  # [sum kv lens] int64, device
+    # Set when the step's cached prefixes exceed the context workspace: they are then attended
+    # window by window (kv_order is None), each chunk's own rows apart, merged by LSE.
+    context_windows: list[ContextWindow] | None = None
+
+    @property
+    def own_segments(self) -> VarlenSegments:
+        """Each chunk's queries over its own (new) rows: the keys are laid out as the queries."""
+        return VarlenSegments(self.query_lens, self.query_lens, self.qo_indptr, self.qo_indptr)
 
     @property
     def num_chunks(self) -> int:
@@ -276,6 +312,22 @@ class PrefillBackend:
         kernel library planning per sequence length); returns how many it ran (0: none need
         it). Called once at start-up on the thread that will run the steps."""
         return 0
+
+    def attend_with_lse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: VarlenSegments,
+                        causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ragged query blocks over their key ranges (``causal``: aligned to the bottom right)
+        → (out [sum q, H, Dv], natural-log LSE [H, sum q] float32), for attention merged over
+        several key sets (a step's context windows). The reference: one float32 block at a time."""
+        from kernels.mla_prefill import attention_with_lse_reference
+
+        out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+        q0 = k0 = 0
+        for nq, nk in zip(segments.q_lens, segments.k_lens):
+            out[q0 : q0 + nq], lse[:, q0 : q0 + nq] = attention_with_lse_reference(
+                q[q0 : q0 + nq], k[k0 : k0 + nk], v[k0 : k0 + nk], causal, softmax_scale)
+            q0, k0 = q0 + nq, k0 + nk
+        return out, lse
 
     def forward_varlen(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: PrefillMetadata,
                        softmax_scale: float) -> torch.Tensor:

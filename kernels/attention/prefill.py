@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from kernels.gpu import num_sms
-from kernels.attention.base import FP8_E4M3, LATENT_16_BIT, BackendSupport, PrefillBackend, PrefillMetadata
-from kernels.mla_prefill import (flash_varlen_unsupported_reason, mla_prefill_after_context_split,
+from kernels.attention.base import (FP8_E4M3, LATENT_16_BIT, BackendSupport, PrefillBackend, PrefillMetadata,
+                                    VarlenSegments)
+from kernels.mla_prefill import (flash_varlen_lse, flash_varlen_unsupported_reason, mla_prefill_after_context_split,
                                  mla_prefill_flash_varlen, mla_prefill_reference, mla_prefill_sdpa, sdpa_warmup_lengths,
                                  tail_segments)
 
@@ -70,6 +71,12 @@ class SdpaPrefill(PrefillBackend):
             for n in lengths:
                 self.forward(q[:n], k[:n], v[:n], spec.softmax_scale)
         return len(lengths)
+
+    def attend_with_lse(self, q, k, v, segments: VarlenSegments, causal: bool, softmax_scale):
+        if q.device.type != "cuda" or flash_varlen_unsupported_reason(q.shape[-1], q.dtype) is not None:
+            return super().attend_with_lse(q, k, v, segments, causal, softmax_scale)
+        return flash_varlen_lse(q, k, v, segments.cu_q, segments.cu_k, max(segments.q_lens), max(segments.k_lens),
+                                causal, softmax_scale)
 
     def _tail_segments(self, metadata: PrefillMetadata, after: list[int], q) -> dict[int, int]:
         """Pieces per chunk after context (1: unsplit). Chunks are split only when all of them

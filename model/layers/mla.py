@@ -21,7 +21,7 @@ import torch.nn as nn
 from kernels.attention import default_prefill_backend
 from kernels.fp8 import FP8_DTYPE, dequantize_per_tensor, dequantize_weight_blocks
 from kernels.mla_kv_write import write_kv_cache
-from kernels.mla_prefill import assemble_prefill_kv
+from kernels.mla_prefill import assemble_prefill_kv, merge_lse_
 from kernels.mla_query_stage import stage_query
 from model.config import ModelConfig
 from model.forward_context import AttentionMetadata, get_forward_context
@@ -135,17 +135,49 @@ class MLAAttention(nn.Module):
         s, e = pm.row_start, pm.row_end
         q = self.rotary.rotate_trailing_(positions[s:e], q[s:e])
         kv_c, k_pe = kv_c[s:e], k_pe[s:e]
+        if pm.context_windows is not None:
+            return self._prefill_in_context_windows(q, kv_c, k_pe, cache, pm, backend, k_scale)
         if pm.prefix_slots is not None:
-            rows = cache.view(-1, cache.shape[-1])
-            if rows.dtype == FP8_DTYPE:  # gather the bytes, then widen only the rows read
-                prefix = rows.view(torch.uint8).index_select(0, pm.prefix_slots).view(FP8_DTYPE)
-                prefix = dequantize_per_tensor(prefix, k_scale, kv_c.dtype)
-            else:
-                prefix = rows.index_select(0, pm.prefix_slots)
-            latent = torch.cat([prefix.to(kv_c.dtype), torch.cat([kv_c, k_pe], dim=-1)]).index_select(0, pm.kv_order)
+            prefix = self._gather_prefix(cache, pm.prefix_slots, k_scale, kv_c.dtype)
+            latent = torch.cat([prefix, torch.cat([kv_c, k_pe], dim=-1)]).index_select(0, pm.kv_order)
             kv_c, k_pe = latent[:, : self.kv_lora_rank], latent[:, self.kv_lora_rank :]
         k, v = self._up_project(kv_c, k_pe, backend.value_width(self.qk_dim, self.v_dim))
         return backend.forward_varlen(q, k, v, pm, self.softmax_scale)[..., : self.v_dim]
+
+    @staticmethod
+    def _gather_prefix(cache, slots, k_scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """Cached latent rows [len(slots), kv_lora + rope] at the flat cache rows ``slots``."""
+        rows = cache.view(-1, cache.shape[-1])
+        if rows.dtype == FP8_DTYPE:  # gather the bytes, then widen only the rows read
+            prefix = rows.view(torch.uint8).index_select(0, slots).view(FP8_DTYPE)
+            return dequantize_per_tensor(prefix, k_scale, dtype)
+        return rows.index_select(0, slots).to(dtype)
+
+    def _prefill_in_context_windows(self, q, kv_c, k_pe, cache, pm, backend, k_scale: float) -> torch.Tensor:
+        """The step's chunks when their cached prefixes exceed the context workspace: each
+        chunk over its own rows (causal), then over its prefix one window of at most the
+        workspace's rows at a time (up-projected, attended without a mask), the parts merged by
+        their log-sum-exps. Memory stays that of one window, whatever the prefixes add up to."""
+        width = backend.value_width(self.qk_dim, self.v_dim)
+        k, v = self._up_project(kv_c, k_pe, width)
+        out, lse = backend.attend_with_lse(q, k, v, pm.own_segments, True, self.softmax_scale)
+        acc = out[..., : self.v_dim].float()
+        del k, v, out
+        for w in pm.context_windows:
+            latent = self._gather_prefix(cache, pm.prefix_slots[w.prefix_start : w.prefix_end], k_scale, kv_c.dtype)
+            k, v = self._up_project(latent[:, : self.kv_lora_rank], latent[:, self.kv_lora_rank :], width)
+            if w.rows is None:
+                part, part_lse = backend.attend_with_lse(q[w.row_start : w.row_end], k, v, w.segments, False,
+                                                         self.softmax_scale)
+                merge_lse_(acc[w.row_start : w.row_end], lse[:, w.row_start : w.row_end], part, part_lse)
+            else:  # a chunk without a prefix lies between this window's chunks
+                part, part_lse = backend.attend_with_lse(q.index_select(0, w.rows), k, v, w.segments, False,
+                                                         self.softmax_scale)
+                sub, sub_lse = acc.index_select(0, w.rows), lse.index_select(1, w.rows)
+                merge_lse_(sub, sub_lse, part, part_lse)
+                acc.index_copy_(0, w.rows, sub)
+                lse.index_copy_(1, w.rows, sub_lse)
+        return acc.to(q.dtype)
 
     def _up_project(self, kv_c, k_pe, v_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Latents [T, kv_lora] and rotated k_pe [T, rope] → per-head k [T, H, nope + rope] and

@@ -93,14 +93,15 @@ def _spec(cache=BF16, heads=16, query_len=1):
                          query_len=query_len)
 
 
-def test_cuda_backend_takes_a_bf16_cache_up_to_32_rows_but_auto_keeps_triton(monkeypatch):
+def test_cuda_backend_and_auto_take_a_bf16_cache_up_to_32_rows(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     monkeypatch.setattr(mdc, "default_library_path", lambda: "built")
     assert CudaDecode.unsupported_reason(_spec()) is None
     assert CudaDecode.unsupported_reason(_spec(query_len=2)) is None  # 32 rows
     assert select_decode_backend("cuda", _spec()).name == "cuda"
-    assert select_decode_backend("auto", _spec()).name == "triton"  # auto is unchanged for bf16
+    assert select_decode_backend("auto", _spec()).name == "cuda"
+    assert select_decode_backend("auto", _spec(heads=16, query_len=3)).name == "triton"  # 48 rows
     with pytest.raises(BackendUnavailable) as err:
         select_decode_backend("cuda", _spec(heads=16, query_len=3))
     assert str(err.value) == ("--attention-backend cuda: a bf16 cache takes at most 32 query rows per request "

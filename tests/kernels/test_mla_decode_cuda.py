@@ -85,7 +85,8 @@ def test_a_failed_build_falls_back_to_triton_under_auto_and_is_a_startup_error_w
     monkeypatch.setattr(mdc, "default_library_path", lambda: "built")
     assert select_decode_backend("auto", _spec()).name == "cuda"
     assert select_decode_backend("auto", _spec(heads=128)).name == "cuda"  # any head count
-    assert select_decode_backend("auto", _spec(cache=torch.bfloat16)).name == "triton"
+    assert select_decode_backend("auto", _spec(cache=torch.bfloat16)).name == "cuda"  # 16 rows: the bf16 kernel
+    assert select_decode_backend("auto", _spec(cache=torch.bfloat16, heads=128)).name == "triton"
     assert select_decode_backend("auto", _spec(page=16)).name == "triton"
     with pytest.raises(BackendUnavailable, match="block-size"):
         select_decode_backend("cuda", _spec(page=16))

@@ -48,6 +48,26 @@ def test_split_tail_matches_reference(tq, context, segments):
     assert err < 1e-2, err
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_attention_with_lse_matches_reference_at_unequal_lengths(causal):
+    """The flash kernel's output and LSE (whatever its LSE layout) for ragged blocks of unequal
+    lengths, as the context windows use them, against the float32 reference."""
+    _needs_cuda()
+    from kernels.attention import VarlenSegments
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q_lens, k_lens = [301, 1, 77, 1024], [4096, 9, 300, 1500] if not causal else [301, 1, 77, 1024]
+    q = torch.randn(sum(q_lens), 16, 192, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(k_lens), 16, 192, device="cuda", generator=gen, dtype=torch.bfloat16) for _ in range(2))
+    cum = lambda xs: torch.tensor([0, *torch.tensor(xs).cumsum(0).tolist()], dtype=torch.int32, device="cuda")  # noqa: E731
+    segments = VarlenSegments(q_lens, k_lens, cum(q_lens), cum(k_lens))
+    out, lse = SdpaPrefill().attend_with_lse(q, k, v, segments, causal, 0.07)
+    want, want_lse = TorchPrefill().attend_with_lse(q, k, v, segments, causal, 0.07)
+    assert lse.shape == want_lse.shape == (16, sum(q_lens))
+    torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=0)
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_sdpa_warm_up_runs_on_the_gpu_and_leaves_the_path_exact():
     """The start-up sweep of chunk lengths runs (every bucket up to 2048 rows at V2-Lite's
     heads), and a chunk of a warmed length afterwards still matches the reference."""

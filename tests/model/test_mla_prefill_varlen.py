@@ -1,7 +1,8 @@
 """The MLA layer's step-wide prefill (one batched prefix gather, one kv_b_proj, one varlen
-backend call for every chunk) equals attention computed one sequence at a time, on mixed
-steps: decodes plus several chunks with and without cached prefixes, float / bf16 / fp8
-caches, unused pages poisoned with NaN."""
+backend call for every chunk; or, past the context workspace, the prefixes in windows merged
+by LSE) equals attention computed one sequence at a time, on mixed steps: decodes plus several
+chunks with and without cached prefixes, float / bf16 / fp8 caches, unused pages poisoned with
+NaN."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from kernels.attention import AttentionSpec, FlashInferPrefill, TorchPrefill
 from kernels.fp8 import FP8_DTYPE
 from kernels.mla_prefill import mla_prefill_reference
 from model.checkpoint import write_random_checkpoint
-from model.forward_context import ForwardContext, build_attention_metadata, build_prefill_metadata, forward_context
+from model.forward_context import (ForwardContext, build_attention_metadata, build_prefill_metadata, forward_context,
+                                   plan_context_windows)
 from model.loader import load_model
 from tests.kernels.fake_flashinfer import FakeRaggedPrefillWrapper, install_fake_flashinfer
 
@@ -69,7 +71,7 @@ def _per_sequence(attn, x, positions, cache, table, ctx_len, k_scale) -> torch.T
     return attn.o_proj(out.reshape(t, -1))
 
 
-def _step(attn, cache_dtype, backend, seed=0):
+def _step(attn, cache_dtype, backend, seed=0, workspace=None):
     gen = torch.Generator().manual_seed(seed)
     tables = _tables(gen)
     cache = _cache(cache_dtype, tables, gen)
@@ -83,7 +85,7 @@ def _step(attn, cache_dtype, backend, seed=0):
     for (ctx, new), table, start in zip(CHUNKS, tables[len(DECODES):], md.query_start_loc[len(DECODES):].tolist()):
         expect.append(_per_sequence(attn, x[start : start + new], positions[start : start + new], cache, table, ctx,
                                     k_scale))
-    ctx = ForwardContext(md, [cache], [k_scale], prefill_backend=backend)
+    ctx = ForwardContext(md, [cache], [k_scale], prefill_backend=backend, context_workspace_tokens=workspace)
     with torch.no_grad(), forward_context(ctx):
         got = attn(positions, x)
     rows = slice(sum(n for _, n in DECODES), sum(n for _, n in seqs))
@@ -95,6 +97,44 @@ def test_varlen_prefill_equals_per_sequence_prefill(attn, cache_dtype):
     got, prefill_rows, expect, _ = _step(attn, cache_dtype, TorchPrefill())
     assert torch.isfinite(got).all()  # NaN pages never read, decode and pad rows included
     torch.testing.assert_close(prefill_rows, expect, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, FP8_DTYPE])
+@pytest.mark.parametrize("workspace", [20, 19, 8, 3, 1])
+def test_context_windows_equal_per_sequence_prefill(attn, cache_dtype, workspace):
+    """The chunks' prefixes hold 7 + 9 + 4 = 20 rows: a workspace of 20 takes the one-gather
+    path, smaller ones cut them into windows (8: the first window holds chunk 1's prefix and a
+    row of chunk 3's, with chunk 2, which has none, between them; 1: a window per row)."""
+    got, prefill_rows, expect, ctx = _step(attn, cache_dtype, TorchPrefill(), seed=2, workspace=workspace)
+    pm = ctx.prefill_metadata
+    assert (pm.context_windows is None) == (workspace >= 20)
+    if pm.context_windows is not None:
+        assert len(pm.context_windows) == -(-20 // workspace) and pm.kv_order is None
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(prefill_rows, expect, rtol=2e-5, atol=2e-5)
+
+
+def test_context_window_plan_covers_every_prefix_row_once_in_order():
+    contexts, queries = [0, 10, 3, 0, 7, 0], [4, 5, 6, 7, 8, 2]
+    for workspace in (1, 4, 6, 13, 19, 20, 100):
+        windows = plan_context_windows(contexts, queries, workspace)
+        assert [w[0] for w in windows] == [0] + [w[1] for w in windows[:-1]] and windows[-1][1] == 20
+        per_chunk = [0] * len(contexts)
+        for start, end, chunks, k_lens in windows:
+            assert 0 < end - start == sum(k_lens) <= workspace and chunks == sorted(set(chunks))
+            assert all(contexts[c] for c in chunks)
+            for c, n in zip(chunks, k_lens):
+                per_chunk[c] += n
+        assert per_chunk == contexts
+    md = build_attention_metadata([[1, 2, 3, 4, 5]] * 6, contexts, queries, 4)
+    pm = build_prefill_metadata(md, page_size=4, context_workspace=6)
+    second = pm.context_windows[1]  # chunk 1's last 4 rows and chunk 2's first 2
+    assert (second.prefix_start, second.prefix_end, second.row_start, second.row_end) == (6, 12, 4, 15)
+    assert second.rows is None and second.segments.cu_q.tolist() == [0, 5, 11]
+    assert second.segments.cu_k.tolist() == [0, 4, 6]
+    third = pm.context_windows[2]  # chunk 2's last row and chunk 4's first 5: chunk 3 between
+    assert third.rows.tolist() == list(range(9, 15)) + list(range(22, 30))
+    assert third.segments.q_lens == [6, 8] and third.segments.k_lens == [1, 5]
 
 
 def test_prefill_metadata_indices():

@@ -117,6 +117,27 @@ def test_prefix_caching_reports_hits_and_keeps_outputs(ckpt):
     assert hit.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
+def test_prefix_hits_past_the_context_workspace_keep_outputs_and_logprobs(ckpt):
+    """Four prompts hit a 256-token cached prefix in one step while the step budget, and with it
+    the context workspace, is 64 tokens: their 1,024 cached rows are attended in 16 windows,
+    merged by LSE. Tokens and logprobs equal the same prompts computed without the cache."""
+    g = torch.Generator().manual_seed(22)
+    prefix = torch.randint(2, VOCAB, (256,), generator=g).tolist()
+    prompts = [prefix + torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (9, 3, 12, 5)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2)
+    args = dict(block_size=16, num_gpu_blocks_override=160, max_num_batched_tokens=64, max_num_seqs=8)
+    cached = LLM(ckpt, **args)
+    assert cached.engine.runner.context_workspace_tokens == 64
+    cached.generate(prompt_token_ids=[prefix + [7]], sampling_params=GREEDY)
+    hits = cached.generate(prompt_token_ids=prompts, sampling_params=params)
+    refs = LLM(ckpt, **args, enable_prefix_caching=False).generate(prompt_token_ids=prompts, sampling_params=params)
+    for hit, ref in zip(hits, refs):
+        assert hit.num_cached_tokens == 256 and ref.num_cached_tokens == 0
+        assert hit.outputs[0].token_ids == ref.outputs[0].token_ids
+        for a, b in zip(hit.outputs[0].logprobs, ref.outputs[0].logprobs):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
 def test_stop_conditions_and_logprobs(ckpt):
     llm = LLM(ckpt, block_size=16, num_gpu_blocks_override=128)
     prompt = _prompts(1, 4)[0]
