@@ -79,6 +79,10 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MLASERVE_V41_DEQUANTIZE_EXPERTS", False, _flag,
            "1: DeepSeek-V4.1 routed experts stored as MXFP4 (and --load-format dummy's) are made per-expert "
            "modules in the model dtype instead of staying stacked MXFP4 for the W4A8 / W4A16 kernels"),
+    EnvVar("MLASERVE_CONTEXT_WORKSPACE_TOKENS", 0, _nonnegative_int,
+           "MLA prefill: cached-prefix rows a step up-projects at once; a step whose chunks' prefixes "
+           "(prefix-cache hits, earlier chunks) add up to more attends them in windows of this many, "
+           "merged by log-sum-exp, bounding the step's memory (0: all at once, however many)"),
     EnvVar("MLASERVE_KERNEL_CACHE", Path.home() / ".cache" / "mlaserve" / "kernels", Path,
            "directory for the compiled CUDA MLA decode library (built with nvcc on first use)"),
 )}

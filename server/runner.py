@@ -22,6 +22,7 @@ from model.config import ModelConfig
 from model.deepseek import DeepseekForCausalLM
 from model.forward_context import ForwardContext, attention_arrays, build_attention_metadata, forward_context
 from model.upload import to_device, upload_arrays
+from server import envs
 from server.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from server.kv_cache_spec import FullAttentionSpec, KVCacheSpec, max_num_blocks, plan_groups
 from server.outputs import TokenLogprob
@@ -135,14 +136,6 @@ def profile_activation_bytes(model: DeepseekForCausalLM, num_tokens: int, num_lo
     return peak
 
 
-def profiled_step_tokens(config: EngineConfig, max_model_len: int) -> int:
-    """The tokens of the largest step the start-up profile runs, and so the cached-prefix rows
-    a prefill step may up-project at once (``ForwardContext.context_workspace_tokens``)."""
-    from server.scheduler import resolve_max_num_batched_tokens
-
-    return min(resolve_max_num_batched_tokens(config, max_model_len), max_model_len)
-
-
 def determine_num_blocks(
     config: EngineConfig, model_config: ModelConfig, model_dtype: torch.dtype, device: torch.device,
     model: DeepseekForCausalLM | None = None, max_model_len: int | None = None,
@@ -155,7 +148,10 @@ def determine_num_blocks(
     if device.type == "cuda":
         peak = 0
         if model is not None:
-            tokens = profiled_step_tokens(config, max_model_len or model_config.max_position_embeddings)
+            from server.scheduler import resolve_max_num_batched_tokens
+
+            tokens = min(resolve_max_num_batched_tokens(config, max_model_len or model_config.max_position_embeddings),
+                         max_model_len or model_config.max_position_embeddings)
             peak = profile_activation_bytes(model, tokens, config.max_num_seqs)
         total = torch.cuda.get_device_properties(device).total_memory
         used = torch.cuda.memory_allocated(device) + peak
@@ -207,11 +203,9 @@ class ModelRunner:
         self.plan_broadcaster = None
         self.decode_graphs = None  # server.cuda_graphs.DecodeGraphs, once captured
         self.step_profiler = StepProfiler(device=device)  # off unless MLASERVE_STEP_PROFILE / enabled
-        # Cached-prefix rows a step up-projects at once: the profiled step's tokens, so a step
-        # whose chunks have longer prefixes (prefix-cache hits) stays within the memory the
-        # profile reserved (build_runner sets it for the resolved max_model_len).
-        self.context_workspace_tokens = profiled_step_tokens(
-            config, config.max_model_len or self.model_config.max_position_embeddings)
+        # Cached-prefix rows a prefill step up-projects at once (None: all of them). Opt-in:
+        # on the GPU the windowed path has not yet measured as fast as the one gather.
+        self.context_workspace_tokens = envs.MLASERVE_CONTEXT_WORKSPACE_TOKENS or None
         self.num_overlapped_steps = 0  # steps launched before the previous step's tokens were read
 
     def _allocate_kv_caches(self, groups) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ from server import envs
 from server.config import EngineConfig
 from server.cuda_graphs import maybe_capture
 from server.kv_cache_spec import max_tokens_per_seq, plan_groups
-from server.runner import ModelRunner, determine_num_blocks, model_kv_cache_specs, profiled_step_tokens
+from server.runner import ModelRunner, determine_num_blocks, model_kv_cache_specs
 from server.scheduler import resolve_max_num_batched_tokens
 from server.v4_cuda_graphs import maybe_capture_v4
 from server.v4_kv_specs import describe_v4_capacity, v4_family_kv_cache_specs, v4_pool_plan
@@ -106,7 +106,6 @@ def build_runner(config: EngineConfig, model_dir: str, device: torch.device, par
         num_blocks = agree_num_blocks(num_blocks)
     max_model_len = fit_kv_capacity(config, max_model_len, kv_capacity_tokens(config, model, num_blocks))
     runner = ModelRunner(model, config, num_blocks, device)
-    runner.context_workspace_tokens = profiled_step_tokens(config, max_model_len)
     runner.decode_graphs = maybe_capture(runner, config, max_model_len)
     warm_up_prefill_attention(runner, config, max_model_len)
     return RunnerSetup(model, runner, num_blocks, max_model_len)

@@ -117,10 +117,11 @@ def test_prefix_caching_reports_hits_and_keeps_outputs(ckpt):
     assert hit.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
-def test_prefix_hits_past_the_context_workspace_keep_outputs_and_logprobs(ckpt):
-    """Four prompts hit a 256-token cached prefix in one step while the step budget, and with it
-    the context workspace, is 64 tokens: their 1,024 cached rows are attended in 16 windows,
-    merged by LSE. Tokens and logprobs equal the same prompts computed without the cache."""
+def test_prefix_hits_past_the_context_workspace_keep_outputs_and_logprobs(ckpt, monkeypatch):
+    """Four prompts hit a 256-token cached prefix in one step with a context workspace of 64
+    rows: their 1,024 cached rows are attended in 16 windows, merged by LSE. Tokens and logprobs
+    equal the same prompts computed without the cache."""
+    monkeypatch.setenv("MLASERVE_CONTEXT_WORKSPACE_TOKENS", "64")
     g = torch.Generator().manual_seed(22)
     prefix = torch.randint(2, VOCAB, (256,), generator=g).tolist()
     prompts = [prefix + torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (9, 3, 12, 5)]
