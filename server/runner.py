@@ -119,15 +119,19 @@ def model_kv_cache_specs(model_config: ModelConfig, config: EngineConfig,
 
 
 @torch.inference_mode()
-def profile_activation_bytes(model: DeepseekForCausalLM, num_tokens: int, num_logit_rows: int) -> int:
-    """Peak activation memory of the largest step: one ``num_tokens``-token prefill (no cache)
-    plus logits for ``num_logit_rows`` rows, measured by running it (every TP rank runs it)."""
+def profile_activation_bytes(model: DeepseekForCausalLM, num_tokens: int, num_logit_rows: int,
+                             max_position: int | None = None) -> int:
+    """Peak activation memory of the largest step: a ``num_tokens``-token prefill (no cache)
+    plus logits for ``num_logit_rows`` rows, measured by running it (every TP rank runs it).
+    Positions wrap at ``max_position``: a step holds up to the token budget however short each
+    sequence may be, and its rows are costed as one causal run."""
     device = next(model.parameters()).device
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-    hidden = model(ids, torch.arange(num_tokens, device=device))
+    positions = torch.arange(num_tokens, device=device)
+    hidden = model(ids, positions % max_position if max_position else positions)
     model.compute_logits(hidden[: max(1, min(num_logit_rows, num_tokens))])
     del hidden
     torch.cuda.synchronize(device)
@@ -150,9 +154,11 @@ def determine_num_blocks(
         if model is not None:
             from server.scheduler import resolve_max_num_batched_tokens
 
-            tokens = min(resolve_max_num_batched_tokens(config, max_model_len or model_config.max_position_embeddings),
-                         max_model_len or model_config.max_position_embeddings)
-            peak = profile_activation_bytes(model, tokens, config.max_num_seqs)
+            # The whole step budget, as the scheduler fills it: with --max-model-len below it a
+            # step still carries that many tokens, over several sequences.
+            max_len = max_model_len or model_config.max_position_embeddings
+            tokens = resolve_max_num_batched_tokens(config, max_len)
+            peak = profile_activation_bytes(model, tokens, config.max_num_seqs, max_position=max_len)
         total = torch.cuda.get_device_properties(device).total_memory
         used = torch.cuda.memory_allocated(device) + peak
         budget = int(total * config.gpu_memory_utilization) - used

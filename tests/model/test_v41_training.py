@@ -41,7 +41,9 @@ def test_each_row_equals_a_one_shot_prefill(model):
         batched = forward_sequences(model, ids).logits
         for b in range(ids.shape[0]):
             ref = model(ids[b], model.new_state())
-            assert (batched[b] - ref).abs().max().item() <= 1e-5, b
+            # As below: GEMMs of other shapes round differently by CPU (1.2e-4 measured on an AMD
+            # EPYC, under 1e-5 elsewhere), which may flip one FP4/FP8 rounding.
+            assert (batched[b] - ref).abs().max().item() <= 1e-3, b
 
 
 def test_right_padding_changes_nothing_before_it(model):
