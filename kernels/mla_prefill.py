@@ -130,24 +130,20 @@ def tail_segments(query_len: int, context_len: int, heads: int, num_sms: int, q_
 
 def flash_varlen_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, q_len: int,
                           cu_k: torch.Tensor, max_k: int, causal: bool, softmax_scale: float):
-    """torch's varlen flash kernel over ``num_seqs`` query blocks of ``q_len`` rows each (q
-    [num_seqs * q_len, H, D]) and the key ranges of the device int32 offsets ``cu_k``; returns the
-    output and its natural-log LSE as [H, num_seqs * q_len] (the kernel gives it per head and row,
-    or padded per sequence as [num_seqs, H, max_q]: with equal lengths both read the same)."""
+    """``flash_varlen_lse`` over ``num_seqs`` query blocks of ``q_len`` rows each (q
+    [num_seqs * q_len, H, D]) and the key ranges of the device int32 offsets ``cu_k``: the
+    output and its natural-log LSE as [H, num_seqs * q_len]."""
     cu_q = torch.arange(0, (num_seqs + 1) * q_len, q_len, dtype=torch.int32, device=q.device)
-    out, lse = _flash_forward(q, k, v, cu_q, cu_k, q_len, max_k, causal, softmax_scale)
-    if lse.dim() == 3:
-        lse = lse[..., :q_len].transpose(0, 1).reshape(lse.shape[1], num_seqs * q_len)
-    return out, lse
+    return flash_varlen_lse(q, k, v, cu_q, cu_k, q_len, max_k, causal, softmax_scale)
 
 
 def merge_by_lse(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     """Attention over disjoint key sets → attention over their union: outs [n, T, H, D], lses
     [n, H, T] (natural log; -inf where a part saw no key) → [T, H, D] in outs' dtype."""
-    top = lses.amax(0)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.exp(lses - top).permute(0, 2, 1).unsqueeze(-1)  # [n, T, H, 1]
-    return ((outs.float() * w).sum(0) / w.sum(0)).to(outs.dtype)
+    acc, lse = outs[0].to(torch.float32, copy=True), lses[0].to(torch.float32, copy=True)
+    for out, part_lse in zip(outs[1:], lses[1:]):
+        merge_lse_(acc, lse, out, part_lse)
+    return acc.to(outs.dtype)
 
 
 def attention_with_lse_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
