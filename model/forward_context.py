@@ -58,7 +58,7 @@ class ForwardContext:
     decode_backend: DecodeBackend | None = None  # the runner's, chosen at start-up
     prefill_backend: PrefillBackend | None = None
     # Cached-prefix rows a step up-projects at once; a step whose chunks have more runs them
-    # in windows of this many (None: no bound; the runner sets its step budget).
+    # in windows of this many (None: no bound; the runner passes MLASERVE_CONTEXT_WORKSPACE_TOKENS).
     context_workspace_tokens: int | None = None
     decode_metadata: DecodeMetadata | None = field(default=None, init=False)
     prefill_metadata: PrefillMetadata | None = field(default=None, init=False)
