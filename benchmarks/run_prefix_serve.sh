@@ -4,7 +4,7 @@
 # random weights in MODEL's shape). ~2 x (start-up + run) seconds.
 #   source .device-wheels/install.sh && bash benchmarks/run_prefix_serve.sh [MODEL] [NUM_PROMPTS]
 # Env: PREFIX (4096), INPUT (256), OUTPUT (64), CONCURRENCY (32), KV (fp8), PORT (8011),
-# DEVICE (cuda). Logs and result JSON land in $OUT; a summary table last.
+# DEVICE (cuda), ARMS ("on off": which prefix-caching arms run). Logs and result JSON land in $OUT; a summary table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mlaserve-prefix}
@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1
 model=${1:-deepseek-v2-lite}
 n=${2:-256}
 PREFIX=${PREFIX:-4096} INPUT=${INPUT:-256} OUTPUT=${OUTPUT:-64} CONCURRENCY=${CONCURRENCY:-32}
-KV=${KV:-fp8} PORT=${PORT:-8011} DEVICE=${DEVICE:-cuda}
+KV=${KV:-fp8} PORT=${PORT:-8011} DEVICE=${DEVICE:-cuda} ARMS=${ARMS:-on off}
 ckpt=$model
 if [ ! -d "$model" ]; then  # a preset name: its config and tokenizer, random weights (--load-format dummy)
   ckpt=$(mktemp -d /tmp/mlaserve-prefix-ckpt.XXXX)
@@ -23,7 +23,7 @@ w(load_config_dict(sys.argv[1]), sys.argv[2])" "$model" "$ckpt" || exit 1
 else
   dummy=()
 fi
-for arm in on off; do
+for arm in $ARMS; do
   flag=--enable-prefix-caching; [ $arm = off ] && flag=--no-enable-prefix-caching
   python3 -m server serve "$ckpt" "${dummy[@]}" --device "$DEVICE" --kv-cache-dtype "$KV" --port "$PORT" \
     --max-model-len $((PREFIX + INPUT + OUTPUT + 64)) --async-scheduling $flag > "$OUT/server_$arm.log" 2>&1 &
@@ -39,9 +39,9 @@ for arm in on off; do
   kill -INT $pid; wait $pid 2>/dev/null
 done
 echo "==== summary ($model, $n requests, shared prefix $PREFIX + $INPUT own tokens, $OUTPUT out, concurrency $CONCURRENCY, KV $KV)"
-for arm in on off; do echo "-- prefix caching $arm"; grep -E "TTFT|throughput|Successful|prefix_cache" "$OUT/bench_$arm.log" || tail -5 "$OUT/bench_$arm.log"; done
+for arm in $ARMS; do echo "-- prefix caching $arm"; grep -E "TTFT|throughput|Successful|prefix_cache" "$OUT/bench_$arm.log" || tail -5 "$OUT/bench_$arm.log"; done
 # TTFT of the first wave (the first CONCURRENCY requests to start: no prefix cached yet) vs the rest
-for arm in on off; do python3 - "$OUT/prefix_$arm.json" "$CONCURRENCY" "$arm" <<'PY'
+for arm in $ARMS; do python3 - "$OUT/prefix_$arm.json" "$CONCURRENCY" "$arm" <<'PY'
 import json, statistics, sys
 d, wave, arm = json.load(open(sys.argv[1])), int(sys.argv[2]), sys.argv[3]
 order = sorted(range(len(d["ttfts"])), key=lambda i: d["start_times"][i])

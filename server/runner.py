@@ -30,6 +30,7 @@ from server.sampler import Sampler, SamplingRow, compute_prompt_logprobs, make_r
 from server.scheduler import SchedulerOutput
 from server.step_inputs import BlockTableRows
 from server.step_profile import StepProfiler, classify_step, graphs_off_reason
+from server.step_roofline import mla_step_costs
 from server.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -208,7 +209,8 @@ class ModelRunner:
         # Set when TP workers follow this runner: called with each step's plan before it runs.
         self.plan_broadcaster = None
         self.decode_graphs = None  # server.cuda_graphs.DecodeGraphs, once captured
-        self.step_profiler = StepProfiler(device=device)  # off unless MLASERVE_STEP_PROFILE / enabled
+        # Off unless MLASERVE_STEP_PROFILE / enabled; prices each step for its roofline lines.
+        self.step_profiler = StepProfiler(device=device, cost_model=mla_step_costs(model, config))
         # Cached-prefix rows a prefill step up-projects at once (None: all of them). Opt-in:
         # on the GPU the windowed path has not yet measured as fast as the one gather.
         self.context_workspace_tokens = envs.MLASERVE_CONTEXT_WORKSPACE_TOKENS or None
@@ -348,6 +350,9 @@ class ModelRunner:
             prof.num_seqs, prof.num_tokens = len(plan.query_lens), len(plan.input_ids)
             prof.kind, prof.reason = classify_step(plan.num_decodes, len(plan.query_lens), self.decode_graphs,
                                                    graphs_off_reason(self.device, self.config), self.graph_fits(plan))
+            if self.step_profiler.cost_model is not None:
+                prof.cost = self.step_profiler.cost_model.cost(plan.context_lens, plan.query_lens, plan.num_decodes,
+                                                               len(plan.logit_rows))
         if self.plan_broadcaster is not None:
             self.plan_broadcaster(plan)
         logits = self.run_plan(plan, prof)

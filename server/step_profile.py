@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from server import envs
+from server.step_roofline import Ceilings, StepCost, measure_ceilings
 
 PHASES = ("plan", "forward", "sample", "sched")
 KINDS = ("decode-graph", "decode-eager", "prefill", "mixed")
@@ -68,6 +69,7 @@ class StepRecord:
     reason: str | None = None
     wall_s: float = 0.0  # runner time, plus ``sched`` once the engine step ends
     phases: dict[str, float] = field(default_factory=dict)
+    cost: StepCost | None = None  # the step's least FLOPs and bytes (MLA models)
     _t: float = 0.0  # last phase boundary
 
 
@@ -79,13 +81,19 @@ class _KindTotals:
     wall_s: float = 0.0
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     reasons: Counter = field(default_factory=Counter)
+    cost: StepCost | None = StepCost(0.0, 0.0, 0.0, 0.0)  # summed over the steps; None: a step had none
 
 
 class StepProfiler:
     def __init__(self, enabled: bool | None = None, device: torch.device | None = None,
-                 max_records: int = 100_000) -> None:
+                 max_records: int = 100_000, cost_model=None, ceilings: Ceilings | None = None) -> None:
+        """``cost_model`` (``server.step_roofline.MLAStepCostModel``) prices each step's FLOPs and
+        bytes; ``ceilings`` are the rates to divide them by (measured on the CUDA device at the
+        first summary when not given). Without either, no roofline columns."""
         self.enabled = env_enabled() if enabled is None else enabled
         self._sync_device = device if device is not None and device.type == "cuda" else None
+        self.cost_model = cost_model
+        self.ceilings = ceilings
         self.records: deque[StepRecord] = deque(maxlen=max_records)  # the latest steps, for inspection
         self.reset()
 
@@ -129,9 +137,21 @@ class StepProfiler:
             k.phases[p] = k.phases.get(p, 0.0) + s
         if rec.reason:
             k.reasons[rec.reason] += 1
+        k.cost = None if rec.cost is None or k.cost is None else k.cost + rec.cost
         self.records.append(rec)
         self._open = rec
         self._runner_s += rec.wall_s
+
+    def _ceilings(self) -> Ceilings | None:
+        """The rates, measured once on the profiled CUDA device (None elsewhere, or when the
+        measurement finds no memory left)."""
+        if self.ceilings is None and self._sync_device is not None and self.cost_model is not None:
+            try:
+                self.ceilings = measure_ceilings(self._sync_device)
+            except torch.OutOfMemoryError:
+                self.cost_model = None  # no rooflines this run
+                torch.cuda.empty_cache()
+        return self.ceilings
 
     # ---- called by EngineCore.step (only when enabled) ----------------------------------------
     def end_engine_step(self, total_s: float) -> None:
@@ -151,7 +171,9 @@ class StepProfiler:
     # ---- results ------------------------------------------------------------------------------
     def summary(self) -> dict:
         """Per kind: steps, seconds, ms/step, batch, tokens/s, phase seconds; plus the
-        top-level split of engine-step time into scheduler/engine vs runner."""
+        top-level split of engine-step time into scheduler/engine vs runner; with a cost model,
+        each kind's roofline ms/step at the device's measured rates."""
+        ceilings = self._ceilings()
         kinds = {}
         for name in sorted(self._kinds, key=lambda n: KINDS.index(n) if n in KINDS else len(KINDS)):
             k = self._kinds[name]
@@ -161,9 +183,17 @@ class StepProfiler:
                 "tokens_per_s": k.tokens / k.wall_s if k.wall_s > 0 else 0.0,
                 "phases_s": dict(k.phases), "eager_reasons": dict(k.reasons),
             }
-        return {"kinds": kinds, "engine_steps": self.engine_steps, "engine_s": self.engine_s,
-                "runner_s": self.runner_s, "scheduler_s": max(0.0, self.engine_s - self.runner_s),
-                "synchronized": self._sync_device is not None}
+            if k.cost is not None and ceilings is not None:
+                compute, nbytes = self.cost_model.roofline_s(k.cost, ceilings)
+                kinds[name]["roofline_ms"] = {"compute": 1e3 * compute / k.steps, "bytes": 1e3 * nbytes / k.steps}
+        out = {"kinds": kinds, "engine_steps": self.engine_steps, "engine_s": self.engine_s,
+               "runner_s": self.runner_s, "scheduler_s": max(0.0, self.engine_s - self.runner_s),
+               "synchronized": self._sync_device is not None}
+        if ceilings is not None:
+            c = ceilings
+            out["ceilings"] = {"bf16_tflops": c.bf16_flops / 1e12, "fp8_tflops": c.fp8_flops / 1e12,
+                               "hbm_tbs": c.hbm_bytes / 1e12}
+        return out
 
 
 def format_summary(s: dict) -> str:
@@ -178,6 +208,14 @@ def format_summary(s: dict) -> str:
                      f"{k['tokens_per_s']:>10.0f}" + "".join(f"{v:>10.1f}" for v in pct))
         for reason, n in k["eager_reasons"].items():
             lines.append(f"  eager: {reason} ({n} steps)")
+        if "roofline_ms" in k:
+            r = k["roofline_ms"]
+            lines.append(f"  roofline: compute {r['compute']:.2f} ms/step ({100 * r['compute'] / k['mean_ms']:.0f}% of "
+                         f"the step), bytes {r['bytes']:.2f} ms/step ({100 * r['bytes'] / k['mean_ms']:.0f}%)")
+    if "ceilings" in s:
+        c = s["ceilings"]
+        lines.append(f"ceilings (measured): bf16 GEMM {c['bf16_tflops']:.0f} TFLOP/s, FP8 GEMM {c['fp8_tflops']:.0f} "
+                     f"TFLOP/s, HBM copy {c['hbm_tbs']:.2f} TB/s")
     e = s["engine_s"]
     share = (lambda x: 100 * x / e) if e > 0 else (lambda x: 0.0)
     lines.append(f"engine steps: {s['engine_steps']}, {e:.2f} s = runner {s['runner_s']:.2f} s "

@@ -20,13 +20,9 @@ from dataclasses import asdict, dataclass
 from torch import nn
 
 from model.v4.moe import PackedExperts
+from server.step_roofline import expected_distinct_experts
 
 H200_HBM_BYTES_PER_S = 4.8e12
-
-
-def expected_distinct_experts(num_experts: int, top_k: int, batch: float) -> float:
-    """Expected distinct experts ``batch`` tokens touch, each choosing ``top_k`` of ``num_experts``."""
-    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
 
 
 def decode_step_bytes(dense_bytes: float, per_request_bytes: float, expert_bytes: float, num_experts: int,
