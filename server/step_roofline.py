@@ -10,7 +10,8 @@ tokens after ``context_len`` cached ones):
   routed experts, router, lm_head on the rows that get logits); the decode rows' absorbed
   W_UK / W_UV products; ``kv_b_proj`` over each chunk's prefix and new rows (the non-absorbed
   prefill up-projects its cached prefix too); attention over the keys each query may see
-  (causal inside a chunk: no masked-tile waste).
+  (causal inside a chunk: no masked-tile waste). An FP8 checkpoint's linears and decode attention
+  over an FP8 cache count at the FP8 GEMM rate, the rest at the bf16 rate.
 * Bytes: every weight the step touches, once (routed experts: the expected number of distinct
   experts hit by ``rows x top_k`` uniform picks); the latent cache rows read (decode: the whole
   context; prefill: the prefix) and written. Activations are left out (a lower bound).
@@ -37,18 +38,18 @@ def expected_distinct_experts(num_experts: int, top_k: int, batch: float) -> flo
 
 @dataclass(frozen=True)
 class StepCost:
-    linear_flops: float  # at the weights' GEMM rate (FP8 for an FP8 checkpoint)
-    attention_flops: float  # at the bf16 rate
+    fp8_flops: float  # at the FP8 rate: an FP8 checkpoint's linears, decode attention over an FP8 cache
+    bf16_flops: float  # at the bf16 rate: everything else
     weight_bytes: float
     kv_bytes: float
 
     def __add__(self, other: "StepCost") -> "StepCost":
-        return StepCost(self.linear_flops + other.linear_flops, self.attention_flops + other.attention_flops,
+        return StepCost(self.fp8_flops + other.fp8_flops, self.bf16_flops + other.bf16_flops,
                         self.weight_bytes + other.weight_bytes, self.kv_bytes + other.kv_bytes)
 
     @property
     def flops(self) -> float:
-        return self.linear_flops + self.attention_flops
+        return self.fp8_flops + self.bf16_flops
 
     @property
     def bytes(self) -> float:
@@ -65,17 +66,22 @@ class Ceilings:
 
 
 class MLAStepCostModel:
-    """Lower bounds on one step's work for ``config`` (an MLA model) on one of ``tp_size`` GPUs."""
+    """Lower bounds on one step's work for ``config`` (an MLA model) on one of ``tp_size`` GPUs.
+    ``fp8_weights``: the linears are held in FP8 (one byte per parameter, FP8 GEMM rate); the
+    router, the LM head and the derived W_UK / W_UV stay in the ``weight_bytes`` compute dtype.
+    ``kv_bytes_per_value`` 1 (an FP8 cache): decode attention counts at the FP8 rate (our decode
+    kernels multiply FP8 operands); prefill attention runs on up-projected bf16 keys."""
 
     def __init__(self, config: ModelConfig, *, fp8_weights: bool, weight_bytes: int = 2,
                  kv_bytes_per_value: float = 2.0, tp_size: int = 1) -> None:
         c = config
         self.fp8_weights = fp8_weights
-        self.weight_elt = 1.0 if fp8_weights else float(weight_bytes)
+        self.quantized_elt = 1.0 if fp8_weights else float(weight_bytes)
+        self.bf16_elt = float(weight_bytes)
         self.kv_elt = float(kv_bytes_per_value)
         self.latent = c.kv_lora_rank + c.qk_rope_head_dim
         heads = c.num_attention_heads / tp_size
-        self.heads, self.kv_lora, self.rope = heads, c.kv_lora_rank, c.qk_rope_head_dim
+        self.heads, self.kv_lora = heads, c.kv_lora_rank
         self.qk, self.v = c.qk_head_dim, c.v_head_dim
         d = c.hidden_size
         q = (d * c.q_lora_rank + c.q_lora_rank * heads * self.qk) if c.q_lora_rank else d * heads * self.qk
@@ -84,57 +90,55 @@ class MLAStepCostModel:
         self.kv_b_params = c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
         self.absorbed_params = heads * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank  # W_UK + W_UV
         self.num_layers = c.num_hidden_layers
-        moe = [i for i in range(c.num_hidden_layers) if c.is_moe_layer(i)]
-        self.num_moe, self.num_dense = len(moe), c.num_hidden_layers - len(moe)
+        self.num_moe = sum(1 for i in range(c.num_hidden_layers) if c.is_moe_layer(i))
+        self.num_dense = c.num_hidden_layers - self.num_moe
         self.dense_mlp_params = 3 * d * c.intermediate_size / tp_size
-        expert = 3 * d * c.moe_intermediate_size
-        self.expert_params = expert
+        self.expert_params = 3 * d * c.moe_intermediate_size
         self.experts = c.n_routed_experts or 0
         self.top_k = c.num_experts_per_tok or 0
-        self.shared_params = (c.n_shared_experts or 0) * expert / tp_size
+        self.shared_params = (c.n_shared_experts or 0) * self.expert_params / tp_size
         self.router_params = d * self.experts
         self.tp_size = tp_size
         self.lm_head_params = d * c.vocab_size / tp_size
-
 
     def cost(self, context_lens: Sequence[int], query_lens: Sequence[int], num_decodes: int,
              num_logit_rows: int) -> StepCost:
         """The step's work: sequences in plan order (the first ``num_decodes`` are decode rows)."""
         rows = int(sum(query_lens))
-        h, layers = self.heads, self.num_layers
+        layers = self.num_layers
         decode_keys = sum(c + 1 for c in context_lens[:num_decodes])
         chunks = list(zip(context_lens[num_decodes:], query_lens[num_decodes:]))
         prefix_rows = sum(c for c, _ in chunks)
-        chunk_rows = rows - num_decodes
         causal_keys = sum(n * c + n * (n + 1) / 2 for c, n in chunks)
 
-        per_layer_linear = rows * self.attn_params + num_decodes * self.absorbed_params
-        per_layer_linear += (prefix_rows + chunk_rows) * self.kv_b_params
-        mlp = self.num_dense * rows * self.dense_mlp_params + self.num_moe * rows * (
-            self.top_k * self.expert_params / self.tp_size + self.shared_params + self.router_params)
-        linear = 2.0 * (layers * per_layer_linear + mlp + num_logit_rows * self.lm_head_params)
-        attention = 2.0 * layers * h * (decode_keys * (self.latent + self.kv_lora)
-                                        + causal_keys * (self.qk + self.v))
+        # kv_b_proj up-projects each chunk's prefix and new rows (decode rows use W_UK / W_UV).
+        kv_b_rows = prefix_rows + rows - num_decodes
+        routed = self.top_k * self.expert_params / self.tp_size
+        quantized = layers * (rows * self.attn_params + kv_b_rows * self.kv_b_params)
+        quantized += rows * (self.num_dense * self.dense_mlp_params + self.num_moe * (routed + self.shared_params))
+        decode_attention = layers * self.heads * decode_keys * (self.latent + self.kv_lora)
+        bf16 = layers * (num_decodes * self.absorbed_params + self.heads * causal_keys * (self.qk + self.v))
+        bf16 += self.num_moe * rows * self.router_params + num_logit_rows * self.lm_head_params
+        fp8, bf16 = (quantized, bf16) if self.fp8_weights else (0.0, bf16 + quantized)
+        if self.kv_elt == 1.0:
+            fp8 += decode_attention
+        else:
+            bf16 += decode_attention
 
-        w = self.weight_elt
-        per_layer_weights = self.attn_params * w
-        if num_decodes:
-            per_layer_weights += self.absorbed_params * 2.0  # derived W_UK / W_UV in the compute dtype
-        if chunks:
-            per_layer_weights += self.kv_b_params * w
         hit = expected_distinct_experts(self.experts, self.top_k, rows) if self.experts else 0.0
-        experts_read = hit / self.tp_size * self.expert_params
-        weights = layers * per_layer_weights + self.num_dense * self.dense_mlp_params * w
-        weights += self.num_moe * (experts_read + self.shared_params + self.router_params) * w
-        weights += self.lm_head_params * w
+        quantized_params = layers * self.attn_params + self.num_dense * self.dense_mlp_params
+        quantized_params += self.num_moe * (hit / self.tp_size * self.expert_params + self.shared_params)
+        quantized_params += layers * self.kv_b_params if chunks else 0.0
+        bf16_params = self.num_moe * self.router_params + self.lm_head_params
+        bf16_params += layers * self.absorbed_params if num_decodes else 0.0
         kv_rows = decode_keys + prefix_rows + rows  # read the context; write this step's rows
-        return StepCost(linear_flops=linear, attention_flops=attention, weight_bytes=weights,
+        return StepCost(fp8_flops=2.0 * fp8, bf16_flops=2.0 * bf16,
+                        weight_bytes=quantized_params * self.quantized_elt + bf16_params * self.bf16_elt,
                         kv_bytes=layers * kv_rows * self.latent * self.kv_elt)
 
     def roofline_s(self, cost: StepCost, ceilings: Ceilings) -> tuple[float, float]:
         """(compute-bound seconds, byte-bound seconds) of ``cost`` at ``ceilings``."""
-        linear_rate = ceilings.fp8_flops if self.fp8_weights else ceilings.bf16_flops
-        compute = cost.linear_flops / linear_rate + cost.attention_flops / ceilings.bf16_flops
+        compute = cost.fp8_flops / ceilings.fp8_flops + cost.bf16_flops / ceilings.bf16_flops
         return compute, cost.bytes / ceilings.hbm_bytes
 
 
