@@ -43,10 +43,10 @@ no register spills in any table config; BLOCK_M = 64 issues HGMMA/QGMMA (wgmma),
 warps for the FP8 gate_up (4 warps spill 80 B: two fp32 accumulators plus the scaled partial
 products); BLOCK_M = 16 uses mma.sync, where FP8 operands are widened to fp16 first.
 
-A config with ``tma=True`` runs steps 2-3 on ``kernels/moe_triton_tma.py`` instead (operands
-through TMA descriptors, x's rows gathered once into the sorted layout) where ``tma_applies``;
-elsewhere the same tiles run here. No table row sets it until a device run of
-``benchmarks/bench_moe.py --tma`` shows it faster (written offline, not yet run on a GPU).
+A config with ``tma=True`` runs steps 2-3 on ``kernels/moe_triton_tma.py`` instead (weights
+through TMA descriptors; with ``tma_a=False`` x's rows are gathered inside gate_up as here) where
+``tma_applies``; elsewhere the same tiles run here. The many-rows row takes it: 1.07-1.13x the
+pointer loads at V2-Lite and R1-EP8 prefill sizes on the H100 (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ class MoEConfig:
 CONFIG_TABLE = (
     (32, MoEConfig(16, 64, 128, 128, 8, 4, 4), MoEConfig(16, 128, 128, 128, 8, 4, 4)),
     (255, MoEConfig(64, 128, 128, 64, 8, 8, 3), MoEConfig(64, 128, 128, 128, 8, 8, 3)),
-    (None, MoEConfig(128, 128, 128, 64, 8, 8, 3), MoEConfig(64, 128, 128, 128, 8, 8, 3)),
+    (None, MoEConfig(128, 128, 128, 64, 8, 8, 3, tma=True, tma_a=False),
+     MoEConfig(64, 128, 128, 128, 8, 8, 3, tma=True, tma_a=False)),
 )
 
 
