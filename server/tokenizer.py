@@ -127,6 +127,22 @@ class Tokenizer:
             return text
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` underneath."""
+        return self._tok
+
+    def decode_stream(self, context_ids: list[int], skip_special_tokens: bool = True):
+        """An incremental decoder primed with ``context_ids`` (``tokenizers``' DecodeStream):
+        ``step(backend, token_id)`` returns the new text, or None while a character is incomplete.
+        None where the installed ``tokenizers`` cannot prime one (before 0.22)."""
+        try:
+            from tokenizers.decoders import DecodeStream
+
+            return DecodeStream(skip_special_tokens=skip_special_tokens, ids=list(context_ids))
+        except (ImportError, TypeError):
+            return None
+
     def convert_ids_to_tokens(self, ids) -> list[str]:
         return [self._tok.id_to_token(int(i)) for i in ids]
 
@@ -227,6 +243,12 @@ class IncrementalDetokenizer:
         self.include_stop_str_in_output = include_stop_str_in_output
         context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
         self._ids: list[int] = context
+        # The same prefix/read-offset scheme in Rust (2-3x faster per token); None where it would
+        # differ (a context whose text holds U+FFFD: the stream re-emits some of it) and after it
+        # refuses a window (a decoder whose text is not prefix-stable): the Python scheme then.
+        self._stream = None
+        if REPLACEMENT_CHAR not in tokenizer.decode(context, skip_special_tokens):
+            self._stream = tokenizer.decode_stream(context, skip_special_tokens)
         self._prefix_offset = 0  # start of the decode window (in self._ids)
         self._read_offset = len(context)  # tokens before this are already in self._full
         self._prefix_text: str | None = None  # decode of ids[prefix:read], cached
@@ -283,6 +305,16 @@ class IncrementalDetokenizer:
 
     def _decode_next(self) -> str:
         """New complete text after the last appended token (prefix/read-offset scheme)."""
+        if self._stream is not None:
+            try:
+                text = self._stream.step(self.tokenizer.backend, self._ids[-1])
+            except Exception:  # the Rust library raises a bare Exception: a window it will not cut
+                self._stream = None
+            else:
+                if text is not None:  # the stream moved its window as the scheme below does
+                    self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                    self._prefix_text = None
+                return text or ""
         prefix_text = self._window_prefix_text()
         window = self.tokenizer.decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
         if len(window) <= len(prefix_text) or window.endswith(REPLACEMENT_CHAR):

@@ -10,7 +10,7 @@ import pytest
 
 from model.tokenizer_builder import ASSISTANT_TOKEN, BOS_TOKEN, EOS_TOKEN, USER_TOKEN, build_test_tokenizer
 from server.errors import InvalidRequestError
-from server.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerLoadError
+from server.tokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer, Tokenizer, TokenizerLoadError
 
 FFFD = "\ufffd"
 
@@ -184,6 +184,41 @@ def test_detokenizer_random_unicode_never_emits_partial_characters(tok):
         assert all(FFFD not in d for d in deltas)
         assert "".join(deltas) == detok.text == tok.decode(ids) == text
         assert detok.flush() == ""
+
+
+def test_rust_stream_and_python_window_give_the_same_deltas(tok):
+    """The detokenizer steps tokenizers' DecodeStream; the Python window it falls back to must
+    cut the same deltas, on random ids (split characters, special tokens) either way of skipping."""
+    rng = random.Random(1)
+    for trial in range(40):
+        prompt = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(0, 8))]
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 60))]
+        skip = bool(trial % 2)
+        rust, python = IncrementalDetokenizer(tok, prompt, skip), IncrementalDetokenizer(tok, prompt, skip)
+        python._stream = None
+        assert (rust._stream is None) == (FFFD in tok.decode(prompt[-PROMPT_CONTEXT_TOKENS:], skip))
+        assert [rust.add_tokens([i])[0] for i in ids] == [python.add_tokens([i])[0] for i in ids]
+        assert rust.flush() == python.flush() and rust.text == python.text
+
+
+def test_a_refused_stream_window_falls_back_mid_request(tok):
+    class Refusing:
+        def __init__(self, after):
+            self.inner, self.left = tok.decode_stream([]), after
+
+        def step(self, backend, token_id):
+            self.left -= 1
+            if self.left < 0:
+                raise Exception("prefix mismatch")  # what the Rust library raises
+            return self.inner.step(backend, token_id)
+
+    text = "héllo wörld 世界, again"
+    ids = tok.encode(text, add_special_tokens=False)
+    for after in range(len(ids)):
+        detok = IncrementalDetokenizer(tok, [])
+        detok._stream = Refusing(after)
+        assert "".join(stream(detok, ids)[0]) + detok.flush() == text
+        assert detok._stream is None or after >= len(ids)
 
 
 def test_detokenizer_holds_back_split_characters(tok):
