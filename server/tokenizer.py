@@ -246,19 +246,20 @@ class IncrementalDetokenizer:
         # The same prefix/read-offset scheme in Rust (2-3x faster per token); None where it would
         # differ (a context whose text holds U+FFFD: the stream re-emits some of it) and after it
         # refuses a window (a decoder whose text is not prefix-stable): the Python scheme then.
-        self._stream = None
+        self._stream, self._backend = None, tokenizer.backend
         if REPLACEMENT_CHAR not in tokenizer.decode(context, skip_special_tokens):
             self._stream = tokenizer.decode_stream(context, skip_special_tokens)
         self._prefix_offset = 0  # start of the decode window (in self._ids)
         self._read_offset = len(context)  # tokens before this are already in self._full
         self._prefix_text: str | None = None  # decode of ids[prefix:read], cached
-        self._full = ""  # all decoded output text (truncated at a stop string)
+        self._full = ""  # with stop strings: all decoded output text (truncated at a stop string)
         self._emitted = 0  # characters of self._full already returned as deltas
+        self._deltas: list[str] = []  # without stop strings: the deltas, all of the text at once
         self.stop_reason: str | None = None
 
     @property
     def text(self) -> str:
-        return self._full[:self._emitted]
+        return self._full[:self._emitted] if self.stop else "".join(self._deltas)
 
     @property
     def stopped(self) -> bool:
@@ -271,12 +272,18 @@ class IncrementalDetokenizer:
         """
         if self.stopped:
             return "", None
+        if not self.stop:  # nothing to hold back: every complete character goes out at once
+            text = ""
+            for token_id in new_token_ids:
+                self._ids.append(int(token_id))
+                text += self._decode_next()
+            if text:
+                self._deltas.append(text)
+            return text, None
         old_len = len(self._full)
         for token_id in new_token_ids:
             self._ids.append(int(token_id))
             self._full += self._decode_next()
-        if not self.stop:
-            return self._emit(final=False), None
         hit = self._check_stop(old_len)
         return self._emit(final=hit is not None), hit
 
@@ -285,13 +292,19 @@ class IncrementalDetokenizer:
         including an incomplete trailing character (decoded as U+FFFD, as ``decode`` does)."""
         if self.stopped:
             return ""
-        old_len = len(self._full)
+        rest = ""
         if self._read_offset < len(self._ids):
             prefix_text = self._window_prefix_text()
             window = self.tokenizer.decode(self._ids[self._prefix_offset:], self.skip_special_tokens)
-            self._full += window[len(prefix_text):]
+            rest = window[len(prefix_text):]
             self._prefix_offset = self._read_offset = len(self._ids)
             self._prefix_text = None
+        if not self.stop:
+            if rest:
+                self._deltas.append(rest)
+            return rest
+        old_len = len(self._full)
+        self._full += rest
         self._check_stop(old_len)
         return self._emit(final=True)
 
@@ -307,7 +320,7 @@ class IncrementalDetokenizer:
         """New complete text after the last appended token (prefix/read-offset scheme)."""
         if self._stream is not None:
             try:
-                text = self._stream.step(self.tokenizer.backend, self._ids[-1])
+                text = self._stream.step(self._backend, self._ids[-1])
             except Exception:  # the Rust library raises a bare Exception: a window it will not cut
                 self._stream = None
             else:
