@@ -61,11 +61,13 @@ class LLM:
             order.append(rid)
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
         while self.engine.has_unfinished():
-            for delta in self.engine.step():
+            deltas = self.engine.step()
+            now = time.monotonic()  # one arrival time for the step's tokens
+            for delta in deltas:
                 acc = accs.get(delta.request_id)
                 if acc is None:
                     continue
-                acc.apply(delta, time.monotonic())
+                acc.apply(delta, now)
                 if delta.finished:
                     bar.update(1)
         bar.close()
