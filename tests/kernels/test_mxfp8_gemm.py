@@ -5,7 +5,7 @@ Triton kernels under TRITON_INTERPRET=1 in one subprocess (the interpreter must 
 before Triton is imported): the quantization byte for byte against
 ``kernels.microscaling.quantize_mxfp8`` (every e4m3 rounding boundary included), the GEMM
 against the reference on odd shapes, and the wo_a epilogue's e4m3 z + scales byte for byte
-against quantizing its bf16 output separately at 1, 129 and 8193 tokens (small N and K).
+against quantizing its bf16 output separately at 1, 129 and 1153 tokens (small N and K).
 GPU (``-m gpu``): the same at V4.1-Flash shapes, with CUDA-graph capture and replay.
 """
 
@@ -189,7 +189,9 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     # wo_a's quantizing epilogue: z's bytes equal quantizing the bf16 z separately
     groups, r, kg = 2, 64, 64
     w8, ws = weight(groups * r, kg, seed=3)
-    for t in (1, 129, 8193):
+    # 1153 = 9 · 128 + 1 rows: ten M tiles, so a full GROUP_M group of tiles, then a partial
+    # one ending in a one-row tile (8193, the step budget + 1, on the GPU)
+    for t in (1, 129, 1153):
         x8, xs = quantize_mxfp8_triton(activations(t, groups * kg, seed=t))
         z8, zs = mxfp8_gemm(x8, xs, w8, ws, groups=groups, quantize_out=True)
         z = mxfp8_gemm(x8, xs, w8, ws, groups=groups)

@@ -80,9 +80,11 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     from kernels.topk_triton import candidate_blocks_triton, topk_rows_triton
     from kernels.v4_indexer import candidate_blocks, topk_picks
     from tests.kernels.test_topk_triton import block_rows, crafted_rows, selection_path
-    scores, visible = crafted_rows(200, seed=0)
+    wide, narrow = crafted_rows(200, seed=0), crafted_rows(24, seed=0)
     paths = set()
-    for k, small, cap in ((1, 16, 32), (3, 16, 32), (13, 16, 64), (40, 64, 128), (300, 512, 512)):
+    # narrow: k past the row width (picks [rows, n], −1 past each row's finite scores)
+    for (scores, visible), k, small, cap in ((wide, 1, 16, 32), (wide, 3, 16, 32), (wide, 13, 16, 64),
+                                             (wide, 40, 64, 128), (narrow, 30, 32, 32)):
         got = topk_rows_triton(scores, visible, k, small=small, cap=cap)
         want = topk_picks(scores, k)
         for r in range(scores.shape[0]):
