@@ -11,11 +11,15 @@ GPU (``-m gpu``): the same at V4.1-Flash shapes, with CUDA-graph capture and rep
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -247,12 +251,32 @@ def _compile_sm90(fn, types: dict, consts: dict, divisible: tuple[str, ...] = ()
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"mxfp8_{os.getpid()}.cubin"
-    cubin.write_bytes(k.asm["cubin"])
-    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
-                           check=True).stdout
-    cubin.unlink()
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:  # one per call: compiles may run in threads
+        cubin.write(k.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
     return k.asm["ptx"], re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage).group(0)
+
+
+def two_at_a_time(calls: list) -> list:
+    """``[call() for call in calls]`` on two threads: a compile for sm_90 spends its time in MLIR,
+    LLVM and ptxas, which run without the GIL (Triton's own AsyncCompileMode compiles on a
+    thread pool likewise), so a test's compiles take both cores."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+@contextlib.contextmanager
+def started_two_at_a_time(calls: dict):
+    """{key: future of call()} for {key: call}, run as in :func:`two_at_a_time`: the compiles of
+    one-compile tests (a module fixture's), each test waiting for its own; calls no test
+    waited for are dropped at exit."""
+    pool = ThreadPoolExecutor(2)
+    try:
+        yield {key: pool.submit(call) for key, call in calls.items()}
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 _PTXAS = Path(importlib.util.find_spec("triton").origin).parent / "backends/nvidia/bin/ptxas" if HAS_TRITON else None
@@ -276,22 +300,31 @@ def test_default_configs_compile_for_sm90_with_wgmma_and_no_spills():
             split = cfg.pop("SPLIT_K") > 1
             out = "*u8" if quant else ("*fp32" if split else "*bf16")
             cases[(tuple(sorted(cfg.items())), quant, split)] = (cfg, out)
+    gemms, calls = [], []
     for (_, quant, split), (cfg, out) in cases.items():
         opts = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
         consts = dict(cfg, QUANT_OUT=quant, OUT_BF16=out == "*bf16", SPLIT=split)
-        ptx, usage = _compile_sm90(_mxfp8_gemm_kernel, dict(types, C=out), consts, **opts)
-        assert "wgmma" in ptx and usage.endswith("LOCAL:0") and " STACK:0 " in usage, (consts, usage)
-    _, usage = _compile_sm90(_split_sum_kernel, {"W": "*fp32", "C": "*bf16", "MN": "i32", "SPLITS": "i32"},
-                             {"BLOCK": 1024, "OUT_BF16": True}, num_warps=4)
-    assert " STACK:0 " in usage
-    _, usage = _compile_sm90(_split_sum_quant_kernel, {"W": "*fp32", "Q": "*u8", "S": "*u8", "M": "i32", "N": "i32",
-                                                       "SPLITS": "i32"}, {"BLOCK_M": 8, "BLOCKS": 8}, num_warps=4)
-    assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), usage
+        gemms.append(consts)
+        calls.append(functools.partial(_compile_sm90, _mxfp8_gemm_kernel, dict(types, C=out), consts, **opts))
+    calls.append(functools.partial(_compile_sm90, _split_sum_kernel, {"W": "*fp32", "C": "*bf16", "MN": "i32",
+                                                                      "SPLITS": "i32"},
+                                   {"BLOCK": 1024, "OUT_BF16": True}, num_warps=4))
+    calls.append(functools.partial(_compile_sm90, _split_sum_quant_kernel, {"W": "*fp32", "Q": "*u8", "S": "*u8",
+                                                                            "M": "i32", "N": "i32", "SPLITS": "i32"},
+                                   {"BLOCK_M": 8, "BLOCKS": 8}, num_warps=4))
     qtypes = dict(X="*bf16", Y="*u8", S="*u8", COS="*bf16", SIN="*bf16", **dict.fromkeys(
         ("M", "K", "stride_xm", "stride_ym", "stride_sm", "stride_cm"), "i32"))
     for rope in (0, 64):
         consts = {"BLOCK_M": 8, "BLOCKS": 16, "HEAD_DIM": 512, "ROPE": rope, "ROUND_BF16": True}
-        _, usage = _compile_sm90(_mxfp8_quant_kernel, qtypes, consts, num_warps=4, enable_fp_fusion=False)
+        calls.append(functools.partial(_compile_sm90, _mxfp8_quant_kernel, qtypes, consts, num_warps=4,
+                                       enable_fp_fusion=False))
+    compiled = two_at_a_time(calls)
+    for consts, (ptx, usage) in zip(gemms, compiled):
+        assert "wgmma" in ptx and usage.endswith("LOCAL:0") and " STACK:0 " in usage, (consts, usage)
+    (_, sum_usage), (_, sum_quant_usage), *quant_usages = compiled[len(gemms):]
+    assert " STACK:0 " in sum_usage
+    assert " STACK:0 " in sum_quant_usage and sum_quant_usage.endswith("LOCAL:0"), sum_quant_usage
+    for _, usage in quant_usages:
         assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), usage
 
 

@@ -12,6 +12,7 @@ full width."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import textwrap
@@ -127,7 +128,7 @@ def test_selection_kernels_compile_for_sm90_without_spills():
     and 16384 blocks): no local memory, no spill stack."""
     from kernels.topk_triton import (HIST_STRIDE, NUM_BINS, _block_mask_kernel, _collect_kernel, _finish_kernel,
                                      _histogram_kernel, selection_sizes)
-    from tests.kernels.test_mxfp8_gemm import _compile_sm90
+    from tests.kernels.test_mxfp8_gemm import _compile_sm90, two_at_a_time
 
     kp, small, cap = selection_sizes(512)
     common = dict(S="*fp32", s_stride="i32", VIS="*i64", HIST="*i32", k="i32")
@@ -139,10 +140,9 @@ def test_selection_kernels_compile_for_sm90_without_spills():
                               width="i32"), dict(KP=kp, SMALL=small, CAP=cap, BLOCK=1024, MAP_BLOCK=8, **tables), 8),
     ] + [(_block_mask_kernel, dict(BM="*fp32", bm_stride="i32", VIS="*i64", MASK="*i8", m_stride="i32",
                                    num_blocks="i32", k="i32"), dict(BS=8, ROW=row), 8) for row in (8192, 16384)]
-    for fn, types, consts, warps in cases:
-        names = fn.arg_names
-        types = {n: t for n, t in types.items() if n in names}
-        _, usage = _compile_sm90(fn, types, consts, num_warps=warps)
+    calls = [functools.partial(_compile_sm90, fn, {n: t for n, t in types.items() if n in fn.arg_names}, consts,
+                               num_warps=warps) for fn, types, consts, warps in cases]
+    for (fn, *_), (_, usage) in zip(cases, two_at_a_time(calls)):
         assert re.search(r"STACK:0 .*LOCAL:0", usage), (fn.fn.__name__, usage)
 
 

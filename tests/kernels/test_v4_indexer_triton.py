@@ -10,6 +10,7 @@ NaN-poisoned unused pages, and the chain captured in a CUDA graph and replayed."
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import textwrap
@@ -22,7 +23,7 @@ from kernels.topk import key_scores
 from kernels.v4_indexer import (candidate_blocks, index_picks_reference, index_scores_reference,
                                 quantize_index_queries, topk_picks)
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
-from tests.kernels.test_mxfp8_gemm import capture, run_interpreted
+from tests.kernels.test_mxfp8_gemm import capture, run_interpreted, two_at_a_time
 from tests.kernels.test_v4_indexer import _paged_keys, assert_same_picks
 
 _PTXAS = (Path(importlib.util.find_spec("triton").origin).parent / "backends/nvidia/bin/ptxas"
@@ -201,6 +202,7 @@ def test_default_shapes_compile_for_sm90_on_fp8_wgmma_without_spills():
     from tests.kernels.test_mxfp8_gemm import _compile_sm90
 
     divisible = ("pt_stride", "page_rows", "out_stride", "num_keys", "tiles")
+    scores = []  # (picks_path, consts, compile call)
     for qpr in (1, 256):
         bn, bq, warps, stages = default_shape(qpr)
         for allowed in (False, True):
@@ -209,20 +211,25 @@ def test_default_shapes_compile_for_sm90_on_fp8_wgmma_without_spills():
                               PRMT=True, WANT_BMAX=not allowed, KEYS_OUT=not picks_path and allowed,
                               HISTOGRAM=picks_path, HSTRIDE=HIST_STRIDE, WRITE_DEAD=not picks_path, PREFETCH=True)
                 types = dict(SCORE_TYPES, OUT="*i64" if consts["KEYS_OUT"] else "*fp32")
-                ptx, usage = _compile_sm90(_index_scores_kernel, types, consts, divisible, num_warps=warps,
-                                           num_stages=stages)
-                assert "wgmma" in ptx and "e4m3" in ptx and "cp.async" in ptx and "prmt.b32" in ptx, usage
-                assert ("atom.global" in ptx) == picks_path, usage
-                assert re.search(r"STACK:0 .*LOCAL:0", usage), (consts, usage)
-    types = dict(Q="*fp32", Q8="*u8", QS="*fp32", ZERO="*i32", q_stride="i32", zero_stride="i32", zero_n="i32")
-    _, usage = _compile_sm90(_quantize_queries_kernel, types, dict(H=32, HP=32, D=128, ZP=4096), ("q_stride",),
-                             num_warps=4)
-    assert re.search(r"STACK:0 .*LOCAL:0", usage), usage
-    types = dict(ALLOWED="*u8", al_stride="i32", VIS="*i64", PT="*i64", pt_stride="i32", q_per_req="i32", VPT="*i64",
-                 BLIST="*i32", VIS_C="*i32", nblocks="i32", width="i32")
-    _, usage = _compile_sm90(_compact_blocks_kernel, types, dict(BS=8, BPP=8, ROW=8192), ("al_stride", "nblocks"),
-                             num_warps=8)
-    assert re.search(r"STACK:0 .*LOCAL:0", usage), usage
+                scores.append((picks_path, consts, functools.partial(
+                    _compile_sm90, _index_scores_kernel, types, consts, divisible, num_warps=warps,
+                    num_stages=stages)))
+    quantize = functools.partial(
+        _compile_sm90, _quantize_queries_kernel,
+        dict(Q="*fp32", Q8="*u8", QS="*fp32", ZERO="*i32", q_stride="i32", zero_stride="i32", zero_n="i32"),
+        dict(H=32, HP=32, D=128, ZP=4096), ("q_stride",), num_warps=4)
+    compact = functools.partial(
+        _compile_sm90, _compact_blocks_kernel,
+        dict(ALLOWED="*u8", al_stride="i32", VIS="*i64", PT="*i64", pt_stride="i32", q_per_req="i32", VPT="*i64",
+             BLIST="*i32", VIS_C="*i32", nblocks="i32", width="i32"),
+        dict(BS=8, BPP=8, ROW=8192), ("al_stride", "nblocks"), num_warps=8)
+    *compiled, (_, quantize_usage), (_, compact_usage) = two_at_a_time([c for *_, c in scores] + [quantize, compact])
+    for (picks_path, consts, _), (ptx, usage) in zip(scores, compiled):
+        assert "wgmma" in ptx and "e4m3" in ptx and "cp.async" in ptx and "prmt.b32" in ptx, usage
+        assert ("atom.global" in ptx) == picks_path, usage
+        assert re.search(r"STACK:0 .*LOCAL:0", usage), (consts, usage)
+    assert re.search(r"STACK:0 .*LOCAL:0", quantize_usage), quantize_usage
+    assert re.search(r"STACK:0 .*LOCAL:0", compact_usage), compact_usage
 
 
 _POINTER_TYPES = {torch.uint8: "*u8", torch.int8: "*i8", torch.int32: "*i32", torch.int64: "*i64",
@@ -314,7 +321,7 @@ def test_key_record_loads_assume_no_more_alignment_than_the_records(monkeypatch)
     record_lines = {i + 1 for i, text in enumerate(Path(kt.__file__).read_text().splitlines())
                     if re.search(r"tl\.load\((rec|word)\b", text)}
     assert len(record_lines) == 2  # the e2m1 codes and the scale words
-    compiled = set()
+    compiles = {}  # one per distinct specialization: (name, module, constexpr kwargs, consts, compile call)
     for name, calls in launches.items():
         module = kt if hasattr(kt, name) else kk
         fn = getattr(module, name)
@@ -323,18 +330,19 @@ def test_key_record_loads_assume_no_more_alignment_than_the_records(monkeypatch)
             options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
             sig, consts, attrs = _specialize(fn, args, kwargs)
             key = repr((name, sig, consts, attrs, options))
-            if key in compiled:
-                continue
-            compiled.add(key)
-            ptx = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                                 options=options).asm["ptx"]
-            widths = global_access_bytes(ptx, module.__file__)
-            if name == "_index_scores_kernel":
-                rec = kwargs["REC"]
-                for line in record_lines:
-                    assert widths.get(line) and max(widths[line]) <= rec & -rec, (rec, line, widths.get(line), consts)
-            assert max(max(w) for w in widths.values()) <= 16, (name, widths)
-    assert len([k for k in compiled if "_index_scores_kernel" in k]) >= 12, len(compiled)
+            if key not in compiles:
+                compiles[key] = (name, module, kwargs, consts, functools.partial(
+                    triton.compile, ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                    options=options))
+    kernels = two_at_a_time([job[-1] for job in compiles.values()])
+    for (name, module, kwargs, consts, _), kernel in zip(compiles.values(), kernels):
+        widths = global_access_bytes(kernel.asm["ptx"], module.__file__)
+        if name == "_index_scores_kernel":
+            rec = kwargs["REC"]
+            for line in record_lines:
+                assert widths.get(line) and max(widths[line]) <= rec & -rec, (rec, line, widths.get(line), consts)
+        assert max(max(w) for w in widths.values()) <= 16, (name, widths)
+    assert len([k for k in compiles if "_index_scores_kernel" in k]) >= 12, len(compiles)
 
 
 # ---- GPU ------------------------------------------------------------------------------------------
