@@ -37,7 +37,8 @@ from kernels.mxfp4_moe import (
 from kernels.mxfp4_experts import moe_experts_mxfp4, mxfp4_backend
 from kernels.weight_formats import E8M0_BIAS, MXFP4, dequantize_mxfp4, quantize, quantize_mxfp4
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
-from tests.kernels.test_mxfp8_gemm import _PTXAS, _compile_sm90, rel_err, run_interpreted, two_at_a_time
+from tests.kernels.test_mxfp8_gemm import (_PTXAS, _compile_sm90, in_two_parts, rel_err, run_interpreted,
+                                           two_at_a_time)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -312,7 +313,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
     torch.manual_seed(0)
     binades = torch.exp2(torch.randint(-6, 6, (37, 3, 1)).float())
     x = torch.randn(37, 384) * binades.repeat_interleave(128, 1).reshape(37, 384)
-    for ue8m0 in (False, True):
+    for ue8m0 in (False, True)[PART::2]:
         q, s = quantize_paired_triton(x.bfloat16(), ue8m0)
         rq, rs = quantize_per_token_group(x.bfloat16(), 128, ue8m0=ue8m0)
         assert torch.equal(q.view(torch.uint8), pair_columns(rq).view(torch.uint8)) and torch.equal(s, rs)
@@ -330,7 +331,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
         (4, 2, [0, 2, 4], 0, 1.0, MXFP4MoEConfig(16, 128, 128, 2, 4, 1, split_k=3, split_k_down=2)),
         (7, 2, None, 1, 1.0, MXFP4MoEConfig(16, 64, 128, 2, 4, 1, split_k_down=3, convert="fp16")),
     ]
-    for t, k, only, offset, limit, cfg in cases:
+    for t, k, only, offset, limit, cfg in cases[PART::2]:  # half of them in each of two processes
         wts, ids = routing(t, k, e + offset, seed=t, only=only)
         xb = torch.randn(t, d).bfloat16()
         local = [wi[offset:] if offset else wi for wi in w]
@@ -354,7 +355,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
 
 @pytest.mark.slow
 def test_triton_kernels_under_interpreter():
-    run_interpreted(_INTERPRET_SCRIPT)
+    run_interpreted(*in_two_parts(_INTERPRET_SCRIPT))
 
 
 @pytest.mark.slow

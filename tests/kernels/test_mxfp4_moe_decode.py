@@ -27,7 +27,8 @@ from kernels.mxfp4_moe_decode import (
 )
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
 from tests.kernels.test_mxfp4_moe import BF16_DOT_PATCH, experts, routing
-from tests.kernels.test_mxfp8_gemm import _PTXAS, _compile_sm90, rel_err, run_interpreted, two_at_a_time
+from tests.kernels.test_mxfp8_gemm import (_PTXAS, _compile_sm90, in_two_parts, rel_err, run_interpreted,
+                                           two_at_a_time)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -58,8 +59,9 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
     from kernels.mxfp4_moe_decode import SwapABConfig, route_and_quantize
     from kernels.mxfp4_experts import moe_mxfp4_kernels
     from tests.kernels.test_mxfp4_moe import experts, rel_err, routing
+    # half of the router cases and of the kernel cases in each of two processes
     for t, k, e, off, bt, d in [(1, 6, 20, 0, 16, 256), (37, 3, 9, 2, 16, 1280), (5, 2, 4, 0, 32, 128),
-                                (60, 6, 384, 0, 16, None)]:  # 384 experts: a 512-bin histogram
+                                (60, 6, 384, 0, 16, None)][PART::2]:  # 384 experts: a 512-bin histogram
         wts, ids = routing(t, k, e + off + 2, seed=t)  # some choices belong to other ranks
         x = None if d is None else (torch.randn(t, d) * torch.exp2(torch.randint(-6, 6, (t, 1)).float())).bfloat16()
         slots, blocks, q, s = route_and_quantize(ids, e, off, bt, x, ue8m0=t == 37)
@@ -79,7 +81,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
         (20, 3, None, 0, 1.0, C(128, 64, 32, 1, split_k_down=2)),           # 32-slot blocks
         (2, 2, None, 0, 1.0, None),                                         # the default (decode table)
     ]
-    for t, k, only, off, limit, cfg in cases:
+    for t, k, only, off, limit, cfg in cases[PART::2]:
         wts, ids = routing(t, k, e + off, seed=t, only=only)
         xb = torch.randn(t, d).bfloat16()
         local = [wi[off:] if off else wi for wi in w]
@@ -96,7 +98,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
 
 @pytest.mark.slow
 def test_router_and_swap_ab_kernels_under_interpreter():
-    run_interpreted(_INTERPRET_SCRIPT)
+    run_interpreted(*in_two_parts(_INTERPRET_SCRIPT))
 
 
 @pytest.mark.slow

@@ -149,7 +149,8 @@ def test_operand_validation():
 
 # ----------------------------------------------------------------------------- Triton, interpreted (CPU)
 
-_INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
+# Two scripts, run at once (one core each): the quantization and the wo_a epilogue, and the GEMM.
+_INTERPRET_PRELUDE = INTERPRETER_PATCH + textwrap.dedent(
     """
     import torch
     from kernels.microscaling import quantize_mxfp8
@@ -159,7 +160,10 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
 
     def same(a, b):
         return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
+    """
+)
+_INTERPRET_SCRIPTS = [_INTERPRET_PRELUDE + textwrap.dedent(part) for part in (
+    """
     # every e4m3 value, the midpoints between neighbours and one fp32 ulp either side of
     # them, in blocks led by 448 (scale 1), and their negatives
     grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -172,23 +176,6 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         q, s = quantize_mxfp8_triton(x)
         rq, rs = quantize_mxfp8(x)
         assert same(q, rq) and torch.equal(s, rs), x.shape
-
-    # GEMM vs reference: M off the tile, a ragged N, several groups, split-K (tile overrides)
-    for m, n, k, g, tiles in [(37, 96, 160, 1, {}), (5, 100, 64, 1, {}), (20, 128, 64, 2, {}),
-                              (130, 256, 256, 4, {}), (5, 96, 192, 1, dict(SPLIT_K=3, BLOCK_K=32, BLOCK_N=32)),
-                              (37, 64, 256, 2, dict(SPLIT_K=2, BLOCK_K=64, BLOCK_N=32)),
-                              (3, 100, 512, 1, dict(SPLIT_K=4, BLOCK_M=16, BLOCK_N=64))]:
-        x8, xs = quantize_mxfp8_triton(activations(m, k * g, seed=m))
-        w8, ws = weight(n, k, seed=n)
-        cfg = dict(default_config(m, n, k, g), **tiles)
-        ref = mxfp8_gemm_reference(x8, xs, w8, ws, groups=g, out_dtype=torch.float32)
-        y = mxfp8_gemm(x8, xs, w8, ws, groups=g, out_dtype=torch.float32, config=cfg)
-        assert rel_err(y, ref) < 1e-5, (m, n, k, g, rel_err(y, ref))
-        yb = mxfp8_gemm(x8, xs, w8, ws, groups=g, config=cfg)
-        assert torch.equal(yb, y.bfloat16())  # bf16 output is the RNE rounding of the fp32 one
-    empty = mxfp8_gemm(x8[:0], xs[:0], w8, ws)
-    z0, s0 = mxfp8_gemm(x8[:0], xs[:0], w8[:96], ws[:3], quantize_out=True)
-    assert empty.shape == (0, 100) and z0.shape == (0, 96) and s0.shape == (0, 3)
 
     # wo_a's quantizing epilogue: z's bytes equal quantizing the bf16 z separately
     groups, r, kg = 2, 64, 64
@@ -212,22 +199,54 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         u8, us = quantize_mxfp8_triton(mxfp8_gemm(x8, xs, w8, ws, groups=groups, config=cfg))
         assert same(z8, u8) and torch.equal(zs, us), t
     print("interpreter ok")
+    """,
     """
-)
+    # GEMM vs reference: M off the tile, a ragged N, several groups, split-K (tile overrides)
+    for m, n, k, g, tiles in [(37, 96, 160, 1, {}), (5, 100, 64, 1, {}), (20, 128, 64, 2, {}),
+                              (130, 256, 256, 4, {}), (5, 96, 192, 1, dict(SPLIT_K=3, BLOCK_K=32, BLOCK_N=32)),
+                              (37, 64, 256, 2, dict(SPLIT_K=2, BLOCK_K=64, BLOCK_N=32)),
+                              (3, 100, 512, 1, dict(SPLIT_K=4, BLOCK_M=16, BLOCK_N=64))]:
+        x8, xs = quantize_mxfp8_triton(activations(m, k * g, seed=m))
+        w8, ws = weight(n, k, seed=n)
+        cfg = dict(default_config(m, n, k, g), **tiles)
+        ref = mxfp8_gemm_reference(x8, xs, w8, ws, groups=g, out_dtype=torch.float32)
+        y = mxfp8_gemm(x8, xs, w8, ws, groups=g, out_dtype=torch.float32, config=cfg)
+        assert rel_err(y, ref) < 1e-5, (m, n, k, g, rel_err(y, ref))
+        yb = mxfp8_gemm(x8, xs, w8, ws, groups=g, config=cfg)
+        assert torch.equal(yb, y.bfloat16())  # bf16 output is the RNE rounding of the fp32 one
+    empty = mxfp8_gemm(x8[:0], xs[:0], w8, ws)
+    z0, s0 = mxfp8_gemm(x8[:0], xs[:0], w8[:96], ws[:3], quantize_out=True)
+    assert empty.shape == (0, 100) and z0.shape == (0, 96) and s0.shape == (0, 3)
+    print("interpreter ok")
+    """,
+)]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_triton_kernels_under_interpreter():
-    run_interpreted(_INTERPRET_SCRIPT)
+    run_interpreted(*_INTERPRET_SCRIPTS)
 
 
-def run_interpreted(script: str) -> None:
-    """Run ``script`` (which prints "interpreter ok" at its end) in a TRITON_INTERPRET=1 subprocess."""
+def run_interpreted(*scripts: str, timeout: int = 600) -> None:
+    """Run each script (which prints "interpreter ok" at its end) in its own TRITON_INTERPRET=1
+    subprocess, all at once: the interpreter runs on one core, so a test whose cases split
+    into two independent scripts takes both."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    res = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, check=False,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-3000:]
+
+    def run(script: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, check=False,
+                              capture_output=True, text=True, timeout=timeout)
+
+    with ThreadPoolExecutor(len(scripts)) as pool:
+        for res in pool.map(run, scripts):
+            assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-3000:]
+
+
+def in_two_parts(script: str) -> tuple[str, str]:
+    """``script`` with ``PART`` (in ``cases[PART::2]``, say) 0 and 1: two halves of its cases
+    for :func:`run_interpreted` to run at once."""
+    return script.replace("PART", "0"), script.replace("PART", "1")
 
 
 # ----------------------------------------------------------------------------- sm_90 compilation (CPU)

@@ -147,7 +147,8 @@ def check_chain(args, reference_rows=None, **chain) -> None:
     assert_same_picks(picks[rows_d].cpu(), want.cpu(), ref_scores.cpu())
 
 
-_INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
+# Two scripts, run at once (one core each): the scores and the quantization, and the chain.
+_INTERPRET_SCRIPTS = [INTERPRETER_PATCH + textwrap.dedent(script) for script in (
     """
     import torch
     from kernels.v4_indexer import quantize_index_queries
@@ -166,22 +167,26 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         want8, want_scale = quantize_index_queries(x)
         assert torch.equal(q8.view(torch.uint8), mma_order(want8).view(torch.uint8))
         assert torch.equal(scale, want_scale) and not zero.any()
-    for args in chain_args("cpu", small=True):
-        check_chain(args, select_buffers=(16, 64) if args[8] < 16 else (64, 256))
     first = next(chain_args("cpu", small=True))
     check_chain(first, select_buffers=(16, 64), fused_histogram=False)  # the histogram by its own pass
     import kernels.v4_indexer_triton as kt
     kt.MAX_K, kt.MAX_MASK_BLOCKS = 4, 2  # past the Triton selection's sizes: the torch fallbacks
     check_chain(first)
     print("interpreter ok")
+    """,
     """
-)
+    from tests.kernels.test_v4_indexer_triton import chain_args, check_chain
+    for args in chain_args("cpu", small=True):
+        check_chain(args, select_buffers=(16, 64) if args[8] < 16 else (64, 256))
+    print("interpreter ok")
+    """,
+)]
 
 
 @pytest.mark.slow
 def test_triton_kernels_under_interpreter():
     pytest.importorskip("triton")
-    run_interpreted(_INTERPRET_SCRIPT)
+    run_interpreted(*_INTERPRET_SCRIPTS)
 
 
 _INTS = "pt_stride page_rows al_stride out_stride bm_stride num_q num_keys q_per_req tiles".split()

@@ -447,33 +447,33 @@ print("interpreter ok")
 """
 
 
-_INTERPRET_SCRIPT = """
+# The row writes and the compressors: two scripts, run at once (one core each).
+_INTERPRET_SCRIPTS = ["""
 import torch
-from tests.kernels.test_v4_kv_write import FORMATS, check_compress, check_write_rows
+from tests.kernels.test_v4_kv_write import FORMATS, check_write_rows
 for i, fmt in enumerate(FORMATS):
     dim = 32 if fmt.endswith("key") else 64
     for exact in (True, False):
         check_write_rows(fmt, dim, 16, (torch.bfloat16, torch.float32)[i % 2], i % 3 == 0, i % 2 == 0, exact, 6,
                          seed=i)
+print("interpreter ok")
+""", """
+from tests.kernels.test_v4_kv_write import check_compress
 for kind, fmts, ratio in [("v4_csa", ["plain", "v4_row"], None), ("v4_hca", ["v4_row"], 20),
                           ("v4_csa_fp32", ["v4_key"], None), ("v41", ["fake_v41_entry", "v41_entry"], None)]:
     for fmt in fmts:
         for exact in (True, False):
             check_compress(kind, fmt, 32 if fmt == "v4_key" else 64, 16, exact, 6, ratio=ratio)
 print("interpreter ok")
-"""
+"""]
 
 
 @pytest.mark.slow
 def test_triton_kernels_under_interpreter():
     pytest.importorskip("triton")
-    import subprocess
-    import sys
+    from tests.kernels.test_mxfp8_gemm import run_interpreted
 
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-4000:]
+    run_interpreted(*_INTERPRET_SCRIPTS)
 
 
 @pytest.mark.slow
