@@ -1,11 +1,11 @@
 """MLA decode kernels and backends against the torch reference.
 
 CPU (CI): the torch backend, the launch heuristics, and the Triton kernel itself under
-TRITON_INTERPRET=1 on tiny shapes (in a subprocess, since the interpreter must be chosen
-before Triton is imported). GPU (``-m gpu``, on the device): the Triton kernel and the
-triton, auto, flashinfer and trtllm backends on fresh random inputs, with unused cache pages
-and slots poisoned with NaN and the outputs poisoned before the call, for s_q 1..4 and
-ragged lengths. The registry and its ``auto`` policy: tests/kernels/test_attention_backends.py.
+TRITON_INTERPRET=1 on tiny shapes (in two subprocesses, half the cases each, since the
+interpreter must be chosen before Triton is imported). GPU (``-m gpu``, on the device): the
+Triton kernel and the triton, auto, flashinfer and trtllm backends on fresh random inputs, with
+unused cache pages and slots poisoned with NaN and the outputs poisoned before the call, for s_q
+1..4 and ragged lengths. The registry and its ``auto`` policy: tests/kernels/test_attention_backends.py.
 """
 
 from __future__ import annotations

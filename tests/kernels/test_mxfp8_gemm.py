@@ -1,8 +1,8 @@
 """MXFP8 GEMM (kernels/mxfp8_gemm.py) and activation quantization (kernels/mxfp8_quant_triton.py).
 
 CPU (CI): the torch references against hand-built dequantized matmuls and validation; the
-Triton kernels under TRITON_INTERPRET=1 in one subprocess (the interpreter must be chosen
-before Triton is imported): the quantization byte for byte against
+Triton kernels under TRITON_INTERPRET=1 in two subprocesses at once (the interpreter must be
+chosen before Triton is imported): the quantization byte for byte against
 ``kernels.microscaling.quantize_mxfp8`` (every e4m3 rounding boundary included), the GEMM
 against the reference on odd shapes, and the wo_a epilogue's e4m3 z + scales byte for byte
 against quantizing its bf16 output separately at 1, 129 and 1153 tokens (small N and K).
