@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
@@ -72,12 +73,16 @@ def _assert_same(a: dict, b: dict) -> None:
         assert max(abs(x - y) for x, y in zip(la[1:], lb[1:])) < 1e-5
 
 
-@pytest.fixture(scope="module", params=["tiny-v3", "tiny-v2"])
-def ckpt_and_ref(request, tmp_path_factory):
-    path = write_random_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param) / "m"), seed=17)
-    with serve(path) as (url, _):
-        ref = _query(url)
-    return path, ref
+# Every layout served from one checkpoint per model, and the flags that ask for it.
+LAYOUTS = {
+    "tp1": (),
+    "tp2": ("--tensor-parallel-size", "2"),
+    "tp2_all_reduce": ("-tp", "2", "--tp-reduction", "all_reduce"),
+    "dp2_dep": ("--data-parallel-size", "2", "--enable-expert-parallel"),
+    "dp2_moe_tp": ("--data-parallel-size", "2"),
+    "dp2_tp2": ("-dp", "2", "-tp", "2", "--enable-expert-parallel"),  # two engines, each with one TP worker
+}
+MODELS = ("tiny-v3", "tiny-v2")
 
 
 def _assert_internal_sockets_on_loopback(url: str, server_pid: int) -> None:
@@ -91,13 +96,32 @@ def _assert_internal_sockets_on_loopback(url: str, server_pid: int) -> None:
     assert all(addr == "127.0.0.1" for _, addr, _ in found), found
 
 
-def test_tp2_reduce_scatter_and_all_reduce_match_tp1(ckpt_and_ref):
-    path, ref = ckpt_and_ref
-    with serve(path, "--tensor-parallel-size", "2") as (url, proc):
-        rs = _query(url)
-        _assert_internal_sockets_on_loopback(url, proc.pid)
-    with serve(path, "-tp", "2", "--tp-reduction", "all_reduce") as (url, _):
-        ar = _query(url)
+def _serve_layout(path: str, layout: str) -> dict:
+    with serve(path, *LAYOUTS[layout], timeout_s=180) as (url, proc):
+        answers = _query(url)
+        if layout == "tp2":
+            _assert_internal_sockets_on_loopback(url, proc.pid)
+    return answers
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """{(model, layout): future of ``_query``'s answers}: every layout of every model, two
+    servers at a time (a server starts one process after another, on one core); a test
+    waits for the layouts it compares, and a layout's failure fails only those tests."""
+    paths = {m: write_random_checkpoint(m, str(tmp_path_factory.mktemp(m) / "m"), seed=17) for m in MODELS}
+    pool = ThreadPoolExecutor(2)
+    try:
+        yield {(m, layout): pool.submit(_serve_layout, paths[m], layout) for m in MODELS for layout in LAYOUTS}
+    finally:
+        pool.shutdown(cancel_futures=True)  # the layouts no selected test waited for never start
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_tp2_reduce_scatter_and_all_reduce_match_tp1(served, model):
+    ref = served[model, "tp1"].result()
+    rs = served[model, "tp2"].result()
+    ar = served[model, "tp2_all_reduce"].result()
     _assert_same(rs, ref)
     _assert_same(ar, ref)
     # (one all-reduce at start-up agrees on the KV capacity; the layers never all-reduce)
@@ -106,22 +130,20 @@ def test_tp2_reduce_scatter_and_all_reduce_match_tp1(ckpt_and_ref):
     assert ar["collectives"].get("all_reduce", 0) > 0 and "reduce_scatter_tensor" not in ar["collectives"]
 
 
-@pytest.mark.parametrize("flags", [("--enable-expert-parallel",), ()], ids=["dep", "moe_tp"])
-def test_dp2_matches_tp1(ckpt_and_ref, flags):
+@pytest.mark.parametrize("layout", ["dp2_dep", "dp2_moe_tp"], ids=["dep", "moe_tp"])
+@pytest.mark.parametrize("model", MODELS)
+def test_dp2_matches_tp1(served, model, layout):
     """DP2 with whole experts per rank (DEP), or every expert split over both ranks (the default)."""
-    path, ref = ckpt_and_ref
-    with serve(path, "--data-parallel-size", "2", *flags) as (url, _):
-        dep = _query(url)
-    _assert_same(dep, ref)
+    dep = served[model, layout].result()
+    _assert_same(dep, served[model, "tp1"].result())
     assert dep["collectives"].get("reduce_scatter_v", 0) + dep["collectives"].get("reduce_scatter_tensor", 0) > 0
 
 
-def test_dp2_tp2_matches_tp1(ckpt_and_ref):
+@pytest.mark.parametrize("model", MODELS)
+def test_dp2_tp2_matches_tp1(served, model):
     """DP2 × TP2 with experts over all four ranks: two engines, each with one TP worker."""
-    path, ref = ckpt_and_ref
-    with serve(path, "-dp", "2", "-tp", "2", "--enable-expert-parallel", timeout_s=180) as (url, _):
-        dptp = _query(url)
-    _assert_same(dptp, ref)
+    dptp = served[model, "dp2_tp2"].result()
+    _assert_same(dptp, served[model, "tp1"].result())
     assert dptp["collectives"].get("reduce_scatter_tensor", 0) > 0  # the TP layers
     assert dptp["collectives"].get("reduce_scatter_v", 0) > 0  # the MoE combine of unequal DP steps
 

@@ -31,6 +31,7 @@ import re
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -82,25 +83,41 @@ def _counter(metrics: str, name: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(rf"{name}\{{[^}}]*\}} ([\d.e+]+)", metrics))
 
 
+# Every server the tests compare: (checkpoint, flags). Without prefix caching the n = 2
+# siblings run together (sharing a chunk) and preempt.
+SERVERS = {
+    "v4_tp1": ("v4", ("--no-enable-prefix-caching",)),
+    "v4_tp2": ("v4", ("-tp", "2", "--no-enable-prefix-caching")),
+    "v4_dep2": ("v4", ("-dp", "2", "--enable-expert-parallel", "--no-enable-prefix-caching")),
+    "v4_tp1_cached": ("v4", ()),
+    "v4_tp2_cached": ("v4", ("-tp", "2")),
+    "v41_tp1": ("v41", ("--no-enable-prefix-caching",)),
+    "v41_tp2": ("v41", ("-tp", "2", "--no-enable-prefix-caching")),
+    "v41_dep2_cached": ("v41", ("-dp", "2", "--enable-expert-parallel")),
+}
+
+
 def _serve_and_query(model: str, tokenizer_dir: str, *flags: str) -> dict:
     with live_server(model, *FLAGS, "--tokenizer", tokenizer_dir, *flags, timeout_s=180) as url:
         return _query(url)
 
 
 @pytest.fixture(scope="module")
-def reference(tokenizer_dir) -> dict:
-    # Without prefix caching the n = 2 siblings run together (sharing a chunk) and preempt.
-    return _serve_and_query(V4, tokenizer_dir, "--no-enable-prefix-caching")
-
-
-@pytest.fixture(scope="module")
-def v41_checkpoint(tmp_path_factory) -> str:
-    return mxfp4_checkpoint(str(tmp_path_factory.mktemp("v41-released")))
-
-
-@pytest.fixture(scope="module")
-def reference_v41(v41_checkpoint, tokenizer_dir) -> dict:
-    return _serve_and_query(v41_checkpoint, tokenizer_dir, "--no-enable-prefix-caching")
+def served(tokenizer_dir, tmp_path_factory):
+    """{server: future of ``_query``'s answers}, two servers at a time (a server starts one
+    process after another, on one core; the V4.1 checkpoint is written while the first V4
+    servers start); a test waits for the servers it compares, and a server's failure fails
+    only those tests."""
+    pool = ThreadPoolExecutor(2)
+    try:
+        futures = {name: pool.submit(_serve_and_query, V4, tokenizer_dir, *flags)
+                   for name, (model, flags) in SERVERS.items() if model == "v4"}
+        v41 = mxfp4_checkpoint(str(tmp_path_factory.mktemp("v41-released")))
+        futures.update({name: pool.submit(_serve_and_query, v41, tokenizer_dir, *flags)
+                        for name, (model, flags) in SERVERS.items() if model == "v41"})
+        yield futures
+    finally:
+        pool.shutdown(cancel_futures=True)  # the servers no selected test waited for never start
 
 
 def _assert_same(got: dict, ref: dict, max_tol: float = TOL) -> None:
@@ -113,41 +130,43 @@ def _assert_same(got: dict, ref: dict, max_tol: float = TOL) -> None:
     assert max(diffs) < max_tol, max(diffs)
 
 
-def test_tp2_matches_tp1(reference, tokenizer_dir):
+def test_tp2_matches_tp1(served):
+    reference = served["v4_tp1"].result()
     assert reference["preemptions"] > 0  # the 3-block cache preempts and recomputes
-    got = _serve_and_query(V4, tokenizer_dir, "-tp", "2", "--no-enable-prefix-caching")
+    got = served["v4_tp2"].result()
     _assert_same(got, reference)
     assert got["preemptions"] == reference["preemptions"]  # the same schedule, states dropped alike
 
 
-def test_dep2_matches_tp1(reference, tokenizer_dir):
-    _assert_same(_serve_and_query(V4, tokenizer_dir, "-dp", "2", "--enable-expert-parallel",
-                                  "--no-enable-prefix-caching"), reference)
+def test_dep2_matches_tp1(served):
+    _assert_same(served["v4_dep2"].result(), served["v4_tp1"].result())
 
 
-def test_tp2_with_prefix_caching_matches_tp1(reference, tokenizer_dir):
+def test_tp2_with_prefix_caching_matches_tp1(served):
     """The n = 2 siblings start from the first one's snapshot at token 16 (TP workers too)."""
-    cached = _serve_and_query(V4, tokenizer_dir)
+    reference = served["v4_tp1"].result()
+    cached = served["v4_tp1_cached"].result()
     assert cached["prefix_cache_hits"] > 0
     _assert_same(cached, reference)
-    got = _serve_and_query(V4, tokenizer_dir, "-tp", "2")
+    got = served["v4_tp2_cached"].result()
     _assert_same(got, reference)
     assert got["prefix_cache_hits"] == cached["prefix_cache_hits"]
 
 
-def test_v41_tp2_matches_tp1(reference_v41, v41_checkpoint, tokenizer_dir):
+def test_v41_tp2_matches_tp1(served):
+    reference_v41 = served["v41_tp1"].result()
     assert reference_v41["preemptions"] > 0
-    got = _serve_and_query(v41_checkpoint, tokenizer_dir, "-tp", "2", "--no-enable-prefix-caching")
+    got = served["v41_tp2"].result()
     _assert_same(got, reference_v41, V41_MAX_TOL)
     assert got["preemptions"] == reference_v41["preemptions"]
 
 
-def test_v41_dep2_with_prefix_caching_matches_tp1(reference_v41, v41_checkpoint, tokenizer_dir):
+def test_v41_dep2_with_prefix_caching_matches_tp1(served):
     """Each DP engine snapshots and restores its own requests' states (the n = 2 siblings from
     the first one's) while the MoE layers dispatch over both ranks."""
-    got = _serve_and_query(v41_checkpoint, tokenizer_dir, "-dp", "2", "--enable-expert-parallel")
+    got = served["v41_dep2_cached"].result()
     assert got["prefix_cache_hits"] > 0
-    _assert_same(got, reference_v41, V41_MAX_TOL)
+    _assert_same(got, served["v41_tp1"].result(), V41_MAX_TOL)
 
 
 def test_tp_size_that_does_not_split_the_heads_is_one_line(tokenizer_dir):

@@ -10,6 +10,7 @@ with NaN, and CUDA-graph replay.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 
 import pytest
@@ -146,15 +147,18 @@ def tma_kernel_cases(cfg: MoEConfig, fp8: bool):
 def test_tma_configs_compile_for_sm90_with_tma_wgmma_and_no_spills():
     """The many-rows row's tiles on the TMA path, one program per tile, persistent and with A
     gathered by pointer loads: TMA loads, wgmma, no local memory."""
-    from tests.kernels.test_mxfp8_gemm import _compile_sm90
+    from tests.kernels.test_mxfp8_gemm import _compile_sm90, two_at_a_time
 
     _, bf16_cfg, fp8_cfg = MANY_ROWS
+    cases, calls = [], []
     for base, fp8 in ((dataclasses.replace(bf16_cfg, tma=True), False), (dataclasses.replace(fp8_cfg, tma=True), True)):
         for cfg in (base, dataclasses.replace(base, persistent=True), dataclasses.replace(base, tma_a=False)):
             for fn, types, consts, opts in tma_kernel_cases(cfg, fp8):
-                ptx, usage = _compile_sm90(fn, types, consts, divisible=("K", "N", "inter"), **opts)
-                assert "cp.async.bulk.tensor.2d" in ptx and "wgmma.mma_async" in ptx, (fn, cfg)
-                assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (fn, cfg, usage)
+                cases.append((fn, cfg))
+                calls.append(functools.partial(_compile_sm90, fn, types, consts, divisible=("K", "N", "inter"), **opts))
+    for (fn, cfg), (ptx, usage) in zip(cases, two_at_a_time(calls)):
+        assert "cp.async.bulk.tensor.2d" in ptx and "wgmma.mma_async" in ptx, (fn, cfg)
+        assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (fn, cfg, usage)
 
 
 # ----------------------------------------------------------------------------- GPU: prefill shapes

@@ -13,6 +13,7 @@ the patch below). Slow: the default tiles compiled offline for sm_90 without spi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import textwrap
@@ -36,7 +37,8 @@ from kernels.mxfp4_moe import (
 from kernels.mxfp4_experts import moe_experts_mxfp4, mxfp4_backend
 from kernels.weight_formats import E8M0_BIAS, MXFP4, dequantize_mxfp4, quantize, quantize_mxfp4
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
-from tests.kernels.test_mxfp8_gemm import _PTXAS, _compile_sm90, rel_err, run_interpreted
+from tests.kernels.test_mxfp8_gemm import (_PTXAS, _compile_sm90, in_two_parts, rel_err, run_interpreted,
+                                           two_at_a_time)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -311,7 +313,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
     torch.manual_seed(0)
     binades = torch.exp2(torch.randint(-6, 6, (37, 3, 1)).float())
     x = torch.randn(37, 384) * binades.repeat_interleave(128, 1).reshape(37, 384)
-    for ue8m0 in (False, True):
+    for ue8m0 in (False, True)[PART::2]:
         q, s = quantize_paired_triton(x.bfloat16(), ue8m0)
         rq, rs = quantize_per_token_group(x.bfloat16(), 128, ue8m0=ue8m0)
         assert torch.equal(q.view(torch.uint8), pair_columns(rq).view(torch.uint8)) and torch.equal(s, rs)
@@ -329,7 +331,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
         (4, 2, [0, 2, 4], 0, 1.0, MXFP4MoEConfig(16, 128, 128, 2, 4, 1, split_k=3, split_k_down=2)),
         (7, 2, None, 1, 1.0, MXFP4MoEConfig(16, 64, 128, 2, 4, 1, split_k_down=3, convert="fp16")),
     ]
-    for t, k, only, offset, limit, cfg in cases:
+    for t, k, only, offset, limit, cfg in cases[PART::2]:  # half of them in each of two processes
         wts, ids = routing(t, k, e + offset, seed=t, only=only)
         xb = torch.randn(t, d).bfloat16()
         local = [wi[offset:] if offset else wi for wi in w]
@@ -353,7 +355,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
 
 @pytest.mark.slow
 def test_triton_kernels_under_interpreter():
-    run_interpreted(_INTERPRET_SCRIPT)
+    run_interpreted(*in_two_parts(_INTERPRET_SCRIPT))
 
 
 @pytest.mark.slow
@@ -380,37 +382,40 @@ def test_default_configs_compile_for_sm90_without_spills():
     common = dict(SA="*fp32", W="*i8", SW="*u8", SLOTS="*i32", BLOCK_EXPERT="*i32", LUT="*i32", A="*fp8e4nv")
     cfgs = [cfg for _, cfg in CONFIG_TABLE]
     cfgs += [dataclasses.replace(c, split_k=4, split_k_down=2) for c in cfgs if c.block_m == 16]
+    up_types = dict(common, H="*u8", SH="*fp32", P="*fp32", TOPK_W="*fp32", limit="fp32",
+                    **dict.fromkeys(up_ints, "i32"))
+    cases, calls = [], []  # (config, kernel, constexprs, options), compile calls
     for cfg in cfgs:
         opts = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        types = dict(common, H="*u8", SH="*fp32", P="*fp32", TOPK_W="*fp32", limit="fp32",
-                     **dict.fromkeys(up_ints, "i32"))
-        consts_up = dict(A8=True, CLAMP=True, UE8M0=False, FUSED=fused_gate_up(cfg, True), BLOCK_M=cfg.block_m,
-                         BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, CONVERT=1)
-        ptx, usage = _compile_sm90(_gate_up_kernel, types, consts_up, **opts)
-        assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (cfg, usage)
-        assert ("wgmma" in ptx) == (cfg.block_m >= 64) and "prmt.b32" in ptx, cfg
+        consts = dict(A8=True, CLAMP=True, UE8M0=False, FUSED=fused_gate_up(cfg, True), BLOCK_M=cfg.block_m,
+                      BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m, CONVERT=1)
+        cases.append((cfg, "gate_up", consts, opts))
+        calls.append(functools.partial(_compile_sm90, _gate_up_kernel, up_types, consts, **opts))
         split = cfg.split_k_down > 1
         types = dict(common, Y="*fp32" if split else "*bf16", **dict.fromkeys(down_ints, "i32"))
         consts = dict(A8=True, SPLIT=split, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n_down, GROUP_M=cfg.group_m,
                       CONVERT=1)
-        _, usage = _compile_sm90(_down_kernel, types, consts, **opts)
-        assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (cfg, usage)
-        # registers 0..3 of each thread (one 4-byte pack) = 4 consecutive bytes of one group-row
-        for lay in _compile_layouts(_gate_up_kernel, dict(common, H="*u8", SH="*fp32", P="*fp32", TOPK_W="*fp32",
-                                    limit="fp32", **dict.fromkeys(up_ints, "i32")),
-                                    dict(consts_up, FUSED=fused_gate_up(cfg, True)), **opts):
-            blocked = re.search(r"sizePerThread = \[1, (\d+), 1\], threadsPerWarp = \[\d+, \d+, \d+\], "
-                                r"warpsPerCTA = \[\d+, \d+, \d+\], order = \[1,", lay)
-            assert (blocked and int(blocked.group(1)) % 4 == 0) or "register = [[0, 1, 0], [0, 2, 0]" in lay, lay
+        cases.append((cfg, "down", consts, opts))
+        calls.append(functools.partial(_compile_sm90, _down_kernel, types, consts, **opts))
     ints = ("n_slots", "inter", "split_k", "stride_ps", "stride_pm", "stride_hm", "stride_shm")
-    _, usage = _compile_sm90(_finish_gate_up_kernel, dict(P="*fp32", H="*u8", SH="*fp32", SLOTS="*i32",
-                             TOPK_W="*fp32", limit="fp32", **dict.fromkeys(ints, "i32")),
-                             dict(A8=True, CLAMP=True, UE8M0=False, BLOCK_M=16), num_warps=4)
-    assert usage.endswith("LOCAL:0"), usage
+    calls.append(functools.partial(_compile_sm90, _finish_gate_up_kernel, dict(
+        P="*fp32", H="*u8", SH="*fp32", SLOTS="*i32", TOPK_W="*fp32", limit="fp32", **dict.fromkeys(ints, "i32")),
+        dict(A8=True, CLAMP=True, UE8M0=False, BLOCK_M=16), num_warps=4))
     ints = ("N", "top_k", "expert_offset", "n_local", "split_k", "stride_ys", "stride_ym", "stride_om")
-    _, usage = _compile_sm90(_sum_split_slots_kernel, dict(Y="*fp32", IDS="*i64", OUT="*fp32",
-                             **dict.fromkeys(ints, "i32")), dict(BLOCK_N=1024), num_warps=4)
-    assert usage.endswith("LOCAL:0"), usage
+    calls.append(functools.partial(_compile_sm90, _sum_split_slots_kernel, dict(
+        Y="*fp32", IDS="*i64", OUT="*fp32", **dict.fromkeys(ints, "i32")), dict(BLOCK_N=1024), num_warps=4))
+    *compiled, (_, finish_usage), (_, sum_usage) = two_at_a_time(calls)
+    for (cfg, kernel, consts, opts), (ptx, usage) in zip(cases, compiled):
+        assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (cfg, kernel, usage)
+        if kernel == "gate_up":
+            assert ("wgmma" in ptx) == (cfg.block_m >= 64) and "prmt.b32" in ptx, cfg
+            # registers 0..3 of each thread (one 4-byte pack) = 4 consecutive bytes of one group-row
+            for lay in _compile_layouts(_gate_up_kernel, up_types, consts, **opts):  # from Triton's cache
+                blocked = re.search(r"sizePerThread = \[1, (\d+), 1\], threadsPerWarp = \[\d+, \d+, \d+\], "
+                                    r"warpsPerCTA = \[\d+, \d+, \d+\], order = \[1,", lay)
+                assert (blocked and int(blocked.group(1)) % 4 == 0) or "register = [[0, 1, 0], [0, 2, 0]" in lay, lay
+    assert finish_usage.endswith("LOCAL:0"), finish_usage
+    assert sum_usage.endswith("LOCAL:0"), sum_usage
 
 
 def _compile_layouts(fn, types, consts, **options):

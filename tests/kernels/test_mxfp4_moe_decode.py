@@ -10,6 +10,7 @@ capture replaying fresh inputs.
 
 from __future__ import annotations
 
+import functools
 import textwrap
 
 import pytest
@@ -26,7 +27,8 @@ from kernels.mxfp4_moe_decode import (
 )
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
 from tests.kernels.test_mxfp4_moe import BF16_DOT_PATCH, experts, routing
-from tests.kernels.test_mxfp8_gemm import _PTXAS, _compile_sm90, rel_err, run_interpreted
+from tests.kernels.test_mxfp8_gemm import (_PTXAS, _compile_sm90, in_two_parts, rel_err, run_interpreted,
+                                           two_at_a_time)
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -57,8 +59,9 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
     from kernels.mxfp4_moe_decode import SwapABConfig, route_and_quantize
     from kernels.mxfp4_experts import moe_mxfp4_kernels
     from tests.kernels.test_mxfp4_moe import experts, rel_err, routing
+    # half of the router cases and of the kernel cases in each of two processes
     for t, k, e, off, bt, d in [(1, 6, 20, 0, 16, 256), (37, 3, 9, 2, 16, 1280), (5, 2, 4, 0, 32, 128),
-                                (300, 6, 384, 0, 16, None)]:
+                                (60, 6, 384, 0, 16, None)][PART::2]:  # 384 experts: a 512-bin histogram
         wts, ids = routing(t, k, e + off + 2, seed=t)  # some choices belong to other ranks
         x = None if d is None else (torch.randn(t, d) * torch.exp2(torch.randint(-6, 6, (t, 1)).float())).bfloat16()
         slots, blocks, q, s = route_and_quantize(ids, e, off, bt, x, ue8m0=t == 37)
@@ -78,7 +81,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
         (20, 3, None, 0, 1.0, C(128, 64, 32, 1, split_k_down=2)),           # 32-slot blocks
         (2, 2, None, 0, 1.0, None),                                         # the default (decode table)
     ]
-    for t, k, only, off, limit, cfg in cases:
+    for t, k, only, off, limit, cfg in cases[PART::2]:
         wts, ids = routing(t, k, e + off, seed=t, only=only)
         xb = torch.randn(t, d).bfloat16()
         local = [wi[off:] if off else wi for wi in w]
@@ -95,7 +98,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + BF16_DOT_PATCH + textwrap.dedent(
 
 @pytest.mark.slow
 def test_router_and_swap_ab_kernels_under_interpreter():
-    run_interpreted(_INTERPRET_SCRIPT)
+    run_interpreted(*in_two_parts(_INTERPRET_SCRIPT))
 
 
 @pytest.mark.slow
@@ -112,37 +115,42 @@ def test_swap_ab_kernels_compile_for_sm90_to_wgmma():
     common = dict(SA="*fp32", W="*i8", SW="*u8", SLOTS="*i32", BLOCK_EXPERT="*i32", LUT="*i32", A="*fp8e4nv")
     cfgs = {cfg for _, cfg in DECODE_TABLE} | {SwapABConfig(64, 64, 32, 2, split_k=2, split_k_down=2),
                                                 SwapABConfig(128, 128, 16, 2, num_warps=8, num_stages=3)}
+    up_types = dict(common, H="*u8", SH="*fp32", P="*fp32", TOPK_W="*fp32", limit="fp32",
+                    **dict.fromkeys(up_ints, "i32"))
+    cases, calls = [], []
     for cfg in sorted(cfgs, key=str):
-        types = dict(common, H="*u8", SH="*fp32", P="*fp32", TOPK_W="*fp32", limit="fp32",
-                     **dict.fromkeys(up_ints, "i32"))
         consts = dict(CLAMP=True, UE8M0=False, FUSED=cfg.fused, BLOCK_T=cfg.block_t, BLOCK_F=cfg.block_f,
                       SPANS=cfg.spans, CONVERT=1)
-        ptx, usage = _compile_sm90(_gate_up_swap_kernel, types, consts, divisible=("K", "inter"),
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (cfg, usage)
-        assert f"wgmma.mma_async.sync.aligned.m64n{cfg.block_t}k32.f32.e4m3.e4m3" in ptx, cfg
-        assert "prmt.b32" in ptx and "cp.async" in ptx and "mma.sync" not in ptx, cfg
+        cases.append((cfg, "gate_up"))
+        calls.append(functools.partial(_compile_sm90, _gate_up_swap_kernel, up_types, consts, divisible=("K", "inter"),
+                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages))
         split = cfg.split_k_down > 1
         types = dict(common, Y="*fp32" if split else "*bf16", **dict.fromkeys(down_ints, "i32"))
         consts = dict(SPLIT=split, BLOCK_T=cfg.block_t, BLOCK_F=cfg.block_f_down, SPANS=cfg.spans, CONVERT=1)
-        ptx, usage = _compile_sm90(_down_swap_kernel, types, consts, divisible=("K",),
-                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (cfg, usage)
-        assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx, cfg
+        cases.append((cfg, "down"))
+        calls.append(functools.partial(_compile_sm90, _down_swap_kernel, types, consts, divisible=("K",),
+                                       num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    ints = ("n_slots", "n_local", "expert_offset", "n_rows", "n_blocks", "K", "parts", "stride_xm", "stride_ym",
+            "stride_sm")
+    calls.append(functools.partial(
+        _compile_sm90, _route_quant_kernel, dict(IDS="*i64", SLOTS="*i32", BLOCK_EXPERT="*i32", SCRATCH="*i32",
+                                                 X="*bf16", Y="*u8", SY="*fp32", **dict.fromkeys(ints, "i32")),
+        dict(NS=MAX_ROUTE_SLOTS, NB=512, BLOCK_T=16, FILL=1024, UE8M0=False, QSPANS=8), num_warps=4))
+    *compiled, (_, route_usage) = two_at_a_time(calls)
+    for (cfg, kernel), (ptx, usage) in zip(cases, compiled):
+        assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (cfg, kernel, usage)
+        if kernel == "gate_up":
+            assert f"wgmma.mma_async.sync.aligned.m64n{cfg.block_t}k32.f32.e4m3.e4m3" in ptx, cfg
+            assert "prmt.b32" in ptx and "cp.async" in ptx and "mma.sync" not in ptx, cfg
+        else:
+            assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx, cfg
+    assert route_usage.endswith("LOCAL:0"), route_usage
     # the weight bytes get num_stages - 1 shared-memory buffers (not 1: see _fold_rows' scale load)
     cfg = DECODE_TABLE[-1][1]
-    ttgir = _ttgir(_gate_up_swap_kernel, dict(common, H="*u8", SH="*fp32", P="*fp32", TOPK_W="*fp32", limit="fp32",
-                   **dict.fromkeys(up_ints, "i32")),
+    ttgir = _ttgir(_gate_up_swap_kernel, up_types,
                    dict(CLAMP=True, UE8M0=False, FUSED=True, BLOCK_T=16, BLOCK_F=cfg.block_f, SPANS=1, CONVERT=1),
                    num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert f"memdesc<{cfg.num_stages - 1}x{cfg.block_f}x4x16xi8" in ttgir
-    ints = ("n_slots", "n_local", "expert_offset", "n_rows", "n_blocks", "K", "parts", "stride_xm", "stride_ym",
-            "stride_sm")
-    _, usage = _compile_sm90(_route_quant_kernel, dict(IDS="*i64", SLOTS="*i32", BLOCK_EXPERT="*i32",
-                             SCRATCH="*i32", X="*bf16", Y="*u8", SY="*fp32", **dict.fromkeys(ints, "i32")),
-                             dict(NS=MAX_ROUTE_SLOTS, NB=512, BLOCK_T=16, FILL=1024, UE8M0=False, QSPANS=8),
-                             num_warps=4)
-    assert usage.endswith("LOCAL:0"), usage
 
 
 def _ttgir(fn, types, consts, **options):

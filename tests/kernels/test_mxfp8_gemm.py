@@ -1,21 +1,25 @@
 """MXFP8 GEMM (kernels/mxfp8_gemm.py) and activation quantization (kernels/mxfp8_quant_triton.py).
 
 CPU (CI): the torch references against hand-built dequantized matmuls and validation; the
-Triton kernels under TRITON_INTERPRET=1 in one subprocess (the interpreter must be chosen
-before Triton is imported): the quantization byte for byte against
+Triton kernels under TRITON_INTERPRET=1 in two subprocesses at once (the interpreter must be
+chosen before Triton is imported): the quantization byte for byte against
 ``kernels.microscaling.quantize_mxfp8`` (every e4m3 rounding boundary included), the GEMM
 against the reference on odd shapes, and the wo_a epilogue's e4m3 z + scales byte for byte
-against quantizing its bf16 output separately at 1, 129 and 8193 tokens (small N and K).
+against quantizing its bf16 output separately at 1, 129 and 1153 tokens (small N and K).
 GPU (``-m gpu``): the same at V4.1-Flash shapes, with CUDA-graph capture and replay.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -145,7 +149,8 @@ def test_operand_validation():
 
 # ----------------------------------------------------------------------------- Triton, interpreted (CPU)
 
-_INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
+# Two scripts, run at once (one core each): the quantization and the wo_a epilogue, and the GEMM.
+_INTERPRET_PRELUDE = INTERPRETER_PATCH + textwrap.dedent(
     """
     import torch
     from kernels.microscaling import quantize_mxfp8
@@ -155,7 +160,10 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
 
     def same(a, b):
         return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
+    """
+)
+_INTERPRET_SCRIPTS = [_INTERPRET_PRELUDE + textwrap.dedent(part) for part in (
+    """
     # every e4m3 value, the midpoints between neighbours and one fp32 ulp either side of
     # them, in blocks led by 448 (scale 1), and their negatives
     grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -169,27 +177,12 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         rq, rs = quantize_mxfp8(x)
         assert same(q, rq) and torch.equal(s, rs), x.shape
 
-    # GEMM vs reference: M off the tile, a ragged N, several groups, split-K (tile overrides)
-    for m, n, k, g, tiles in [(37, 96, 160, 1, {}), (5, 100, 64, 1, {}), (20, 128, 64, 2, {}),
-                              (130, 256, 256, 4, {}), (5, 96, 192, 1, dict(SPLIT_K=3, BLOCK_K=32, BLOCK_N=32)),
-                              (37, 64, 256, 2, dict(SPLIT_K=2, BLOCK_K=64, BLOCK_N=32)),
-                              (3, 100, 512, 1, dict(SPLIT_K=4, BLOCK_M=16, BLOCK_N=64))]:
-        x8, xs = quantize_mxfp8_triton(activations(m, k * g, seed=m))
-        w8, ws = weight(n, k, seed=n)
-        cfg = dict(default_config(m, n, k, g), **tiles)
-        ref = mxfp8_gemm_reference(x8, xs, w8, ws, groups=g, out_dtype=torch.float32)
-        y = mxfp8_gemm(x8, xs, w8, ws, groups=g, out_dtype=torch.float32, config=cfg)
-        assert rel_err(y, ref) < 1e-5, (m, n, k, g, rel_err(y, ref))
-        yb = mxfp8_gemm(x8, xs, w8, ws, groups=g, config=cfg)
-        assert torch.equal(yb, y.bfloat16())  # bf16 output is the RNE rounding of the fp32 one
-    empty = mxfp8_gemm(x8[:0], xs[:0], w8, ws)
-    z0, s0 = mxfp8_gemm(x8[:0], xs[:0], w8[:96], ws[:3], quantize_out=True)
-    assert empty.shape == (0, 100) and z0.shape == (0, 96) and s0.shape == (0, 3)
-
     # wo_a's quantizing epilogue: z's bytes equal quantizing the bf16 z separately
     groups, r, kg = 2, 64, 64
     w8, ws = weight(groups * r, kg, seed=3)
-    for t in (1, 129, 8193):
+    # 1153 = 9 · 128 + 1 rows: ten M tiles, so a full GROUP_M group of tiles, then a partial
+    # one ending in a one-row tile (8193, the step budget + 1, on the GPU)
+    for t in (1, 129, 1153):
         x8, xs = quantize_mxfp8_triton(activations(t, groups * kg, seed=t))
         z8, zs = mxfp8_gemm(x8, xs, w8, ws, groups=groups, quantize_out=True)
         z = mxfp8_gemm(x8, xs, w8, ws, groups=groups)
@@ -206,22 +199,54 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         u8, us = quantize_mxfp8_triton(mxfp8_gemm(x8, xs, w8, ws, groups=groups, config=cfg))
         assert same(z8, u8) and torch.equal(zs, us), t
     print("interpreter ok")
+    """,
     """
-)
+    # GEMM vs reference: M off the tile, a ragged N, several groups, split-K (tile overrides)
+    for m, n, k, g, tiles in [(37, 96, 160, 1, {}), (5, 100, 64, 1, {}), (20, 128, 64, 2, {}),
+                              (130, 256, 256, 4, {}), (5, 96, 192, 1, dict(SPLIT_K=3, BLOCK_K=32, BLOCK_N=32)),
+                              (37, 64, 256, 2, dict(SPLIT_K=2, BLOCK_K=64, BLOCK_N=32)),
+                              (3, 100, 512, 1, dict(SPLIT_K=4, BLOCK_M=16, BLOCK_N=64))]:
+        x8, xs = quantize_mxfp8_triton(activations(m, k * g, seed=m))
+        w8, ws = weight(n, k, seed=n)
+        cfg = dict(default_config(m, n, k, g), **tiles)
+        ref = mxfp8_gemm_reference(x8, xs, w8, ws, groups=g, out_dtype=torch.float32)
+        y = mxfp8_gemm(x8, xs, w8, ws, groups=g, out_dtype=torch.float32, config=cfg)
+        assert rel_err(y, ref) < 1e-5, (m, n, k, g, rel_err(y, ref))
+        yb = mxfp8_gemm(x8, xs, w8, ws, groups=g, config=cfg)
+        assert torch.equal(yb, y.bfloat16())  # bf16 output is the RNE rounding of the fp32 one
+    empty = mxfp8_gemm(x8[:0], xs[:0], w8, ws)
+    z0, s0 = mxfp8_gemm(x8[:0], xs[:0], w8[:96], ws[:3], quantize_out=True)
+    assert empty.shape == (0, 100) and z0.shape == (0, 96) and s0.shape == (0, 3)
+    print("interpreter ok")
+    """,
+)]
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_triton_kernels_under_interpreter():
-    run_interpreted(_INTERPRET_SCRIPT)
+    run_interpreted(*_INTERPRET_SCRIPTS)
 
 
-def run_interpreted(script: str) -> None:
-    """Run ``script`` (which prints "interpreter ok" at its end) in a TRITON_INTERPRET=1 subprocess."""
+def run_interpreted(*scripts: str, timeout: int = 600) -> None:
+    """Run each script (which prints "interpreter ok" at its end) in its own TRITON_INTERPRET=1
+    subprocess, all at once: the interpreter runs on one core, so a test whose cases split
+    into two independent scripts takes both."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    res = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, check=False,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-3000:]
+
+    def run(script: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO, check=False,
+                              capture_output=True, text=True, timeout=timeout)
+
+    with ThreadPoolExecutor(len(scripts)) as pool:
+        for res in pool.map(run, scripts):
+            assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-3000:]
+
+
+def in_two_parts(script: str) -> tuple[str, str]:
+    """``script`` with ``PART`` (in ``cases[PART::2]``, say) 0 and 1: two halves of its cases
+    for :func:`run_interpreted` to run at once."""
+    return script.replace("PART", "0"), script.replace("PART", "1")
 
 
 # ----------------------------------------------------------------------------- sm_90 compilation (CPU)
@@ -245,12 +270,32 @@ def _compile_sm90(fn, types: dict, consts: dict, divisible: tuple[str, ...] = ()
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()}, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
-    cubin = Path(os.environ.get("TMPDIR", "/tmp")) / f"mxfp8_{os.getpid()}.cubin"
-    cubin.write_bytes(k.asm["cubin"])
-    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
-                           check=True).stdout
-    cubin.unlink()
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:  # one per call: compiles may run in threads
+        cubin.write(k.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([str(cuobjdump), "-res-usage", cubin.name], capture_output=True, text=True,
+                               check=True).stdout
     return k.asm["ptx"], re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", usage).group(0)
+
+
+def two_at_a_time(calls: list) -> list:
+    """``[call() for call in calls]`` on two threads: a compile for sm_90 spends its time in MLIR,
+    LLVM and ptxas, which run without the GIL (Triton's own AsyncCompileMode compiles on a
+    thread pool likewise), so a test's compiles take both cores."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda call: call(), calls))
+
+
+@contextlib.contextmanager
+def started_two_at_a_time(calls: dict):
+    """{key: future of call()} for {key: call}, run as in :func:`two_at_a_time`: the compiles of
+    one-compile tests (a module fixture's), each test waiting for its own; calls no test
+    waited for are dropped at exit."""
+    pool = ThreadPoolExecutor(2)
+    try:
+        yield {key: pool.submit(call) for key, call in calls.items()}
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 _PTXAS = Path(importlib.util.find_spec("triton").origin).parent / "backends/nvidia/bin/ptxas" if HAS_TRITON else None
@@ -274,22 +319,31 @@ def test_default_configs_compile_for_sm90_with_wgmma_and_no_spills():
             split = cfg.pop("SPLIT_K") > 1
             out = "*u8" if quant else ("*fp32" if split else "*bf16")
             cases[(tuple(sorted(cfg.items())), quant, split)] = (cfg, out)
+    gemms, calls = [], []
     for (_, quant, split), (cfg, out) in cases.items():
         opts = {"num_warps": cfg.pop("num_warps"), "num_stages": cfg.pop("num_stages")}
         consts = dict(cfg, QUANT_OUT=quant, OUT_BF16=out == "*bf16", SPLIT=split)
-        ptx, usage = _compile_sm90(_mxfp8_gemm_kernel, dict(types, C=out), consts, **opts)
-        assert "wgmma" in ptx and usage.endswith("LOCAL:0") and " STACK:0 " in usage, (consts, usage)
-    _, usage = _compile_sm90(_split_sum_kernel, {"W": "*fp32", "C": "*bf16", "MN": "i32", "SPLITS": "i32"},
-                             {"BLOCK": 1024, "OUT_BF16": True}, num_warps=4)
-    assert " STACK:0 " in usage
-    _, usage = _compile_sm90(_split_sum_quant_kernel, {"W": "*fp32", "Q": "*u8", "S": "*u8", "M": "i32", "N": "i32",
-                                                       "SPLITS": "i32"}, {"BLOCK_M": 8, "BLOCKS": 8}, num_warps=4)
-    assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), usage
+        gemms.append(consts)
+        calls.append(functools.partial(_compile_sm90, _mxfp8_gemm_kernel, dict(types, C=out), consts, **opts))
+    calls.append(functools.partial(_compile_sm90, _split_sum_kernel, {"W": "*fp32", "C": "*bf16", "MN": "i32",
+                                                                      "SPLITS": "i32"},
+                                   {"BLOCK": 1024, "OUT_BF16": True}, num_warps=4))
+    calls.append(functools.partial(_compile_sm90, _split_sum_quant_kernel, {"W": "*fp32", "Q": "*u8", "S": "*u8",
+                                                                            "M": "i32", "N": "i32", "SPLITS": "i32"},
+                                   {"BLOCK_M": 8, "BLOCKS": 8}, num_warps=4))
     qtypes = dict(X="*bf16", Y="*u8", S="*u8", COS="*bf16", SIN="*bf16", **dict.fromkeys(
         ("M", "K", "stride_xm", "stride_ym", "stride_sm", "stride_cm"), "i32"))
     for rope in (0, 64):
         consts = {"BLOCK_M": 8, "BLOCKS": 16, "HEAD_DIM": 512, "ROPE": rope, "ROUND_BF16": True}
-        _, usage = _compile_sm90(_mxfp8_quant_kernel, qtypes, consts, num_warps=4, enable_fp_fusion=False)
+        calls.append(functools.partial(_compile_sm90, _mxfp8_quant_kernel, qtypes, consts, num_warps=4,
+                                       enable_fp_fusion=False))
+    compiled = two_at_a_time(calls)
+    for consts, (ptx, usage) in zip(gemms, compiled):
+        assert "wgmma" in ptx and usage.endswith("LOCAL:0") and " STACK:0 " in usage, (consts, usage)
+    (_, sum_usage), (_, sum_quant_usage), *quant_usages = compiled[len(gemms):]
+    assert " STACK:0 " in sum_usage
+    assert " STACK:0 " in sum_quant_usage and sum_quant_usage.endswith("LOCAL:0"), sum_quant_usage
+    for _, usage in quant_usages:
         assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), usage
 
 

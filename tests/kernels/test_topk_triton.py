@@ -12,6 +12,7 @@ full width."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import textwrap
@@ -80,9 +81,11 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
     from kernels.topk_triton import candidate_blocks_triton, topk_rows_triton
     from kernels.v4_indexer import candidate_blocks, topk_picks
     from tests.kernels.test_topk_triton import block_rows, crafted_rows, selection_path
-    scores, visible = crafted_rows(200, seed=0)
+    wide, narrow = crafted_rows(200, seed=0), crafted_rows(24, seed=0)
     paths = set()
-    for k, small, cap in ((1, 16, 32), (3, 16, 32), (13, 16, 64), (40, 64, 128), (300, 512, 512)):
+    # narrow: k past the row width (picks [rows, n], −1 past each row's finite scores)
+    for (scores, visible), k, small, cap in ((wide, 1, 16, 32), (wide, 3, 16, 32), (wide, 13, 16, 64),
+                                             (wide, 40, 64, 128), (narrow, 30, 32, 32)):
         got = topk_rows_triton(scores, visible, k, small=small, cap=cap)
         want = topk_picks(scores, k)
         for r in range(scores.shape[0]):
@@ -125,7 +128,7 @@ def test_selection_kernels_compile_for_sm90_without_spills():
     and 16384 blocks): no local memory, no spill stack."""
     from kernels.topk_triton import (HIST_STRIDE, NUM_BINS, _block_mask_kernel, _collect_kernel, _finish_kernel,
                                      _histogram_kernel, selection_sizes)
-    from tests.kernels.test_mxfp8_gemm import _compile_sm90
+    from tests.kernels.test_mxfp8_gemm import _compile_sm90, two_at_a_time
 
     kp, small, cap = selection_sizes(512)
     common = dict(S="*fp32", s_stride="i32", VIS="*i64", HIST="*i32", k="i32")
@@ -137,10 +140,9 @@ def test_selection_kernels_compile_for_sm90_without_spills():
                               width="i32"), dict(KP=kp, SMALL=small, CAP=cap, BLOCK=1024, MAP_BLOCK=8, **tables), 8),
     ] + [(_block_mask_kernel, dict(BM="*fp32", bm_stride="i32", VIS="*i64", MASK="*i8", m_stride="i32",
                                    num_blocks="i32", k="i32"), dict(BS=8, ROW=row), 8) for row in (8192, 16384)]
-    for fn, types, consts, warps in cases:
-        names = fn.arg_names
-        types = {n: t for n, t in types.items() if n in names}
-        _, usage = _compile_sm90(fn, types, consts, num_warps=warps)
+    calls = [functools.partial(_compile_sm90, fn, {n: t for n, t in types.items() if n in fn.arg_names}, consts,
+                               num_warps=warps) for fn, types, consts, warps in cases]
+    for (fn, *_), (_, usage) in zip(cases, two_at_a_time(calls)):
         assert re.search(r"STACK:0 .*LOCAL:0", usage), (fn.fn.__name__, usage)
 
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -446,33 +447,33 @@ print("interpreter ok")
 """
 
 
-_INTERPRET_SCRIPT = """
+# The row writes and the compressors: two scripts, run at once (one core each).
+_INTERPRET_SCRIPTS = ["""
 import torch
-from tests.kernels.test_v4_kv_write import FORMATS, check_compress, check_write_rows
+from tests.kernels.test_v4_kv_write import FORMATS, check_write_rows
 for i, fmt in enumerate(FORMATS):
     dim = 32 if fmt.endswith("key") else 64
     for exact in (True, False):
         check_write_rows(fmt, dim, 16, (torch.bfloat16, torch.float32)[i % 2], i % 3 == 0, i % 2 == 0, exact, 6,
                          seed=i)
+print("interpreter ok")
+""", """
+from tests.kernels.test_v4_kv_write import check_compress
 for kind, fmts, ratio in [("v4_csa", ["plain", "v4_row"], None), ("v4_hca", ["v4_row"], 20),
                           ("v4_csa_fp32", ["v4_key"], None), ("v41", ["fake_v41_entry", "v41_entry"], None)]:
     for fmt in fmts:
         for exact in (True, False):
             check_compress(kind, fmt, 32 if fmt == "v4_key" else 64, 16, exact, 6, ratio=ratio)
 print("interpreter ok")
-"""
+"""]
 
 
 @pytest.mark.slow
 def test_triton_kernels_under_interpreter():
     pytest.importorskip("triton")
-    import subprocess
-    import sys
+    from tests.kernels.test_mxfp8_gemm import run_interpreted
 
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-4000:]
+    run_interpreted(*_INTERPRET_SCRIPTS)
 
 
 @pytest.mark.slow
@@ -596,7 +597,7 @@ def test_kernels_compile_for_sm90_without_spills():
     import triton
 
     from kernels.v4_kv_write_triton import _compress_kernel, _layout, _write_rows_kernel
-    from tests.kernels.test_mxfp8_gemm import _PTXAS, _compile_sm90
+    from tests.kernels.test_mxfp8_gemm import _PTXAS, _compile_sm90, two_at_a_time
 
     if not _PTXAS.exists():
         pytest.skip("needs triton's bundled ptxas")
@@ -613,12 +614,14 @@ def test_kernels_compile_for_sm90_without_spills():
     ints = ("stride_x", "stride_cs", "stride_t", "rows", "ratio", "stride_new", "R")
     common = dict(W="*bf16", eps="fp32", COS="*bf16", SIN="*bf16", POS="*i64", TABLE="*i64", LAT="*bf16",
                   **dict.fromkeys(ints, "i32"))
+    cases, calls = [], []
     for fmt in FORMATS:
         for ring in (True, False):
             types = dict(common, X="*bf16", BASE="*i64", DST=dst(fmt))
             c = dict(consts(fmt, _dim(fmt)), RING=ring, AFTER_CAST=True, BF16=True, LATENT=not ring)
-            _, usage = _compile_sm90(_write_rows_kernel, types, c, num_warps=4, enable_fp_fusion=False)
-            assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (fmt, usage)
+            cases.append((fmt, ring))
+            calls.append(functools.partial(_compile_sm90, _write_rows_kernel, types, c, num_warps=4,
+                                           enable_fp_fusion=False))
     for m, overlap, raw, fmt in [(4, True, "*bf16", "v4_row"), (128, False, "*bf16", "v4_row"),
                                  (4, True, "*bf16", "v4_key"), (2, False, "*fp32", "v41_entry")]:
         dim = _dim(fmt)
@@ -628,5 +631,8 @@ def test_kernels_compile_for_sm90_without_spills():
         c = dict(consts(fmt, dim), M=m, WR=2 * dim if overlap else dim, BLOCK_W=1024 if overlap else dim,
                  SC=min(slots, 8), OVERLAP=overlap, HAS_BIAS=raw == "*bf16", RAW_BF16=raw == "*bf16",
                  AFTER_CAST=raw == "*fp32", BF16=True, LATENT=raw == "*fp32", PRECISE_EXP=True)
-        _, usage = _compile_sm90(_compress_kernel, types, c, num_warps=8 if slots >= 8 else 4, enable_fp_fusion=False)
-        assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (m, fmt, usage)
+        cases.append((m, fmt))
+        calls.append(functools.partial(_compile_sm90, _compress_kernel, types, c, num_warps=8 if slots >= 8 else 4,
+                                       enable_fp_fusion=False))
+    for case, (_, usage) in zip(cases, two_at_a_time(calls)):
+        assert " STACK:0 " in usage and usage.endswith("LOCAL:0"), (case, usage)

@@ -9,13 +9,10 @@ are mixed in.
 
 from __future__ import annotations
 
+import functools
 import math
-import os
 import re
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +24,6 @@ from kernels.v4_sparse_decode import (RECORD_BYTES, SparseKV, check_inputs, pack
                                       unpack_records, v4_cache_parts, v4_cache_view, v4_sparse_decode_reference)
 from tests.kernels.test_mla_decode_gpu import INTERPRETER_PATCH
 
-REPO = Path(__file__).resolve().parents[2]
 SCALE = 512**-0.5
 
 
@@ -276,7 +272,7 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
         (2, 1, 16, [(40, "v41_window", 7, False), (60, "v41_entry", 4, True)], C(tokens_major=True), 0),
         (2, 2, 24, [(40, "v4", 4, False), (60, "v4", 5, True)], C(heads_first=False, dv_split=2, block_n=64), 0),
     ]
-    for i, (bsz, s_q, h, specs, cfg, spread) in enumerate(cases):
+    for i, (bsz, s_q, h, specs, cfg, spread) in list(enumerate(cases))[PART::2]:  # half in each of two processes
         q, scopes, sinks = make_case(bsz, s_q, h, specs, seed=10 + i, block_spread=spread)
         if i == 2:
             scopes[0].indices[1] = -1; scopes[1].indices[1] = -1  # a request with no key
@@ -298,10 +294,9 @@ _INTERPRET_SCRIPT = INTERPRETER_PATCH + textwrap.dedent(
 @pytest.mark.slow
 def test_triton_kernel_under_interpreter():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    res = subprocess.run([sys.executable, "-c", _INTERPRET_SCRIPT], env=env, cwd=REPO, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0 and "interpreter ok" in res.stdout, res.stderr[-4000:]
+    from tests.kernels.test_mxfp8_gemm import in_two_parts, run_interpreted
+
+    run_interpreted(*in_two_parts(_INTERPRET_SCRIPT))
 
 
 _SM90_STACK_LIMIT = {16: 8, 64: 488, 128: 64}  # spill stack of the default (measured-fastest) shapes, or less
@@ -333,20 +328,28 @@ def _compile_split_kernel(heads: int, row_pages: bool):
                          num_stages=cfg.num_stages)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("heads", sorted(_SM90_STACK_LIMIT))
-def test_default_configs_compile_for_sm90_pipelined(heads):
-    """The defaults the H200 runs, compiled here: cp.async-pipelined gathers (where staged), the MMA kind
-    (mma.sync for 16-row programs, wgmma from 64 rows) and at most the known spill stack."""
+@pytest.fixture(scope="module")
+def split_kernels_for_sm90():
+    """{(heads, row_pages): future of :func:`_compile_split_kernel`} for the tests below."""
     pytest.importorskip("triton")
-    from tests.kernels.test_mxfp8_gemm import _PTXAS
+    from tests.kernels.test_mxfp8_gemm import _PTXAS, started_two_at_a_time
 
     if not _PTXAS.exists():
         pytest.skip("needs triton's bundled ptxas")
+    keys = [(heads, False) for heads in sorted(_SM90_STACK_LIMIT)] + [(64, True)]
+    with started_two_at_a_time({key: functools.partial(_compile_split_kernel, *key) for key in keys}) as futures:
+        yield futures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads", sorted(_SM90_STACK_LIMIT))
+def test_default_configs_compile_for_sm90_pipelined(split_kernels_for_sm90, heads):
+    """The defaults the H200 runs, compiled here: cp.async-pipelined gathers (where staged), the MMA kind
+    (mma.sync for 16-row programs, wgmma from 64 rows) and at most the known spill stack."""
     from kernels.v4_sparse_decode_triton import resolve_config
 
     cfg = resolve_config(heads, None)
-    ptx, usage = _compile_split_kernel(heads, row_pages=False)
+    ptx, usage = split_kernels_for_sm90[heads, False].result()
     if cfg.num_stages > 1:
         assert "cp.async" in ptx, "the record gathers are not pipelined"
     if cfg.block_h >= 64:
@@ -358,17 +361,12 @@ def test_default_configs_compile_for_sm90_pipelined(heads):
 
 
 @pytest.mark.slow
-def test_row_record_pages_compile_like_paged_ones_for_sm90():
+def test_row_record_pages_compile_like_paged_ones_for_sm90(split_kernels_for_sm90):
     """64 heads (wgmma, two stages) on 584-byte one-record pages, the program of the sparse
     prefill's picks on V4 layers: the record bytes are gathered by 8-byte cp.async stages, as
     from 16-byte-strided pages (with the stride as bytes the compiler saw no alignment: byte
     loads outside the pipeline, 960 B of spills, and NaN on the H200)."""
-    pytest.importorskip("triton")
-    from tests.kernels.test_mxfp8_gemm import _PTXAS
-
-    if not _PTXAS.exists():
-        pytest.skip("needs triton's bundled ptxas")
-    ptx, usage = _compile_split_kernel(64, row_pages=True)
+    ptx, usage = split_kernels_for_sm90[64, True].result()
     assert "wgmma.mma_async" in ptx, usage
     assert ptx.count("cp.async.ca.shared.global") > ptx.count("ld.global.b8"), "record bytes not pipelined"
     assert re.search(r"cp\.async\.ca\.shared\.global \[[^\]]*\], \[[^\]]*\], 0x8", ptx), "no 8-byte gathers"

@@ -11,6 +11,7 @@ the models: tests/model/test_v4_sparse_attention.py.)
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import subprocess
@@ -215,18 +216,11 @@ _COMPILE_CASES = [  # (heads, window record, HCA entries, picks partial, spill s
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("heads,record,has_ent,has_part,limit", _COMPILE_CASES)
-def test_window_kernel_compiles_for_sm90(heads, record, has_ent, has_part, limit):
-    """The window kernel the H200 runs, compiled here (the interpreter does not check what only
-    the compiler does): wgmma, cp.async-pipelined gathers, no local memory beyond a known spill."""
-    pytest.importorskip("triton")
-    from tests.kernels.test_mxfp8_gemm import _PTXAS, _compile_sm90
-
-    if not _PTXAS.exists():
-        pytest.skip("needs triton's bundled ptxas")
+def _compile_window_kernel(heads: int, record: str, has_ent: bool, has_part: bool):
+    """(ptx, resource usage) of the default window program for ``heads``, compiled for sm_90 here."""
     from kernels.v4_sparse_decode_triton import DATA_BYTES, FORMATS, RECORD_BYTES
     from kernels.v4_sparse_prefill_triton import _window_kernel, resolve_prefill_config
+    from tests.kernels.test_mxfp8_gemm import _compile_sm90
 
     cfg = resolve_prefill_config(heads, None)
     types = dict(Q="*fp16", CH16="*bf16", WC="*u8", WC16="*bf16", WR="*i32", EC="*u8", EC16="*bf16", ER="*i32",
@@ -240,11 +234,34 @@ def test_window_kernel_compiles_for_sm90(heads, record, has_ent, has_part, limit
                   HAS_ENT=has_ent, HAS_PART=has_part, HAS_SINK=True, DV_SPLIT=cfg.dv_split, BT=cfg.block_t,
                   BH=cfg.block_h, BN=cfg.block_n)
     divisible = ["q_st", "q_sh", "ch_st", "o_st", "o_sh"]  # the row strides in words: 33, 18, 73 (no hint)
-    ptx, usage = _compile_sm90(_window_kernel, types, consts, divisible=tuple(divisible), num_warps=cfg.num_warps,
-                               num_stages=cfg.num_stages)
+    return _compile_sm90(_window_kernel, types, consts, divisible=tuple(divisible), num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages)
+
+
+@pytest.fixture(scope="module")
+def window_kernels_for_sm90():
+    """{compile case: future of :func:`_compile_window_kernel`} for the test below."""
+    pytest.importorskip("triton")
+    from tests.kernels.test_mxfp8_gemm import _PTXAS, started_two_at_a_time
+
+    if not _PTXAS.exists():
+        pytest.skip("needs triton's bundled ptxas")
+    cases = [case[:4] for case in _COMPILE_CASES]
+    with started_two_at_a_time({case: functools.partial(_compile_window_kernel, *case) for case in cases}) as futures:
+        yield futures
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heads,record,has_ent,has_part,limit", _COMPILE_CASES)
+def test_window_kernel_compiles_for_sm90(window_kernels_for_sm90, heads, record, has_ent, has_part, limit):
+    """The window kernel the H200 runs, compiled here (the interpreter does not check what only
+    the compiler does): wgmma, cp.async-pipelined gathers, no local memory beyond a known spill."""
+    from kernels.v4_sparse_prefill_triton import resolve_prefill_config
+
+    ptx, usage = window_kernels_for_sm90[heads, record, has_ent, has_part].result()
     assert "wgmma.mma_async" in ptx and "cp.async" in ptx, usage
     stack = int(usage.split("STACK:")[1].split()[0])
-    assert usage.endswith("LOCAL:0") and stack <= limit, (cfg, usage)
+    assert usage.endswith("LOCAL:0") and stack <= limit, (resolve_prefill_config(heads, None), usage)
 
 
 # ---- GPU: the kernels against the float64 reference on fresh random inputs -------------------------

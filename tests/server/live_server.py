@@ -29,8 +29,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 
@@ -236,3 +238,71 @@ def live_server_process(*serve_args: str, timeout_s: float = 120.0, env: dict[st
         if own_log and not keep_log:
             with contextlib.suppress(OSError):
                 os.unlink(log_path)
+
+
+class LiveServers:
+    """:func:`live_server_process` servers started ahead of the tests that use them, ``ahead``
+    at a time in the order given: a server starts one process after another, on one core, so
+    the next one starts on the other core while a test uses this one.
+
+        servers = LiveServers({"a": (("--device", "cpu"), {}), "b": (("--device", "cpu"), {"env": ...})})
+        with servers.use("a") as (url, proc):  # waits until a is ready; a stops at the block's end
+            ...
+        servers.close()  # at the fixture's end: stops the servers no test used
+    """
+
+    def __init__(self, servers: dict[Hashable, tuple[tuple[str, ...], dict]], ahead: int = 2) -> None:
+        self.options = {key: kwargs for key, (_, kwargs) in servers.items()}
+        self._closed = False
+        self._ready: dict[Hashable, Future] = {key: Future() for key in servers}
+        self._stop = {key: threading.Event() for key in servers}
+        self._failed: dict[Hashable, BaseException | None] = dict.fromkeys(servers)
+        self._pool = ThreadPoolExecutor(ahead)
+        self._runs = {key: self._pool.submit(self._serve, key, args, kwargs) for key, (args, kwargs) in servers.items()}
+
+    def _serve(self, key: Hashable, args: tuple[str, ...], kwargs: dict) -> None:
+        ready = self._ready[key]
+        if self._closed:
+            ready.cancel()
+            return
+        try:
+            with live_server_process(*args, **kwargs) as server:
+                ready.set_result(server)
+                self._stop[key].wait()
+                if self._failed[key] is not None:  # raised inside the block: the log tail is printed, the log kept
+                    raise LiveServerError(f"the test using this server failed: {self._failed[key]!r}"[:500])
+        except BaseException as e:
+            if not ready.done():
+                ready.set_exception(e)
+            raise
+
+    @contextlib.contextmanager
+    def use(self, key: Hashable) -> Iterator[tuple[str, subprocess.Popen]]:
+        """(base URL, server process) of ``key``'s server once it is ready; the server stops
+        when the block ends (an error in the block or the server's own, as with
+        :func:`live_server_process`, raises here)."""
+        server = self._ready[key].result()
+        try:
+            yield server
+        except BaseException as e:
+            self._failed[key] = e
+            raise
+        finally:
+            self._stop[key].set()
+            stopped = self._runs[key].exception()  # waits until the server has stopped
+            if self._failed[key] is None and stopped is not None:
+                raise stopped
+
+    def close(self) -> None:
+        """Stop the servers no test used (those not started never start)."""
+        self._closed = True
+        for stop in self._stop.values():
+            stop.set()
+        self._pool.shutdown(wait=True)
+
+
+def selected_tests(request) -> list:
+    """The selected test items of the requesting fixture's module that use that fixture, in
+    the order they run (what a module fixture of :class:`LiveServers` should start)."""
+    return [item for item in request.session.items
+            if item.module is request.module and request.fixturename in item.fixturenames]

@@ -11,17 +11,40 @@ import httpx
 import pytest
 
 from model.checkpoint import write_random_checkpoint
-from tests.server.live_server import live_server
+from tests.server.live_server import LiveServers, selected_tests
 
 pytestmark = pytest.mark.slow
 
 
+CHAT_TEMPLATE = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    ckpt = write_random_checkpoint("tiny-v3", str(tmp_path_factory.mktemp("api-real") / "tiny"), seed=8)
-    with live_server(ckpt, "--device", "cpu", "--served-model-name", "tiny", "--max-model-len", "256",
-                     "--num-gpu-blocks-override", "512", "--block-size", "16", "--max-num-seqs", "256",
-                     "--disable-log-stats") as url:
+def servers(request, tmp_path_factory):
+    """The module's servers, started at once (LiveServers): the one most tests share, and those
+    of the selected tests with a server of their own (--chat-template; --async-scheduling on
+    the shared one's checkpoint)."""
+    tests = {item.originalname for item in selected_tests(request)}
+    d = tmp_path_factory.mktemp("api-real")
+    ckpt = write_random_checkpoint("tiny-v3", str(d / "tiny"), seed=8)
+    tiny = (ckpt, "--device", "cpu", "--served-model-name", "tiny", "--max-model-len", "256",
+            "--num-gpu-blocks-override", "512", "--block-size", "16")
+    wanted = {"shared": ((*tiny, "--max-num-seqs", "256", "--disable-log-stats"), {})}
+    if "test_chat_template_flag" in tests:
+        (d / "t.jinja").write_text(CHAT_TEMPLATE)
+        wanted["chat_template"] = ((write_random_checkpoint("tiny-v2", str(d / "m"), seed=1), "--device", "cpu",
+                                    "--served-model-name", "t", "--chat-template", str(d / "t.jinja"),
+                                    "--num-gpu-blocks-override", "64", "--block-size", "16"), {})
+    if "test_async_scheduling_server_matches_the_synchronous_one" in tests:
+        wanted["async"] = ((*tiny, "--async-scheduling", "--disable-log-stats"), {})
+    pool = LiveServers(wanted, ahead=3)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    with servers.use("shared") as (url, _):
         yield url
 
 
@@ -143,13 +166,9 @@ def test_logit_bias(server):
     assert bad.status_code == 400 and "logit_bias" in bad.json()["error"]["message"]
 
 
-def test_chat_template_flag(tmp_path):
+def test_chat_template_flag(servers):
     """--chat-template replaces the checkpoint's template (file path or inline text)."""
-    ckpt = write_random_checkpoint("tiny-v2", str(tmp_path / "m"), seed=1)
-    template = tmp_path / "t.jinja"
-    template.write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
-    with live_server(ckpt, "--device", "cpu", "--served-model-name", "t", "--chat-template", str(template),
-                     "--num-gpu-blocks-override", "64", "--block-size", "16") as url:
+    with servers.use("chat_template") as (url, _):
         r = httpx.post(url + "/v1/chat/completions", json={
             "model": "t", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).json()
         # chat prompts are tokenized without adding BOS (the template owns special tokens), as vLLM
@@ -168,10 +187,9 @@ def test_prefix_cache_metrics(server):
     assert _metric(server, "vllm:prefix_cache_queries_total") > 0
 
 
-def test_async_scheduling_server_matches_the_synchronous_one(server, tmp_path):
+def test_async_scheduling_server_matches_the_synchronous_one(servers, server):
     """`--async-scheduling` (steps launched before the previous tokens are read back) serves
     the same seeded completions, streamed or not, with logprobs, and frees every block."""
-    ckpt = write_random_checkpoint("tiny-v3", str(tmp_path / "tiny"), seed=8)
     bodies = [
         {"model": "tiny", "prompt": "alpha beta", "max_tokens": 12, "seed": 3, "temperature": 0.9, "n": 2},
         {"model": "tiny", "prompt": "gamma", "max_tokens": 7, "temperature": 0, "logprobs": 2},
@@ -192,9 +210,7 @@ def test_async_scheduling_server_matches_the_synchronous_one(server, tmp_path):
         return out
 
     want = texts(server)
-    with live_server(ckpt, "--device", "cpu", "--served-model-name", "tiny", "--max-model-len", "256",
-                     "--num-gpu-blocks-override", "512", "--block-size", "16", "--async-scheduling",
-                     "--disable-log-stats") as url:
+    with servers.use("async") as (url, _):
         assert texts(url) == want
         total = _metric(url, "mlaserve:kv_cache_total_blocks")
         assert _metric(url, "mlaserve:kv_cache_free_blocks") == total

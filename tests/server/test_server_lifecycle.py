@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.live_server import descendants, live_server_process
+from tests.server.live_server import LiveServers, descendants, selected_tests
 
 pytestmark = pytest.mark.slow
 
@@ -85,15 +85,35 @@ def wait_busy(url: str, timeout_s: float = 30.0) -> None:
 STALLED_ENV = {"MLASERVE_TEST_ENGINE_STALL_S": "120"}
 CASES = [(signal.SIGTERM, "busy"), (signal.SIGINT, "busy"), (signal.SIGTERM, "stalled"),
          (signal.SIGKILL, "busy"), (signal.SIGKILL, "stalled")]
+# a 4 s stall of the first iteration with work, reported after 1 s
+STALL_503_ENV = {"MLASERVE_TEST_ENGINE_STALL_S": "4", "MLASERVE_ENGINE_ITERATION_TIMEOUT_S": "1"}
+
+
+def _server_options(item, logs) -> dict:
+    """The ``live_server_process`` options of a test's server (every one serves ``SERVE``)."""
+    if item.originalname == "test_no_process_outlives_the_server":
+        stalled = item.callspec.params["engine_state"] == "stalled"
+        return dict(env=STALLED_ENV if stalled else None, may_exit=True, log_path=str(logs / f"{item.name}.log"))
+    if item.originalname == "test_killed_engine_makes_the_server_exit_nonzero":
+        return dict(may_exit=True)
+    return dict(env=STALL_503_ENV)
+
+
+@pytest.fixture(scope="module")
+def servers(request, tmp_path_factory):
+    """The selected tests' servers by test name, each started while the test before it runs."""
+    logs = tmp_path_factory.mktemp("server-logs")
+    pool = LiveServers({item.name: (SERVE, _server_options(item, logs)) for item in selected_tests(request)})
+    yield pool
+    pool.close()
 
 
 @pytest.mark.parametrize("sig,engine_state", CASES, ids=[f"{s.name}-{e}" for s, e in CASES])
-def test_no_process_outlives_the_server(sig, engine_state, tmp_path):
+def test_no_process_outlives_the_server(servers, request, sig, engine_state):
     """SIGTERM / SIGINT to the server, or SIGKILL to its front end alone (its engine is never
     told): within 10 s no process of it runs."""
-    env = STALLED_ENV if engine_state == "stalled" else None
-    log_path = str(tmp_path / "server.log")
-    with live_server_process(*SERVE, env=env, may_exit=True, log_path=log_path) as (url, proc):
+    log_path = servers.options[request.node.name]["log_path"]
+    with servers.use(request.node.name) as (url, proc):
         stop = threading.Event()
         threads = keep_busy(url, stop)
         try:
@@ -119,8 +139,8 @@ def test_no_process_outlives_the_server(sig, engine_state, tmp_path):
                 t.join(10)
 
 
-def test_killed_engine_makes_the_server_exit_nonzero():
-    with live_server_process(*SERVE, may_exit=True) as (_, proc):
+def test_killed_engine_makes_the_server_exit_nonzero(servers, request):
+    with servers.use(request.node.name) as (_, proc):
         engine = next(p for p in descendants(proc.pid) if "resource_tracker" not in cmdline(p))
         os.kill(engine, signal.SIGKILL)
         try:
@@ -130,9 +150,8 @@ def test_killed_engine_makes_the_server_exit_nonzero():
         assert proc.returncode != 0
 
 
-def test_stalled_engine_loop_turns_health_503():
-    env = {"MLASERVE_TEST_ENGINE_STALL_S": "4", "MLASERVE_ENGINE_ITERATION_TIMEOUT_S": "1"}
-    with live_server_process(*SERVE, env=env) as (url, _):
+def test_stalled_engine_loop_turns_health_503(servers, request):
+    with servers.use(request.node.name) as (url, _):
         assert httpx.get(url + "/health").status_code == 200
         result: dict = {}
 

@@ -11,6 +11,7 @@ import json
 import os
 import random
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -28,7 +29,7 @@ from server.v4_kv_specs import (
     SlidingWindowSpec,
     v4_family_kv_cache_specs,
 )
-from tests.server.live_server import ROOT, live_server
+from tests.server.live_server import ROOT, LiveServers, selected_tests
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures")
 V4, V41, V41_REL = (os.path.join(FIXTURES, f) for f in ("dev-v4-s0", "dev-v41-s0", "dev-v41-s1-rel"))
@@ -58,14 +59,24 @@ def golden(fixture: str) -> dict:
         return json.load(f)
 
 
+@pytest.fixture(scope="module")
+def golden_servers(request, tokenizer_dir, tmp_path_factory):
+    """The selected golden tests' servers by test name, each started while the test before it runs."""
+    logs = tmp_path_factory.mktemp("server-logs")
+    pool = LiveServers({item.name: (
+        (item.callspec.params["fixture"], "--device", "cpu", "--tokenizer", tokenizer_dir, "--served-model-name", "m",
+         "--block-size", "16", "--max-num-batched-tokens", "16", "--max-num-seqs", "4", "--disable-log-stats"),
+        dict(log_path=str(logs / f"{item.name}.log"))) for item in selected_tests(request)})
+    yield pool
+    pool.close()
+
+
 @pytest.mark.parametrize("fixture", [V4, V41, V41_REL], ids=os.path.basename)
-def test_served_fixture_matches_golden(fixture, tokenizer_dir, tmp_path):
+def test_served_fixture_matches_golden(golden_servers, request, fixture, tokenizer_dir):
     g = golden(fixture)
     n = len(g["greedy_ids"])
-    log = tmp_path / "server.log"
-    with live_server(fixture, "--device", "cpu", "--tokenizer", tokenizer_dir, "--served-model-name", "m",
-                     "--block-size", "16", "--max-num-batched-tokens", "16", "--max-num-seqs", "4",
-                     "--disable-log-stats", log_path=str(log)) as url:
+    log = Path(golden_servers.options[request.node.name]["log_path"])
+    with golden_servers.use(request.node.name) as (url, _):
         text = log.read_text()
         assert re.search(r"bytes per token .* fixed bytes per request .* maximum concurrency at max_model_len "
                          r"1024: 4 requests", text), text
