@@ -100,24 +100,12 @@ SWEEP = {
 }
 
 def measure_ceilings() -> dict:
-    """HBM copy bandwidth (read + write bytes) and dense bf16 / fp8 matmul rates."""
-    from triton.testing import do_bench
+    """HBM copy bandwidth (read + write bytes) and dense bf16 / fp8 matmul rates, at the sizes the
+    kernel tables have always used (8192³ GEMMs, a 2 GiB copy)."""
+    from server.step_roofline import measure_ceilings as measure
 
-    def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
-        dst = torch.empty_like(src)
-        return 2 * nbytes / (do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median") * 1e-3)
-
-    bw = copy_bandwidth()
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median") * 1e-3
-    bf16 = 2 * 8192**3 / t
-    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device="cuda")
-    t = do_bench(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16),
-                 warmup=50, rep=300, return_mode="median") * 1e-3
-    return dict(hbm_tbs=bw / 1e12, bf16_tflops=bf16 / 1e12, fp8_tflops=2 * 8192**3 / t / 1e12)
+    c = measure(torch.device("cuda"), size=8192, copy_bytes=2 << 30)
+    return dict(hbm_tbs=c.hbm_bytes / 1e12, bf16_tflops=c.bf16_flops / 1e12, fp8_tflops=c.fp8_flops / 1e12)
 
 
 @dataclasses.dataclass
